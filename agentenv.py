@@ -1,0 +1,2173 @@
+"""agentenv.py: serve a bundle of agent tasks as training environments, in one file.
+
+A *bundle* is a folder in the AgentEnv layout: ``envs/<name>/`` (an MCP env server's Docker build
+context), ``artifacts/<name>/`` (verifier code), ``tasks/<name>.json`` (a task: a JSON array of
+steps) and ``evals/<name>.toml`` (``tasks = [...]``). A trainer plays a task as an *episode*: the
+task's envs are deployed fresh in a *sandbox*, the task's agent is played from outside (the model
+takes its *turns*, calling the env's tools), and the task's own *verifier* scores what it did.
+
+The file reads top to bottom in the order data flows:
+
+1. Errors and logging   what every failure looks like: what happened, why, and the fix.
+2. Bundle               loading and checking a bundle: envs, tasks, steps, splits, toolsets, reward.
+3. Sandbox              where an env runs: a Docker container, or a local process.
+4. Env client           an MCP client on aiohttp, readiness, and the env's card and extensions.
+5. Verifiers            the two verifier kinds and AgentEnv's score aggregators.
+6. Episode              one play of a task: its steps as a graph, its turns, its outcome.
+7. Pool                 the semaphore that bounds live episodes, and the runtime that owns them.
+8. CLI                  ``python agentenv.py check|serve ...``.
+
+Only the standard library, aiohttp and (for Docker) the docker SDK are used at run time. Blocking
+calls (the docker SDK, verifier code) run in threads so the event loop never stalls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import asyncio
+import collections
+import contextlib
+import copy
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import shlex
+import signal
+import socket
+import sys
+import time
+import tomllib
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import aiohttp
+
+__version__ = "0.1.0"
+
+log = logging.getLogger("agentenv")
+
+
+# ================================================================ 1. Errors and logging
+
+class AgentEnvError(Exception):
+    """A failure a user can act on. Its message says what happened, why, and what to do."""
+
+
+class BundleError(AgentEnvError):
+    """A bundle that can't be played, with every problem found in it at once."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = sorted(set(problems))
+        count = len(self.problems)
+        head = f"the bundle has {count} problem{'s' if count != 1 else ''}:"
+        super().__init__("\n  - ".join([head, *self.problems]))
+
+
+class EpisodeFailed(AgentEnvError):
+    """The environment failed the episode (a deploy, an env, a verifier), not the model.
+
+    A trainer masks such a rollout instead of scoring it 0.
+    """
+
+
+class ToolTimeout(EpisodeFailed):
+    """A tool call missed its deadline; the episode ends, since the call may still be under way."""
+
+
+def short(text: str, limit: int = 2000) -> str:
+    """Clip text for a message, keeping the end, which is where tracebacks say what went wrong."""
+    text = text.strip()
+    return text if len(text) <= limit else "…" + text[-limit:]
+
+
+# ================================================================ 2. Bundle
+
+# The step types agentenv.py runs, with the fields each takes beyond the common ones. A field in
+# IGNORED_FIELDS is accepted and has no effect here (the trainer's model plays the agent, and the
+# server picks the sandbox); any other field is refused, so a typo never passes silently.
+COMMON_FIELDS = {"id", "type", "version", "depends_on", "fail_task_on_error"}
+STEP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
+    # type: (required fields, optional fields)
+    "deploy_env": ({"env_id"}, {"cpu", "memory_mb"}),
+    "apply_server_config": ({"env_id", "directives"}, {"timeout_seconds", "tolerate_unadvertised"}),
+    "deploy_agent": (set(), {"agent_name", "env_ids", "role", "system_prompt"}),
+    "prompt_agent": ({"prompt"}, {"agent_name", "prompt_id", "system_prompt", "timeout_seconds"}),
+    "env_outcome_verifier": ({"env_id", "file_artifact_id"},
+                             {"verifier_id", "prompt_id", "score_aggregator"}),
+    "agent_prompt_response_verifier": ({"prompt_id", "criteria"},
+                                       {"verifier_id", "score_aggregator"}),
+}
+IGNORED_FIELDS = {
+    "deploy_env": {"env_version", "ttl_seconds", "disk_size_gb", "gateway_mode", "sandbox_type",
+                   "env_state_type", "metadata"},
+    "deploy_agent": {"a2a_agent_id", "ttl_seconds", "cpu", "memory_mb", "sandbox_type", "env_vars"},
+    "prompt_agent": {"poll_interval_seconds", "model", "model_params", "max_turns"},
+}
+SCORE_AGGREGATORS = ("all_pass", "any_pass", "weighted_average")
+CRITERION_TYPES = ("response_contains", "response_regex_present")
+DEFAULT_AGENT = "default-agent"
+PLACEHOLDER = re.compile(r"<([A-Za-z_][A-Za-z0-9_.-]*)>")
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One step of a task: its id, type, the steps it waits for, and its own fields."""
+
+    id: str
+    type: str
+    depends_on: tuple[str, ...]
+    fail_task_on_error: bool
+    fields: dict[str, Any]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSpec:
+    """An env of the bundle: its build context, its image's command, and how it names itself."""
+
+    name: str
+    folder: Path
+    dockerfile: Path
+    environment_name: str
+    command: tuple[str, ...]          # the image's ENTRYPOINT + CMD, as a local process runs it
+    image_env: dict[str, str]         # the image's ENV lines
+    digest: str                       # a hash of the build context: one image per content
+
+
+@dataclasses.dataclass(frozen=True)
+class Toolset:
+    """The envs whose tools a task's turns offer. Tasks that deploy the same envs share one."""
+
+    envs: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return "+".join(self.envs) if self.envs else "(no env)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A task of the bundle, checked: its steps, the agent played from outside, its toolset."""
+
+    id: str
+    name: str
+    file: str
+    steps: tuple[Step, ...]
+    agent: str                        # the played agent's name
+    toolset: Toolset
+    reward_step: str                  # the scoring step whose score is the reward
+    scoring_steps: tuple[str, ...]
+
+    @property
+    def turns(self) -> list[Step]:
+        return [s for s in self.steps if s.type == "prompt_agent"]
+
+    @property
+    def first_prompt(self) -> tuple[str, str | None]:
+        turn = self.turns[0]
+        return turn.get("prompt"), turn.get("system_prompt") or self.system_prompt
+
+    @property
+    def system_prompt(self) -> str | None:
+        for step in self.steps:
+            if step.type == "deploy_agent":
+                return step.get("system_prompt")
+        return None
+
+    def seeded(self, seed: dict[str, Any] | None) -> Task:
+        """This task with every ``<key>`` in its string fields replaced by ``seed[key]``."""
+        if not seed:
+            return self
+
+        def fill(value: Any) -> Any:
+            if isinstance(value, str):
+                return PLACEHOLDER.sub(lambda m: str(seed[m[1]]) if m[1] in seed else m[0], value)
+            if isinstance(value, list):
+                return [fill(v) for v in value]
+            if isinstance(value, dict):
+                return {k: fill(v) for k, v in value.items()}
+            return value
+
+        steps = tuple(dataclasses.replace(s, fields=fill(copy.deepcopy(s.fields))) for s in self.steps)
+        return dataclasses.replace(self, steps=steps)
+
+
+class Bundle:
+    """A loaded bundle: its envs, artifacts, tasks and splits. Loading checks everything at once.
+
+    ``Bundle.load(folder, reward=None)`` raises BundleError listing every problem, each naming the
+    file and the step and saying what to do, so that a bundle that loads is one that will play.
+    """
+
+    def __init__(self, root: Path, name: str, description: str, envs: dict[str, EnvSpec],
+                 verifiers: dict[str, Path], tasks: dict[str, Task], splits: dict[str, list[Task]]):
+        self.root, self.name, self.description = root, name, description
+        self.envs, self.verifiers, self.tasks, self.splits = envs, verifiers, tasks, splits
+
+    @property
+    def toolsets(self) -> dict[Toolset, list[Task]]:
+        found: dict[Toolset, list[Task]] = {}
+        for task in self.splits["all"]:
+            found.setdefault(task.toolset, []).append(task)
+        return found
+
+    def task(self, split: str, index: int) -> Task:
+        """The task at ``index`` of ``split``; a LookupError that lists what exists otherwise."""
+        if split not in self.splits:
+            raise LookupError(f"there is no split {split!r}; the splits are {', '.join(self.splits)}")
+        tasks = self.splits[split]
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(tasks):
+            raise LookupError(f"split {split!r} has {len(tasks)} tasks, so it has no task {index!r}; "
+                              f"give an index from 0 to {len(tasks) - 1}")
+        return tasks[index]
+
+    @classmethod
+    def load(cls, folder: str | Path, reward: str | None = None) -> Bundle:
+        root = Path(folder).expanduser()
+        if not root.is_dir():
+            raise BundleError([f"{folder}: there is no bundle folder here; pass the folder that holds "
+                               "envs/, tasks/ and evals/"])
+        root = root.resolve()
+        problems: list[str] = []
+        for stray in ("bundle.toml",):
+            if (root / stray).exists():
+                problems.append(f"{stray}: reserved: a bundle takes its name from the folder and its "
+                                "description from README.md; remove it")
+        for kind in ("agents", "skills"):
+            if (root / kind).is_dir():
+                problems.append(f"{kind}/: agentenv.py plays the agent from outside and runs no "
+                                f"{kind}; remove the folder, or run this bundle with agent-env itself")
+        envs = _load_envs(root, problems)
+        verifiers = _load_verifiers(root, problems)
+        id_root = task_id_root(root)
+        tasks: dict[str, Task] = {}
+        task_dir = root / "tasks"
+        if not task_dir.is_dir():
+            problems.append("tasks/: the bundle has no tasks folder; add tasks/<name>.json")
+        else:
+            for path in sorted(task_dir.iterdir()):
+                if path.name.startswith(".") or path.name == "__pycache__":
+                    continue
+                if path.is_dir():
+                    problems.append(f"tasks/{path.name}/: task folders are not supported; "
+                                    f"write tasks/{path.name}.json")
+                elif path.suffix != ".json":
+                    problems.append(f"tasks/{path.name}: a task is a .json file; rename or remove it")
+                else:
+                    task = _load_task(path, f"{id_root}/{path.stem}", envs, verifiers, reward, problems)
+                    if task:
+                        tasks[task.name] = task
+            if not any(p.suffix == ".json" for p in task_dir.iterdir()):
+                problems.append("tasks/: there are no tasks; add tasks/<name>.json")
+        splits = {"all": [tasks[n] for n in sorted(tasks)]}
+        splits.update(_load_evals(root, tasks, id_root, problems))
+        if problems:
+            raise BundleError(problems)
+        readme = root / "README.md"
+        description = ""
+        if readme.is_file():
+            lines = [ln.strip().lstrip("#").strip() for ln in readme.read_text().splitlines()]
+            description = next((ln for ln in lines if ln), "")
+        return cls(root, root.name, description, envs, verifiers, tasks, splits)
+
+
+def task_id_root(root: Path) -> str:
+    """AgentEnv's id root for a folder bundle: ``@local/<absolute path>``, ``~`` for the home folder."""
+    with contextlib.suppress(ValueError, RuntimeError):
+        return "@local/~/" + root.relative_to(Path.home().resolve()).as_posix()
+    return "@local/" + "/".join(root.parts[1:])
+
+
+def _toml(path: Path, problems: list[str]) -> dict[str, Any] | None:
+    try:
+        return tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        problems.append(f"{path.parent.name}/{path.name}: is not valid TOML ({exc}); fix the syntax")
+        return None
+
+
+def _load_envs(root: Path, problems: list[str]) -> dict[str, EnvSpec]:
+    envs: dict[str, EnvSpec] = {}
+    env_dir = root / "envs"
+    if not env_dir.is_dir():
+        return envs
+    for folder in sorted(env_dir.iterdir()):
+        if folder.name.startswith(".") or not folder.is_dir():
+            continue
+        where = f"envs/{folder.name}"
+        config: dict[str, Any] = {}
+        if (folder / "env.toml").is_file():
+            config = _toml(folder / "env.toml", problems) or {}
+        known = {"type", "id", "image", "environment_name", "env_provider_type"}
+        for key in sorted(set(config) - known):
+            problems.append(f"{where}/env.toml: key {key!r} is not one agentenv.py knows; "
+                            f"it knows {', '.join(sorted(known))}")
+        if config.get("type", "mcp_server") != "mcp_server":
+            problems.append(f"{where}/env.toml: type {config['type']!r} is not run here; agentenv.py "
+                            "runs mcp_server envs (an MCP server in a Docker build context)")
+        image = config.get("image", {})
+        dockerfile = folder / "Dockerfile"
+        if isinstance(image, dict) and set(image) <= {"dockerfile"}:
+            dockerfile = folder / image.get("dockerfile", "Dockerfile")
+        else:
+            problems.append(f"{where}/env.toml: image = {image!r} is not supported; agentenv.py builds "
+                            "each env from a Dockerfile in its folder (image = {dockerfile = \"...\"})")
+        if not dockerfile.is_file():
+            problems.append(f"{where}: has no {dockerfile.name}; an env is a Docker build context, so "
+                            f"add {where}/{dockerfile.name} with the command that starts the MCP server")
+            continue
+        try:
+            command, image_env = parse_dockerfile(dockerfile.read_text())
+        except ValueError as exc:
+            problems.append(f"{where}/{dockerfile.name}: {exc}")
+            continue
+        name = config.get("environment_name") or folder.name
+        envs[folder.name] = EnvSpec(folder.name, folder, dockerfile, str(name), command, image_env,
+                                    _digest(folder))
+    return envs
+
+
+def parse_dockerfile(text: str) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The command an image runs (ENTRYPOINT then CMD) and its ENV, read from a Dockerfile."""
+    text = re.sub(r"\\\r?\n", " ", text)
+    entrypoint: list[str] = []
+    cmd: list[str] = []
+    env: dict[str, str] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        word, _, rest = line.partition(" ")
+        word, rest = word.upper(), rest.strip()
+        if word in ("CMD", "ENTRYPOINT"):
+            if rest.startswith("["):
+                try:
+                    argv = json.loads(rest)
+                except json.JSONDecodeError:
+                    raise ValueError(f"{word} {rest} is not valid JSON; write {word} [\"prog\", \"arg\"]")
+            else:
+                argv = ["/bin/sh", "-c", rest]
+            if word == "CMD":
+                cmd = argv
+            else:
+                entrypoint, cmd = argv, []   # a later ENTRYPOINT resets CMD, as Docker does
+        elif word == "ENV":
+            if "=" in rest.split(" ")[0]:
+                for pair in shlex.split(rest):
+                    key, _, value = pair.partition("=")
+                    env[key] = value
+            else:
+                key, _, value = rest.partition(" ")
+                env[key] = value.strip()
+    command = tuple(entrypoint + cmd)
+    if not command:
+        raise ValueError("has no CMD or ENTRYPOINT; add CMD [\"python\", \"server.py\"] (the command "
+                         "that starts the env's MCP server)")
+    return command, env
+
+
+def _digest(folder: Path) -> str:
+    """A hash of a build context's files, so an image is built once per content."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder)
+        if path.is_file() and not any(p.startswith(".") or p == "__pycache__" for p in rel.parts):
+            digest.update(rel.as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _load_verifiers(root: Path, problems: list[str]) -> dict[str, Path]:
+    """Each artifact that holds verifier code: its Python file, checked (not run) for ``verify``."""
+    found: dict[str, Path] = {}
+    art_dir = root / "artifacts"
+    if not art_dir.is_dir():
+        return found
+    for folder in sorted(art_dir.iterdir()):
+        if folder.name.startswith(".") or not folder.is_dir():
+            continue
+        py = [p for p in folder.glob("*.py")]
+        path = folder / "verify.py" if (folder / "verify.py").is_file() else (py[0] if len(py) == 1 else None)
+        if path is None:
+            continue  # an artifact of data files; only a verifier step naming it needs Python
+        where = f"artifacts/{folder.name}/{path.name}"
+        try:
+            tree = ast.parse(path.read_text(), filename=str(path))
+        except (SyntaxError, UnicodeDecodeError) as exc:
+            problems.append(f"{where}: does not parse ({exc}); fix it")
+            continue
+        verify = next((n for n in tree.body if isinstance(n, (ast.AsyncFunctionDef, ast.FunctionDef))
+                       and n.name == "verify"), None)
+        if not isinstance(verify, ast.AsyncFunctionDef):
+            problems.append(f"{where}: has no `async def verify(mcp_url)`; an env_outcome_verifier's "
+                            "artifact defines it and returns a list of {id, result, description} rows")
+            continue
+        args = verify.args
+        positional = args.posonlyargs + args.args
+        if len(positional) - len(args.defaults) != 1 or any(d is None for d in args.kw_defaults):
+            problems.append(f"{where}: verify must take exactly one argument without a default (the "
+                            "env's MCP URL); agentenv.py calls verify(mcp_url)")
+            continue
+        found[folder.name] = path
+    return found
+
+
+def _load_task(path: Path, task_id: str, envs: dict[str, EnvSpec], verifiers: dict[str, Path],
+               reward: str | None, problems: list[str]) -> Task | None:
+    where = f"tasks/{path.name}"
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        problems.append(f"{where}: is not valid JSON ({exc}); a task is a JSON array of step objects")
+        return None
+    if not isinstance(raw, list) or not raw:
+        problems.append(f"{where}: a task is a non-empty JSON array of step objects")
+        return None
+    before = len(problems)
+    steps: list[Step] = []
+    seen: set[str] = set()
+    for n, item in enumerate(raw):
+        step = _load_step(item, n, where, path.stem, seen, problems)
+        if step:
+            steps.append(step)
+            seen.add(step.id)
+    if len(problems) > before:
+        return None
+    return _check_task(path, task_id, steps, envs, verifiers, reward, problems)
+
+
+def _load_step(item: Any, n: int, where: str, task: str, seen: set[str],
+               problems: list[str]) -> Step | None:
+    if not isinstance(item, dict):
+        problems.append(f"{where}: step #{n} is not a JSON object")
+        return None
+    sid, stype = item.get("id"), item.get("type")
+    if not isinstance(sid, str) or not sid:
+        problems.append(f"{where}: step #{n} has no id; give every step a unique \"id\"")
+        return None
+    at = f"{where}: task {task!r} step {sid!r}"
+    if sid in seen:
+        problems.append(f"{at}: the id is used twice; step ids are unique within a task")
+        return None
+    if stype not in STEP_FIELDS:
+        problems.append(f"{at} has type {stype!r}, which agentenv.py does not run; it runs: "
+                        f"{', '.join(STEP_FIELDS)}. Rewrite the step with those, or run this task "
+                        "with agent-env itself")
+        return None
+    required, optional = STEP_FIELDS[stype]
+    ignored = IGNORED_FIELDS.get(stype, set())
+    for key in sorted(required - set(item)):
+        problems.append(f"{at} ({stype}) lacks the field {key!r}; add it")
+    for key in sorted(set(item) - required - optional - ignored - COMMON_FIELDS):
+        problems.append(f"{at} ({stype}) has the field {key!r}, which agentenv.py does not support; "
+                        f"a {stype} step takes {', '.join(sorted(required | optional))}")
+    if "retry_config" in item:
+        problems.append(f"{at}: retry_config can replay a turn played from outside; remove it")
+    deps = item.get("depends_on")
+    if deps is None:
+        deps = sorted(seen)      # AgentEnv's rule: no depends_on means every step before this one
+    elif not (isinstance(deps, list) and all(isinstance(d, str) for d in deps)):
+        problems.append(f"{at}: depends_on must be a list of earlier step ids")
+        deps = []
+    for dep in deps:
+        if dep not in seen:
+            problems.append(f"{at}: depends_on names {dep!r}, which is not an earlier step of the task")
+    fail = item.get("fail_task_on_error", True)
+    if not isinstance(fail, bool):
+        problems.append(f"{at}: fail_task_on_error must be true or false")
+    fields = {k: v for k, v in item.items() if k not in COMMON_FIELDS}
+    for key in ("prompt", "system_prompt", "prompt_id", "agent_name", "role", "env_id",
+                "file_artifact_id", "verifier_id"):
+        if key in fields and not isinstance(fields[key], str):
+            problems.append(f"{at}: {key} must be a string")
+    for key in ("timeout_seconds", "cpu", "memory_mb"):
+        if key in fields and (not isinstance(fields[key], (int, float)) or isinstance(fields[key], bool)
+                              or fields[key] <= 0):
+            problems.append(f"{at}: {key} must be a positive number")
+    return Step(sid, stype, tuple(deps), fail is not False, fields)
+
+
+def _check_task(path: Path, task_id: str, steps: list[Step], envs: dict[str, EnvSpec],
+                verifiers: dict[str, Path], reward: str | None, problems: list[str]) -> Task | None:
+    """Check how a task's steps refer to each other, its envs and its artifacts."""
+    name, before = path.stem, len(problems)
+    at = f"tasks/{path.name}: task {name!r}"
+    deployed: dict[str, str] = {}        # env_id as written -> env folder name
+    agents: dict[str, Step] = {}
+    prompt_ids: set[str] = set()
+    for step in steps:
+        sat = f"{at} step {step.id!r}"
+        if step.type == "deploy_env":
+            env_id = step.get("env_id")
+            env = _resolve_env(env_id, envs, task_id)
+            if env is None:
+                problems.append(f"{sat}: env_id {env_id!r} names no env of the bundle; it has "
+                                f"{', '.join(envs) or 'none'} (add envs/{env_id}/)")
+            elif env_id in deployed:
+                problems.append(f"{sat}: deploys {env_id!r} a second time; deploy each env once")
+            else:
+                deployed[env_id] = env
+        elif step.type in ("apply_server_config", "env_outcome_verifier"):
+            if step.get("env_id") not in deployed:
+                problems.append(f"{sat}: env_id {step.get('env_id')!r} is not deployed by an earlier "
+                                "deploy_env step of the task")
+        if step.type == "apply_server_config":
+            _check_directives(step, sat, problems)
+        elif step.type == "deploy_agent":
+            agent = step.get("agent_name", DEFAULT_AGENT)
+            if agent in agents:
+                problems.append(f"{sat}: deploys agent {agent!r} a second time")
+            agents[agent] = step
+            env_ids = step.get("env_ids", [])
+            if not isinstance(env_ids, list) or not all(isinstance(e, str) for e in env_ids):
+                problems.append(f"{sat}: env_ids must be a list of env ids")
+            else:
+                for env_id in env_ids:
+                    if env_id not in deployed:
+                        problems.append(f"{sat}: env_ids names {env_id!r}, which no earlier deploy_env "
+                                        "step of the task deploys")
+        elif step.type == "prompt_agent":
+            agent = step.get("agent_name", DEFAULT_AGENT)
+            if agent not in agents:
+                problems.append(f"{sat}: prompts agent {agent!r}, which no earlier deploy_agent step "
+                                "deploys")
+            if not isinstance(step.get("prompt"), str) or not step.get("prompt").strip():
+                problems.append(f"{sat}: prompt must be non-empty text")
+            if step.get("prompt_id"):
+                prompt_ids.add(step.get("prompt_id"))
+        elif step.type == "env_outcome_verifier":
+            artifact = step.get("file_artifact_id")
+            if artifact not in verifiers:
+                problems.append(f"{sat}: file_artifact_id {artifact!r} names no verifier artifact; "
+                                f"add artifacts/{artifact}/verify.py with `async def verify(mcp_url)`")
+        if step.type.endswith("verifier"):
+            agg = step.get("score_aggregator", "all_pass")
+            if agg not in SCORE_AGGREGATORS:
+                problems.append(f"{sat}: score_aggregator {agg!r} is not one of "
+                                f"{', '.join(SCORE_AGGREGATORS)}")
+        if step.type == "agent_prompt_response_verifier":
+            if step.get("prompt_id") not in prompt_ids:
+                problems.append(f"{sat}: prompt_id {step.get('prompt_id')!r} names no earlier "
+                                "prompt_agent step; give that step the same prompt_id")
+            _check_criteria(step, sat, problems)
+    if len(agents) > 1:
+        problems.append(f"{at}: deploys agents {', '.join(sorted(agents))}; agentenv.py plays one "
+                        "agent from outside, so a task deploys exactly one")
+    turns = [s for s in steps if s.type == "prompt_agent"]
+    if not turns:
+        problems.append(f"{at}: prompts no agent, so there is no turn to play; add a prompt_agent step")
+    scoring = tuple(s.id for s in steps if s.type.endswith("verifier"))
+    reward_step = _choose_reward(at, scoring, reward, problems)
+    if len(problems) > before:
+        return None
+    agent_name, agent_step = next(iter(agents.items()))
+    toolset = Toolset(tuple(sorted({deployed[e] for e in agent_step.get("env_ids", [])})))
+    return Task(task_id, name, path.name, tuple(steps), agent_name, toolset, reward_step, scoring)
+
+
+def _resolve_env(env_id: Any, envs: dict[str, EnvSpec], task_id: str) -> str | None:
+    """An env_id is an env folder's name, or its full id ``<id root>/<name>``."""
+    if not isinstance(env_id, str):
+        return None
+    if env_id in envs:
+        return env_id
+    root = task_id.rsplit("/", 1)[0]
+    if env_id.startswith(root + "/") and env_id[len(root) + 1:] in envs:
+        return env_id[len(root) + 1:]
+    return None
+
+
+def _check_directives(step: Step, at: str, problems: list[str]) -> None:
+    directives = step.get("directives")
+    if not isinstance(directives, list) or not directives:
+        problems.append(f"{at}: directives must be a non-empty list of {{service, uri, args}}")
+        return
+    for n, d in enumerate(directives):
+        if not isinstance(d, dict) or not isinstance(d.get("uri"), str) or \
+                not isinstance(d.get("service", d.get("environment", "*")), str) or \
+                not isinstance(d.get("args", {}), dict):
+            problems.append(f"{at}: directive #{n} must be {{\"service\": <card name or \"*\">, "
+                            "\"uri\": <extension URI>, \"args\": {...}}")
+
+
+def _check_criteria(step: Step, at: str, problems: list[str]) -> None:
+    criteria = step.get("criteria")
+    if not isinstance(criteria, list):
+        problems.append(f"{at}: criteria must be a list")
+        return
+    for n, c in enumerate(criteria):
+        kind = c.get("type") if isinstance(c, dict) else None
+        if kind not in CRITERION_TYPES:
+            problems.append(f"{at}: criterion #{n} has type {kind!r}; the types are "
+                            f"{', '.join(CRITERION_TYPES)}")
+        elif kind == "response_contains" and not (
+                isinstance(c.get("needles"), list) and c["needles"]
+                and all(isinstance(x, str) for x in c["needles"])):
+            problems.append(f"{at}: criterion #{n} (response_contains) needs a non-empty list of "
+                            "strings as needles")
+        elif kind == "response_regex_present":
+            pattern, flags = c.get("pattern"), c.get("flags", [])
+            try:
+                if not isinstance(pattern, str) or not pattern:
+                    raise re.error("the pattern is empty")
+                re.compile(pattern, _regex_flags(flags))
+            except (re.error, AttributeError, TypeError) as exc:
+                problems.append(f"{at}: criterion #{n} (response_regex_present) has a pattern or "
+                                f"flags that don't compile ({exc})")
+
+
+def _regex_flags(names: list[str] | None) -> int:
+    """AgentEnv's rule: no flags means DOTALL; given flags, exactly those, OR-ed."""
+    if not names:
+        return re.DOTALL
+    flags = 0
+    for name in names:
+        flags |= getattr(re, name) if isinstance(name, str) and name.isupper() else _bad_flag(name)
+    return flags
+
+
+def _bad_flag(name: Any) -> int:
+    raise AttributeError(f"{name!r} is not a re flag name such as IGNORECASE")
+
+
+def _choose_reward(at: str, scoring: tuple[str, ...], reward: str | None,
+                   problems: list[str]) -> str:
+    if reward is not None:
+        if reward not in scoring:
+            problems.append(f"{at}: records no score at step {reward!r}; it records them at "
+                            f"{list(scoring)}")
+        return reward
+    if len(scoring) == 1:
+        return scoring[0]
+    if not scoring:
+        problems.append(f"{at}: records no score, so it has no reward; add an env_outcome_verifier "
+                        "or agent_prompt_response_verifier step")
+    else:
+        problems.append(f"{at}: records a score at each of {', '.join(scoring)}; name the one that "
+                        "is its reward with --reward <step id>")
+    return ""
+
+
+def _load_evals(root: Path, tasks: dict[str, Task], id_root: str,
+                problems: list[str]) -> dict[str, list[Task]]:
+    splits: dict[str, list[Task]] = {}
+    eval_dir = root / "evals"
+    if not eval_dir.is_dir():
+        return splits
+    for path in sorted(eval_dir.iterdir()):
+        if path.name.startswith("."):
+            continue
+        where = f"evals/{path.name}"
+        if path.is_dir() or path.suffix != ".toml":
+            problems.append(f"{where}: an eval is a .toml file with tasks = [...]; rename or remove it")
+            continue
+        if path.stem == "all":
+            problems.append(f"{where}: eval 'all' has the name of the split that holds every task; "
+                            "rename it")
+            continue
+        config = _toml(path, problems)
+        if config is None:
+            continue
+        for key in sorted(set(config) - {"tasks", "type", "id"}):
+            problems.append(f"{where}: key {key!r} is not one an eval takes (tasks, type, id)")
+        names = config.get("tasks")
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+            problems.append(f"{where}: tasks must be a non-empty list of task names")
+            continue
+        split: list[Task] = []
+        for name in names:
+            stem = name[len(id_root) + 1:] if name.startswith(id_root + "/") else name
+            if stem not in tasks:
+                if (root / "tasks" / f"{stem}.json").exists():
+                    continue   # the task itself has problems, reported where it is loaded
+                problems.append(f"{where}: lists {name!r}, which is not a task of the bundle")
+            elif tasks[stem] in split:
+                problems.append(f"{where}: lists {name!r} twice; an eval lists each task once")
+            else:
+                split.append(tasks[stem])
+        splits[path.stem] = split
+    return splits
+
+
+# ================================================================ 3. Sandbox
+
+ENV_PORT = 18765                  # the port an env's MCP server listens on in its container
+OUTPUT_LINES = 40                 # how much of an env's last output a failure quotes
+
+
+def owner_id() -> str:
+    """Who owns what this process starts: host, pid and the pid's start time (pids get reused)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{_process_start(os.getpid())}"
+
+
+def _process_start(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[19]     # field 22: start time in clock ticks
+    except (OSError, IndexError):
+        return ""
+
+
+def owner_alive(owner: str) -> bool | None:
+    """Whether the server that labelled something still runs; None when it ran on another host."""
+    host, _, rest = owner.partition(":")
+    pid, _, started = rest.partition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return None
+    now = _process_start(int(pid))
+    return bool(now) and (now == started or not started)
+
+
+class Instance:
+    """One env running for an episode: where it answers, whether it still runs, and its removal."""
+
+    base_url: str
+
+    async def exited(self) -> str | None:
+        """None while the env runs; once it has stopped, a sentence saying how."""
+        raise NotImplementedError
+
+    async def output(self) -> str:
+        raise NotImplementedError
+
+    async def remove(self) -> None:
+        raise NotImplementedError
+
+
+class Sandbox:
+    """Where envs run. ``prepare`` once at start-up, ``launch`` per env per episode, then ``close``."""
+
+    kind = ""
+
+    def __init__(self, owner: str):
+        self.owner = owner
+
+    async def prepare(self, envs: list[EnvSpec]) -> None:
+        """Remove what a crashed earlier run left, and make every env ready to launch."""
+
+    async def launch(self, env: EnvSpec, episode: str, limits: dict[str, Any]) -> Instance:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        pass
+
+
+async def guarded(awaitable: Any, undo: Callable[[Any], None]) -> Any:
+    """Await something that creates a resource; if the waiter gives up first (a deadline, an
+    abandoned episode), undo the resource as soon as it appears, so nothing is left running."""
+    future = asyncio.ensure_future(awaitable)
+    try:
+        return await asyncio.shield(future)
+    except BaseException:
+        def later(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is None:
+                undo(done.result())
+        if future.done():
+            later(future)
+        else:
+            future.add_done_callback(later)
+        raise
+
+
+def state_dir() -> Path:
+    """Where agentenv.py records the local processes it starts, so a restart can clean them up."""
+    base = os.environ.get("AGENTENV_STATE_DIR") or Path(
+        os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "agentenv"
+    return Path(base)
+
+
+class LocalInstance(Instance):
+    """An env run as a host process in its own process group; its output kept in a ring."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, port: int, record: Path):
+        self.proc, self.record = proc, record
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.lines: collections.deque[str] = collections.deque(maxlen=OUTPUT_LINES)
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        assert self.proc.stdout
+        while line := await self.proc.stdout.readline():
+            self.lines.append(line.decode(errors="replace").rstrip())
+
+    async def exited(self) -> str | None:
+        code = self.proc.returncode
+        return None if code is None else f"its process exited with code {code}"
+
+    async def output(self) -> str:
+        await asyncio.sleep(0)
+        return "\n".join(self.lines)
+
+    async def remove(self) -> None:
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.proc.wait(), 3)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                await self.proc.wait()
+        # the group may hold children of the env's process: end them too
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(self.reader, 1)
+        self.record.unlink(missing_ok=True)
+
+
+class LocalSandbox(Sandbox):
+    """Runs each env's image command as a host process, in the env's folder, on a free port.
+
+    It is the embedded default where no Docker daemon answers: no isolation, but the same wire.
+    Every process is recorded under the state folder, so the next start kills what a crash left.
+    """
+
+    kind = "local"
+
+    def __init__(self, owner: str):
+        super().__init__(owner)
+        self.records = state_dir() / "local" / owner.replace(":", "_")
+
+    async def prepare(self, envs: list[EnvSpec]) -> None:
+        root = self.records.parent
+        if not root.is_dir():
+            return
+        killed = 0
+        for folder in root.iterdir():
+            if folder == self.records or owner_alive(folder.name.replace("_", ":")) is not False:
+                continue
+            for record in folder.iterdir():
+                pid, started = int(record.name), record.read_text().strip()
+                if started and _process_start(pid) == started:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pid, signal.SIGKILL)
+                        killed += 1
+                record.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        if killed:
+            log.warning("Killed %d env process group(s) that an earlier run of agentenv.py left "
+                        "behind when it stopped without tearing down.", killed)
+
+    async def launch(self, env: EnvSpec, episode: str, limits: dict[str, Any]) -> Instance:
+        port = free_port()
+        command = list(env.command)
+        if Path(command[0]).name in ("python", "python3"):
+            command[0] = sys.executable      # "python" in an image's command means this interpreter
+        environ = {**os.environ, **env.image_env,
+                   "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+                   "ENVIRONMENT_NAME": env.environment_name, "MCP_HOST": "127.0.0.1",
+                   "MCP_PORT": str(port), "PYTHONUNBUFFERED": "1",
+                   "DATABASE_URL": f"sqlite:////tmp/agentenv-{env.environment_name}-{episode}.sqlite"}
+        self.records.mkdir(parents=True, exist_ok=True)
+        spawn = asyncio.create_subprocess_exec(
+            *command, cwd=env.folder, env=environ, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+
+        def kill(proc: asyncio.subprocess.Process) -> None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            proc = await guarded(spawn, kill)
+        except OSError as exc:
+            raise EpisodeFailed(f"env {env.name!r} could not start: running {shlex.join(command)} in "
+                                f"{env.folder} failed ({exc}); fix the Dockerfile's CMD") from None
+        record = self.records / str(proc.pid)
+        record.write_text(_process_start(proc.pid))
+        return LocalInstance(proc, port, record)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class DockerInstance(Instance):
+    """An env's container, published on a random port of 127.0.0.1."""
+
+    def __init__(self, sandbox: DockerSandbox, container: Any, port: str):
+        self.sandbox, self.container = sandbox, container
+        self.base_url = f"http://127.0.0.1:{port}"
+        self._checked = 0.0
+
+    async def exited(self) -> str | None:
+        if time.monotonic() - self._checked < 0.5:     # a daemon round trip at most twice a second
+            return None
+        self._checked = time.monotonic()
+        try:
+            await self.sandbox.call(self.container.reload, timeout=10)
+        except Exception as exc:                        # noqa: BLE001 - any failure means it's gone
+            return f"its container could not be inspected ({exc})"
+        state = self.container.attrs.get("State", {})
+        if state.get("Status") in ("exited", "dead"):
+            return (f"its container exited with code {state.get('ExitCode')}"
+                    + (" (killed for running out of memory)" if state.get("OOMKilled") else ""))
+        return None
+
+    async def output(self) -> str:
+        try:
+            raw = await self.sandbox.call(self.container.logs, tail=OUTPUT_LINES, timeout=10)
+            return raw.decode(errors="replace")
+        except Exception as exc:                        # noqa: BLE001
+            return f"(its logs could not be read: {exc})"
+
+    async def remove(self) -> None:
+        await self.sandbox.remove(self.container)
+
+
+class DockerSandbox(Sandbox):
+    """Runs each env as a container on the user's Docker, from an image built once per content.
+
+    Containers carry labels naming their owner (this server) and episode before they exist, so a
+    sweep at start-up removes what a killed earlier run left, and a container created after its
+    episode gave up is removed the moment it appears. Every daemon call runs in a thread with a
+    deadline, and at most ``ops`` of them at once, so a slow daemon never stalls the event loop.
+    """
+
+    kind = "docker"
+
+    def __init__(self, owner: str, client: Any, ops: int = 8):
+        super().__init__(owner)
+        from concurrent.futures import ThreadPoolExecutor
+        self.client = client
+        self.images: dict[str, str] = {}
+        self.limit = asyncio.Semaphore(ops)
+        self.threads = ThreadPoolExecutor(max_workers=ops + 4, thread_name_prefix="docker")
+        self.removals: set[asyncio.Task] = set()
+
+    @classmethod
+    async def connect(cls, owner: str) -> DockerSandbox:
+        try:
+            import docker
+        except ImportError:
+            raise AgentEnvError("the docker sandbox needs the docker package: pip install docker") from None
+        try:
+            client = await asyncio.wait_for(asyncio.to_thread(
+                lambda: docker.from_env(timeout=120)), 10)
+            await asyncio.wait_for(asyncio.to_thread(client.ping), 10)
+        except Exception as exc:                        # noqa: BLE001 - docker raises many kinds
+            raise AgentEnvError(f"no Docker daemon answered ({short(str(exc), 300)}); start Docker, "
+                                "set DOCKER_HOST, or pass --sandbox local") from None
+        return cls(owner, client)
+
+    async def call(self, fn: Callable, *args: Any, timeout: float = 60, **kwargs: Any) -> Any:
+        """Run a blocking docker SDK call in a thread, with a deadline."""
+        loop = asyncio.get_running_loop()
+        async with self.limit:
+            return await asyncio.wait_for(
+                loop.run_in_executor(self.threads, lambda: fn(*args, **kwargs)), timeout)
+
+    async def prepare(self, envs: list[EnvSpec]) -> None:
+        await self.sweep()
+        for env in envs:
+            self.images[env.name] = await self.build(env)
+
+    async def sweep(self) -> None:
+        containers = await self.call(self.client.containers.list, all=True,
+                                     filters={"label": "agentenv.owner"})
+        stale = [c for c in containers if owner_alive(c.labels.get("agentenv.owner", "")) is False]
+        await asyncio.gather(*(self.remove(c) for c in stale))
+        if stale:
+            log.warning("Removed %d container(s) that an earlier run of agentenv.py left behind when "
+                        "it stopped without tearing down.", len(stale))
+
+    async def build(self, env: EnvSpec) -> str:
+        tag = f"agentenv/{re.sub(r'[^a-z0-9_.-]', '-', env.name.lower())}:{env.digest}"
+        import docker.errors
+        try:
+            await self.call(self.client.images.get, tag, timeout=30)
+            return tag
+        except docker.errors.ImageNotFound:
+            pass
+        log.info("Building the image of env %r as %s (once per content of envs/%s).",
+                 env.name, tag, env.name)
+        started = time.monotonic()
+        try:
+            await self.call(self.client.images.build, path=str(env.folder),
+                            dockerfile=env.dockerfile.name, tag=tag, rm=True, forcerm=True,
+                            labels={"agentenv.env": env.name}, timeout=1800)
+        except docker.errors.BuildError as exc:
+            lines = "".join(str(c.get("stream", c.get("error", ""))) for c in exc.build_log)
+            raise AgentEnvError(f"the image of env {env.name!r} did not build: {exc.msg}\n"
+                                f"{short(lines, 1500)}\nFix envs/{env.name}/{env.dockerfile.name}; "
+                                "with no registry reachable, its FROM image must exist locally") from None
+        except docker.errors.APIError as exc:
+            raise AgentEnvError(f"the image of env {env.name!r} did not build: {exc}") from None
+        log.info("Built %s in %.1fs.", tag, time.monotonic() - started)
+        return tag
+
+    async def launch(self, env: EnvSpec, episode: str, limits: dict[str, Any]) -> Instance:
+        options: dict[str, Any] = dict(
+            image=self.images.get(env.name) or await self.build(env), detach=True,
+            ports={f"{ENV_PORT}/tcp": ("127.0.0.1", None)},
+            environment={"ENVIRONMENT_NAME": env.environment_name, "MCP_HOST": "0.0.0.0",
+                         "DATABASE_URL": f"sqlite:////tmp/{env.environment_name}.sqlite"},
+            labels={"agentenv.owner": self.owner, "agentenv.episode": episode,
+                    "agentenv.env": env.name},
+            security_opt=["no-new-privileges"])
+        if limits.get("cpu"):
+            options["nano_cpus"] = int(float(limits["cpu"]) * 1e9)
+        if limits.get("memory_mb"):
+            options["mem_limit"] = f"{int(limits['memory_mb'])}m"
+
+        def create_and_start() -> Any:
+            container = self.client.containers.create(**options)
+            try:
+                container.start()
+                for _ in range(50):     # the published port shows once the daemon has bound it
+                    ports = (container.attrs.get("NetworkSettings") or {}).get("Ports") or {}
+                    if ports.get(f"{ENV_PORT}/tcp"):
+                        return container, ports[f"{ENV_PORT}/tcp"][0]["HostPort"]
+                    time.sleep(0.02)
+                    container.reload()
+                raise RuntimeError("the daemon published no port for the container")
+            except BaseException:
+                container.remove(force=True)
+                raise
+
+        def undo(created: tuple[Any, str]) -> None:
+            task = asyncio.get_running_loop().create_task(self.remove(created[0]))
+            self.removals.add(task)
+            task.add_done_callback(self.removals.discard)
+
+        try:
+            container, port = await guarded(self.call(create_and_start, timeout=120), undo)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            raise
+        except Exception as exc:                        # noqa: BLE001
+            raise EpisodeFailed(f"env {env.name!r} could not start a container: {short(str(exc), 500)}")
+        return DockerInstance(self, container, port)
+
+    async def remove(self, container: Any) -> None:
+        """Force-remove a container; retried, and reported if it still stands."""
+        import docker.errors
+        for attempt in range(3):
+            try:
+                await self.call(container.remove, force=True, timeout=30)
+                return
+            except docker.errors.NotFound:
+                return
+            except Exception as exc:                    # noqa: BLE001
+                error = exc
+        log.error("Could not remove container %s (%s); remove it with docker rm -f %s.",
+                  container.short_id, error, container.short_id)
+
+    async def close(self) -> None:
+        if self.removals:
+            await asyncio.gather(*self.removals, return_exceptions=True)
+        self.threads.shutdown(wait=False)
+
+
+async def open_sandbox(kind: str, owner: str) -> Sandbox:
+    """The sandbox ``--sandbox`` names; ``auto`` is Docker when a daemon answers, else local."""
+    if kind == "local":
+        return LocalSandbox(owner)
+    if kind == "docker":
+        return await DockerSandbox.connect(owner)
+    if kind != "auto":
+        raise AgentEnvError(f"--sandbox {kind!r} is not a sandbox; use auto, docker or local")
+    try:
+        return await DockerSandbox.connect(owner)
+    except AgentEnvError as exc:
+        log.info("%s. Envs run as local processes instead (--sandbox local).",
+                 str(exc).split(";")[0].capitalize())
+        return LocalSandbox(owner)
+
+
+# ================================================================ 4. Env client
+
+MCP_PROTOCOL = "2025-06-18"
+HIDDEN_META = "agentenv.io/hiddenByDefault"
+ROLE_HEADER = "AgentEnv-Role"
+MAX_TOOL_OUTPUT = 100_000        # characters of a tool's answer passed on to the model
+
+
+class McpError(AgentEnvError):
+    """An env's MCP server refused a request or answered something that isn't MCP."""
+
+
+class McpRefusal(McpError):
+    """A JSON-RPC error the server answered on purpose (unknown tool, bad params)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolResult:
+    """A tool's answer as the model sees it: its text, and whether it is an error."""
+
+    text: str
+    is_error: bool = False
+
+
+class McpSession:
+    """One MCP session with an env server over streamable HTTP, written on aiohttp.
+
+    It speaks JSON-RPC over POST, takes a reply as JSON or as an SSE stream (reading the stream
+    only until its own answer arrives), and carries ``Mcp-Session-Id`` once the server assigns one.
+    """
+
+    def __init__(self, http: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None):
+        self.http, self.url = http, url
+        self.headers = {"Content-Type": "application/json",
+                        "Accept": "application/json, text/event-stream", **(headers or {})}
+        self.next_id = 0
+
+    async def open(self, timeout: float = 30) -> dict[str, Any]:
+        result = await self.request("initialize", {
+            "protocolVersion": MCP_PROTOCOL, "capabilities": {},
+            "clientInfo": {"name": "agentenv.py", "version": __version__}}, timeout)
+        self.headers["MCP-Protocol-Version"] = str(result.get("protocolVersion", MCP_PROTOCOL))
+        await self.notify("notifications/initialized", timeout)
+        return result
+
+    async def list_tools(self, timeout: float = 30) -> list[dict[str, Any]]:
+        tools: list[dict[str, Any]] = []
+        cursor = None
+        while True:
+            result = await self.request("tools/list", {"cursor": cursor} if cursor else {}, timeout)
+            tools.extend(t for t in result.get("tools", []) if isinstance(t, dict) and t.get("name"))
+            cursor = result.get("nextCursor")
+            if not cursor:
+                return tools
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], timeout: float | None = None,
+                        ) -> ToolResult:
+        try:
+            result = await self.request("tools/call", {"name": name, "arguments": arguments}, timeout)
+        except McpRefusal as exc:       # the server refused the call itself: the model sees why
+            return ToolResult(f"error: {exc}", True)
+        return ToolResult(tool_text(result), bool(result.get("isError")))
+
+    async def close(self) -> None:
+        """End the session on the server; best effort, since the env may already be gone."""
+        if "Mcp-Session-Id" in self.headers:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with self.http.delete(self.url, headers=self.headers,
+                                            timeout=aiohttp.ClientTimeout(total=5)):
+                    pass
+
+    async def notify(self, method: str, timeout: float | None = 30) -> None:
+        body = {"jsonrpc": "2.0", "method": method}
+        async with self.http.post(self.url, json=body, headers=self.headers,
+                                  timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.status >= 400:
+                raise McpError(f"{method} was answered HTTP {resp.status}: "
+                               f"{short(await resp.text(), 300)}")
+
+    async def request(self, method: str, params: dict[str, Any], timeout: float | None = 30) -> dict:
+        self.next_id += 1
+        body = {"jsonrpc": "2.0", "id": self.next_id, "method": method, "params": params}
+        async with self.http.post(self.url, json=body, headers=self.headers,
+                                  timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if session := resp.headers.get("Mcp-Session-Id"):
+                self.headers["Mcp-Session-Id"] = session
+            if resp.status >= 400:
+                raise McpError(f"{method} was answered HTTP {resp.status}: "
+                               f"{short(await resp.text(errors='replace'), 300)}")
+            if resp.content_type == "text/event-stream":
+                message = await self._from_stream(resp, self.next_id)
+            else:
+                try:
+                    message = json.loads(await resp.read())
+                except ValueError:
+                    raise McpError(f"{method} was answered with something that is not JSON") from None
+        if not isinstance(message, dict):
+            raise McpError(f"{method} was answered with {type(message).__name__}, not a JSON-RPC reply")
+        if isinstance(message.get("error"), dict):
+            raise McpRefusal(str(message["error"].get("message", message["error"])))
+        result = message.get("result")
+        if not isinstance(result, dict):
+            raise McpError(f"{method} was answered without a result")
+        return result
+
+    @staticmethod
+    async def _from_stream(resp: aiohttp.ClientResponse, wanted: int) -> Any:
+        buffer, data = b"", []
+        async for chunk in resp.content.iter_any():
+            buffer += chunk
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                line = line.rstrip(b"\r")
+                if line.startswith(b"data:"):
+                    data.append(line[5:].lstrip(b" "))
+                elif not line and data:       # a blank line ends an event
+                    with contextlib.suppress(ValueError):
+                        message = json.loads(b"\n".join(data))
+                        if isinstance(message, dict) and message.get("id") == wanted:
+                            return message
+                    data = []
+        raise McpError("the server's event stream ended without an answer")
+
+
+def tool_text(result: dict[str, Any]) -> str:
+    """The text of a tools/call result, as a model sees it; capped, and the cap said."""
+    parts = []
+    for item in result.get("content") or []:
+        if not isinstance(item, dict):
+            continue
+        if item.get("type") == "text":
+            parts.append(str(item.get("text", "")))
+        elif item.get("type") == "resource" and isinstance(item.get("resource"), dict) \
+                and "text" in item["resource"]:
+            parts.append(str(item["resource"]["text"]))
+        else:
+            parts.append(f"[{item.get('type', 'unknown')} content: {item.get('mimeType', 'no type')}]")
+    if not parts and result.get("structuredContent") is not None:
+        parts.append(json.dumps(result["structuredContent"]))
+    text = "\n".join(parts)
+    if len(text) > MAX_TOOL_OUTPUT:
+        text = (text[:MAX_TOOL_OUTPUT] + f"\n[output cut: the tool answered {len(text)} characters; "
+                f"agentenv.py passes on the first {MAX_TOOL_OUTPUT}]")
+    return text
+
+
+def is_hidden(tool: dict[str, Any]) -> bool:
+    return isinstance(tool.get("_meta"), dict) and tool["_meta"].get(HIDDEN_META) is True
+
+
+@dataclasses.dataclass
+class DeployedEnv:
+    """An env deployed for an episode and ready: its MCP URL, its card, the tools it lists."""
+
+    spec: EnvSpec
+    instance: Instance
+    mcp_url: str
+    card: dict[str, Any] | None
+    tools: list[dict[str, Any]]
+
+    @property
+    def card_name(self) -> str:
+        return (self.card or {}).get("name", self.spec.environment_name)
+
+    async def apply(self, http: aiohttp.ClientSession, uri: str, args: dict[str, Any],
+                    timeout: float, tolerate: bool) -> None:
+        """Post one apply_server_config directive to the extension the env's card advertises."""
+        extensions = ((self.card or {}).get("capabilities") or {}).get("extensions") or []
+        extension = next((e for e in extensions if isinstance(e, dict) and e.get("uri") == uri), None)
+        if extension is None:
+            if tolerate:
+                log.info("Env %r advertises no extension %s; skipped (tolerate_unadvertised).",
+                         self.spec.name, uri)
+                return
+            offered = [e.get("uri") for e in extensions if isinstance(e, dict)]
+            raise EpisodeFailed(f"env {self.spec.name!r} advertises no extension {uri!r} on its card "
+                                f"(it advertises {offered}); fix the directive's uri or the env's card")
+        params = extension.get("params") or {}
+        methods = [m for m in (params.get("methods") or {}).values() if isinstance(m, dict)]
+        endpoint = (methods[0].get("endpoint") if methods else None) or params.get("endpoint")
+        verb = str((methods[0].get("method") if methods else None) or "POST").upper()
+        if not endpoint:
+            raise EpisodeFailed(f"env {self.spec.name!r} advertises {uri!r} with no endpoint")
+        url = self.instance.base_url + "/" + str(endpoint).lstrip("/")
+        request = http.get(url, params={k: str(v) for k, v in args.items()}) if verb == "GET" else \
+            http.request(verb, url, json=args)
+        try:
+            async with asyncio.timeout(timeout):
+                async with request as resp:
+                    if resp.status >= 300:
+                        raise EpisodeFailed(f"env {self.spec.name!r} refused {uri!r} with HTTP "
+                                            f"{resp.status}: {short(await resp.text(), 300)}")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise EpisodeFailed(f"env {self.spec.name!r} did not take {uri!r} within {timeout:g}s "
+                                f"({type(exc).__name__}: {exc})") from None
+
+
+async def wait_ready(http: aiohttp.ClientSession, instance: Instance, env: EnvSpec,
+                     timeout: float) -> DeployedEnv:
+    """Wait until a launched env answers: its card with its name (or, with no card, MCP
+    ``initialize``), and a tools list with at least one tool and no name twice.
+
+    It fails at once when the env stops, and on every failure quotes the env's last output.
+    """
+    deadline = time.monotonic() + timeout
+    delay, last = 0.01, "it did not answer"
+    while True:
+        if why := await instance.exited():
+            raise EpisodeFailed(f"env {env.name!r} did not come up: {why}. Its last output:\n"
+                                f"{short(await instance.output())}")
+        try:
+            card = await _read_card(http, instance.base_url)
+            if card is not None and card.get("name") != env.environment_name:
+                raise EpisodeFailed(
+                    f"env {env.name!r} answers with the card of {card.get('name')!r}, not "
+                    f"{env.environment_name!r}; set environment_name in envs/{env.name}/env.toml, or "
+                    "make the server take its name from ENVIRONMENT_NAME")
+            mcp_url = instance.base_url + "/" + _mcp_path(card).lstrip("/")
+            session = McpSession(http, mcp_url)
+            await session.open(timeout=5)
+            tools = await session.list_tools(timeout=10)
+            await session.close()
+            names = [t["name"] for t in tools]
+            if not tools:
+                raise EpisodeFailed(f"env {env.name!r} lists no tools; an env offers at least one")
+            if dupes := sorted({n for n in names if names.count(n) > 1}):
+                raise EpisodeFailed(f"env {env.name!r} lists the tools {dupes} twice; tool names are "
+                                    "unique")
+            return DeployedEnv(env, instance, mcp_url, card, tools)
+        except (aiohttp.ClientError, asyncio.TimeoutError, McpError, ValueError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() + delay > deadline:
+            raise EpisodeFailed(f"env {env.name!r} was not ready within {timeout:g}s (last: {last}). "
+                                f"Its last output:\n{short(await instance.output())}")
+        await asyncio.sleep(delay)          # polling: a server that isn't listening sends no event
+        delay = min(delay * 2, 0.25)
+
+
+async def _read_card(http: aiohttp.ClientSession, base_url: str) -> dict[str, Any] | None:
+    """The env's card, or None when the server has none (a plain MCP server)."""
+    async with http.get(base_url + "/.well-known/agent-env.json",
+                        timeout=aiohttp.ClientTimeout(total=5)) as resp:
+        if resp.status == 404:
+            return None
+        if resp.status != 200:
+            raise McpError(f"its card answered HTTP {resp.status}")
+        card = json.loads(await resp.read())
+        if not isinstance(card, dict) or not card.get("name"):
+            raise McpError("its card has no name yet")
+        return card
+
+
+def _mcp_path(card: dict[str, Any] | None) -> str:
+    for interface in (card or {}).get("additionalInterfaces") or []:
+        if isinstance(interface, dict) and interface.get("transport") == "mcp" and interface.get("url"):
+            return str(interface["url"])
+    return "/mcp"
+
+
+# ================================================================ 5. Verifiers
+
+def aggregate_score(rows: list[dict[str, Any]], aggregator: str) -> float:
+    """AgentEnv's score aggregators, formula for formula."""
+    if not rows:
+        return 0.0
+    if aggregator == "all_pass":
+        return 1.0 if all(r.get("result") is True for r in rows) else 0.0
+    if aggregator == "any_pass":
+        return 1.0 if any(r.get("result") is True for r in rows) else 0.0
+    num = den = penalty = 0.0
+    for row in rows:
+        score = float(row.get("score", 1.0 if row.get("result") else 0.0))
+        weight = float(row.get("weight", 1.0))
+        if weight > 0:
+            num, den = num + score * weight, den + weight
+        elif weight < 0:
+            penalty += (1 - score) * abs(weight)
+    return 0.0 if den == 0 else min(1.0, max(0.0, (num - penalty) / den))
+
+
+def response_rows(criteria: list[dict[str, Any]], response: str) -> list[dict[str, Any]]:
+    """Grade a reply against agent_prompt_response_verifier criteria, one row per criterion."""
+    rows = []
+    for n, criterion in enumerate(criteria):
+        if criterion["type"] == "response_contains":
+            missing = [x for x in criterion["needles"] if x not in response]
+            passed = not missing
+            why = "the reply contains every needle" if passed else f"the reply lacks {missing}"
+        else:
+            passed = re.search(criterion["pattern"], response,
+                               _regex_flags(criterion.get("flags"))) is not None
+            why = f"the pattern {'matches' if passed else 'does not match'} the reply"
+        rows.append({**criterion, "criterion_index": n, "score": 1.0 if passed else 0.0,
+                     "result": passed, "justification": why})
+    return rows
+
+
+def load_verifier(path: Path) -> Callable:
+    """Import an artifact's verifier module and return its ``verify``. Bundle code is trusted code."""
+    name = "agentenv_verifier_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.verify
+
+
+def run_verify(verify: Callable, mcp_url: str) -> Any:
+    """Run an async ``verify`` on an event loop of its own, in the calling (worker) thread, so a
+    verifier that blocks or hangs never stalls the server's loop."""
+    return asyncio.run(verify(mcp_url))
+
+
+def check_rows(rows: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise EpisodeFailed(f"{where} returned {type(rows).__name__}; verify returns a list of "
+                            "{id, result, description} rows")
+    return rows
+
+
+# ================================================================ 6. Episode
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How an episode ended: scored (its scores and reward), or failed or abandoned, and why.
+
+    ``failure`` is set when the environment failed the episode: a trainer masks that rollout.
+    """
+
+    status: str                          # "scored", "failed" or "abandoned"
+    scores: dict[str, float]
+    reward: float | None
+    failure: str | None = None
+
+
+class Turn:
+    """One turn of the played agent: its prompt and tools, open until ``end`` hands its reply back."""
+
+    def __init__(self, episode: Episode, step: Step, prompt: str, system_prompt: str | None,
+                 tools: list[dict[str, Any]], route: dict[str, McpSession]):
+        self.episode, self.step = episode, step
+        self.prompt, self.system_prompt = prompt, system_prompt
+        self.tools, self.route = tools, route
+        self.ended: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    @property
+    def id(self) -> str:
+        return self.step.id
+
+    @property
+    def tool_specs(self) -> list[dict[str, Any]]:
+        """The turn's tools as a model is shown them: name, description, input schema."""
+        return [{"name": t["name"], "description": t.get("description") or "",
+                 "input_schema": t.get("inputSchema") or {"type": "object", "properties": {}}}
+                for t in self.tools]
+
+    async def call(self, name: str, arguments: Any, timeout: float | None = None) -> ToolResult:
+        """Call a tool of this turn. A mistake the model made comes back as an error result it can
+        learn from; an env that fails or misses ``timeout`` fails the episode (EpisodeFailed)."""
+        if self.ended.done():
+            raise AgentEnvError(f"turn {self.id!r} has ended; call the tools of the current turn")
+        session = self.route.get(name)
+        if session is None:
+            offered = ", ".join(self.route) or "none"
+            return ToolResult(f"error: there is no tool {name!r}; the tools are: {offered}", True)
+        if not isinstance(arguments, dict):
+            return ToolResult(f"error: the arguments of {name} must be a JSON object, not "
+                              f"{type(arguments).__name__}", True)
+        try:
+            async with asyncio.timeout(timeout):
+                return await session.call_tool(name, arguments)
+        except asyncio.TimeoutError:
+            reason = (f"{name} didn't answer within {timeout:g}s, and the episode ended, since what "
+                      "the call does may still be under way")
+            self.episode.fail(reason)
+            raise ToolTimeout(reason) from None
+        except (aiohttp.ClientError, McpError) as exc:
+            why = await self.episode.env_trouble(exc)
+            reason = f"{name} failed because the env failed: {why}"
+            self.episode.fail(reason)
+            raise EpisodeFailed(reason) from None
+
+    def end(self, response: str | None) -> None:
+        """End the turn with the agent's reply; the episode goes on to its next step."""
+        if not self.ended.done():
+            self.ended.set_result(response or "")
+
+
+class Episode:
+    """One play of a task: it waits for a slot, runs the task's steps, hands each turn to the
+    caller, scores, and tears everything down. Abandoning it at any point tears it down too.
+
+    Steps run as AgentEnv runs them: each after the steps it depends on (by default every step
+    before it), several at once where the graph allows. The caller drives it with
+    ``next_turn`` → ``turn.call`` / ``turn.end`` → ... → ``result``.
+    """
+
+    def __init__(self, runtime: Runtime, task: Task, seed: dict[str, Any] | None = None):
+        self.runtime, self.task = runtime, task.seeded(seed)
+        self.id = uuid.uuid4().hex
+        self.phase = "waiting"                    # waiting, deploying, playing, scoring, closed
+        self.envs: dict[str, DeployedEnv] = {}    # by env_id as the task writes it
+        self.instances: list[Instance] = []       # every env launched, ready or not
+        self.agent: Step | None = None
+        self.turn: Turn | None = None
+        self.replies: dict[str, str] = {}         # prompt_id -> reply
+        self.scores: dict[str, float] = {}
+        self.verifications: dict[str, list[dict[str, Any]]] = {}
+        self.errors: dict[str, str] = {}          # step id -> why it failed (tolerated steps)
+        self.outcome: Outcome | None = None
+        self.closed = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._stop: tuple[str, str] | None = None  # (status, reason) asked for from outside
+        self._driver: asyncio.Task | None = None
+
+    # -- the caller's side
+
+    def start(self) -> Episode:
+        self._driver = asyncio.create_task(self._drive(), name=f"episode {self.id}")
+        self.runtime.live.add(self)
+        return self
+
+    async def next_turn(self) -> Turn | None:
+        """The open turn, once the steps before it have run; None once the episode is scored.
+        Raises EpisodeFailed if the environment failed it, or it was abandoned."""
+        while True:
+            if self.turn is not None and not self.turn.ended.done():
+                return self.turn
+            if self.outcome is not None:
+                if self.outcome.status == "scored":
+                    return None
+                raise EpisodeFailed(self.outcome.failure or "the episode ended")
+            await self._wait_change()
+
+    async def result(self) -> Outcome:
+        """The outcome, once the steps after the last turn (the verifiers) have run."""
+        while self.outcome is None:
+            if self.turn is not None and not self.turn.ended.done():
+                raise AgentEnvError(f"turn {self.turn.id!r} isn't ended, so the episode can't be "
+                                    "scored yet; end it first")
+            await self._wait_change()
+        return self.outcome
+
+    async def abandon(self, reason: str) -> None:
+        """Stop the episode wherever it is, unscored, and wait until it is torn down."""
+        self._halt("abandoned", reason)
+        await self.closed.wait()
+
+    def fail(self, reason: str) -> None:
+        """End the episode as failed by the environment; teardown follows in the background."""
+        self._halt("failed", reason)
+
+    async def env_trouble(self, exc: BaseException) -> str:
+        """Why a call to an env failed: an env that stopped says so, with its last output."""
+        for env in self.envs.values():
+            if why := await env.instance.exited():
+                return f"env {env.spec.name!r} stopped: {why}. Its last output:\n" \
+                       f"{short(await env.instance.output(), 1000)}"
+        return f"{type(exc).__name__}: {exc}"
+
+    def _halt(self, status: str, reason: str) -> None:
+        if self.outcome is None and self._stop is None and self._driver is not None:
+            self._stop = (status, reason)
+            self._driver.cancel()
+
+    async def _wait_change(self) -> None:
+        changed = self._changed
+        await changed.wait()
+
+    def _signal(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _settle(self, outcome: Outcome) -> None:
+        if self.outcome is None:
+            self.outcome = outcome
+            if outcome.failure and outcome.status == "failed":
+                log.warning("Episode %s of task %r failed: %s", self.id[:8], self.task.name,
+                            outcome.failure)
+            self._signal()
+
+    # -- the driver
+
+    async def _drive(self) -> None:
+        pool = self.runtime.pool
+        holding = False
+        try:
+            await pool.acquire()
+            holding = True
+            self.phase = "deploying"
+            await self._run_steps()
+            self.phase = "scoring"
+            self._settle(self._score())
+        except asyncio.CancelledError:
+            status, reason = self._stop or ("abandoned", "the episode was cancelled")
+            self._settle(Outcome(status, dict(self.scores), None, reason))
+        except EpisodeFailed as exc:
+            self._settle(Outcome("failed", dict(self.scores), None, str(exc)))
+        except Exception as exc:                        # noqa: BLE001 - a bug must not leak an env
+            log.exception("Episode %s of task %r hit an unexpected error.", self.id[:8], self.task.name)
+            self._settle(Outcome("failed", dict(self.scores), None,
+                                 f"agentenv.py failed: {type(exc).__name__}: {exc}"))
+        finally:
+            # Teardown runs to its end even if the episode is cancelled again meanwhile.
+            teardown = asyncio.ensure_future(self._teardown())
+            while not teardown.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(teardown)
+            if holding:
+                pool.release()
+            self.phase = "closed"
+            self.runtime.live.discard(self)
+            self.closed.set()
+            self._signal()
+
+    async def _teardown(self) -> None:
+        if self.turn is not None:
+            self.turn.end(None)
+        await asyncio.gather(*(i.remove() for i in self.instances), return_exceptions=True)
+
+    async def _run_steps(self) -> None:
+        """Run the steps as a graph: each once the steps it depends on are done."""
+        status: dict[str, str] = {}
+        done = {step.id: asyncio.Event() for step in self.task.steps}
+
+        async def run(step: Step) -> None:
+            for dep in step.depends_on:
+                await done[dep].wait()
+            try:
+                if blocked := [d for d in step.depends_on if status[d] != "ok"]:
+                    status[step.id] = "skipped"
+                    log.info("Episode %s skips step %r: it depends on %s, which did not succeed.",
+                             self.id[:8], step.id, blocked)
+                    return
+                try:
+                    await self._run_step(step)
+                    status[step.id] = "ok"
+                except EpisodeFailed as exc:
+                    reason = f"step {step.id!r} ({step.type}) failed: {exc}"
+                    if step.fail_task_on_error:
+                        raise EpisodeFailed(reason) from None
+                    status[step.id] = "failed"
+                    self.errors[step.id] = str(exc)
+                    log.info("Episode %s: %s; going on (fail_task_on_error is false).",
+                             self.id[:8], reason)
+            finally:
+                done[step.id].set()
+
+        tasks = [asyncio.create_task(run(step)) for step in self.task.steps]
+        try:
+            await _first_error(tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run_step(self, step: Step) -> None:
+        handler = getattr(self, "_" + step.type)
+        try:
+            await handler(step)
+        except asyncio.TimeoutError:        # before OSError, of which it is a kind
+            raise EpisodeFailed("a call to the env timed out") from None
+        except (aiohttp.ClientError, McpError, OSError) as exc:
+            raise EpisodeFailed(await self.env_trouble(exc)) from None
+
+    async def _deploy_env(self, step: Step) -> None:
+        env = self.runtime.bundle.envs[_resolve_env(step.get("env_id"), self.runtime.bundle.envs,
+                                                    self.task.id)]
+        limits = {k: step.get(k) for k in ("cpu", "memory_mb") if step.get(k)}
+        instance = await self.runtime.sandbox.launch(env, self.id, limits)
+        self.instances.append(instance)
+        self.envs[step.get("env_id")] = await wait_ready(self.runtime.http, instance, env,
+                                                         self.runtime.deploy_timeout)
+
+    async def _apply_server_config(self, step: Step) -> None:
+        env = self.envs[step.get("env_id")]
+        timeout = float(step.get("timeout_seconds", 30))
+        for directive in step.get("directives"):
+            service = directive.get("service", directive.get("environment", "*"))
+            if service not in ("*", env.card_name):
+                raise EpisodeFailed(f"a directive names service {service!r}, but env "
+                                    f"{step.get('env_id')!r} serves {env.card_name!r}; use that or \"*\"")
+            await env.apply(self.runtime.http, directive["uri"], directive.get("args", {}), timeout,
+                            bool(step.get("tolerate_unadvertised", False)))
+
+    async def _deploy_agent(self, step: Step) -> None:
+        self.agent = step
+
+    async def _prompt_agent(self, step: Step) -> None:
+        agent = self.agent
+        assert agent is not None
+        role = agent.get("role")
+        headers = {ROLE_HEADER: role} if role else {}
+        sessions: list[McpSession] = []
+        tools: list[dict[str, Any]] = []
+        route: dict[str, McpSession] = {}
+        try:
+            for env_id in agent.get("env_ids", []):     # one MCP session per env per turn
+                env = self.envs[env_id]
+                session = McpSession(self.runtime.http, env.mcp_url, headers)
+                sessions.append(session)
+                await session.open()
+                for tool in await session.list_tools():
+                    if is_hidden(tool):
+                        continue
+                    if tool["name"] in route:
+                        raise EpisodeFailed(f"the tool {tool['name']!r} is offered by two envs of "
+                                            "the turn; tool names are unique within a turn")
+                    route[tool["name"]] = session
+                    tools.append(tool)
+            self.phase = "playing"
+            turn = Turn(self, step, step.get("prompt"), step.get("system_prompt") or
+                        agent.get("system_prompt"), tools, route)
+            self.turn = turn
+            self._signal()
+            timeout = float(step.get("timeout_seconds", 600))
+            try:
+                reply = await asyncio.wait_for(asyncio.shield(turn.ended), timeout)
+            except asyncio.TimeoutError:
+                raise EpisodeFailed(f"turn {step.id!r} was not ended within {timeout:g}s (its "
+                                    "prompt_agent step's timeout_seconds)") from None
+            self.replies[step.get("prompt_id") or step.id] = reply
+            self.phase = "scoring"
+        finally:
+            await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
+
+    async def _env_outcome_verifier(self, step: Step) -> None:
+        env = self.envs[step.get("env_id")]
+        artifact = step.get("file_artifact_id")
+        rows = await self.runtime.verify(artifact, env.mcp_url)
+        self._record(step, rows)
+
+    async def _agent_prompt_response_verifier(self, step: Step) -> None:
+        reply = self.replies.get(step.get("prompt_id"), "")
+        self._record(step, response_rows(step.get("criteria"), reply))
+
+    def _record(self, step: Step, rows: list[dict[str, Any]]) -> None:
+        try:
+            score = aggregate_score(rows, step.get("score_aggregator", "all_pass"))
+        except (TypeError, ValueError) as exc:
+            raise EpisodeFailed(f"its rows can't be scored ({exc}); a row's score and weight are "
+                                "numbers") from None
+        if score != score:
+            raise EpisodeFailed("its score is not a number (NaN); check the rows' scores")
+        self.scores[step.id] = score
+        self.verifications[step.id] = rows
+
+    def _score(self) -> Outcome:
+        step = self.task.reward_step
+        if step not in self.scores:
+            why = self.errors.get(step, "it did not run")
+            return Outcome("failed", dict(self.scores), None,
+                           f"no reward: the run recorded no score at step {step!r} ({why})")
+        return Outcome("scored", dict(self.scores), self.scores[step])
+
+
+async def _first_error(tasks: list[asyncio.Task]) -> None:
+    """Wait for every task; as soon as one fails, raise its error (the caller cancels the rest)."""
+    pending = set(tasks)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+
+
+# ================================================================ 7. Pool and runtime
+
+class Pool:
+    """The bound on live episodes: one semaphore. Past it, an episode waits its turn, and the
+    first time that happens the server says so once, with how to raise the limit."""
+
+    def __init__(self, limit: int):
+        if not isinstance(limit, int) or limit < 1:
+            raise AgentEnvError(f"--max-concurrent-envs must be a whole number of at least 1, not "
+                                f"{limit!r}")
+        self.limit = limit
+        self.waiting = 0
+        self._free = asyncio.Semaphore(limit)
+        self._warned = False
+
+    @property
+    def in_use(self) -> int:
+        return self.limit - self._free._value
+
+    async def acquire(self) -> None:
+        if self._free.locked() and not self._warned:
+            self._warned = True
+            log.warning("All %d episodes are in use, so new episodes wait their turn: raise "
+                        "--max-concurrent-envs (or MAX_CONCURRENT_ENVS) to run more at once.",
+                        self.limit)
+        self.waiting += 1
+        try:
+            await self._free.acquire()
+        finally:
+            self.waiting -= 1
+
+    def release(self) -> None:
+        self._free.release()
+
+
+class Runtime:
+    """What every episode of a served bundle shares: the bundle, the sandbox, the pool, one HTTP
+    client, the loaded verifiers, and the set of live episodes (so shutdown can end them all)."""
+
+    def __init__(self, bundle: Bundle, sandbox: str = "auto", max_concurrent_envs: int = 8,
+                 deploy_timeout: float = 180.0, verifier_timeout: float = 300.0):
+        self.bundle, self.sandbox_kind = bundle, sandbox
+        self.pool = Pool(max_concurrent_envs)
+        self.deploy_timeout, self.verifier_timeout = deploy_timeout, verifier_timeout
+        self.owner = owner_id()
+        self.live: set[Episode] = set()
+        self.sandbox: Sandbox = LocalSandbox(self.owner)
+        self.http: aiohttp.ClientSession | None = None
+        self._verifiers: dict[str, Callable] = {}
+        from concurrent.futures import ThreadPoolExecutor
+        self._verifier_threads = ThreadPoolExecutor(max_workers=16, thread_name_prefix="verifier")
+
+    async def start(self) -> Runtime:
+        """Open the sandbox (sweeping what a crashed run left, building images) and the client."""
+        self.sandbox = await open_sandbox(self.sandbox_kind, self.owner)
+        # Every env is prepared now, never inside an episode: a deploy then only starts a process.
+        await self.sandbox.prepare(list(self.bundle.envs.values()))
+        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False),
+                                          timeout=aiohttp.ClientTimeout(total=None))
+        return self
+
+    async def __aenter__(self) -> Runtime:
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def episode(self, task: Task, seed: dict[str, Any] | None = None) -> Episode:
+        """Start an episode of a task; it waits for a slot, then deploys."""
+        return Episode(self, task, seed).start()
+
+    async def verify(self, artifact: str, mcp_url: str) -> list[dict[str, Any]]:
+        """Run an artifact's ``verify(mcp_url)`` in a worker thread, within the verifier deadline."""
+        where = f"the verifier artifacts/{artifact}"
+        if artifact not in self._verifiers:
+            try:
+                self._verifiers[artifact] = load_verifier(self.bundle.verifiers[artifact])
+            except Exception as exc:                    # noqa: BLE001 - bundle code may raise anything
+                raise EpisodeFailed(f"{where} did not import: {type(exc).__name__}: {exc}") from None
+        loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(self._verifier_threads, run_verify, self._verifiers[artifact], mcp_url)
+        try:
+            rows = await asyncio.wait_for(job, self.verifier_timeout)
+        except asyncio.TimeoutError:
+            raise EpisodeFailed(f"{where} did not finish within {self.verifier_timeout:g}s") from None
+        except EpisodeFailed:
+            raise
+        except Exception as exc:                        # noqa: BLE001
+            raise EpisodeFailed(f"{where} raised {type(exc).__name__}: {exc}") from None
+        return check_rows(rows, where)
+
+    async def close(self, reason: str = "the server shut down") -> None:
+        """Abandon every live episode, wait for their teardown, and close the sandbox."""
+        await asyncio.gather(*(e.abandon(reason) for e in list(self.live)), return_exceptions=True)
+        await self.sandbox.close()
+        if self.http is not None:
+            await self.http.close()
+        self._verifier_threads.shutdown(wait=False)
+
+
+# ================================================================ 8. OpenEnv surface
+
+END_TURN = {"name": "end_turn",
+            "description": "End your turn with your reply. The episode goes on to your next turn, "
+                           "or ends and is scored.",
+            "input_schema": {"type": "object", "properties": {
+                "response": {"type": "string", "description": "Your reply."}}}}
+RESERVED_TOOLS = {"reset", "step", "state", "close", "end_turn"}
+ENDED = "the episode has ended; call reset"
+
+
+def envelope(observation: dict[str, Any], reward: float | None = None, done: bool = False,
+             ) -> dict[str, Any]:
+    """An OpenEnv observation as the wire carries it: reward and done at the top, metadata twice."""
+    body: dict[str, Any] = {"observation": observation, "reward": reward, "done": done}
+    if observation.get("metadata"):
+        body["metadata"] = observation["metadata"]
+    return body
+
+
+class OpenEnvSession:
+    """One OpenEnv session (a /ws connection): one episode at a time, reset by split and index.
+
+    It maps a bundle onto OpenEnv as AgentEnv does: ``reset`` plays a task, ``list_tools`` and
+    ``call_tool`` play its turn, and the added ``end_turn`` tool hands over the next prompt or,
+    after the last turn, the reward and the scores. A failure is an observation, never a crash.
+    """
+
+    def __init__(self, runtime: Runtime, tool_timeout: float):
+        self.runtime, self.tool_timeout = runtime, tool_timeout
+        self.episode: Episode | None = None
+        self.where: dict[str, Any] | None = None
+        self.step_count = 0
+
+    async def reset(self, data: dict[str, Any]) -> dict[str, Any]:
+        await self.close("reset")
+        split, index = data.get("split"), data.get("index")
+        self.step_count, self.where = 0, None
+        if (split is None) != (index is None):
+            return self._error("split and index go together: give both, or neither for the first "
+                               "task served")
+        bundle = self.runtime.bundle
+        try:
+            task = bundle.task(split or "all", 0 if index is None else index)
+        except LookupError as exc:
+            return self._error(str(exc))
+        self.where = {"id": task.id, "name": task.name, "split": split or "all", "index": index or 0}
+        self.episode = self.runtime.episode(task)
+        return await self._next_turn()
+
+    async def step(self, action: Any) -> dict[str, Any]:
+        if not isinstance(action, dict):
+            return self._error("a step's data is an action object such as {\"type\": \"list_tools\"}")
+        episode = self.episode
+        if episode is None or episode.outcome is not None:
+            return self._error(ENDED)
+        turn = episode.turn
+        assert turn is not None
+        self.step_count += 1
+        kind = action.get("type")
+        if kind == "list_tools":
+            return envelope({"tools": [*turn.tool_specs, END_TURN], "metadata": {}})
+        if kind != "call_tool":
+            return self._error(f"unknown action type {kind!r}; use list_tools or call_tool")
+        name, arguments = action.get("tool_name"), action.get("arguments") or {}
+        if name == "end_turn":
+            response = arguments.get("response", "") if isinstance(arguments, dict) else ""
+            turn.end(response if isinstance(response, str) else json.dumps(response))
+            return await self._next_turn(tool_name="end_turn")
+        try:
+            result = await turn.call(name, arguments, self.tool_timeout)
+        except ToolTimeout as exc:
+            return envelope({"tool_name": name, "result": None, "metadata": self._meta(),
+                             "error": {"error_type": "timeout", "message": str(exc)}}, None, True)
+        except EpisodeFailed as exc:
+            return self._error(str(exc), tool_name=name)
+        if name not in turn.route:
+            return envelope({"tool_name": name, "result": None, "metadata": {},
+                             "error": {"error_type": "tool_not_found", "message": result.text}})
+        return envelope({"tool_name": name, "error": None, "metadata": {}, "result": {
+            "content": [{"type": "text", "text": result.text}], "structured_content": None,
+            "meta": None, "data": result.text, "is_error": result.is_error}})
+
+    def state(self) -> dict[str, Any]:
+        episode = self.episode
+        return {"episode_id": episode.id if episode else None, "step_count": self.step_count,
+                "task_id": (self.where or {}).get("id"), "split": (self.where or {}).get("split"),
+                "index": (self.where or {}).get("index"),
+                "turn": episode.turn.id if episode and episode.turn else None,
+                "done": episode is None or episode.outcome is not None}
+
+    async def close(self, reason: str = "the session closed") -> None:
+        if self.episode is not None:
+            episode, self.episode = self.episode, None
+            await episode.abandon(reason)
+
+    async def _next_turn(self, tool_name: str | None = None) -> dict[str, Any]:
+        episode = self.episode
+        assert episode is not None
+        try:
+            turn = await episode.next_turn()
+        except EpisodeFailed as exc:
+            return self._error(str(exc), tool_name)
+        extra = {"tool_name": tool_name, "error": None} if tool_name else {}
+        if turn is not None:
+            if reserved := sorted(RESERVED_TOOLS & set(turn.route)):
+                await episode.abandon("reserved tool names")
+                return self._error(f"the env offers tools OpenEnv reserves: {', '.join(reserved)}; "
+                                   "rename them in the env")
+            prompt = {"prompt": turn.prompt, "system_prompt": turn.system_prompt}
+            if tool_name:
+                return envelope({**extra, "result": prompt, "metadata": {}})
+            return envelope({"metadata": {**prompt, "task": self.where}})
+        outcome = await episode.result()
+        return envelope({**extra, "result": None,
+                         "metadata": {"scores": outcome.scores, "task": self.where}},
+                        outcome.reward, True)
+
+    def _meta(self) -> dict[str, Any]:
+        return {"status": "error", "task": self.where}
+
+    def _error(self, message: str, tool_name: str | None = None) -> dict[str, Any]:
+        observation: dict[str, Any] = {"metadata": {"status": "error", "error": message,
+                                                    "task": self.where}}
+        if tool_name:
+            observation.update(tool_name=tool_name, result=None, error=None)
+        return envelope(observation, None, True)
+
+
+class Server:
+    """The aiohttp app that serves a bundle: OpenEnv's routes, over one runtime and its pool."""
+
+    def __init__(self, runtime: Runtime, tool_timeout: float = 55.0, host: str = "127.0.0.1",
+                 port: int = 8000):
+        from aiohttp import web
+        self.runtime, self.tool_timeout = runtime, tool_timeout
+        self.host, self.port = host, port
+        self.sessions: set[OpenEnvSession] = set()
+        self.app = web.Application()
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/metadata", self.metadata)
+        self.app.router.add_get("/ws", self.ws)
+        self.app.on_startup.append(self._start)
+        self.app.on_shutdown.append(self._shutdown)
+
+    async def _start(self, app: Any) -> None:
+        await self.runtime.start()
+        bundle, url = self.runtime.bundle, f"http://{self.host}:{self.port}"
+        log.info("Serving %s: %d tasks in the splits %s, up to %d episodes at once, envs in the %s "
+                    "sandbox, at %s (OpenEnv: %s/ws).", bundle.name, len(bundle.tasks),
+                 ", ".join(bundle.splits), self.runtime.pool.limit, self.runtime.sandbox.kind, url, url)
+
+    async def _shutdown(self, app: Any) -> None:
+        log.info("Shutting down: ending %d live episode(s) and tearing their envs down.",
+                    len(self.runtime.live))
+        await asyncio.gather(*(s.close("the server shut down") for s in list(self.sessions)),
+                             return_exceptions=True)
+        await self.runtime.close()
+
+    async def health(self, request: Any) -> Any:
+        from aiohttp import web
+        return web.json_response({"status": "healthy"})
+
+    async def metadata(self, request: Any) -> Any:
+        from aiohttp import web
+        bundle = self.runtime.bundle
+        return web.json_response({"name": bundle.name, "description": bundle.description,
+                                  "readme_content": None, "version": __version__,
+                                  "author": None, "documentation_url": None})
+
+    async def ws(self, request: Any) -> Any:
+        from aiohttp import web
+        socket_ = web.WebSocketResponse(heartbeat=20, max_msg_size=16 * 2**20)
+        await socket_.prepare(request)
+        session = OpenEnvSession(self.runtime, self.tool_timeout)
+        self.sessions.add(session)
+        try:
+            async for message in socket_:
+                if message.type != aiohttp.WSMsgType.TEXT:
+                    continue
+                reply = await self._answer(session, message.data)
+                if reply is None:
+                    break
+                await socket_.send_json(reply)
+        finally:
+            self.sessions.discard(session)
+            await session.close()
+        return socket_
+
+    async def _answer(self, session: OpenEnvSession, text: str) -> dict[str, Any] | None:
+        try:
+            message = json.loads(text)
+        except ValueError as exc:
+            return {"type": "error", "data": {"message": f"Invalid JSON: {exc}",
+                                              "code": "INVALID_JSON"}}
+        kind = message.get("type") if isinstance(message, dict) else None
+        data = message.get("data") if isinstance(message, dict) else None
+        if kind == "reset":
+            return {"type": "observation", "data": await session.reset(data or {})}
+        if kind == "step":
+            return {"type": "observation", "data": await session.step(data)}
+        if kind == "state":
+            return {"type": "state", "data": session.state()}
+        if kind == "close":
+            return None
+        return {"type": "error", "data": {"message": f"Unknown message type: {kind}",
+                                          "code": "UNKNOWN_TYPE"}}
+
+
+# ================================================================ 9. CLI
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise AgentEnvError(f"{name}={value!r} is not a whole number; set it to one, such as 8") from None
+
+
+async def check(folder: str, sandbox: str, reward: str | None, out: Callable[[str], None] = print) -> None:
+    """Load a bundle, show its splits, tasks and toolsets, and play one episode per toolset as far
+    as its first turn to list the tools that turn offers; then tear down."""
+    bundle = Bundle.load(folder, reward)
+    out(f"bundle {bundle.name}: {bundle.description or '(no README.md description)'}")
+    out("splits: " + ", ".join(f"{name} ({len(tasks)} task{'s' if len(tasks) != 1 else ''})"
+                               for name, tasks in bundle.splits.items()))
+    width = max(len(t.name) for t in bundle.splits["all"])
+    out("tasks:")
+    for task in bundle.splits["all"]:
+        out(f"  {task.name:<{width}}  toolset {task.toolset.name}  turns {len(task.turns)}  "
+            f"reward {task.reward_step}")
+    async with Runtime(bundle, sandbox=sandbox) as runtime:
+        out(f"sandbox: {runtime.sandbox.kind}")
+        out("toolsets:")
+        failed = []
+        for toolset, tasks in bundle.toolsets.items():
+            episode = runtime.episode(tasks[0])
+            started = time.monotonic()
+            try:
+                turn = await episode.next_turn()
+                assert turn is not None
+                shown = ", ".join(t["name"] for t in turn.tools) or "(none)"
+                out(f"  {toolset.name} ({len(tasks)} task{'s' if len(tasks) != 1 else ''}), played "
+                    f"with {tasks[0].name} in {time.monotonic() - started:.2f}s: {shown}")
+            except EpisodeFailed as exc:
+                failed.append(toolset.name)
+                out(f"  {toolset.name}: the episode of {tasks[0].name} failed: {exc}")
+            finally:
+                await episode.abandon("check is done")
+        if failed:
+            raise AgentEnvError(f"the toolsets {', '.join(failed)} did not play; see above")
+        out("ok: every toolset deployed, and every env was torn down")
+
+
+def serve(args: argparse.Namespace) -> None:
+    from aiohttp import web
+    limit = args.max_concurrent_envs or _env_int("MAX_CONCURRENT_ENVS", 8)
+    bundle = Bundle.load(args.bundle, args.reward)
+    runtime = Runtime(bundle, sandbox=args.sandbox, max_concurrent_envs=limit)
+    server = Server(runtime, tool_timeout=args.tool_timeout, host=args.host, port=args.port)
+    web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None,
+                shutdown_timeout=30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="agentenv.py", description="Serve a bundle of agent tasks as training environments.")
+    parser.add_argument("--version", action="version", version=f"agentenv.py {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what every episode does")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def bundle_options(cmd: argparse.ArgumentParser) -> None:
+        cmd.add_argument("bundle", metavar="BUNDLE", help="the bundle's folder")
+        cmd.add_argument("--sandbox", choices=("auto", "docker", "local"), default="auto",
+                         help="where envs run: docker, local processes, or auto (docker when a "
+                              "daemon answers, else local; the default)")
+        cmd.add_argument("--reward", metavar="STEP", default=None,
+                         help="the scoring step whose score is the reward, for tasks with several")
+
+    check_cmd = commands.add_parser(
+        "check", help="load a bundle and deploy one episode per toolset",
+        description="Load a bundle, print its splits, tasks and toolsets, deploy one episode per "
+                    "toolset, print the tools each offers, and tear everything down.")
+    bundle_options(check_cmd)
+    serve_cmd = commands.add_parser(
+        "serve", help="serve a bundle's tasks as OpenEnv envs",
+        description="Serve every task of a bundle from one aiohttp app: the OpenEnv wire (/health, "
+                    "/metadata, WebSocket /ws), with the splits 'all' and one per eval, out of one "
+                    "pool of episodes. SIGINT or SIGTERM tears every live episode down and exits.")
+    bundle_options(serve_cmd)
+    serve_cmd.add_argument("--host", default="127.0.0.1", help="the address to bind (127.0.0.1)")
+    serve_cmd.add_argument("--port", type=int, default=8000, help="the port (8000)")
+    serve_cmd.add_argument("--max-concurrent-envs", type=int, default=None, metavar="N",
+                           help="episodes live at once; past it, new ones wait (default: "
+                                "MAX_CONCURRENT_ENVS, else 8)")
+    serve_cmd.add_argument("--tool-timeout", type=float, default=55.0, metavar="SECONDS",
+                           help="a tool call's deadline (55, inside OpenEnv clients' 60 s)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    # serve narrates what it does; check prints its own report and logs only trouble
+    logging.getLogger("agentenv").setLevel(
+        logging.INFO if args.verbose or args.command == "serve" else logging.WARNING)
+    if args.verbose:
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    try:
+        if args.command == "check":
+            asyncio.run(check(args.bundle, args.sandbox, args.reward))
+        elif args.command == "serve":
+            serve(args)
+    except AgentEnvError as exc:
+        print(f"agentenv.py {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
