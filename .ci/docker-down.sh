@@ -17,10 +17,10 @@ if [ "$(cat "/proc/$pid/comm" 2>/dev/null)" != dockerd ]; then
     exit 0
 fi
 
-ids=$(timeout 20 docker ps -aq 2>/dev/null || true)
+ids=$(timeout -k 2 20 docker ps -aq 2>/dev/null || true)
 if [ -n "$ids" ]; then
     echo "[docker-down] removing $(echo "$ids" | wc -l) leftover container(s)"
-    timeout 60 docker rm -f $ids >/dev/null || true
+    timeout -k 2 60 docker rm -f $ids >/dev/null || true
 fi
 
 kill -TERM "$pid"          # dockerd stops the containerd it spawned itself

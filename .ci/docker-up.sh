@@ -34,10 +34,12 @@ secs() { awk -v a="$1" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }'; }
 step_begin() { STEP=$1; T_STEP=$EPOCHREALTIME; }
 step_done()  { printf '[docker-up] %-14s %6ss  %s\n' "$STEP" "$(secs "$T_STEP")" "$1"; }
 note()       { printf '[docker-up]                         %s\n' "$*"; }
+# Every docker call is bounded: a wedged daemon must fail CI, not hang it.
+dk()         { timeout -k 5 "${DK_TIMEOUT:-180}" docker "$@"; }
 die()        { printf '[docker-up] FAILED in step %s: %s\n' "${STEP:-?}" "$*" >&2; exit 1; }
 
 cleanup() {
-    docker rm -f "$VERIFY_NAME" >/dev/null 2>&1 || true
+    dk rm -f "$VERIFY_NAME" >/dev/null 2>&1 || true
     unmount_under "$ROOTFS" 2>/dev/null || true
 }
 trap cleanup EXIT
@@ -84,7 +86,7 @@ debian_mirror() {
 
 # Does the image give python 3.11 with the modules the project relies on?
 image_ok() {
-    timeout 60 docker run --rm --network none "$IMAGE" python -c '
+    DK_TIMEOUT=60 dk run --rm --network none "$IMAGE" python -c '
 import sys, ssl, sqlite3, json, http.server
 assert sys.version_info[:2] == (3, 11), sys.version
 print(sys.version.split()[0])' 2>&1
@@ -93,8 +95,9 @@ print(sys.version.split()[0])' 2>&1
 [ "$(id -u)" = 0 ] || { echo "docker-up.sh must run as root" >&2; exit 1; }
 mkdir -p "$STATE"
 # Serialise concurrent runs (several sessions may call this at once).
-exec 9>"$STATE/docker-up.lock"
-flock -w 900 9 || die "another docker-up.sh holds $STATE/docker-up.lock"
+# (fd 9 must not leak into the long-lived dockerd, or it would hold the lock forever.)
+exec 9>"$STATE/up.lock"
+flock -w 900 9 || die "another docker-up.sh holds $STATE/up.lock"
 
 # ---- 1. packages -----------------------------------------------------------
 step_begin packages
@@ -112,7 +115,8 @@ fi
 
 # ---- 2. daemon -------------------------------------------------------------
 step_begin dockerd
-daemon_answers() { timeout 10 docker info >/dev/null 2>&1; }
+# Bounded: a request stuck in the daemon must not hang this poll.
+daemon_answers() { DK_TIMEOUT=10 dk info >/dev/null 2>&1; }
 our_pid_alive() {
     local p
     p=$(cat "$DPID" 2>/dev/null) || return 1
@@ -124,7 +128,8 @@ else
     if our_pid_alive; then
         note "dockerd $(cat "$DPID") (ours) is running but not answering yet; waiting for it"
     else
-        setsid nohup dockerd >"$DLOG" 2>&1 </dev/null &
+        [ -f "$DLOG" ] && mv -f "$DLOG" "$DLOG.prev"   # keep the previous daemon's log
+        setsid nohup dockerd >"$DLOG" 2>&1 </dev/null 9>&- &
         echo $! >"$DPID"
     fi
     pid=$(cat "$DPID")
@@ -142,21 +147,21 @@ else
     done
     step_done "started dockerd pid $pid (log $DLOG)"
 fi
-note "$(docker info --format 'server {{.ServerVersion}}, storage {{.Driver}}, cgroup {{.CgroupDriver}} v{{.CgroupVersion}}')"
+note "$(dk info --format 'server {{.ServerVersion}}, storage {{.Driver}}, cgroup {{.CgroupDriver}} v{{.CgroupVersion}}')"
 
 # ---- 3. python:3.11-slim stand-in -----------------------------------------
 step_begin image
-have_image() { docker image inspect "$IMAGE" >/dev/null 2>&1; }
+have_image() { dk image inspect "$IMAGE" >/dev/null 2>&1; }
 how=""
 if have_image; then
     how="$IMAGE already present"
 elif [ -s "$CACHE" ]; then
-    if gzip -t "$CACHE" 2>/dev/null && docker load -q -i "$CACHE" >/dev/null 2>&1 && have_image &&
+    if gzip -t "$CACHE" 2>/dev/null && dk load -q -i "$CACHE" >/dev/null 2>&1 && have_image &&
         image_ok >/dev/null; then
         how="loaded from cache $CACHE"
     else
         note "cached image $CACHE is unusable; deleting it and rebuilding"
-        docker rmi -f "$IMAGE" >/dev/null 2>&1 || true
+        dk rmi -f "$IMAGE" >/dev/null 2>&1 || true
         rm -f "$CACHE"
     fi
 fi
@@ -176,7 +181,7 @@ if [ -z "$how" ]; then
     rm -rf "$ROOTFS"/var/cache/apt/archives/*.deb "$ROOTFS"/var/cache/apt/*.bin \
            "$ROOTFS"/var/lib/apt/lists/*
     tar -C "$ROOTFS" --numeric-owner -c . |
-        docker import \
+        dk import \
             --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
             --change 'ENV LANG=C.UTF-8' \
             --change 'CMD ["python3"]' \
@@ -186,7 +191,7 @@ if [ -z "$how" ]; then
 fi
 # Keep a cache so a re-run (even after /var/lib/docker is wiped) avoids debootstrap.
 if [ ! -s "$CACHE" ]; then
-    docker save "$IMAGE" | gzip -1 >"$CACHE.tmp"
+    dk save "$IMAGE" | gzip -1 >"$CACHE.tmp"
     mv -f "$CACHE.tmp" "$CACHE"
     how="$how; cached as $CACHE ($(du -h "$CACHE" | cut -f1))"
 fi
@@ -195,14 +200,14 @@ step_done "$how"
 # ---- 4. verification -------------------------------------------------------
 step_begin verify-run
 out=$(image_ok) || { echo "$out" >&2; die "$IMAGE cannot import ssl/sqlite3/json/http.server"; }
-out2=$(timeout 60 docker run --rm "$IMAGE" python -c 'import ssl,sqlite3; print("ok")') || die "docker run --rm failed"
+out2=$(DK_TIMEOUT=60 dk run --rm "$IMAGE" python -c 'import ssl,sqlite3; print("ok")') || die "docker run --rm failed"
 [ "$out2" = ok ] || die "docker run --rm printed '$out2', expected 'ok'"
 step_done "docker run --rm $IMAGE: python $out, ssl+sqlite3 ok"
 
 step_begin verify-port
-docker run -d --name "$VERIFY_NAME" -p 127.0.0.1::8000 -w /tmp "$IMAGE" \
+dk run -d --name "$VERIFY_NAME" -p 127.0.0.1::8000 -w /tmp "$IMAGE" \
     python -m http.server 8000 >/dev/null
-hostport=$(docker port "$VERIFY_NAME" 8000/tcp | head -1)
+hostport=$(dk port "$VERIFY_NAME" 8000/tcp | head -1)
 [ -n "$hostport" ] || die "no host port published for 8000/tcp"
 http_status() {   # prints the HTTP status line from 127.0.0.1:PORT, or nothing
     if command -v curl >/dev/null; then
@@ -220,10 +225,10 @@ while [ $SECONDS -lt $deadline ]; do
     sleep 0.2
 done
 if [ "$code" != 200 ]; then
-    docker logs "$VERIFY_NAME" 2>&1 | tail -10 >&2
+    dk logs "$VERIFY_NAME" 2>&1 | tail -10 >&2
     die "http.server in a container did not answer on $hostport within 10 s (last status '${code}')"
 fi
-docker rm -f "$VERIFY_NAME" >/dev/null
+dk rm -f "$VERIFY_NAME" >/dev/null
 step_done "container http.server answered HTTP 200 on $hostport; removed"
 
 printf '[docker-up] all done in %ss\n' "$(secs "$T_START")"
