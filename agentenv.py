@@ -340,6 +340,7 @@ def parse_dockerfile(text: str) -> tuple[tuple[str, ...], dict[str, str]]:
     text = re.sub(r"\\\r?\n", " ", text)
     entrypoint: list[str] = []
     cmd: list[str] = []
+    cmd_set = False                      # whether this stage wrote its own CMD
     env: dict[str, str] = {}
     for line in text.splitlines():
         line = line.strip()
@@ -347,7 +348,9 @@ def parse_dockerfile(text: str) -> tuple[tuple[str, ...], dict[str, str]]:
             continue
         word, _, rest = line.partition(" ")
         word, rest = word.upper(), rest.strip()
-        if word in ("CMD", "ENTRYPOINT"):
+        if word == "FROM":               # a new stage: only the last one's settings count
+            entrypoint, cmd, cmd_set, env = [], [], False, {}
+        elif word in ("CMD", "ENTRYPOINT"):
             if rest.startswith("["):
                 try:
                     argv = json.loads(rest)
@@ -356,9 +359,10 @@ def parse_dockerfile(text: str) -> tuple[tuple[str, ...], dict[str, str]]:
             else:
                 argv = ["/bin/sh", "-c", rest]
             if word == "CMD":
-                cmd = argv
+                cmd, cmd_set = argv, True
             else:
-                entrypoint, cmd = argv, []   # a later ENTRYPOINT resets CMD, as Docker does
+                entrypoint = argv        # Docker drops an inherited CMD here, not the stage's own
+                cmd = cmd if cmd_set else []
         elif word == "ENV":
             if "=" in rest.split(" ")[0]:
                 for pair in shlex.split(rest):
@@ -502,8 +506,18 @@ def _check_task(path: Path, task_id: str, steps: list[Step], envs: dict[str, Env
     deployed: dict[str, str] = {}        # env_id as written -> env folder name
     agents: dict[str, Step] = {}
     prompt_ids: set[str] = set()
+    made_by: dict[tuple[str, str], str] = {}    # (kind, name) -> the step that makes it
+    ancestors: dict[str, set[str]] = {}
     for step in steps:
         sat = f"{at} step {step.id!r}"
+        ancestors[step.id] = set(step.depends_on).union(*(ancestors[d] for d in step.depends_on))
+
+        def needs(kind: str, thing: str, what: str) -> None:
+            # A step may use only what a step it waits for (directly or not) has made.
+            maker = made_by.get((kind, thing))
+            if maker is not None and maker not in ancestors[step.id]:
+                problems.append(f"{sat}: uses {what}, made by step {maker!r}, without waiting for "
+                                f"it; add {maker!r} to its depends_on")
         if step.type == "deploy_env":
             env_id = step.get("env_id")
             env = _resolve_env(env_id, envs, task_id)
@@ -514,10 +528,12 @@ def _check_task(path: Path, task_id: str, steps: list[Step], envs: dict[str, Env
                 problems.append(f"{sat}: deploys {env_id!r} a second time; deploy each env once")
             else:
                 deployed[env_id] = env
+                made_by[("env", env_id)] = step.id
         elif step.type in ("apply_server_config", "env_outcome_verifier"):
             if step.get("env_id") not in deployed:
                 problems.append(f"{sat}: env_id {step.get('env_id')!r} is not deployed by an earlier "
                                 "deploy_env step of the task")
+            needs("env", step.get("env_id"), f"env {step.get('env_id')!r}")
         if step.type == "apply_server_config":
             _check_directives(step, sat, problems)
         elif step.type == "deploy_agent":
@@ -525,6 +541,7 @@ def _check_task(path: Path, task_id: str, steps: list[Step], envs: dict[str, Env
             if agent in agents:
                 problems.append(f"{sat}: deploys agent {agent!r} a second time")
             agents[agent] = step
+            made_by[("agent", agent)] = step.id
             env_ids = step.get("env_ids", [])
             if not isinstance(env_ids, list) or not all(isinstance(e, str) for e in env_ids):
                 problems.append(f"{sat}: env_ids must be a list of env ids")
@@ -533,15 +550,18 @@ def _check_task(path: Path, task_id: str, steps: list[Step], envs: dict[str, Env
                     if env_id not in deployed:
                         problems.append(f"{sat}: env_ids names {env_id!r}, which no earlier deploy_env "
                                         "step of the task deploys")
+                    needs("env", env_id, f"env {env_id!r}")
         elif step.type == "prompt_agent":
             agent = step.get("agent_name", DEFAULT_AGENT)
             if agent not in agents:
                 problems.append(f"{sat}: prompts agent {agent!r}, which no earlier deploy_agent step "
                                 "deploys")
+            needs("agent", agent, f"agent {agent!r}")
             if not isinstance(step.get("prompt"), str) or not step.get("prompt").strip():
                 problems.append(f"{sat}: prompt must be non-empty text")
             if step.get("prompt_id"):
                 prompt_ids.add(step.get("prompt_id"))
+                made_by[("prompt", step.get("prompt_id"))] = step.id
         elif step.type == "env_outcome_verifier":
             artifact = step.get("file_artifact_id")
             if artifact not in verifiers:
@@ -556,6 +576,7 @@ def _check_task(path: Path, task_id: str, steps: list[Step], envs: dict[str, Env
             if step.get("prompt_id") not in prompt_ids:
                 problems.append(f"{sat}: prompt_id {step.get('prompt_id')!r} names no earlier "
                                 "prompt_agent step; give that step the same prompt_id")
+            needs("prompt", step.get("prompt_id"), f"the reply to prompt {step.get('prompt_id')!r}")
             _check_criteria(step, sat, problems)
     if len(agents) > 1:
         problems.append(f"{at}: deploys agents {', '.join(sorted(agents))}; agentenv.py plays one "
@@ -730,8 +751,9 @@ class Instance:
 
     base_url: str
 
-    async def exited(self) -> str | None:
-        """None while the env runs; once it has stopped, a sentence saying how."""
+    async def exited(self, settle: float = 0.0) -> str | None:
+        """None while the env runs; once it has stopped, a sentence saying how. ``settle`` is how
+        long to wait for an exit that a dropped connection suggests is under way."""
         raise NotImplementedError
 
     async def output(self) -> str:
@@ -797,7 +819,10 @@ class LocalInstance(Instance):
         while line := await self.proc.stdout.readline():
             self.lines.append(line.decode(errors="replace").rstrip())
 
-    async def exited(self) -> str | None:
+    async def exited(self, settle: float = 0.0) -> str | None:
+        if settle and self.proc.returncode is None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self.proc.wait()), settle)
         code = self.proc.returncode
         return None if code is None else f"its process exited with code {code}"
 
@@ -834,7 +859,7 @@ class LocalSandbox(Sandbox):
 
     def __init__(self, owner: str):
         super().__init__(owner)
-        self.records = state_dir() / "local" / owner.replace(":", "_")
+        self.records = state_dir() / "local" / owner
 
     async def prepare(self, envs: list[EnvSpec]) -> None:
         root = self.records.parent
@@ -842,13 +867,13 @@ class LocalSandbox(Sandbox):
             return
         killed = 0
         for folder in root.iterdir():
-            if folder == self.records or owner_alive(folder.name.replace("_", ":")) is not False:
+            if folder == self.records or owner_alive(folder.name) is not False:
                 continue
             for record in folder.iterdir():
-                pid, started = int(record.name), record.read_text().strip()
-                if started and _process_start(pid) == started:
+                pid, started = record.name, record.read_text().strip()
+                if pid.isdigit() and started and _process_start(int(pid)) == started:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(pid, signal.SIGKILL)
+                        os.killpg(int(pid), signal.SIGKILL)
                         killed += 1
                 record.unlink(missing_ok=True)
             with contextlib.suppress(OSError):
@@ -899,8 +924,8 @@ class DockerInstance(Instance):
         self.base_url = f"http://127.0.0.1:{port}"
         self._checked = 0.0
 
-    async def exited(self) -> str | None:
-        if time.monotonic() - self._checked < 0.5:     # a daemon round trip at most twice a second
+    async def exited(self, settle: float = 0.0) -> str | None:
+        if not settle and time.monotonic() - self._checked < 0.5:   # a daemon call twice a second
             return None
         self._checked = time.monotonic()
         try:
@@ -943,6 +968,7 @@ class DockerSandbox(Sandbox):
         self.limit = asyncio.Semaphore(ops)
         self.threads = ThreadPoolExecutor(max_workers=ops + 4, thread_name_prefix="docker")
         self.removals: set[asyncio.Task] = set()
+        self.creating: set[asyncio.Future] = set()
 
     @classmethod
     async def connect(cls, owner: str) -> DockerSandbox:
@@ -1019,17 +1045,22 @@ class DockerSandbox(Sandbox):
         if limits.get("memory_mb"):
             options["mem_limit"] = f"{int(limits['memory_mb'])}m"
 
-        def create_and_start() -> Any:
+        def create_and_start() -> tuple[Any, str]:
             container = self.client.containers.create(**options)
             try:
                 container.start()
-                for _ in range(50):     # the published port shows once the daemon has bound it
+                for _ in range(100):    # the published port shows once the daemon has bound it
+                    container.reload()
                     ports = (container.attrs.get("NetworkSettings") or {}).get("Ports") or {}
                     if ports.get(f"{ENV_PORT}/tcp"):
                         return container, ports[f"{ENV_PORT}/tcp"][0]["HostPort"]
+                    state = container.attrs.get("State") or {}
+                    if state.get("Status") in ("exited", "dead"):
+                        output = container.logs(tail=OUTPUT_LINES).decode(errors="replace")
+                        raise RuntimeError(f"its container exited with code {state.get('ExitCode')} "
+                                           f"as it started. Its last output:\n{short(output)}")
                     time.sleep(0.02)
-                    container.reload()
-                raise RuntimeError("the daemon published no port for the container")
+                raise RuntimeError("the daemon published no port for its container within 2s")
             except BaseException:
                 container.remove(force=True)
                 raise
@@ -1039,12 +1070,22 @@ class DockerSandbox(Sandbox):
             self.removals.add(task)
             task.add_done_callback(self.removals.discard)
 
-        try:
-            container, port = await guarded(self.call(create_and_start, timeout=120), undo)
-        except (asyncio.TimeoutError, asyncio.CancelledError):
-            raise
-        except Exception as exc:                        # noqa: BLE001
-            raise EpisodeFailed(f"env {env.name!r} could not start a container: {short(str(exc), 500)}")
+        # The thread's own future is kept until the thread ends, so neither a deadline nor an
+        # abandoned episode nor close() can lose a container that is still being created.
+        async with self.limit:
+            job = asyncio.get_running_loop().run_in_executor(self.threads, create_and_start)
+            self.creating.add(job)
+            job.add_done_callback(self.creating.discard)
+            try:
+                container, port = await asyncio.wait_for(guarded(job, undo), 120)
+            except asyncio.TimeoutError:
+                raise EpisodeFailed(f"env {env.name!r}: the Docker daemon did not create and start "
+                                    "its container within 120s; it may be overloaded (lower "
+                                    "--max-concurrent-envs)") from None
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:                    # noqa: BLE001 - docker raises many kinds
+                raise EpisodeFailed(f"env {env.name!r} did not come up: {short(str(exc), 2500)}") from None
         return DockerInstance(self, container, port)
 
     async def remove(self, container: Any) -> None:
@@ -1062,8 +1103,13 @@ class DockerSandbox(Sandbox):
                   container.short_id, error, container.short_id)
 
     async def close(self) -> None:
+        """Wait for containers still being created (they are removed as they appear), then for
+        every removal under way."""
+        if self.creating:
+            await asyncio.wait(set(self.creating), timeout=150)
+            await asyncio.sleep(0)          # let their done-callbacks schedule the removals
         if self.removals:
-            await asyncio.gather(*self.removals, return_exceptions=True)
+            await asyncio.gather(*set(self.removals), return_exceptions=True)
         self.threads.shutdown(wait=False)
 
 
@@ -1078,7 +1124,7 @@ async def open_sandbox(kind: str, owner: str) -> Sandbox:
     try:
         return await DockerSandbox.connect(owner)
     except AgentEnvError as exc:
-        log.info("%s. Envs run as local processes instead (--sandbox local).",
+        log.warning("%s. Envs run as local processes instead (--sandbox local), with no isolation.",
                  str(exc).split(";")[0].capitalize())
         return LocalSandbox(owner)
 
@@ -1314,10 +1360,11 @@ async def wait_ready(http: aiohttp.ClientSession, instance: Instance, env: EnvSp
             return DeployedEnv(env, instance, mcp_url, card, tools)
         except (aiohttp.ClientError, asyncio.TimeoutError, McpError, ValueError) as exc:
             last = f"{type(exc).__name__}: {exc}"
-        if time.monotonic() + delay > deadline:
+        if time.monotonic() >= deadline:
             raise EpisodeFailed(f"env {env.name!r} was not ready within {timeout:g}s (last: {last}). "
                                 f"Its last output:\n{short(await instance.output())}")
-        await asyncio.sleep(delay)          # polling: a server that isn't listening sends no event
+        # polling: a server that isn't listening yet sends no event to wait for
+        await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
         delay = min(delay * 2, 0.25)
 
 
@@ -1442,7 +1489,7 @@ class Turn:
     async def call(self, name: str, arguments: Any, timeout: float | None = None) -> ToolResult:
         """Call a tool of this turn. A mistake the model made comes back as an error result it can
         learn from; an env that fails or misses ``timeout`` fails the episode (EpisodeFailed)."""
-        if self.ended.done():
+        if self.ended.done() or self.episode._stop is not None:
             raise AgentEnvError(f"turn {self.id!r} has ended; call the tools of the current turn")
         session = self.route.get(name)
         if session is None:
@@ -1502,14 +1549,26 @@ class Episode:
 
     def start(self) -> Episode:
         self._driver = asyncio.create_task(self._drive(), name=f"episode {self.id}")
+        self._driver.add_done_callback(self._driver_done)
         self.runtime.live.add(self)
         return self
+
+    def _driver_done(self, driver: asyncio.Task) -> None:
+        # A driver cancelled before its first step never ran its own cleanup: nothing was
+        # deployed and no slot taken, so closing the episode is all there is to do.
+        if not self.closed.is_set():
+            status, reason = self._stop or ("abandoned", "the episode was cancelled")
+            self._settle(Outcome(status, dict(self.scores), None, reason))
+            self.phase = "closed"
+            self.runtime.live.discard(self)
+            self.closed.set()
+            self._signal()
 
     async def next_turn(self) -> Turn | None:
         """The open turn, once the steps before it have run; None once the episode is scored.
         Raises EpisodeFailed if the environment failed it, or it was abandoned."""
         while True:
-            if self.turn is not None and not self.turn.ended.done():
+            if self.turn is not None and not self.turn.ended.done() and self._stop is None:
                 return self.turn
             if self.outcome is not None:
                 if self.outcome.status == "scored":
@@ -1520,7 +1579,7 @@ class Episode:
     async def result(self) -> Outcome:
         """The outcome, once the steps after the last turn (the verifiers) have run."""
         while self.outcome is None:
-            if self.turn is not None and not self.turn.ended.done():
+            if self.turn is not None and not self.turn.ended.done() and self._stop is None:
                 raise AgentEnvError(f"turn {self.turn.id!r} isn't ended, so the episode can't be "
                                     "scored yet; end it first")
             await self._wait_change()
@@ -1538,7 +1597,7 @@ class Episode:
     async def env_trouble(self, exc: BaseException) -> str:
         """Why a call to an env failed: an env that stopped says so, with its last output."""
         for env in self.envs.values():
-            if why := await env.instance.exited():
+            if why := await env.instance.exited(settle=0.5):
                 return f"env {env.spec.name!r} stopped: {why}. Its last output:\n" \
                        f"{short(await env.instance.output(), 1000)}"
         return f"{type(exc).__name__}: {exc}"
@@ -1622,9 +1681,9 @@ class Episode:
                     status[step.id] = "ok"
                 except EpisodeFailed as exc:
                     reason = f"step {step.id!r} ({step.type}) failed: {exc}"
+                    status[step.id] = "failed"
                     if step.fail_task_on_error:
                         raise EpisodeFailed(reason) from None
-                    status[step.id] = "failed"
                     self.errors[step.id] = str(exc)
                     log.info("Episode %s: %s; going on (fail_task_on_error is false).",
                              self.id[:8], reason)
@@ -1740,12 +1799,13 @@ class Episode:
 
 
 async def _first_error(tasks: list[asyncio.Task]) -> None:
-    """Wait for every task; as soon as one fails, raise its error (the caller cancels the rest)."""
+    """Wait for every task; as soon as one fails, raise its error (the caller cancels the rest).
+    Of failures that land together, the earliest task's is raised, so the report is stable."""
     pending = set(tasks)
     while pending:
-        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-        for task in done:
-            if not task.cancelled() and task.exception() is not None:
+        _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
                 raise task.exception()
 
 
@@ -2070,6 +2130,9 @@ def _env_int(name: str, default: int) -> int:
         raise AgentEnvError(f"{name}={value!r} is not a whole number; set it to one, such as 8") from None
 
 
+CHECK_TASKS_SHOWN = 20
+
+
 async def check(folder: str, sandbox: str, reward: str | None, out: Callable[[str], None] = print) -> None:
     """Load a bundle, show its splits, tasks and toolsets, and play one episode per toolset as far
     as its first turn to list the tools that turn offers; then tear down."""
@@ -2077,11 +2140,14 @@ async def check(folder: str, sandbox: str, reward: str | None, out: Callable[[st
     out(f"bundle {bundle.name}: {bundle.description or '(no README.md description)'}")
     out("splits: " + ", ".join(f"{name} ({len(tasks)} task{'s' if len(tasks) != 1 else ''})"
                                for name, tasks in bundle.splits.items()))
-    width = max(len(t.name) for t in bundle.splits["all"])
+    shown = bundle.splits["all"][:CHECK_TASKS_SHOWN]
+    width = max(len(t.name) for t in shown)
     out("tasks:")
-    for task in bundle.splits["all"]:
+    for task in shown:
         out(f"  {task.name:<{width}}  toolset {task.toolset.name}  turns {len(task.turns)}  "
             f"reward {task.reward_step}")
+    if len(bundle.tasks) > len(shown):
+        out(f"  ... and {len(bundle.tasks) - len(shown)} more")
     async with Runtime(bundle, sandbox=sandbox) as runtime:
         out(f"sandbox: {runtime.sandbox.kind}")
         out("toolsets:")

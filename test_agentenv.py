@@ -1,0 +1,2017 @@
+"""The main test suite of agentenv.py.
+
+Every test plays what a user sees: a bundle that loads or is refused (and how the refusal reads),
+episodes played against real env processes on the local sandbox, the MCP client against a real
+FastMCP server, the ``check`` CLI, and the example bundle ``bundles/notes-v1``.
+
+The fake bundle's env server (FAKE_SERVER below) is a small standard-library MCP server whose
+behaviour is switched by its Dockerfile's ENV lines (FAKE_MODE, TOOL_PREFIX, CARD_NAME). Every
+env process it starts records its pid in $FAKE_PIDDIR, so each test can check that no env
+process outlives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+import agentenv
+from agentenv import (AgentEnvError, Bundle, BundleError, EpisodeFailed, McpError, McpSession,
+                      Runtime, ToolResult, ToolTimeout, aggregate_score, parse_dockerfile,
+                      response_rows, task_id_root)
+
+HERE = Path(__file__).resolve().parent
+NOTES = HERE / "bundles" / "notes-v1"
+
+
+# ================================================================ the fake bundle
+
+FAKE_SERVER = r'''
+"""fake: a small AgentEnv MCP env server for agentenv.py's tests (standard library only)."""
+import json, os, sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+NAME = os.environ.get("ENVIRONMENT_NAME", "fake")
+MODE = os.environ.get("FAKE_MODE", "serve")
+PREFIX = os.environ.get("TOOL_PREFIX", "")
+if os.environ.get("FAKE_PIDDIR"):
+    open(os.path.join(os.environ["FAKE_PIDDIR"], str(os.getpid())), "w").close()
+if MODE == "exit":
+    print(f"fake: cannot start env {NAME}: FAKE_MODE=exit", flush=True)
+    sys.exit(4)
+if MODE == "deaf":
+    print("fake: started, but never listening", flush=True)
+    time.sleep(3600)
+
+LOCK = threading.Lock()
+STATE = {"config": {}, "said": [], "roles": []}
+
+
+def tool(name, description, hidden=False, **props):
+    spec = {"name": PREFIX + name, "description": description,
+            "inputSchema": {"type": "object", "properties": props, "required": list(props)}}
+    if hidden:
+        spec["_meta"] = {"agentenv.io/hiddenByDefault": True}
+    return spec
+
+
+TOOLS = [] if MODE == "notools" else [
+    tool("say", "Say something; the verifier hears it.", text={"type": "string"}),
+    tool("whoami", "The AgentEnv-Role the call came with."),
+    tool("get_config", "The config that apply_server_config set."),
+    tool("sleep", "Sleep for a while.", seconds={"type": "number"}),
+    tool("crash", "Crash the env."),
+    tool("dump", "Everything that was said, as JSON. For verifiers.", hidden=True),
+]
+CARD = {"name": os.environ.get("CARD_NAME", NAME),
+        "additionalInterfaces": [{"url": "/mcp", "transport": "mcp"}],
+        "capabilities": {"extensions": [{"uri": "urn:fake:config/v1",
+                                         "params": {"endpoint": "/ext/config"}}]}}
+
+
+def call(name, args, role):
+    base = name[len(PREFIX):] if isinstance(name, str) and name.startswith(PREFIX) else None
+    if base == "say":
+        if not isinstance(args.get("text"), str):
+            return "say: text must be a string", True
+        with LOCK:
+            STATE["said"].append(args["text"])
+            STATE["roles"].append(role)
+        return f"said {args['text']!r}", False
+    if base == "whoami":
+        return role or "(no role)", False
+    if base == "get_config":
+        return json.dumps(STATE["config"], sort_keys=True), False
+    if base == "sleep":
+        time.sleep(float(args.get("seconds", 0)))
+        return "slept", False
+    if base == "crash":
+        print("fake: crashing on purpose", flush=True)
+        os._exit(3)
+    if base == "dump":
+        return json.dumps(STATE, sort_keys=True), False
+    return f"unknown tool {name!r}", True
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def reply(self, status, body=None, headers=()):
+        data = b"" if body is None else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        for key, value in headers:
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/.well-known/agent-env.json":
+            return self.reply(200, CARD)
+        self.reply(404, {"error": "no route"})
+
+    def do_DELETE(self):
+        self.reply(200, {})
+
+    def do_POST(self):
+        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path == "/ext/config":
+            args = json.loads(raw or b"{}")
+            if "bad" in args:
+                return self.reply(400, {"error": "bad is not a setting"})
+            with LOCK:
+                STATE["config"].update(args)
+            return self.reply(200, {"ok": True})
+        if self.path != "/mcp":
+            return self.reply(404, {"error": "no route"})
+        msg = json.loads(raw)
+        if "id" not in msg:
+            return self.reply(202)
+        method, params = msg["method"], msg.get("params") or {}
+        if method == "initialize":
+            result = {"protocolVersion": params.get("protocolVersion"), "capabilities": {"tools": {}},
+                      "serverInfo": {"name": NAME, "version": "1"}}
+        elif method == "tools/list":
+            result = {"tools": TOOLS}
+        elif method == "tools/call":
+            text, error = call(params.get("name"), params.get("arguments") or {},
+                               self.headers.get("AgentEnv-Role"))
+            result = {"content": [{"type": "text", "text": text}], "isError": error}
+        else:
+            return self.reply(200, {"jsonrpc": "2.0", "id": msg["id"],
+                                    "error": {"code": -32601, "message": f"no method {method}"}})
+        self.reply(200, {"jsonrpc": "2.0", "id": msg["id"], "result": result},
+                   [("Mcp-Session-Id", "fake-session")])
+
+
+server = ThreadingHTTPServer((os.environ.get("MCP_HOST", "127.0.0.1"), int(os.environ["MCP_PORT"])),
+                            Handler)
+server.daemon_threads = True
+print(f"fake: env {NAME} listening", flush=True)
+server.serve_forever()
+'''
+
+# A plain MCP server built with the mcp package: no card, answers with SSE.
+PLAIN_SERVER = r'''
+import os
+from mcp.server.fastmcp import FastMCP
+
+if os.environ.get("FAKE_PIDDIR"):
+    open(os.path.join(os.environ["FAKE_PIDDIR"], str(os.getpid())), "w").close()
+mcp = FastMCP("plain", host=os.environ.get("MCP_HOST", "127.0.0.1"),
+              port=int(os.environ["MCP_PORT"]), log_level="WARNING")
+
+
+@mcp.tool()
+def add(a: int, b: int) -> int:
+    """Add two numbers."""
+    return a + b
+
+
+@mcp.tool()
+def fail(why: str) -> str:
+    """Always fails, saying why."""
+    raise ValueError(why)
+
+
+if __name__ == "__main__":
+    mcp.run(transport="streamable-http")
+'''
+
+
+def dockerfile(*env_lines: str) -> str:
+    return "FROM python:3.11-slim\nWORKDIR /app\nCOPY server.py .\n" + \
+        "".join(f"ENV {line}\n" for line in env_lines) + 'CMD ["python", "server.py"]\n'
+
+
+ENVS = {   # name -> (Dockerfile, server source)
+    "main": (dockerfile(), FAKE_SERVER),
+    "other": (dockerfile("TOOL_PREFIX=other_"), FAKE_SERVER),
+    "broken": (dockerfile("FAKE_MODE=exit"), FAKE_SERVER),
+    "deaf": (dockerfile("FAKE_MODE=deaf"), FAKE_SERVER),
+    "imposter": (dockerfile("CARD_NAME=someone-else"), FAKE_SERVER),
+    "empty": (dockerfile("FAKE_MODE=notools"), FAKE_SERVER),
+    "plain": (dockerfile(), PLAIN_SERVER),
+}
+
+CHECK_VERIFIER = r'''
+import json, urllib.request
+
+
+def rpc(url, method, params):
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": params}).encode()
+    request = urllib.request.Request(url, body, {"Content-Type": "application/json",
+                                                 "Accept": "application/json, text/event-stream"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
+
+
+async def verify(mcp_url):
+    rpc(mcp_url, "initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
+                                "clientInfo": {"name": "check", "version": "1"}})
+    reply = rpc(mcp_url, "tools/call", {"name": "dump", "arguments": {}})
+    state = json.loads(reply["result"]["content"][0]["text"])
+    return [{"id": "said_hello", "result": "hello" in state["said"],
+             "description": "the agent said hello"}]
+'''
+
+VERIFIERS = {
+    "check": CHECK_VERIFIER,
+    "raises": "async def verify(mcp_url):\n    raise RuntimeError('the checker broke')\n",
+    "hangs": "import asyncio, os\n\n\nasync def verify(mcp_url):\n"
+             "    while not os.path.exists({release!r}):\n        await asyncio.sleep(0.02)\n"
+             "    return [{{'id': 'late', 'result': True}}]\n",
+    "weighted": "async def verify(mcp_url):\n"
+                "    return [{'id': 'a', 'score': 0.5, 'weight': 2}, {'id': 'b', 'result': True}]\n",
+    "notalist": "async def verify(mcp_url):\n    return 'yes'\n",
+}
+
+
+# -- steps, as a task file writes them
+
+def deploy(env="main", id=None, **fields):
+    return {"id": id or f"deploy-{env}", "type": "deploy_env", "env_id": env, **fields}
+
+
+def agent(*envs, id="agent", **fields):
+    return {"id": id, "type": "deploy_agent", "env_ids": list(envs), **fields}
+
+
+def prompt(text="Say hello.", id="turn1", **fields):
+    return {"id": id, "type": "prompt_agent", "prompt": text, "prompt_id": id, **fields}
+
+
+def outcome(artifact="check", env="main", id="check", **fields):
+    return {"id": id, "type": "env_outcome_verifier", "env_id": env, "file_artifact_id": artifact,
+            **fields}
+
+
+def contains(*needles, id="answer", prompt_id="turn1", **fields):
+    return {"id": id, "type": "agent_prompt_response_verifier", "prompt_id": prompt_id,
+            "criteria": [{"type": "response_contains", "needles": list(needles or ["hello"])}],
+            **fields}
+
+
+def config(args, env="main", id="config", uri="urn:fake:config/v1", **fields):
+    return {"id": id, "type": "apply_server_config", "env_id": env,
+            "directives": [{"service": "*", "uri": uri, "args": args}], **fields}
+
+
+def simple(env="main", artifact="check", **agent_fields):
+    """Deploy one env, one turn, scored by an env_outcome_verifier."""
+    return [deploy(env), agent(env, **agent_fields), prompt(), outcome(artifact, env)]
+
+
+def replied(*needles):
+    """Deploy main, one turn, scored by the reply."""
+    return [deploy(), agent("main"), prompt(), contains(*needles)]
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """Every test keeps agentenv's state and the env pids in its own folders, and leaves no env
+    process behind."""
+    monkeypatch.setenv("AGENTENV_STATE_DIR", str(tmp_path / "state"))
+    piddir = tmp_path / "pids"
+    piddir.mkdir()
+    monkeypatch.setenv("FAKE_PIDDIR", str(piddir))
+    yield piddir
+    (tmp_path / "release").touch()        # frees a hanging verifier's thread
+    left = [p.name for p in piddir.iterdir() if not gone(int(p.name), 3)]
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+    assert not left, f"env processes {left} outlived the test"
+
+
+@pytest.fixture
+def make_bundle(tmp_path):
+    """Write a fake bundle: ``make_bundle(tasks={name: steps or raw text}, envs=..., ...)``."""
+    made = []
+
+    def make(tasks, *, envs=("main",), artifacts=("check",), evals=None,
+             readme="# Fake bundle for tests.\n\nMore words.\n", files=None, name=None) -> Path:
+        root = tmp_path / (name or ("bundle" if not made else f"bundle{len(made)}"))
+        made.append(root)
+        for env in envs:
+            folder = root / "envs" / env
+            folder.mkdir(parents=True)
+            docker, source = ENVS[env]
+            (folder / "Dockerfile").write_text(docker)
+            (folder / "server.py").write_text(source)
+        for artifact in artifacts:
+            folder = root / "artifacts" / artifact
+            folder.mkdir(parents=True)
+            (folder / "verify.py").write_text(VERIFIERS[artifact].format(release=str(tmp_path / "release"))
+                                              if artifact == "hangs" else VERIFIERS[artifact])
+        (root / "tasks").mkdir(parents=True, exist_ok=True)
+        for task, steps in tasks.items():
+            (root / "tasks" / f"{task}.json").write_text(
+                steps if isinstance(steps, str) else json.dumps(steps, indent=2))
+        for name_, text in (evals or {}).items():
+            (root / "evals").mkdir(exist_ok=True)
+            (root / "evals" / f"{name_}.toml").write_text(text)
+        if readme is not None:
+            (root / "README.md").write_text(readme)
+        for rel, text in (files or {}).items():
+            path = root / rel
+            if text is None:
+                path.mkdir(parents=True, exist_ok=True)
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+        return root
+
+    return make
+
+
+# ================================================================ helpers
+
+def run(coro, timeout: float = 30):
+    """Run one coroutine to its end on a fresh event loop, within a deadline."""
+    async def bounded():
+        return await asyncio.wait_for(coro, timeout)
+    return asyncio.run(bounded())
+
+
+def local(bundle: Bundle, **options) -> Runtime:
+    options = {"sandbox": "local", "deploy_timeout": 10, "verifier_timeout": 10, **options}
+    return Runtime(bundle, **options)
+
+
+def gone(pid: int, within: float = 2.0) -> bool:
+    """Whether the process no longer exists (not even as a zombie), waiting up to ``within``."""
+    deadline = time.monotonic() + within
+    while os.path.exists(f"/proc/{pid}"):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def refused(root, reward=None) -> list[str]:
+    with pytest.raises(BundleError) as caught:
+        Bundle.load(root, reward)
+    assert str(caught.value).startswith(f"the bundle has {len(caught.value.problems)} problem")
+    return caught.value.problems
+
+
+def problem_with(problems: list[str], *parts: str) -> str:
+    """The one problem that has every part; fails, showing them all, if none does."""
+    found = [p for p in problems if all(part in p for part in parts)]
+    assert found, f"no problem has {parts}; the problems are:\n" + "\n".join(problems)
+    return found[0]
+
+
+async def play(rt: Runtime, task, reply="hello", calls=(), seed=None):
+    """Play one episode: make the calls, end the turn with the reply; the outcome once closed."""
+    ep = rt.episode(task, seed=seed)
+    turn = await ep.next_turn()
+    for name, args in calls:
+        await turn.call(name, args)
+    turn.end(reply)
+    result = await ep.result()
+    if result.status == "scored":
+        assert await ep.next_turn() is None
+    else:
+        with pytest.raises(EpisodeFailed, match=re.escape(result.failure)):
+            await ep.next_turn()
+    await ep.closed.wait()
+    return result
+
+
+def assert_torn_down(ep) -> None:
+    assert ep.closed.is_set() and ep.phase == "closed"
+    assert ep.instances, "the episode launched no env"
+    for instance in ep.instances:
+        assert instance.proc.returncode is not None, "an env process still runs"
+        assert gone(instance.proc.pid), f"env process {instance.proc.pid} still exists"
+        assert not instance.record.exists(), "the env's record was left in the state folder"
+    assert ep not in ep.runtime.live
+
+
+# ================================================================ Bundle: loading, splits, ids
+
+def test_a_bundle_loads_with_its_tasks_splits_and_description(make_bundle, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    root = make_bundle({"zeta": simple(), "alpha": replied(), "mid": simple()},
+                       evals={"smoke": 'tasks = ["zeta", "alpha"]\n', "all-but": 'tasks = ["mid"]\n'})
+    bundle = Bundle.load(root)
+    assert bundle.name == "bundle"
+    assert bundle.description == "Fake bundle for tests."
+    assert list(bundle.splits) == ["all", "all-but", "smoke"]     # all first, then evals by file
+    assert [t.name for t in bundle.splits["all"]] == ["alpha", "mid", "zeta"]
+    assert [t.name for t in bundle.splits["smoke"]] == ["zeta", "alpha"]   # the eval's own order
+    assert set(bundle.tasks) == {"alpha", "mid", "zeta"}
+    assert bundle.task("smoke", 1).name == "alpha"
+    assert list(bundle.envs) == ["main"]
+    assert bundle.envs["main"].command == ("python", "server.py")
+    zeta = bundle.tasks["zeta"]
+    assert zeta.id == "@local/~/bundle/zeta"
+    assert zeta.file == "zeta.json"
+    assert zeta.reward_step == "check" and zeta.scoring_steps == ("check",)
+    assert bundle.tasks["alpha"].reward_step == "answer"
+    assert [s.id for s in zeta.turns] == ["turn1"]
+    assert zeta.agent == "default-agent" and zeta.toolset.name == "main"
+
+
+def test_bundle_task_lookup_says_what_exists(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": simple(), "b": simple()},
+                                     evals={"smoke": 'tasks = ["a"]\n'}))
+    with pytest.raises(LookupError, match=r"there is no split 'train'; the splits are all, smoke"):
+        bundle.task("train", 0)
+    with pytest.raises(LookupError, match=r"split 'all' has 2 tasks, so it has no task 2; give an "
+                                          r"index from 0 to 1"):
+        bundle.task("all", 2)
+    for bad in (-1, True, "0"):
+        with pytest.raises(LookupError):
+            bundle.task("all", bad)
+    assert bundle.task("all", 1).name == "b"
+
+
+def test_description_is_empty_without_a_readme(make_bundle):
+    assert Bundle.load(make_bundle({"a": simple()}, readme=None)).description == ""
+
+
+def test_task_ids_outside_home_use_the_absolute_path(make_bundle, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "elsewhere"))
+    root = make_bundle({"a": simple()})
+    assert task_id_root(root.resolve()) == "@local" + str(root.resolve())
+    assert Bundle.load(root).tasks["a"].id == "@local" + str(root.resolve()) + "/a"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert task_id_root(root.resolve()) == "@local/~/bundle"
+
+
+def test_evals_and_env_ids_may_use_full_ids(make_bundle, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    full = "@local/~/bundle/main"
+    root = make_bundle({"a": [deploy(full, id="env"), agent(full), prompt(), outcome(env=full)]},
+                       evals={"smoke": 'tasks = ["@local/~/bundle/a"]\n'})
+    bundle = Bundle.load(root)
+    assert [t.name for t in bundle.splits["smoke"]] == ["a"]
+    assert bundle.tasks["a"].toolset.name == "main"
+
+
+def test_tasks_that_share_envs_share_a_toolset(make_bundle):
+    root = make_bundle({"a": simple(), "b": replied(),
+                        "c": [deploy("main"), deploy("other"), agent("main", "other"), prompt(),
+                              outcome()],
+                        "d": [deploy("other"), agent("other"), prompt(), contains()],
+                        "e": [deploy("main"), agent(), prompt(), contains()]},
+                       envs=("main", "other"))
+    bundle = Bundle.load(root)
+    toolsets = {ts.name: [t.name for t in tasks] for ts, tasks in bundle.toolsets.items()}
+    assert toolsets == {"main": ["a", "b"], "main+other": ["c"], "other": ["d"], "(no env)": ["e"]}
+    assert bundle.tasks["a"].toolset == bundle.tasks["b"].toolset
+    assert bundle.tasks["a"].toolset != bundle.tasks["d"].toolset
+
+
+def test_reward_picks_the_scoring_step(make_bundle):
+    root = make_bundle({"two": [deploy(), agent("main"), prompt(), outcome(), contains()],
+                        "also": [deploy(), agent("main"), prompt(), contains(), outcome()]})
+    bundle = Bundle.load(root, reward="answer")
+    assert bundle.tasks["two"].reward_step == "answer"
+    assert bundle.tasks["two"].scoring_steps == ("check", "answer")
+    assert Bundle.load(root, reward="check").tasks["also"].reward_step == "check"
+
+
+def test_seeded_fills_placeholders_in_string_leaves(make_bundle):
+    root = make_bundle({"a": [deploy(), agent("main", system_prompt="You are <who>."),
+                              config({"greeting": "<word>", "n": 3, "list": ["<word>", 7]}),
+                              prompt("Say <word> to <nobody>."), contains("<word>")]})
+    task = Bundle.load(root).tasks["a"]
+    seeded = task.seeded({"word": "banana", "who": "a parrot"})
+    fields = {s.id: s.fields for s in seeded.steps}
+    assert fields["turn1"]["prompt"] == "Say banana to <nobody>."     # unknown keys stay
+    assert fields["agent"]["system_prompt"] == "You are a parrot."
+    assert fields["config"]["directives"][0]["args"] == {"greeting": "banana", "n": 3,
+                                                         "list": ["banana", 7]}
+    assert fields["answer"]["criteria"][0]["needles"] == ["banana"]
+    assert task.steps[3].fields["prompt"] == "Say <word> to <nobody>."   # the task is unchanged
+    assert task.seeded(None) is task and task.seeded({}) is task
+
+
+# ================================================================ Bundle: refusals
+
+STEP_REFUSALS = {
+    # case: (steps, parts the problem must have)
+    "unknown step type": (
+        simple() + [{"id": "run", "type": "run_code", "code": "print(1)"}],
+        ["step 'run'", "type 'run_code'", "does not run", "deploy_env, apply_server_config, "
+         "deploy_agent, prompt_agent, env_outcome_verifier, agent_prompt_response_verifier"]),
+    "unknown field": (
+        [deploy(), agent("main"), prompt(temperature=0.2), outcome()],
+        ["step 'turn1'", "has the field 'temperature'", "does not support",
+         "a prompt_agent step takes agent_name, prompt, prompt_id, system_prompt, timeout_seconds"]),
+    "missing required field": (
+        [deploy(), agent("main"), prompt(),
+         {"id": "check", "type": "env_outcome_verifier", "env_id": "main"}],
+        ["step 'check'", "lacks the field 'file_artifact_id'; add it"]),
+    "duplicate step id": (
+        [deploy(), agent("main"), prompt(), prompt("Again.", id="turn1"), outcome()],
+        ["step 'turn1'", "the id is used twice"]),
+    "depends_on a later step": (
+        [deploy(), agent("main"), prompt(depends_on=["check"]), outcome()],
+        ["step 'turn1'", "depends_on names 'check', which is not an earlier step"]),
+    "depends_on an unknown step": (
+        [deploy(), agent("main"), prompt(depends_on=["nowhere"]), outcome()],
+        ["step 'turn1'", "depends_on names 'nowhere'"]),
+    "depends_on not a list": (
+        [deploy(), agent("main"), prompt(depends_on="agent"), outcome()],
+        ["step 'turn1'", "depends_on must be a list of earlier step ids"]),
+    "retry_config": (
+        [deploy(), agent("main"), prompt(retry_config={"max_attempts": 3}), outcome()],
+        ["step 'turn1'", "retry_config can replay a turn played from outside; remove it"]),
+    "env_id not in envs/": (
+        [deploy("nowhere"), agent("nowhere"), prompt(), contains()],
+        ["step 'deploy-nowhere'", "env_id 'nowhere' names no env of the bundle; it has main, other",
+         "add envs/nowhere/"]),
+    "env deployed twice": (
+        [deploy(), deploy(id="again"), agent("main"), prompt(), outcome()],
+        ["step 'again'", "deploys 'main' a second time; deploy each env once"]),
+    "env_ids naming an undeployed env": (
+        [deploy(), agent("main", "other"), prompt(), outcome()],
+        ["step 'agent'", "env_ids names 'other', which no earlier deploy_env step of the task "
+         "deploys"]),
+    "env_ids not a list": (
+        [deploy(), {"id": "agent", "type": "deploy_agent", "env_ids": "main"}, prompt(), outcome()],
+        ["step 'agent'", "env_ids must be a list of env ids"]),
+    "verifier on an undeployed env": (
+        [deploy(), agent("main"), prompt(), outcome(env="other")],
+        ["step 'check'", "env_id 'other' is not deployed by an earlier deploy_env step"]),
+    "prompt_agent for an undeployed agent": (
+        [deploy(), agent("main"), prompt(agent_name="ghost"), outcome()],
+        ["step 'turn1'", "prompts agent 'ghost', which no earlier deploy_agent step deploys"]),
+    "two agents": (
+        [deploy(), agent("main"), agent("main", id="agent2", agent_name="critic"), prompt(),
+         outcome()],
+        ["deploys agents critic, default-agent", "plays one agent from outside", "exactly one"]),
+    "the same agent twice": (
+        [deploy(), agent("main"), agent("main", id="agent2"), prompt(), outcome()],
+        ["step 'agent2'", "deploys agent 'default-agent' a second time"]),
+    "no prompt_agent": (
+        [deploy(), agent("main"), outcome()],
+        ["prompts no agent, so there is no turn to play; add a prompt_agent step"]),
+    "empty prompt": (
+        [deploy(), agent("main"), prompt("  "), outcome()],
+        ["step 'turn1'", "prompt must be non-empty text"]),
+    "verifier artifact missing": (
+        [deploy(), agent("main"), prompt(), outcome("nope")],
+        ["step 'check'", "file_artifact_id 'nope' names no verifier artifact",
+         "add artifacts/nope/verify.py with `async def verify(mcp_url)`"]),
+    "bad score_aggregator": (
+        [deploy(), agent("main"), prompt(), outcome(score_aggregator="median")],
+        ["step 'check'", "score_aggregator 'median' is not one of all_pass, any_pass, "
+         "weighted_average"]),
+    "bad criterion type": (
+        [deploy(), agent("main"), prompt(),
+         {**contains(), "criteria": [{"type": "response_equals", "value": "hi"}]}],
+        ["step 'answer'", "criterion #0 has type 'response_equals'; the types are "
+         "response_contains, response_regex_present"]),
+    "criteria not a list": (
+        [deploy(), agent("main"), prompt(), {**contains(), "criteria": {"type": "x"}}],
+        ["step 'answer'", "criteria must be a list"]),
+    "empty needles": (
+        [deploy(), agent("main"), prompt(),
+         {**contains(), "criteria": [{"type": "response_contains", "needles": []}]}],
+        ["step 'answer'", "criterion #0 (response_contains) needs a non-empty list of strings"]),
+    "bad regex": (
+        [deploy(), agent("main"), prompt(),
+         {**contains(), "criteria": [{"type": "response_contains", "needles": ["a"]},
+                                     {"type": "response_regex_present", "pattern": "(unclosed"}]}],
+        ["step 'answer'", "criterion #1 (response_regex_present)", "don't compile",
+         "missing ), unterminated subpattern"]),
+    "empty regex": (
+        [deploy(), agent("main"), prompt(),
+         {**contains(), "criteria": [{"type": "response_regex_present", "pattern": ""}]}],
+        ["step 'answer'", "criterion #0 (response_regex_present)", "the pattern is empty"]),
+    "bad regex flag": (
+        [deploy(), agent("main"), prompt(),
+         {**contains(), "criteria": [{"type": "response_regex_present", "pattern": "a",
+                                      "flags": ["ignorecase"]}]}],
+        ["step 'answer'", "'ignorecase' is not a re flag name such as IGNORECASE"]),
+    "prompt_id naming no prompt": (
+        [deploy(), agent("main"), prompt(), contains(prompt_id="turn9")],
+        ["step 'answer'", "prompt_id 'turn9' names no earlier prompt_agent step; give that step "
+         "the same prompt_id"]),
+    "no scoring step": (
+        [deploy(), agent("main"), prompt()],
+        ["records no score, so it has no reward; add an env_outcome_verifier or "
+         "agent_prompt_response_verifier step"]),
+    "several scoring steps without reward": (
+        [deploy(), agent("main"), prompt(), outcome(), contains()],
+        ["records a score at each of check, answer; name the one that is its reward with "
+         "--reward <step id>"]),
+    "bad directives": (
+        [deploy(), {"id": "config", "type": "apply_server_config", "env_id": "main",
+                    "directives": []}, agent("main"), prompt(), outcome()],
+        ["step 'config'", "directives must be a non-empty list of {service, uri, args}"]),
+    "bad directive": (
+        [deploy(), {"id": "config", "type": "apply_server_config", "env_id": "main",
+                    "directives": [{"service": "*", "args": {}}]}, agent("main"), prompt(),
+         outcome()],
+        ["step 'config'", "directive #0 must be"]),
+    "timeout not positive": (
+        [deploy(), agent("main"), prompt(timeout_seconds=0), outcome()],
+        ["step 'turn1'", "timeout_seconds must be a positive number"]),
+    "fail_task_on_error not a bool": (
+        [deploy(), agent("main"), prompt(), outcome(fail_task_on_error="no")],
+        ["step 'check'", "fail_task_on_error must be true or false"]),
+    "a field of the wrong type": (
+        [deploy(), agent("main", role=7), prompt(), outcome()],
+        ["step 'agent'", "role must be a string"]),
+    "a step that isn't an object": (
+        [deploy(), agent("main"), "prompt", outcome()],
+        ["step #2 is not a JSON object"]),
+    "a step without id": (
+        [{"type": "deploy_env", "env_id": "main"}, agent("main"), prompt(), outcome()],
+        ["step #0 has no id; give every step a unique \"id\""]),
+}
+
+
+@pytest.mark.parametrize("case", list(STEP_REFUSALS))
+def test_a_task_that_cant_be_played_is_refused_with_a_clear_message(make_bundle, case):
+    steps, parts = STEP_REFUSALS[case]
+    root = make_bundle({"good": simple(), "t": steps}, envs=("main", "other"))
+    problems = refused(root)
+    found = problem_with(problems, *parts)
+    assert found.startswith("tasks/t.json: ")
+    assert not [p for p in problems if "good.json" in p], "the good task was refused too"
+
+
+def test_reward_naming_a_step_a_task_lacks(make_bundle):
+    root = make_bundle({"a": simple(), "b": [deploy(), agent("main"), prompt(), outcome(),
+                                             contains()]})
+    problems = refused(root, reward="answer")
+    assert problems == ["tasks/a.json: task 'a': records no score at step 'answer'; it records "
+                        "them at ['check']"]
+
+
+def test_several_problems_come_in_one_error(make_bundle):
+    root = make_bundle({"a": [deploy("nowhere"), agent(), prompt(), contains()],
+                        "b": [deploy(), agent("main"), prompt(), outcome(score_aggregator="mean")],
+                        "c": "not json"},
+                       evals={"smoke": 'tasks = ["a", "zzz"]\n'},
+                       files={"agents/helper/agent.toml": "x = 1\n"})
+    problems = refused(root)
+    assert len(problems) == 5
+    assert problems == sorted(problems)
+    problem_with(problems, "tasks/a.json", "'nowhere'")
+    problem_with(problems, "tasks/b.json", "'mean'")
+    problem_with(problems, "tasks/c.json", "is not valid JSON")
+    problem_with(problems, "evals/smoke.toml", "'zzz'")
+    problem_with(problems, "agents/")
+    # an eval listing a task that has problems of its own is not blamed for it
+    assert not [p for p in problems if "smoke.toml" in p and "'a'" in p]
+
+
+def test_a_bundle_path_that_does_not_exist(tmp_path):
+    problems = refused(tmp_path / "nope")
+    assert problems == [f"{tmp_path / 'nope'}: there is no bundle folder here; pass the folder "
+                        "that holds envs/, tasks/ and evals/"]
+
+
+@pytest.mark.parametrize("text, parts", [
+    ("{not json", ["tasks/t.json: is not valid JSON", "a task is a JSON array of step objects"]),
+    ('{"id": "x"}', ["tasks/t.json: a task is a non-empty JSON array of step objects"]),
+    ("[]", ["tasks/t.json: a task is a non-empty JSON array of step objects"]),
+])
+def test_a_task_file_that_is_not_a_json_array(make_bundle, text, parts):
+    problems = refused(make_bundle({"good": simple(), "t": text}))
+    problem_with(problems, *parts)
+    assert len(problems) == 1
+
+
+def test_a_task_folder_or_stray_file_in_tasks(make_bundle):
+    root = make_bundle({"good": simple()},
+                       files={"tasks/t/task.json": json.dumps(simple()), "tasks/notes.txt": "hi"})
+    assert refused(root) == [
+        "tasks/notes.txt: a task is a .json file; rename or remove it",
+        "tasks/t/: task folders are not supported; write tasks/t.json"]
+
+
+def test_a_bundle_without_tasks(make_bundle):
+    root = make_bundle({})
+    assert refused(root) == ["tasks/: there are no tasks; add tasks/<name>.json"]
+    shutil.rmtree(root / "tasks")
+    assert refused(root) == ["tasks/: the bundle has no tasks folder; add tasks/<name>.json"]
+
+
+@pytest.mark.parametrize("text, parts", [
+    ('tasks = ["a", "ghost"]\n', ["evals/smoke.toml: lists 'ghost', which is not a task of the bundle"]),
+    ('tasks = ["a", "a"]\n', ["evals/smoke.toml: lists 'a' twice; an eval lists each task once"]),
+    ('tasks = ["a"]\nshuffle = true\n',
+     ["evals/smoke.toml: key 'shuffle' is not one an eval takes (tasks, type, id)"]),
+    ("tasks = []\n", ["evals/smoke.toml: tasks must be a non-empty list of task names"]),
+    ("tasks = [\n", ["smoke.toml: is not valid TOML", "fix the syntax"]),
+])
+def test_an_eval_that_cant_be_a_split(make_bundle, text, parts):
+    problems = refused(make_bundle({"a": simple()}, evals={"smoke": text}))
+    problem_with(problems, *parts)
+    assert len(problems) == 1
+
+
+def test_an_eval_named_all(make_bundle):
+    assert refused(make_bundle({"a": simple()}, evals={"all": 'tasks = ["a"]\n'})) == [
+        "evals/all.toml: eval 'all' has the name of the split that holds every task; rename it"]
+
+
+def test_an_eval_that_is_not_toml(make_bundle):
+    root = make_bundle({"a": simple()}, files={"evals/smoke.yaml": "tasks: [a]\n"})
+    assert refused(root) == ["evals/smoke.yaml: an eval is a .toml file with tasks = [...]; rename "
+                             "or remove it"]
+
+
+def test_an_env_without_a_dockerfile(make_bundle):
+    root = make_bundle({"a": simple()})
+    (root / "envs" / "main" / "Dockerfile").unlink()
+    problems = refused(root)
+    problem_with(problems, "envs/main: has no Dockerfile", "add envs/main/Dockerfile with the "
+                 "command that starts the MCP server")
+    # and so the task that deploys it is refused too, naming the env
+    problem_with(problems, "tasks/a.json", "env_id 'main' names no env of the bundle")
+
+
+def test_an_env_whose_dockerfile_has_no_cmd(make_bundle):
+    root = make_bundle({"a": simple()})
+    (root / "envs" / "main" / "Dockerfile").write_text("FROM python:3.11-slim\nCOPY . .\n")
+    problem_with(refused(root), "envs/main/Dockerfile: has no CMD or ENTRYPOINT",
+                 'add CMD ["python", "server.py"]')
+
+
+def test_an_env_whose_cmd_is_bad_json(make_bundle):
+    root = make_bundle({"a": simple()})
+    (root / "envs" / "main" / "Dockerfile").write_text('FROM x\nCMD ["python", server.py]\n')
+    problem_with(refused(root), "envs/main/Dockerfile: CMD", "is not valid JSON")
+
+
+@pytest.mark.parametrize("toml, parts", [
+    ('type = "mcp_server"\nports = [1]\n',
+     ["envs/main/env.toml: key 'ports' is not one agentenv.py knows; it knows env_provider_type, "
+      "environment_name, id, image, type"]),
+    ('type = "a2a_agent"\n', ["envs/main/env.toml: type 'a2a_agent' is not run here",
+                              "runs mcp_server envs"]),
+    ('image = "python:3.11"\n', ["envs/main/env.toml: image = 'python:3.11' is not supported"]),
+    ("type = \n", ["env.toml: is not valid TOML"]),
+])
+def test_an_env_toml_that_cant_be_run(make_bundle, toml, parts):
+    root = make_bundle({"a": simple()}, files={"envs/main/env.toml": toml})
+    problem_with(refused(root), *parts)
+
+
+def test_env_toml_names_the_env_and_its_dockerfile(make_bundle):
+    root = make_bundle({"a": simple()}, files={
+        "envs/main/env.toml": 'type = "mcp_server"\nenvironment_name = "fancy"\n'
+                              'image = {dockerfile = "Serve.dockerfile"}\n',
+        "envs/main/Serve.dockerfile": 'FROM x\nENTRYPOINT ["python"]\nCMD ["server.py", "-v"]\n'})
+    env = Bundle.load(root).envs["main"]
+    assert env.environment_name == "fancy"
+    assert env.dockerfile.name == "Serve.dockerfile"
+    assert env.command == ("python", "server.py", "-v")
+
+
+@pytest.mark.parametrize("stray, parts", [
+    ("agents/helper/", ["agents/: agentenv.py plays the agent from outside and runs no agents",
+                        "remove the folder"]),
+    ("skills/s/", ["skills/: agentenv.py plays the agent from outside and runs no skills"]),
+    ("bundle.toml", ["bundle.toml: reserved", "remove it"]),
+])
+def test_folders_and_files_agentenv_does_not_run(make_bundle, stray, parts):
+    root = make_bundle({"a": simple()}, files={stray.rstrip("/") + ("/x.toml" if stray.endswith("/")
+                                                                    else ""): "x = 1\n"})
+    problems = refused(root)
+    problem_with(problems, *parts)
+    assert len(problems) == 1
+
+
+@pytest.mark.parametrize("source, parts", [
+    ("def helper():\n    pass\n", ["has no `async def verify(mcp_url)`", "returns a list of "
+                                                                           "{id, result, description} rows"]),
+    ("def verify(mcp_url):\n    return []\n", ["has no `async def verify(mcp_url)`"]),
+    ("async def verify(mcp_url, extra):\n    return []\n",
+     ["verify must take exactly one argument without a default"]),
+    ("async def verify(:\n", ["does not parse", "fix it"]),
+])
+def test_a_verifier_artifact_that_cant_be_called(make_bundle, source, parts):
+    root = make_bundle({"a": simple()})
+    (root / "artifacts" / "check" / "verify.py").write_text(source)
+    problems = refused(root)
+    problem_with(problems, "artifacts/check/verify.py: ", *parts)
+    # the task that names it is refused as well
+    problem_with(problems, "tasks/a.json", "file_artifact_id 'check' names no verifier artifact")
+
+
+def test_a_verifier_with_an_optional_second_argument_loads(make_bundle):
+    root = make_bundle({"a": simple()})
+    (root / "artifacts" / "check" / "verify.py").write_text(
+        "async def verify(mcp_url, retries=3):\n    return []\n")
+    assert "check" in Bundle.load(root).verifiers
+
+
+def test_a_step_that_does_not_depend_on_the_deploy_of_its_env_is_refused(make_bundle):
+    root = make_bundle({"a": [deploy(), config({"greeting": "hi"}, depends_on=[]),
+                              agent("main"), prompt(), outcome()]})
+    problem_with(refused(root), "tasks/a.json", "step 'config'", "depends_on")
+
+
+# ================================================================ parse_dockerfile
+
+def test_parse_dockerfile_exec_form_and_env():
+    command, env = parse_dockerfile(
+        "# a comment\nFROM python:3.11-slim\nENV A=1 B=\"two words\"\nENV LEGACY some value\n"
+        "cmd [\"python\", \"server.py\"]\n")
+    assert command == ("python", "server.py")
+    assert env == {"A": "1", "B": "two words", "LEGACY": "some value"}
+
+
+def test_parse_dockerfile_shell_form():
+    assert parse_dockerfile("FROM x\nCMD python server.py --port 1\n")[0] == \
+        ("/bin/sh", "-c", "python server.py --port 1")
+
+
+def test_parse_dockerfile_entrypoint_and_cmd():
+    assert parse_dockerfile('FROM x\nENTRYPOINT ["python", "-u"]\nCMD ["server.py"]\n')[0] == \
+        ("python", "-u", "server.py")
+    assert parse_dockerfile('FROM x\nENTRYPOINT ["python", "server.py"]\n')[0] == ("python", "server.py")
+    assert parse_dockerfile('FROM x\nCMD ["a"]\nCMD ["b"]\n')[0] == ("b",)     # the last CMD wins
+
+
+def test_parse_dockerfile_continuation_lines():
+    command, env = parse_dockerfile('FROM x\nENV A=1 \\\n    B=2\nCMD ["python", \\\n     '
+                                    '"server.py", \\\r\n "--fast"]\n')
+    assert command == ("python", "server.py", "--fast")
+    assert env == {"A": "1", "B": "2"}
+
+
+def test_parse_dockerfile_refuses_no_command_and_bad_json():
+    with pytest.raises(ValueError, match="has no CMD or ENTRYPOINT"):
+        parse_dockerfile("FROM x\nRUN echo hi\n")
+    with pytest.raises(ValueError, match=r"ENTRYPOINT \[python\] is not valid JSON"):
+        parse_dockerfile("FROM x\nENTRYPOINT [python]\n")
+
+
+def test_parse_dockerfile_keeps_a_cmd_set_before_entrypoint_in_the_same_stage():
+    assert parse_dockerfile('FROM x\nCMD ["server.py"]\nENTRYPOINT ["python"]\n')[0] == \
+        ("python", "server.py")
+
+
+# ================================================================ aggregate_score, response_rows
+
+@pytest.mark.parametrize("rows, aggregator, expected", [
+    ([{"score": 0.5, "weight": 2}, {"result": True}], "weighted_average", 2 / 3),
+    ([{"result": True, "weight": 1}, {"result": False, "weight": -0.5}], "weighted_average", 0.5),
+    ([{"score": 2.0}], "weighted_average", 1.0),
+    ([{"result": False, "weight": 1}, {"result": False, "weight": -1}], "weighted_average", 0.0),
+    ([{"result": True, "weight": 0}, {"result": False}], "weighted_average", 0.0),
+    ([{"result": True, "weight": -1}], "weighted_average", 0.0),      # no positive weight
+    ([{"result": True}, {"score": 0.25}], "weighted_average", 0.625),
+    ([], "weighted_average", 0.0),
+    ([{"result": True}, {"result": True}], "all_pass", 1.0),
+    ([{"result": True}, {"result": "yes"}], "all_pass", 0.0),         # strictly True
+    ([{"result": True}, {"result": 1}], "all_pass", 0.0),
+    ([{"result": True}, {"result": False}], "all_pass", 0.0),
+    ([], "all_pass", 0.0),
+    ([{"result": False}, {"result": True}], "any_pass", 1.0),
+    ([{"result": False}, {"result": "yes"}], "any_pass", 0.0),
+    ([], "any_pass", 0.0),
+])
+def test_aggregate_score_uses_agentenvs_formulas(rows, aggregator, expected):
+    assert aggregate_score(rows, aggregator) == pytest.approx(expected, abs=1e-4)
+
+
+def test_aggregate_score_known_value_to_four_places():
+    assert round(aggregate_score([{"score": .5, "weight": 2}, {"result": True}],
+                                 "weighted_average"), 4) == 0.6667
+
+
+def test_response_rows_contains_every_needle_case_sensitively():
+    criteria = [{"type": "response_contains", "needles": ["eggs", "milk"]}]
+    rows = response_rows(criteria, "Buy eggs and milk.")
+    assert rows[0]["result"] is True and rows[0]["score"] == 1.0 and rows[0]["criterion_index"] == 0
+    assert rows[0]["justification"] == "the reply contains every needle"
+    rows = response_rows(criteria, "Buy Eggs and milk.")
+    assert rows[0]["result"] is False and rows[0]["score"] == 0.0
+    assert rows[0]["justification"] == "the reply lacks ['eggs']"
+
+
+def test_response_rows_regex_flags():
+    dotall = [{"type": "response_regex_present", "pattern": "a.b"}]
+    assert response_rows(dotall, "a\nb")[0]["result"] is True          # no flags: DOTALL
+    ignorecase = [{"type": "response_regex_present", "pattern": "a.b", "flags": ["IGNORECASE"]}]
+    assert response_rows(ignorecase, "A-B")[0]["result"] is True
+    assert response_rows(ignorecase, "A\nB")[0]["result"] is False     # flags given: only those
+    both = [{"type": "response_regex_present", "pattern": "^b", "flags": ["MULTILINE"]},
+            {"type": "response_contains", "needles": ["zzz"]}]
+    rows = response_rows(both, "a\nb")
+    assert [r["result"] for r in rows] == [True, False]
+    assert [r["criterion_index"] for r in rows] == [0, 1]
+    assert aggregate_score(rows, "all_pass") == 0.0 and aggregate_score(rows, "any_pass") == 1.0
+
+
+# ================================================================ episodes on the local sandbox
+
+def test_a_turn_scored_by_the_env_outcome_verifier(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+
+    async def go():
+        async with local(bundle) as rt:
+            assert rt.sandbox.kind == "local"
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            assert ep.phase == "playing"
+            assert turn.prompt == "Say hello." and turn.system_prompt is None
+            assert turn.id == "turn1"
+            result = await turn.call("say", {"text": "hello"})
+            assert result == ToolResult("said 'hello'", False)
+            turn.end("I said hello.")
+            assert await ep.next_turn() is None
+            good = await ep.result()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            bad = await play(rt, bundle.tasks["a"], calls=[("say", {"text": "goodbye"})])
+            return good, bad
+
+    good, bad = run(go())
+    assert good == agentenv.Outcome("scored", {"check": 1.0}, 1.0, None)
+    assert bad.status == "scored" and bad.reward == 0.0 and bad.failure is None
+
+
+def test_a_turn_scored_by_the_reply(make_bundle):
+    steps = [deploy(), agent("main", system_prompt="Be brief."), prompt(),
+             {**contains(), "criteria": [{"type": "response_contains", "needles": ["hello"]},
+                                         {"type": "response_regex_present", "pattern": r"\bworld\b",
+                                          "flags": ["IGNORECASE"]}],
+              "score_aggregator": "weighted_average"}]
+    bundle = Bundle.load(make_bundle({"a": steps}))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            assert turn.system_prompt == "Be brief."
+            turn.end("hello WORLD")
+            full = await ep.result()
+            half = await play(rt, bundle.tasks["a"], reply="hello there")
+            none = await play(rt, bundle.tasks["a"], reply="")
+            return full, half, none
+
+    full, half, none = run(go())
+    assert (full.status, full.reward) == ("scored", 1.0)
+    assert (half.status, half.reward) == ("scored", 0.5)
+    assert (none.status, none.reward) == ("scored", 0.0)
+
+
+def test_two_turns_hand_over_the_second_prompt_after_the_first_ends(make_bundle):
+    steps = [deploy(), agent("main", system_prompt="Agent prompt."),
+             prompt("First, say hello."),
+             prompt("Now say goodbye.", id="turn2", system_prompt="Turn prompt."),
+             contains("goodbye", prompt_id="turn2")]
+    bundle = Bundle.load(make_bundle({"a": steps}))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            first = await ep.next_turn()
+            assert first.id == "turn1" and first.prompt == "First, say hello."
+            assert first.system_prompt == "Agent prompt."
+            await first.call("say", {"text": "hello"})
+            with pytest.raises(AgentEnvError, match="isn't ended, so the episode can't be scored"):
+                await ep.result()
+            assert await ep.next_turn() is first        # still open
+            first.end("hello")
+            with pytest.raises(AgentEnvError, match="turn 'turn1' has ended; call the tools of the "
+                                                    "current turn"):
+                await first.call("say", {"text": "late"})
+            second = await ep.next_turn()
+            assert second.id == "turn2" and second.prompt == "Now say goodbye."
+            assert second.system_prompt == "Turn prompt."
+            assert (await second.call("dump", {})).is_error
+            second.end("goodbye")
+            return await ep.result()
+
+    assert run(go()) == agentenv.Outcome("scored", {"answer": 1.0}, 1.0)
+
+
+def test_a_hidden_tool_is_not_offered_but_the_verifier_uses_it(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            names = [t["name"] for t in turn.tools]
+            assert names == ["say", "whoami", "get_config", "sleep", "crash"]
+            say = turn.tool_specs[0]
+            assert say == {"name": "say", "description": "Say something; the verifier hears it.",
+                           "input_schema": {"type": "object", "properties": {"text": {"type": "string"}},
+                                            "required": ["text"]}}
+            refused_call = await turn.call("dump", {})
+            assert refused_call.is_error
+            assert refused_call.text == ("error: there is no tool 'dump'; the tools are: say, whoami, "
+                                         "get_config, sleep, crash")
+            bad_args = await turn.call("say", ["hello"])
+            assert bad_args == ToolResult("error: the arguments of say must be a JSON object, not list",
+                                          True)
+            env_error = await turn.call("say", {})
+            assert env_error == ToolResult("say: text must be a string", True)
+            await turn.call("say", {"text": "hello"})
+            turn.end("done")
+            return await ep.result()
+
+    assert run(go()).reward == 1.0      # the verifier read the state through the hidden tool
+
+
+def test_the_agents_role_reaches_the_env(make_bundle):
+    bundle = Bundle.load(make_bundle({"critic": simple(role="critic"), "plain": simple()}))
+
+    async def go():
+        async with local(bundle) as rt:
+            seen = {}
+            for name in ("critic", "plain"):
+                ep = rt.episode(bundle.tasks[name])
+                turn = await ep.next_turn()
+                seen[name] = (await turn.call("whoami", {})).text
+                await ep.abandon("seen enough")
+            return seen
+
+    assert run(go()) == {"critic": "critic", "plain": "(no role)"}
+
+
+def test_apply_server_config_reaches_the_env(make_bundle):
+    steps = [deploy(), config({"greeting": "ahoy", "level": 3}), agent("main"), prompt(), outcome()]
+    bundle = Bundle.load(make_bundle({"a": steps}))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            text = (await turn.call("get_config", {})).text
+            await ep.abandon("done")
+            return text
+
+    assert json.loads(run(go())) == {"greeting": "ahoy", "level": 3}
+
+
+def test_a_seed_reaches_the_prompt_the_env_and_the_verifier(make_bundle):
+    steps = [deploy(), config({"greeting": "<word>"}), agent("main"), prompt("Say <word>."),
+             contains("<word>")]
+    bundle = Bundle.load(make_bundle({"a": steps}))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"], seed={"word": "banana"})
+            turn = await ep.next_turn()
+            assert turn.prompt == "Say banana."
+            assert json.loads((await turn.call("get_config", {})).text) == {"greeting": "banana"}
+            turn.end("banana!")
+            right = await ep.result()
+            wrong = await play(rt, bundle.tasks["a"], reply="<word>", seed={"word": "apple"})
+            return right, wrong
+
+    right, wrong = run(go())
+    assert right.reward == 1.0 and wrong.reward == 0.0
+
+
+@pytest.mark.parametrize("step, parts", [
+    (config({"x": 1}, uri="urn:fake:nope/v1"),
+     ["step 'config' (apply_server_config) failed", "env 'main' advertises no extension "
+      "'urn:fake:nope/v1' on its card (it advertises ['urn:fake:config/v1'])"]),
+    (config({"bad": 1}), ["env 'main' refused 'urn:fake:config/v1' with HTTP 400",
+                          "bad is not a setting"]),
+    ({**config({"x": 1}), "directives": [{"service": "billing", "uri": "urn:fake:config/v1"}]},
+     ["a directive names service 'billing', but env 'main' serves 'main'; use that or \"*\""]),
+])
+def test_apply_server_config_failures_fail_the_episode(make_bundle, step, parts):
+    bundle = Bundle.load(make_bundle({"a": [deploy(), step, agent("main"), prompt(), outcome()]}))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            with pytest.raises(EpisodeFailed) as caught:
+                await ep.next_turn()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            return str(caught.value), await ep.result()
+
+    message, result = run(go())
+    for part in parts:
+        assert part in message
+    assert result.status == "failed" and result.reward is None and result.failure == message
+
+
+def test_an_unadvertised_extension_is_skipped_with_tolerate_unadvertised(make_bundle):
+    steps = [deploy(), config({"x": 1}, uri="urn:fake:nope/v1", tolerate_unadvertised=True),
+             agent("main"), prompt(), contains()]
+    bundle = Bundle.load(make_bundle({"a": steps}))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            applied = (await turn.call("get_config", {})).text
+            turn.end("hello")
+            return applied, await ep.result()
+
+    applied, result = run(go())
+    assert applied == "{}" and result.reward == 1.0
+
+
+def test_a_turn_offers_the_tools_of_every_env_of_the_agent(make_bundle):
+    steps = [deploy("main"), deploy("other"), agent("main", "other", role="r"), prompt(), outcome()]
+    bundle = Bundle.load(make_bundle({"a": steps}, envs=("main", "other")))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            names = [t["name"] for t in turn.tools]
+            await turn.call("other_say", {"text": "hello"})    # said in the other env only
+            turn.end("done")
+            result = await ep.result()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            assert len(ep.instances) == 2
+            return names, result
+
+    names, result = run(go())
+    assert names == ["say", "whoami", "get_config", "sleep", "crash",
+                     "other_say", "other_whoami", "other_get_config", "other_sleep", "other_crash"]
+    assert result.reward == 0.0        # the verifier reads the main env, where nothing was said
+
+
+def test_two_envs_offering_the_same_tool_fail_the_episode(make_bundle):
+    root = make_bundle({"a": [deploy("main"), deploy("other"), agent("main", "other"), prompt(),
+                              outcome()]}, envs=("main", "other"))
+    (root / "envs" / "other" / "Dockerfile").write_text(dockerfile())    # no prefix: same names
+    bundle = Bundle.load(root)
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            with pytest.raises(EpisodeFailed, match="the tool 'say' is offered by two envs of the turn"):
+                await ep.next_turn()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+
+    run(go())
+
+
+def test_depends_on_graph_with_a_tolerated_failing_verifier(make_bundle, caplog):
+    caplog.set_level(logging.INFO, logger="agentenv")
+    steps = [deploy(), agent("main"), prompt(),
+             outcome("raises", id="flaky", fail_task_on_error=False),
+             contains(id="after", depends_on=["flaky"]),
+             contains(id="answer", depends_on=["turn1"])]
+    root = make_bundle({"a": steps}, artifacts=("raises",))
+
+    async def go(reward):
+        bundle = Bundle.load(root, reward=reward)
+        async with local(bundle) as rt:
+            return await play(rt, bundle.tasks["a"])
+
+    skipped = run(go("after"))
+    assert skipped.status == "failed" and skipped.reward is None
+    assert skipped.failure == "no reward: the run recorded no score at step 'after' (it did not run)"
+    assert skipped.scores == {"answer": 1.0}
+    assert any("skips step 'after'" in r.getMessage() for r in caplog.records)
+    failed = run(go("flaky"))
+    assert failed.status == "failed"
+    assert failed.failure.startswith("no reward: the run recorded no score at step 'flaky' (the "
+                                     "verifier artifacts/raises raised RuntimeError: the checker "
+                                     "broke)")
+    scored = run(go("answer"))
+    assert scored == agentenv.Outcome("scored", {"answer": 1.0}, 1.0)
+
+
+def test_a_verifier_that_raises_fails_the_episode_instead_of_scoring_0(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": simple(artifact="raises")}, artifacts=("raises",)))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            (await ep.next_turn()).end("hello")
+            with pytest.raises(EpisodeFailed, match="the checker broke"):
+                await ep.next_turn()
+            result = await ep.result()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            return result
+
+    result = run(go())
+    assert result.status == "failed" and result.reward is None and result.scores == {}
+    assert result.failure == ("step 'check' (env_outcome_verifier) failed: the verifier "
+                              "artifacts/raises raised RuntimeError: the checker broke")
+
+
+def test_a_verifier_that_hangs_misses_the_verifier_timeout(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": simple(artifact="hangs")}, artifacts=("hangs",)))
+
+    async def go():
+        async with local(bundle, verifier_timeout=0.5) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            (await ep.next_turn()).end("hello")
+            started = time.monotonic()
+            result = await ep.result()
+            took = time.monotonic() - started
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            return result, took
+
+    result, took = run(go())
+    assert result.status == "failed" and result.reward is None
+    assert result.failure == ("step 'check' (env_outcome_verifier) failed: the verifier "
+                              "artifacts/hangs did not finish within 0.5s")
+    assert took < 3
+
+
+def test_a_verifier_that_returns_no_rows_fails_the_episode(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": simple(artifact="notalist")}, artifacts=("notalist",)))
+
+    async def go():
+        async with local(bundle) as rt:
+            return await play(rt, bundle.tasks["a"])
+
+    result = run(go())
+    assert result.status == "failed"
+    assert "the verifier artifacts/notalist returned str; verify returns a list of {id, result, " \
+           "description} rows" in result.failure
+
+
+def test_a_verifiers_score_aggregator_is_applied(make_bundle):
+    bundle = Bundle.load(make_bundle({
+        "w": simple(artifact="weighted")[:3] + [outcome("weighted", score_aggregator="weighted_average")],
+        "all": simple(artifact="weighted"), "any": simple(artifact="weighted")[:3] + [
+            outcome("weighted", score_aggregator="any_pass")]}, artifacts=("weighted",)))
+
+    async def go():
+        async with local(bundle) as rt:
+            return await asyncio.gather(*(play(rt, bundle.tasks[n]) for n in ("w", "all", "any")))
+
+    weighted, all_pass, any_pass = run(go())
+    assert weighted.reward == pytest.approx(2 / 3) and weighted.scores == {"check": weighted.reward}
+    assert all_pass.reward == 0.0       # row a has no result True
+    assert any_pass.reward == 1.0
+
+
+class _LatestFirst(set):
+    """A set that iterates the latest-created task first: one order a set may have."""
+
+    def __iter__(self):
+        def created(task):
+            found = re.fullmatch(r"Task-(\d+)", task.get_name()) if isinstance(task, asyncio.Task) \
+                else None
+            return int(found[1]) if found else -1
+        return iter(sorted(set.__iter__(self), key=created, reverse=True))
+
+
+def test_a_failing_step_with_dependents_fails_with_its_own_reason(make_bundle, monkeypatch):
+    """The steps that depend on a failed step are skipped, and the failure is the step's own,
+    whatever order the finished steps are looked at in."""
+    steps = [agent(), prompt(timeout_seconds=0.05)] + \
+        [contains(id=f"after{n}", depends_on=["turn1"]) for n in range(3)]
+    bundle = Bundle.load(make_bundle({"a": steps}, envs=(), artifacts=()), reward="after0")
+    real_wait = asyncio.wait
+
+    async def wait(fs, **options):      # asyncio.wait, its done set in a legal, adversarial order
+        done, pending = await real_wait(fs, **options)
+        return _LatestFirst(done), pending
+
+    monkeypatch.setattr(asyncio, "wait", wait)
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            await ep.closed.wait()
+            return ep.outcome
+
+    result = run(go())
+    assert result.status == "failed"
+    assert result.failure.startswith("step 'turn1' (prompt_agent) failed: turn 'turn1' was not "
+                                     "ended within 0.05s"), result.failure
+
+
+# -- deploy failures
+
+def test_an_env_that_exits_at_start_fails_the_episode_quoting_its_output(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": simple("broken")}, envs=("broken",)))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            with pytest.raises(EpisodeFailed) as caught:
+                await ep.next_turn()
+            result = await ep.result()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            return str(caught.value), result
+
+    message, result = run(go())
+    assert message.startswith("step 'deploy-broken' (deploy_env) failed: env 'broken' did not come "
+                              "up: its process exited with code 4. Its last output:")
+    assert "fake: cannot start env broken: FAKE_MODE=exit" in message
+    assert result.status == "failed" and result.failure == message
+
+
+def test_an_env_that_never_listens_misses_the_deploy_timeout(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": simple("deaf")}, envs=("deaf",)))
+
+    async def go():
+        async with local(bundle, deploy_timeout=0.8) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            started = time.monotonic()
+            with pytest.raises(EpisodeFailed) as caught:
+                await ep.next_turn()
+            took = time.monotonic() - started
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            return str(caught.value), took
+
+    message, took = run(go())
+    assert "env 'deaf' was not ready within 0.8s (last: ClientConnectorError" in message
+    assert "fake: started, but never listening" in message
+    assert 0.5 < took < 3          # it gives up once the next poll would pass the deadline
+
+
+@pytest.mark.parametrize("env, part", [
+    ("imposter", "env 'imposter' answers with the card of 'someone-else', not 'imposter'; set "
+                 "environment_name in envs/imposter/env.toml"),
+    ("empty", "env 'empty' lists no tools; an env offers at least one"),
+])
+def test_an_env_that_answers_wrongly_fails_the_deploy_at_once(make_bundle, env, part):
+    bundle = Bundle.load(make_bundle({"a": [deploy(env), agent(env), prompt(), contains()]},
+                                     envs=(env,)))
+
+    async def go():
+        async with local(bundle, deploy_timeout=20) as rt:
+            started = time.monotonic()
+            ep = rt.episode(bundle.tasks["a"])
+            with pytest.raises(EpisodeFailed, match=re.escape(part)):
+                await ep.next_turn()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            return time.monotonic() - started
+
+    assert run(go()) < 5      # not the deploy timeout
+
+
+def test_an_env_command_that_cannot_start(make_bundle):
+    root = make_bundle({"a": simple()})
+    (root / "envs" / "main" / "Dockerfile").write_text('FROM x\nCMD ["./no-such-program"]\n')
+    bundle = Bundle.load(root)
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            with pytest.raises(EpisodeFailed, match=r"env 'main' could not start: running "
+                                                    r"\./no-such-program in .* failed .*fix the "
+                                                    r"Dockerfile's CMD"):
+                await ep.next_turn()
+            await ep.closed.wait()
+            assert ep.instances == [] and ep.outcome.status == "failed"
+
+    run(go())
+
+
+# -- failures during a turn
+
+def test_a_tool_that_misses_its_timeout_fails_the_episode(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            assert (await turn.call("sleep", {"seconds": 0.05}, timeout=5)).text == "slept"
+            started = time.monotonic()
+            with pytest.raises(ToolTimeout) as caught:
+                await turn.call("sleep", {"seconds": 10}, timeout=0.3)
+            assert time.monotonic() - started < 2
+            assert isinstance(caught.value, EpisodeFailed)
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            with pytest.raises(EpisodeFailed):
+                await ep.next_turn()
+            return str(caught.value), await ep.result()
+
+    message, result = run(go())
+    assert message == ("sleep didn't answer within 0.3s, and the episode ended, since what the call "
+                       "does may still be under way")
+    assert result == agentenv.Outcome("failed", {}, None, message)
+
+
+def test_the_outcome_is_ready_as_soon_as_a_tool_timeout_is_raised(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            with pytest.raises(ToolTimeout):
+                await turn.call("sleep", {"seconds": 10}, timeout=0.2)
+            with pytest.raises(EpisodeFailed, match="didn't answer within"):
+                await ep.next_turn()
+            return await ep.result()
+
+    assert run(go()).status == "failed"
+
+
+def test_an_env_that_crashes_mid_turn_fails_the_episode(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": [deploy("main"), deploy("other"), agent("main", "other"),
+                                            prompt(), outcome()]}, envs=("main", "other")))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            with pytest.raises(EpisodeFailed) as caught:
+                await turn.call("crash", {})
+            await ep.closed.wait()
+            assert_torn_down(ep)          # the other env is torn down too
+            return str(caught.value), await ep.result()
+
+    message, result = run(go())
+    assert message.startswith("crash failed because the env failed: ")
+    assert result.status == "failed" and result.reward is None and result.failure == message
+
+
+def test_an_env_that_crashes_mid_turn_says_how_it_stopped(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+
+    async def crash(rt):
+        ep = rt.episode(bundle.tasks["a"])
+        turn = await ep.next_turn()
+        with pytest.raises(EpisodeFailed) as caught:
+            await turn.call("crash", {})
+        await ep.closed.wait()
+        return str(caught.value)
+
+    async def go():
+        async with local(bundle) as rt:
+            return await asyncio.gather(*(crash(rt) for _ in range(3)))
+
+    for message in run(go()):
+        assert message.startswith("crash failed because the env failed: env 'main' stopped: its "
+                                  "process exited with code 3. Its last output:"), message
+        assert "fake: crashing on purpose" in message
+
+
+def test_a_turn_not_ended_within_its_timeout_fails_the_episode(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": [deploy(), agent("main"), prompt(timeout_seconds=0.3),
+                                            outcome()]}))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            with pytest.raises(AgentEnvError, match="has ended"):
+                await turn.call("say", {"text": "too late"})
+            return await ep.result()
+
+    result = run(go())
+    assert result.status == "failed"
+    assert result.failure == ("step 'turn1' (prompt_agent) failed: turn 'turn1' was not ended "
+                              "within 0.3s (its prompt_agent step's timeout_seconds)")
+
+
+# -- teardown and abandon
+
+def test_abandon_during_a_turn_tears_everything_down(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": [deploy("main"), deploy("other"), agent("main", "other"),
+                                            prompt(), outcome()]}, envs=("main", "other")))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            await ep.abandon("the trainer moved on")
+            assert_torn_down(ep)
+            assert turn.ended.done()
+            with pytest.raises(EpisodeFailed, match="the trainer moved on"):
+                await ep.next_turn()
+            await ep.abandon("again")           # a second abandon changes nothing
+            return await ep.result()
+
+    assert run(go()) == agentenv.Outcome("abandoned", {}, None, "the trainer moved on")
+
+
+def test_abandon_while_deploying(make_bundle, isolated):
+    bundle = Bundle.load(make_bundle({"a": simple("deaf")}, envs=("deaf",)))
+
+    async def go():
+        async with local(bundle, deploy_timeout=60) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            while not (ep.instances and list(isolated.iterdir())):     # the process runs
+                await asyncio.sleep(0.02)
+            assert ep.phase == "deploying"
+            started = time.monotonic()
+            await ep.abandon("no time")
+            assert time.monotonic() - started < 5
+            assert_torn_down(ep)
+            return await ep.result()
+
+    assert run(go()) == agentenv.Outcome("abandoned", {}, None, "no time")
+
+
+def test_abandon_at_any_moment_of_the_launch_leaves_no_process(make_bundle, isolated):
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+
+    async def go():
+        async with local(bundle) as rt:
+            outcomes = []
+            for ticks in range(1, 9):     # 0 ticks: test_abandon_right_after_the_episode_starts
+                ep = rt.episode(bundle.tasks["a"])
+                for _ in range(ticks):
+                    await asyncio.sleep(0)
+                await ep.abandon(f"after {ticks} ticks")
+                outcomes.append(ep.outcome.status)
+            await asyncio.sleep(1.0)            # a leaked process would have written its pid
+            assert rt.live == set()
+            return outcomes
+
+    assert run(go()) == ["abandoned"] * 8
+    for pidfile in isolated.iterdir():
+        assert gone(int(pidfile.name)), f"env process {pidfile.name} was left running"
+
+
+def test_abandon_right_after_the_episode_starts(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+
+    async def go():
+        rt = await local(bundle).start()
+        try:
+            ep = rt.episode(bundle.tasks["a"])
+            async with asyncio.timeout(3):       # (not wait_for: its new task would let the
+                await ep.abandon("at once")      # driver run first) before the driver ever ran
+            return ep.outcome, set(rt.live)
+        finally:
+            rt.live.clear()         # an episode whose abandon hung would hang close() too
+            await rt.close()
+
+    assert run(go()) == (agentenv.Outcome("abandoned", {}, None, "at once"), set())
+
+
+def test_closing_the_runtime_abandons_live_episodes(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            await ep.next_turn()
+            assert rt.live == {ep}
+        assert_torn_down(ep)
+        return ep.outcome
+
+    assert run(go()) == agentenv.Outcome("abandoned", {}, None, "the server shut down")
+
+
+def test_processes_left_by_a_crashed_run_are_killed_at_start(make_bundle, tmp_path, caplog):
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+    leftover = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        dead_owner = f"{socket.gethostname()}:999999999:1"
+        records = agentenv.LocalSandbox(dead_owner).records   # where that run kept its records
+        records.mkdir(parents=True)
+        (records / str(leftover.pid)).write_text(agentenv._process_start(leftover.pid))
+
+        async def go():
+            async with local(bundle):
+                pass
+
+        run(go())
+        assert leftover.wait(timeout=5) == -signal.SIGKILL
+        assert not records.exists()
+        assert "Killed 1 env process group(s) that an earlier run of agentenv.py left behind" in \
+            caplog.text
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            leftover.kill()
+        leftover.wait()
+
+
+# -- the pool
+
+def test_an_episode_waits_for_a_free_slot_and_the_warning_is_said_once(make_bundle, caplog):
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+    task = bundle.tasks["a"]
+
+    async def go():
+        async with local(bundle, max_concurrent_envs=1) as rt:
+            assert rt.pool.limit == 1
+            first = rt.episode(task)
+            turn = await first.next_turn()
+            assert rt.pool.in_use == 1 and rt.pool.waiting == 0
+            second = rt.episode(task)
+            await asyncio.sleep(0.2)
+            assert second.phase == "waiting" and second.instances == []
+            assert rt.pool.waiting == 1 and rt.pool.in_use == 1
+            third, fourth = rt.episode(task), rt.episode(task)
+            await asyncio.sleep(0.05)
+            assert rt.pool.waiting == 3
+            await fourth.abandon("not needed")                 # abandoned while waiting
+            assert fourth.outcome.status == "abandoned" and rt.pool.waiting == 2
+            await turn.call("say", {"text": "hello"})
+            turn.end("hello")
+            assert (await first.result()).reward == 1.0
+            for ep in (second, third):
+                next_turn = await ep.next_turn()
+                assert rt.pool.in_use == 1
+                await next_turn.call("say", {"text": "hello"})
+                next_turn.end("hello")
+                assert (await ep.result()).reward == 1.0
+                await ep.closed.wait()
+            assert rt.pool.in_use == 0 and rt.pool.waiting == 0 and rt.live == set()
+
+    run(go())
+    warnings = [r for r in caplog.records if "episodes are in use" in r.getMessage()]
+    assert len(warnings) == 1
+    assert warnings[0].levelno == logging.WARNING
+    assert warnings[0].getMessage() == (
+        "All 1 episodes are in use, so new episodes wait their turn: raise --max-concurrent-envs "
+        "(or MAX_CONCURRENT_ENVS) to run more at once.")
+
+
+def test_many_episodes_at_once_are_all_scored_within_the_limit(make_bundle, caplog):
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+    peak = 0
+
+    async def one(rt, n):
+        nonlocal peak
+        ep = rt.episode(bundle.tasks["a"])
+        turn = await ep.next_turn()
+        peak = max(peak, rt.pool.in_use)
+        await turn.call("say", {"text": "hello" if n % 2 == 0 else "hi"})
+        turn.end("done")
+        result = await ep.result()
+        await ep.closed.wait()
+        return result
+
+    async def go():
+        async with local(bundle, max_concurrent_envs=5) as rt:
+            results = await asyncio.gather(*(one(rt, n) for n in range(20)))
+            assert rt.pool.in_use == 0 and rt.live == set()
+            return results
+
+    results = run(go(), timeout=50)
+    assert [r.status for r in results] == ["scored"] * 20
+    assert [r.reward for r in results] == [1.0, 0.0] * 10
+    assert peak == 5
+    assert len([r for r in caplog.records if "episodes are in use" in r.getMessage()]) == 1
+
+
+def test_the_pool_limit_is_a_whole_number_of_at_least_1(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+    for bad in (0, -1, 2.5):
+        with pytest.raises(AgentEnvError, match="--max-concurrent-envs must be a whole number of at "
+                                                "least 1"):
+            Runtime(bundle, sandbox="local", max_concurrent_envs=bad)
+
+
+def test_an_unknown_sandbox_is_refused(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+
+    async def go():
+        async with Runtime(bundle, sandbox="cloud"):
+            pass
+
+    with pytest.raises(AgentEnvError, match="--sandbox 'cloud' is not a sandbox; use auto, docker or "
+                                            "local"):
+        run(go())
+
+
+# ================================================================ the MCP client
+
+def start_plain_server(tmp_path: Path) -> tuple[subprocess.Popen, str]:
+    script = tmp_path / "plain_server.py"
+    script.write_text(PLAIN_SERVER)
+    port = agentenv.free_port()
+    env = {**os.environ, "MCP_PORT": str(port), "MCP_HOST": "127.0.0.1"}
+    env.pop("FAKE_PIDDIR", None)
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 20
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return proc, f"http://127.0.0.1:{port}/mcp"
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the FastMCP server did not start: {proc.stdout.read().decode()}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def fastmcp_url(tmp_path_factory):
+    proc, url = start_plain_server(tmp_path_factory.mktemp("fastmcp"))
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def test_mcp_client_against_a_fastmcp_server(fastmcp_url):
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            session = McpSession(http, fastmcp_url)
+            info = await session.open()
+            assert info["serverInfo"]["name"] == "plain"
+            assert session.headers["Mcp-Session-Id"]
+            assert session.headers["MCP-Protocol-Version"] == info["protocolVersion"]
+            tools = {t["name"]: t for t in await session.list_tools()}
+            assert set(tools) == {"add", "fail"}
+            assert tools["add"]["description"] == "Add two numbers."
+            assert set(tools["add"]["inputSchema"]["properties"]) == {"a", "b"}
+            assert await session.call_tool("add", {"a": 2, "b": 3}) == ToolResult("5", False)
+            failed = await session.call_tool("fail", {"why": "boom"})
+            assert failed.is_error and "boom" in failed.text
+            unknown = await session.call_tool("subtract", {})
+            assert unknown.is_error and "subtract" in unknown.text
+            invalid = await session.call_tool("add", {"a": "x"})
+            assert invalid.is_error and "validation error" in invalid.text
+            await session.close()
+            with pytest.raises(McpError, match="tools/list was answered HTTP 404"):
+                await session.list_tools()      # the session was ended on the server
+
+    run(go())
+
+
+async def sse_server(handler) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_post("/mcp", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}/mcp"
+
+
+def test_mcp_client_reads_sse_replies_and_refusals():
+    async def handler(request: web.Request) -> web.StreamResponse:
+        msg = await request.json()
+        method, mid = msg.get("method"), msg.get("id")
+        if mid is None:
+            return web.Response(status=202)
+        name = (msg.get("params") or {}).get("name")
+        if method == "initialize":
+            return web.json_response({"jsonrpc": "2.0", "id": mid, "result": {
+                "protocolVersion": "2025-03-26", "serverInfo": {"name": "sse"}}},
+                headers={"Mcp-Session-Id": "abc"})
+        assert request.headers["Mcp-Session-Id"] == "abc"
+        assert request.headers["MCP-Protocol-Version"] == "2025-03-26"
+        if name == "refuse":
+            return web.json_response({"jsonrpc": "2.0", "id": mid,
+                                      "error": {"code": -32602, "message": "Unknown tool: refuse"}})
+        if name == "http500":
+            return web.Response(status=500, text="the server broke")
+        if name == "notjson":
+            return web.Response(text="<html>", content_type="text/html")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if name == "silent":
+            await resp.write(b"event: message\ndata: {\"jsonrpc\": \"2.0\", \"method\": \"x\"}\n\n")
+            await resp.write_eof()
+            return resp
+        if method == "tools/list":
+            page = {"tools": [{"name": "t1"}, {"nameless": True}], "nextCursor": "2"} \
+                if not (msg.get("params") or {}).get("cursor") else {"tools": [{"name": "t2"}]}
+            await resp.write(f"data: {json.dumps({'jsonrpc': '2.0', 'id': mid, 'result': page})}\n\n"
+                             .encode())
+            await resp.write_eof()
+            return resp
+        # a notification first, then the answer in two data lines split over chunks, with CRLFs
+        await resp.write(b": comment\r\nevent: message\r\ndata: {\"jsonrpc\": \"2.0\", \"method\": "
+                         b"\"notifications/progress\"}\r\n\r\n")
+        await resp.write(b'data: {"jsonrpc": "2.0", "id": %d,\r\ndata: "result": {"content": '
+                         % mid)
+        await resp.write(b'[{"type": "text", "text": "hi"}, {"type": "image", "mimeType": '
+                         b'"image/png"}]}}\r\n\r\n')
+        await resp.write_eof()
+        return resp
+
+    async def go():
+        runner, url = await sse_server(handler)
+        try:
+            async with aiohttp.ClientSession() as http:
+                session = McpSession(http, url, {"AgentEnv-Role": "x"})
+                assert (await session.open())["serverInfo"]["name"] == "sse"
+                assert [t["name"] for t in await session.list_tools()] == ["t1", "t2"]
+                assert await session.call_tool("echo", {}) == \
+                    ToolResult("hi\n[image content: image/png]", False)
+                assert await session.call_tool("refuse", {}) == \
+                    ToolResult("error: Unknown tool: refuse", True)
+                with pytest.raises(McpError, match="tools/call was answered HTTP 500: the server broke"):
+                    await session.call_tool("http500", {})
+                with pytest.raises(McpError, match="answered with something that is not JSON"):
+                    await session.call_tool("notjson", {})
+                with pytest.raises(McpError, match="the server's event stream ended without an answer"):
+                    await session.call_tool("silent", {})
+        finally:
+            await runner.cleanup()
+
+    run(go())
+
+
+def test_a_long_tool_answer_is_cut_and_says_so():
+    text = agentenv.tool_text({"content": [{"type": "text", "text": "x" * 100_050}]})
+    assert text.startswith("x" * 100_000 + "\n[output cut: the tool answered 100050 characters")
+    assert agentenv.tool_text({"content": [], "structuredContent": {"a": 1}}) == '{"a": 1}'
+    assert agentenv.tool_text({"content": [{"type": "resource", "resource": {"text": "r"}}]}) == "r"
+
+
+def test_an_episode_on_a_fastmcp_env_without_a_card(make_bundle):
+    steps = [deploy("plain"), agent("plain"), prompt("Add 2 and 3."), contains("5")]
+    bundle = Bundle.load(make_bundle({"a": steps}, envs=("plain",), artifacts=()))
+
+    async def go():
+        async with local(bundle, deploy_timeout=30) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            assert ep.envs["plain"].card is None
+            assert ep.envs["plain"].mcp_url.endswith("/mcp")
+            assert [t["name"] for t in turn.tools] == ["add", "fail"]
+            assert await turn.call("add", {"a": 2, "b": 3}) == ToolResult("5", False)
+            failed = await turn.call("fail", {"why": "nope"})
+            assert failed.is_error and "nope" in failed.text
+            turn.end("5")
+            result = await ep.result()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            return result
+
+    assert run(go(), timeout=60) == agentenv.Outcome("scored", {"answer": 1.0}, 1.0)
+
+
+# ================================================================ check and the CLI
+
+def test_check_prints_the_bundle_and_each_toolsets_tools(make_bundle, isolated):
+    root = make_bundle({"a": simple(), "b": replied(),
+                        "c": [deploy("main"), deploy("other"), agent("main", "other"), prompt(),
+                              outcome()]},
+                       envs=("main", "other"), evals={"smoke": 'tasks = ["b"]\n'})
+    lines: list[str] = []
+    run(agentenv.check(str(root), "local", None, out=lines.append))
+    assert lines[0] == "bundle bundle: Fake bundle for tests."
+    assert lines[1] == "splits: all (3 tasks), smoke (1 task)"
+    assert lines[2:6] == ["tasks:",
+                          "  a  toolset main  turns 1  reward check",
+                          "  b  toolset main  turns 1  reward answer",
+                          "  c  toolset main+other  turns 1  reward check"]
+    assert lines[6:8] == ["sandbox: local", "toolsets:"]
+    assert re.fullmatch(r"  main \(2 tasks\), played with a in \d+\.\d\ds: say, whoami, get_config, "
+                        r"sleep, crash", lines[8])
+    assert re.fullmatch(r"  main\+other \(1 task\), played with c in \d+\.\d\ds: say, .*, other_crash",
+                        lines[9])
+    assert lines[10:] == ["ok: every toolset deployed, and every env was torn down"]
+    assert len(list(isolated.iterdir())) == 3 and all(gone(int(p.name)) for p in isolated.iterdir())
+
+
+def test_check_raises_when_a_toolset_fails(make_bundle):
+    root = make_bundle({"a": simple(), "z": simple("broken")}, envs=("main", "broken"))
+    lines: list[str] = []
+    with pytest.raises(AgentEnvError, match=r"^the toolsets broken did not play; see above$"):
+        run(agentenv.check(str(root), "local", None, out=lines.append))
+    assert any(line.startswith("  main (1 task), played with a in ") for line in lines)
+    failed = [line for line in lines if line.startswith("  broken: the episode of z failed: ")]
+    assert failed and "its process exited with code 4" in failed[0]
+    assert "FAKE_MODE=exit" in failed[0]
+    assert not any(line.startswith("ok:") for line in lines)
+
+
+def test_cli_check_exit_codes(make_bundle, capsys):
+    good = make_bundle({"a": simple()})
+    assert agentenv.main(["check", str(good), "--sandbox", "local"]) == 0
+    out, err = capsys.readouterr()
+    assert "bundle bundle: Fake bundle for tests." in out
+    assert "ok: every toolset deployed, and every env was torn down" in out
+    assert err == ""
+
+    bad = make_bundle({"a": [deploy(), agent("main"), prompt()]})
+    assert agentenv.main(["check", str(bad), "--sandbox", "local"]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == ("agentenv.py check: the bundle has 1 problem:\n  - tasks/a.json: task 'a': records "
+                   "no score, so it has no reward; add an env_outcome_verifier or "
+                   "agent_prompt_response_verifier step\n")
+
+    broken = make_bundle({"z": simple("broken")}, envs=("broken",))
+    assert agentenv.main(["check", str(broken), "--sandbox", "local"]) == 1
+    out, err = capsys.readouterr()
+    assert "  broken: the episode of z failed: " in out
+    assert err == "agentenv.py check: the toolsets broken did not play; see above\n"
+
+    assert agentenv.main(["check", str(good.parent / "missing"), "--sandbox", "local"]) == 1
+    assert "there is no bundle folder here" in capsys.readouterr().err
+
+
+def test_cli_reward_option(make_bundle, capsys):
+    root = make_bundle({"a": [deploy(), agent("main"), prompt(), outcome(), contains()]})
+    assert agentenv.main(["check", str(root), "--sandbox", "local"]) == 1
+    assert "records a score at each of check, answer" in capsys.readouterr().err
+    assert agentenv.main(["check", str(root), "--sandbox", "local", "--reward", "answer"]) == 0
+    assert "  a  toolset main  turns 1  reward answer" in capsys.readouterr().out
+
+
+def test_cli_refuses_an_unknown_sandbox(make_bundle, capsys):
+    with pytest.raises(SystemExit) as caught:
+        agentenv.main(["check", str(make_bundle({"a": simple()})), "--sandbox", "cloud"])
+    assert caught.value.code == 2
+    assert "invalid choice: 'cloud'" in capsys.readouterr().err
+
+
+# ================================================================ the example bundle notes-v1
+
+def test_notes_v1_loads():
+    bundle = Bundle.load(NOTES)
+    assert bundle.description == ("A tiny notebook env whose three tasks show every feature of the "
+                                  "AgentEnv bundle format.")
+    assert list(bundle.splits) == ["all", "smoke"]
+    assert [t.name for t in bundle.splits["all"]] == ["recall-recipe", "save-groceries", "two-step"]
+    assert [t.name for t in bundle.splits["smoke"]] == ["save-groceries"]
+    assert {ts.name: len(tasks) for ts, tasks in bundle.toolsets.items()} == {"notebook": 3}
+    assert {t.name: t.reward_step for t in bundle.tasks.values()} == {
+        "recall-recipe": "answer", "save-groceries": "check", "two-step": "check"}
+    assert {t.name: len(t.turns) for t in bundle.tasks.values()} == {
+        "recall-recipe": 1, "save-groceries": 1, "two-step": 2}
+    assert all(t.agent == "writer" for t in bundle.tasks.values())
+
+
+async def _save_groceries(turns, right):
+    turn = await turns()
+    await turn.call("write_note", {"title": "groceries",
+                                   "text": "eggs and milk" if right else "bread"})
+    turn.end("Saved.")
+
+
+async def _recall_recipe(turns, right):
+    turn = await turns()
+    assert (await turn.call("read_note", {"title": "pancakes"})).text == \
+        "2 eggs, 1 cup milk, 1 cup flour"
+    turn.end("2" if right else "3")
+
+
+async def _two_step(turns, right):
+    turn = await turns()
+    assert (await turn.call("list_notes", {})).text == "pancakes"
+    turn.end("You have one note: pancakes.")
+    turn = await turns()
+    assert turn.prompt.startswith("Now save a note titled 'groceries'")
+    recipe = (await turn.call("read_note", {"title": "pancakes"})).text
+    if right:
+        await turn.call("write_note", {"title": "groceries", "text": recipe})
+    else:
+        missing = await turn.call("read_note", {"title": "groceries"})
+        assert missing == ToolResult("no note titled 'groceries'; the notes are: pancakes", True)
+    turn.end("Done.")
+
+
+NOTES_PLAYS = {"save-groceries": _save_groceries, "recall-recipe": _recall_recipe,
+               "two-step": _two_step}
+
+
+@pytest.mark.parametrize("right", [True, False], ids=["right", "wrong"])
+@pytest.mark.parametrize("name", list(NOTES_PLAYS))
+def test_notes_v1_plays_each_task(name, right):
+    bundle = Bundle.load(NOTES)
+    task = bundle.tasks[name]
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(task)
+            first = await ep.next_turn()
+            assert [t["name"] for t in first.tools] == ["write_note", "read_note", "list_notes"]
+            assert first.system_prompt.startswith("You keep a notebook for the user.")
+            await NOTES_PLAYS[name](ep.next_turn, right)
+            result = await ep.result()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            return result, await ep.instances[0].output()
+
+    result, output = run(go())
+    assert result.status == "scored"
+    assert result.reward == (1.0 if right else 0.0)
+    assert result.scores == {task.reward_step: result.reward}
+    if right and name != "recall-recipe":       # the writer's role reached the env
+        assert "notebook: role 'writer' wrote 'groceries'" in output

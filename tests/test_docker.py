@@ -1,0 +1,776 @@
+"""Docker integration tests: notes-v1 episodes played in real containers on the local daemon.
+
+Each test plays what a user does (open a Runtime with ``sandbox="docker"``, play episodes, abandon
+them, kill the server) and checks what the user sees: rewards, failures and their reasons, and the
+containers left (or not) on the daemon. They need a Docker daemon and a local ``python:3.11-slim``
+image (``bash .ci/docker-up.sh``); without them they skip, or fail with AGENTENV_REQUIRE_DOCKER=1.
+
+Async code runs with ``asyncio.run`` per test (no pytest-asyncio).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import agentenv  # noqa: E402
+from agentenv import Bundle, EpisodeFailed, Runtime, ToolResult, owner_id  # noqa: E402
+
+NOTES = REPO / "bundles" / "notes-v1"
+ENV_PORT = f"{agentenv.ENV_PORT}/tcp"
+
+# Containers this session makes by hand carry this label, so the leak check at the end finds them.
+SESSION_LABEL = "agentenv-tests.session"
+SESSION = uuid.uuid4().hex
+# Owners (besides this process) under which this session had containers made: the killed child.
+OTHER_OWNERS: set[str] = set()
+
+
+# ---------------------------------------------------------------- helpers
+
+def run(coro, timeout: float = 90):
+    """Run a test's coroutine in a fresh event loop, within a deadline."""
+    async def bounded():
+        async with asyncio.timeout(timeout):
+            return await coro
+    return asyncio.run(bounded())
+
+
+def labelled(client, label: str) -> list:
+    return client.containers.list(all=True, filters={"label": label}, ignore_removed=True)
+
+
+def episode_containers(client, episode_id: str) -> list:
+    return labelled(client, f"agentenv.episode={episode_id}")
+
+
+def owned_containers(client, owner: str) -> list:
+    return labelled(client, f"agentenv.owner={owner}")
+
+
+async def wait_no_episode_container(client, episode_id: str, timeout: float = 10) -> None:
+    """Wait until no container of the episode exists; fail naming the ones that stay."""
+    deadline = time.monotonic() + timeout
+    while left := await asyncio.to_thread(episode_containers, client, episode_id):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{len(left)} container(s) of episode {episode_id} still exist "
+                                 f"{timeout:g}s later: {[(c.short_id, c.status) for c in left]}")
+        await asyncio.sleep(0.1)
+
+
+def copy_notes(tmp_path: Path) -> Path:
+    """A private copy of notes-v1 to change (same folder name, so the same bundle name)."""
+    root = tmp_path / "bundle" / "notes-v1"
+    shutil.copytree(NOTES, root, ignore=shutil.ignore_patterns("__pycache__", ".*"))
+    return root
+
+
+def notes_tag() -> str:
+    """The image tag of the example bundle's env, as DockerSandbox names it."""
+    return f"agentenv/notebook:{Bundle.load(NOTES).envs['notebook'].digest}"
+
+
+def remove_quietly(client, containers) -> None:
+    for c in containers:
+        with contextlib.suppress(Exception):
+            c.remove(force=True)
+
+
+@pytest.fixture
+def built_images(docker_client):
+    """Tags of images a test built from a changed copy of the bundle: removed afterwards (never
+    the image of notes-v1 itself, which other tests and sessions share)."""
+    tags: list[str] = []
+    yield tags
+    keep = notes_tag()
+    for tag in tags:
+        if tag != keep:
+            with contextlib.suppress(Exception):
+                docker_client.images.remove(tag, force=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_container_left_behind(docker_client):
+    """After every test of this module: no container this session created still exists."""
+    yield
+    mine = {owner_id()} | OTHER_OWNERS
+    left = [c for c in labelled(docker_client, "agentenv.owner")
+            if c.labels.get("agentenv.owner") in mine or c.labels.get(SESSION_LABEL) == SESSION]
+    remove_quietly(docker_client, left)
+    assert not left, (f"the Docker tests left {len(left)} container(s) behind (now removed): "
+                      f"{[(c.short_id, c.labels) for c in left]}")
+
+
+# The correct and the wrong play of each notes-v1 task, as a trained model would make them.
+
+async def play(ep, task: str, correct: bool, client) -> agentenv.Outcome:
+    turn = await ep.next_turn()
+    assert {t["name"] for t in turn.tools} == {"write_note", "read_note", "list_notes"}, \
+        "dump_notes is hidden, so the agent isn't offered it"
+    # The episode really runs in a container of the daemon, and it is running.
+    [container] = await asyncio.to_thread(episode_containers, client, ep.id)
+    assert container.status == "running"
+    assert [i.container.id for i in ep.instances] == [container.id]
+
+    if task == "save-groceries":
+        assert "groceries" in turn.prompt
+        text = "eggs, milk" if correct else "bread, butter"
+        assert await turn.call("write_note", {"title": "groceries", "text": text}) == \
+            ToolResult("saved note 'groceries'", False)
+        turn.end("Saved your groceries note.")
+    elif task == "recall-recipe":
+        # the preload (apply_server_config) reached the env in the container
+        assert await turn.call("read_note", {"title": "pancakes"}) == \
+            ToolResult("2 eggs, 1 cup milk, 1 cup flour", False)
+        turn.end("2" if correct else "3")
+    elif task == "two-step":
+        assert await turn.call("list_notes", {}) == ToolResult("pancakes", False)
+        turn.end("You have one note: pancakes.")
+        turn2 = await ep.next_turn()
+        assert turn2 is not turn and "groceries" in turn2.prompt
+        text = "2 eggs, 1 cup milk, 1 cup flour" if correct else "1 cup flour"
+        assert await turn2.call("write_note", {"title": "groceries", "text": text}) == \
+            ToolResult("saved note 'groceries'", False)
+        turn2.end("Saved.")
+    else:
+        raise AssertionError(f"no play for task {task}")
+    assert await ep.next_turn() is None, "the task has no more turns"
+    return await ep.result()
+
+
+# ---------------------------------------------------------------- 1. full episodes
+
+@pytest.mark.parametrize("task, scoring_step", [("save-groceries", "check"),
+                                                ("recall-recipe", "answer"),
+                                                ("two-step", "check")])
+def test_episode_in_container_scores_and_leaves_nothing(docker_client, task, scoring_step):
+    bundle = Bundle.load(NOTES)
+
+    async def go():
+        async with Runtime(bundle, sandbox="docker", max_concurrent_envs=8, deploy_timeout=180) as rt:
+            assert rt.sandbox.kind == "docker" and rt.sandbox.owner == owner_id()
+            for correct, reward in ((True, 1.0), (False, 0.0)):
+                ep = rt.episode(bundle.tasks[task])
+                outcome = await play(ep, task, correct, docker_client)
+                assert (outcome.status, outcome.reward, outcome.failure) == ("scored", reward, None), \
+                    f"{'correct' if correct else 'wrong'} play of {task}: {outcome}"
+                assert outcome.scores == {scoring_step: reward}
+                async with asyncio.timeout(30):
+                    await ep.closed.wait()
+                assert await asyncio.to_thread(episode_containers, docker_client, ep.id) == [], \
+                    "an episode's container is removed once it is torn down"
+        return rt.sandbox.owner
+
+    owner = run(go())
+    assert owned_containers(docker_client, owner) == [], "no container of the runtime outlives it"
+
+
+# ---------------------------------------------------------------- 2. container settings
+
+LIMITED_TASK = [
+    {"id": "env", "type": "deploy_env", "env_id": "notebook", "cpu": 0.5, "memory_mb": 128},
+    {"id": "agent", "type": "deploy_agent", "agent_name": "writer", "env_ids": ["notebook"]},
+    {"id": "turn1", "type": "prompt_agent", "agent_name": "writer", "prompt_id": "turn1",
+     "prompt": "Save a note titled 'groceries' that lists eggs and milk."},
+    {"id": "check", "type": "env_outcome_verifier", "env_id": "notebook",
+     "file_artifact_id": "check_notes", "score_aggregator": "all_pass"},
+]
+
+
+def test_container_settings_and_limits(docker_client, tmp_path):
+    root = copy_notes(tmp_path)
+    (root / "tasks" / "limited.json").write_text(json.dumps(LIMITED_TASK, indent=2))
+    bundle = Bundle.load(root)
+
+    async def inspect(ep) -> dict:
+        turn = await ep.next_turn()
+        [instance] = ep.instances
+        assert isinstance(instance, agentenv.DockerInstance)
+        await asyncio.to_thread(instance.container.reload)
+        attrs = instance.container.attrs
+        uid = await asyncio.to_thread(instance.container.exec_run,
+                                      ["python", "-c", "import os; print(os.getuid(), os.geteuid())"])
+        assert await turn.call("write_note", {"title": "groceries", "text": "eggs and milk"}) == \
+            ToolResult("saved note 'groceries'", False)
+        turn.end("done")
+        assert (await ep.result()).reward == 1.0
+        return {"attrs": attrs, "uid": uid, "base_url": instance.base_url}
+
+    async def go():
+        async with Runtime(bundle, sandbox="docker") as rt:
+            plain = rt.episode(bundle.tasks["save-groceries"])
+            limited = rt.episode(bundle.tasks["limited"])
+            seen = await asyncio.gather(inspect(plain), inspect(limited))
+            return rt.sandbox.owner, plain.id, seen
+
+    owner, plain_id, (plain, limited) = run(go())
+    host = plain["attrs"]["HostConfig"]
+    # published on a random port of the loopback interface only, nothing else published
+    assert host["PortBindings"] == {ENV_PORT: [{"HostIp": "127.0.0.1", "HostPort": ""}]}
+    assert not host.get("PublishAllPorts")
+    published = plain["attrs"]["NetworkSettings"]["Ports"][ENV_PORT]
+    assert published and {p["HostIp"] for p in published} == {"127.0.0.1"}
+    assert plain["base_url"] == f"http://127.0.0.1:{published[0]['HostPort']}"
+    # labelled for the sweep, and for the user
+    labels = plain["attrs"]["Config"]["Labels"]
+    assert labels["agentenv.owner"] == owner == owner_id()
+    assert labels["agentenv.episode"] == plain_id
+    assert labels["agentenv.env"] == "notebook"
+    # confined: no new privileges, the Dockerfile's USER 10001, not privileged
+    assert "no-new-privileges" in (host.get("SecurityOpt") or [])
+    assert host.get("Privileged") is False
+    assert plain["attrs"]["Config"]["User"] == "10001"
+    assert plain["uid"].exit_code == 0 and plain["uid"].output.decode().split() == ["10001", "10001"]
+    # no limit unless the deploy_env step asks for one; then its cpu and memory_mb
+    assert (host.get("NanoCpus") or 0, host.get("Memory") or 0) == (0, 0)
+    limits = limited["attrs"]["HostConfig"]
+    assert limits["NanoCpus"] == 500_000_000
+    assert limits["Memory"] == 128 * 1024 * 1024
+    assert owned_containers(docker_client, owner) == []
+
+
+# ---------------------------------------------------------------- 3. image built once per content
+
+def test_image_built_once_per_content(docker_client, tmp_path, monkeypatch, built_images):
+    from docker.models.images import ImageCollection
+
+    builds: list[str] = []
+    real_build = ImageCollection.build
+
+    def counting_build(self, **kwargs):
+        builds.append(kwargs.get("tag"))
+        return real_build(self, **kwargs)
+
+    monkeypatch.setattr(ImageCollection, "build", counting_build)
+    root = copy_notes(tmp_path)
+    server = root / "envs" / "notebook" / "server.py"
+    # content no earlier run built, so the first Runtime must build it
+    server.write_text(server.read_text() + f"\n# test build {uuid.uuid4().hex}\n")
+
+    async def open_and_play(expect_saved: str) -> tuple[str, str]:
+        bundle = Bundle.load(root)
+        async with Runtime(bundle, sandbox="docker") as rt:
+            tag = rt.sandbox.images["notebook"]
+            built_images.append(tag)
+            ep = rt.episode(bundle.tasks["save-groceries"])
+            turn = await ep.next_turn()
+            image = ep.instances[0].container.attrs["Config"]["Image"]
+            result = await turn.call("write_note", {"title": "groceries", "text": "eggs, milk"})
+            assert result == ToolResult(f"{expect_saved} note 'groceries'", False)
+            turn.end("ok")
+            assert (await ep.result()).reward == 1.0
+        return tag, image
+
+    tag1, used1 = run(open_and_play("saved"))
+    assert tag1.startswith("agentenv/notebook:") and used1 == tag1
+    assert builds == [tag1], "the first Runtime builds the env's image"
+    id1 = docker_client.images.get(tag1).id
+
+    tag2, used2 = run(open_and_play("saved"))
+    assert builds == [tag1], "a second Runtime on the same content builds nothing"
+    assert (tag2, used2) == (tag1, tag1)
+    assert docker_client.images.get(tag1).id == id1, "the image is the very same one"
+
+    server.write_text(server.read_text().replace('f"saved note', 'f"stored note'))
+    tag3, used3 = run(open_and_play("stored"))
+    assert tag3 != tag1 and tag3.startswith("agentenv/notebook:") and used3 == tag3
+    assert builds == [tag1, tag3], "changed content builds a new image, once"
+    assert docker_client.images.get(tag3).id != id1
+    assert docker_client.images.get(tag1).id == id1, "the old image stays for the old content"
+
+
+# ---------------------------------------------------------------- 4. a deploy that fails
+
+BOOM = 'CMD ["python", "-c", "import sys; print(\'boom: no config\'); sys.exit(4)"]'
+# the same, exiting within a millisecond or two of its start
+BOOM_AT_ONCE = 'CMD ["sh", "-c", "echo \'boom: no config\'; exit 4"]'
+
+
+def broken_notes(tmp_path: Path, cmd: str) -> Bundle:
+    """A copy of notes-v1 whose notebook env runs ``cmd`` instead of its server."""
+    root = copy_notes(tmp_path)
+    (root / "envs" / "notebook" / "Dockerfile").write_text(
+        f"FROM python:3.11-slim\n# test {uuid.uuid4().hex}\n{cmd}\n")
+    return Bundle.load(root)
+
+
+async def fail_deploys(client, bundle: Bundle, built_images: list[str], tasks: list[str]) -> list:
+    """Start an episode of each task at once; each must fail: (raised, outcome, seconds, left)."""
+    async with Runtime(bundle, sandbox="docker", deploy_timeout=180) as rt:
+        built_images.append(rt.sandbox.images["notebook"])
+
+        async def one(task: str):
+            started = time.monotonic()
+            ep = rt.episode(bundle.tasks[task])
+            with pytest.raises(EpisodeFailed) as failed:
+                await ep.next_turn()
+            elapsed = time.monotonic() - started
+            outcome = await ep.result()
+            async with asyncio.timeout(30):
+                await ep.closed.wait()
+            left = await asyncio.to_thread(episode_containers, client, ep.id)
+            return str(failed.value), outcome, elapsed, left
+
+        results = await asyncio.gather(*(one(t) for t in tasks))
+    assert owned_containers(client, rt.sandbox.owner) == []
+    return results
+
+
+def test_failed_deploy_fails_fast_and_leaves_nothing(docker_client, tmp_path, built_images):
+    bundle = broken_notes(tmp_path, BOOM)
+    results = run(fail_deploys(docker_client, bundle, built_images, ["save-groceries"]))
+    [(raised, outcome, elapsed, left)] = results
+    assert outcome.status == "failed" and outcome.reward is None and outcome.scores == {}
+    assert outcome.failure == raised, "next_turn raises the outcome's reason"
+    assert elapsed < 30, f"the failure took {elapsed:.1f}s though the container exited at once " \
+                         "(the deploy deadline is 180s)"
+    assert left == [], "the failed env's container is removed"
+
+
+def test_failed_deploy_reason_quotes_output_and_exit_code(docker_client, tmp_path, built_images):
+    bundle = broken_notes(tmp_path, BOOM)
+    tasks = ["save-groceries", "recall-recipe", "two-step"] * 2   # each must say why, every time
+    results = run(fail_deploys(docker_client, bundle, built_images, tasks))
+    reasons = [outcome.failure for _, outcome, _, _ in results]
+    for reason in reasons:
+        assert "agentenv.py failed" not in reason, reasons
+        assert "step 'env' (deploy_env) failed: env 'notebook'" in reason, reasons
+        assert "exited with code 4" in reason, reasons
+        assert "boom: no config" in reason, reasons
+
+
+def test_launch_of_env_exiting_at_once_reports_code_and_output(docker_client, tmp_path, built_images):
+    bundle = broken_notes(tmp_path, BOOM_AT_ONCE)
+    env = bundle.envs["notebook"]
+    episode = f"test-{uuid.uuid4().hex}"
+
+    async def go() -> str:
+        async with Runtime(bundle, sandbox="docker") as rt:
+            built_images.append(rt.sandbox.images["notebook"])
+            try:
+                instance = await rt.sandbox.launch(env, episode, {})
+            except EpisodeFailed as exc:
+                return str(exc)
+            try:
+                for _ in range(50):
+                    if why := await instance.exited():
+                        return f"{why}: {await instance.output()}"
+                    await asyncio.sleep(0.1)
+                return "the container did not exit"
+            finally:
+                await instance.remove()
+
+    try:
+        said = run(go())
+        assert "exited with code 4" in said and "boom: no config" in said, said
+    finally:
+        remove_quietly(docker_client, episode_containers(docker_client, episode))
+    assert episode_containers(docker_client, episode) == []
+
+
+# ---------------------------------------------------------------- 5. abandon while deploying
+
+@contextlib.asynccontextmanager
+async def runtime_closed_within(bundle, seconds: float = 10, **kwargs):
+    """A docker Runtime whose close must finish within ``seconds``; if it hangs, the test fails
+    (after closing the sandbox and HTTP client by hand) instead of hanging the suite."""
+    rt = await Runtime(bundle, sandbox="docker", **kwargs).start()
+    failed = False
+    try:
+        yield rt
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        try:
+            async with asyncio.timeout(seconds):
+                await rt.close()
+        except TimeoutError:
+            await rt.sandbox.close()
+            await rt.http.close()
+            if not failed:      # else the test's own failure says more
+                raise AssertionError(f"Runtime.close() did not return within {seconds:g}s") from None
+
+
+def test_abandon_right_after_episode_starts(docker_client):
+    bundle = Bundle.load(NOTES)
+
+    async def go():
+        async with runtime_closed_within(bundle, 3) as rt:
+            ep = rt.episode(bundle.tasks["save-groceries"])
+            # no await in between: what a trainer does when it drops a rollout at once
+            try:
+                async with asyncio.timeout(3):
+                    await ep.abandon("the trainer dropped this rollout")
+            except TimeoutError:
+                raise AssertionError("abandon() right after rt.episode() did not return within 3s "
+                                     f"(outcome {ep.outcome}, driver {ep._driver})") from None
+            assert ep.outcome.status == "abandoned"
+            assert ep.outcome.failure == "the trainer dropped this rollout"
+            return ep.id, rt.owner
+
+    episode, owner = run(go(), timeout=30)
+    assert episode_containers(docker_client, episode) == []
+    assert owned_containers(docker_client, owner) == []
+
+
+class CreateSpy:
+    """Watches the docker SDK's container create calls (optionally slowing each down by `delay`
+    seconds first): when one is in flight, and when every one has returned. It also counts the
+    sandbox's daemon calls not yet done (from the moment one is asked for, before its thread
+    starts), so `settled` can't be true while a create is queued but not begun."""
+
+    def __init__(self):
+        self.delay = 0.0
+        self.lock = threading.Lock()
+        self.started = self.returned = 0
+        self.calls = 0                  # DockerSandbox.call coroutines asked for and not done
+        self.in_flight = threading.Event()
+        self.created: list = []
+
+    def wrap_call(self, real_call):
+        def call(sandbox, fn, *args, **kwargs):
+            with self.lock:
+                self.calls += 1
+            inner = real_call(sandbox, fn, *args, **kwargs)
+
+            async def counted():
+                try:
+                    return await inner
+                finally:
+                    with self.lock:
+                        self.calls -= 1
+            return counted()
+        return call
+
+    def wrap(self, real_create):
+        def create(collection, *args, **kwargs):
+            with self.lock:
+                self.started += 1
+            self.in_flight.set()
+            time.sleep(self.delay)
+            try:
+                container = real_create(collection, *args, **kwargs)
+                self.created.append(container)
+                return container
+            finally:
+                with self.lock:
+                    self.returned += 1
+        return create
+
+    @property
+    def settled(self) -> bool:
+        with self.lock:
+            return self.calls == 0 and self.started == self.returned
+
+    async def wait_in_flight(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.in_flight.is_set():
+            assert time.monotonic() < deadline, "no container create call started"
+            await asyncio.sleep(0.002)
+
+    def wait_settled(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.settled:
+            assert time.monotonic() < deadline, "a container create call did not return"
+            time.sleep(0.01)
+
+
+@pytest.fixture
+def create_spy(monkeypatch):
+    from docker.models.containers import ContainerCollection
+
+    spy = CreateSpy()
+    monkeypatch.setattr(ContainerCollection, "create", spy.wrap(ContainerCollection.create))
+    monkeypatch.setattr(agentenv.DockerSandbox, "call", spy.wrap_call(agentenv.DockerSandbox.call))
+    yield spy
+    spy.wait_settled()      # no create of this test may still be running in a thread
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.3, 1.0])
+def test_abandon_while_deploying_leaves_no_container(docker_client, create_spy, delay):
+    bundle = Bundle.load(NOTES)
+
+    async def go():
+        async with runtime_closed_within(bundle) as rt:
+            ep = rt.episode(bundle.tasks["save-groceries"])
+            await asyncio.sleep(delay)
+            phase = ep.phase
+            started = time.monotonic()
+            await ep.abandon("the trainer dropped this rollout")
+            took = time.monotonic() - started
+            assert ep.closed.is_set() and ep not in rt.live
+            assert ep.outcome.status == "abandoned" and ep.outcome.reward is None
+            assert ep.outcome.failure == "the trainer dropped this rollout"
+            with pytest.raises(EpisodeFailed, match="the trainer dropped this rollout"):
+                await ep.next_turn()
+            # a create the episode gave up on may still be running: once it returns, its
+            # container goes at once (the runtime stays open meanwhile)
+            await asyncio.to_thread(create_spy.wait_settled)
+            await wait_no_episode_container(docker_client, ep.id)
+            return ep.id, rt.owner, phase, took
+
+    episode, owner, phase, took = run(go(), timeout=60)
+    assert phase in ("waiting", "deploying", "playing"), phase
+    assert took < 10, f"abandon took {took:.1f}s"
+    assert episode_containers(docker_client, episode) == []
+    assert owned_containers(docker_client, owner) == []
+
+
+def test_abandon_while_create_in_flight_removes_late_container(docker_client, create_spy):
+    create_spy.delay = 0.6          # widen the window: the episode gives up mid-create
+    bundle = Bundle.load(NOTES)
+
+    async def go():
+        async with runtime_closed_within(bundle) as rt:
+            ep = rt.episode(bundle.tasks["save-groceries"])
+            await create_spy.wait_in_flight()
+            await ep.abandon("gave up while the container was being created")
+            assert not create_spy.settled, "the test meant to give up mid-create"
+            assert ep.outcome.status == "abandoned"
+            # the container appears only now, after the episode gave up ...
+            await asyncio.to_thread(create_spy.wait_settled)
+            assert create_spy.created, "the daemon created the container"
+            # ... and is removed at once, with the runtime still open
+            await wait_no_episode_container(docker_client, ep.id, timeout=10)
+            return ep.id, rt.owner
+
+    episode, owner = run(go(), timeout=60)
+    assert episode_containers(docker_client, episode) == []
+    assert owned_containers(docker_client, owner) == []
+
+
+def test_close_while_create_in_flight_leaves_no_container(docker_client, create_spy):
+    bundle = Bundle.load(NOTES)
+    episode = ""
+
+    async def go():
+        nonlocal episode
+        async with runtime_closed_within(bundle) as rt:
+            ep = rt.episode(bundle.tasks["save-groceries"])
+            episode = ep.id
+            await create_spy.wait_in_flight()
+        # the runtime closed while the create was in flight, as a server shutting down mid-deploy
+        assert ep.outcome.status == "abandoned"
+        assert ep.outcome.failure == "the server shut down"
+
+    try:
+        run(go(), timeout=60)
+        create_spy.wait_settled()
+        time.sleep(1.0)
+        left = episode_containers(docker_client, episode)
+        assert left == [], (f"{len(left)} container(s) of the episode exist after Runtime.close(): "
+                            f"{[(c.short_id, c.status) for c in left]}")
+    finally:
+        create_spy.wait_settled()
+        remove_quietly(docker_client, episode_containers(docker_client, episode) if episode else [])
+
+
+# ---------------------------------------------------------------- 6. the crash sweep
+
+def test_startup_sweep_removes_only_dead_owners_containers(docker_client):
+    bundle = Bundle.load(NOTES)
+    host = socket.gethostname()
+    image = run(_ensure_image(bundle))
+    assert image == notes_tag()
+
+    sleeper = subprocess.Popen(["sleep", "60"])
+    made = []
+    try:
+        started = agentenv._process_start(sleeper.pid)
+        assert started, "the sleeper's start time is readable"
+        me = agentenv._process_start(os.getpid())
+        dead_pid = next(p for p in range(999_999, 0, -1) if not Path(f"/proc/{p}").exists())
+        owners = {
+            "dead": f"{host}:{dead_pid}:123",
+            "reused pid": f"{host}:{os.getpid()}:{int(me) + 1}",   # this pid, another start time
+            "live": f"{host}:{sleeper.pid}:{started}",
+            "other host": f"{host}-elsewhere.example:{dead_pid}:123",
+        }
+        containers = {}
+        for what, owner in owners.items():
+            c = docker_client.containers.run(
+                image, detach=True,
+                labels={"agentenv.owner": owner, "agentenv.episode": f"handmade-{uuid.uuid4().hex}",
+                        "agentenv.env": "notebook", SESSION_LABEL: SESSION})
+            made.append(c)
+            containers[what] = c
+
+        async def go():
+            async with Runtime(bundle, sandbox="docker") as rt:
+                # right after start-up, before any episode
+                return {what: bool(await asyncio.to_thread(
+                            labelled, docker_client, f"agentenv.owner={owner}"))
+                        for what, owner in owners.items()}
+
+        exists = run(go())
+        assert exists == {"dead": False, "reused pid": False, "live": True, "other host": True}, \
+            "the sweep removes the containers of dead servers on this host, and only those"
+        assert containers["live"].id in {c.id for c in labelled(docker_client, SESSION_LABEL)}
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        remove_quietly(docker_client, made)
+
+
+async def _ensure_image(bundle):
+    async with Runtime(bundle, sandbox="docker") as rt:
+        return rt.sandbox.images["notebook"]
+
+
+def test_second_runtime_spares_live_episodes(docker_client):
+    """A second server starting in the same process (a live owner) leaves the first one's
+    running episode alone."""
+    bundle = Bundle.load(NOTES)
+
+    async def go():
+        async with Runtime(bundle, sandbox="docker") as first:
+            ep = first.episode(bundle.tasks["save-groceries"])
+            turn = await ep.next_turn()
+            async with Runtime(bundle, sandbox="docker"):
+                pass
+            assert await turn.call("write_note", {"title": "groceries", "text": "eggs, milk"}) == \
+                ToolResult("saved note 'groceries'", False)
+            turn.end("ok")
+            return await ep.result()
+
+    assert run(go()).reward == 1.0
+
+
+# ---------------------------------------------------------------- 7. concurrency
+
+def test_concurrent_episodes_bounded_by_max_concurrent_envs(docker_client):
+    bundle = Bundle.load(NOTES)
+    task = bundle.tasks["save-groceries"]
+    limit, count = 3, 6
+
+    async def go():
+        async with Runtime(bundle, sandbox="docker", max_concurrent_envs=limit) as rt:
+            owner = rt.sandbox.owner
+            samples: list[int] = []
+            stop = threading.Event()
+
+            def sample():
+                while not stop.is_set():
+                    samples.append(len(owned_containers(docker_client, owner)))
+                    time.sleep(0.02)
+
+            sampler = asyncio.create_task(asyncio.to_thread(sample))
+            first_batch, release = asyncio.Event(), asyncio.Event()
+            ready = 0
+
+            async def one(ep):
+                nonlocal ready
+                turn = await ep.next_turn()
+                ready += 1
+                if ready == limit:
+                    first_batch.set()
+                await release.wait()
+                await turn.call("write_note", {"title": "groceries", "text": "eggs, milk"})
+                turn.end("saved")
+                return await ep.result()
+
+            eps = [rt.episode(task) for _ in range(count)]
+            plays = asyncio.gather(*(one(ep) for ep in eps))
+            async with asyncio.timeout(60):
+                await first_batch.wait()
+            # the first `limit` episodes hold their turns open: the rest wait for a slot
+            at_limit = len(await asyncio.to_thread(owned_containers, docker_client, owner))
+            waiting = sorted(ep.phase for ep in eps)
+            release.set()
+            outcomes = await plays
+            for ep in eps:
+                await ep.closed.wait()
+            stop.set()
+            await sampler
+            after = await asyncio.to_thread(owned_containers, docker_client, owner)
+            return outcomes, samples, at_limit, waiting, after
+
+    outcomes, samples, at_limit, phases, after = run(go(), timeout=120)
+    assert [o.reward for o in outcomes] == [1.0] * count, outcomes
+    assert at_limit == limit
+    assert phases == ["playing"] * limit + ["waiting"] * (count - limit)
+    assert samples and max(samples) <= limit, f"more than {limit} containers at once: {max(samples)}"
+    assert after == []
+
+
+# ---------------------------------------------------------------- 8. a killed server's containers
+
+CHILD = r"""
+import asyncio, sys
+sys.path.insert(0, sys.argv[1])
+import agentenv
+
+async def main():
+    bundle = agentenv.Bundle.load(sys.argv[2])
+    rt = await agentenv.Runtime(bundle, sandbox="docker").start()
+    ep = rt.episode(bundle.tasks["save-groceries"])
+    await ep.next_turn()
+    print("ready", agentenv.owner_id(), ep.id, flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def test_killed_server_container_swept_at_next_start(docker_client):
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(REPO), str(NOTES)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output: list[str] = []
+
+    def until_ready() -> list[str]:
+        for line in child.stdout:
+            output.append(line.rstrip())
+            if line.startswith("ready "):
+                return line.split()
+        raise AssertionError("the child exited before its turn:\n" + "\n".join(output))
+
+    episode = ""
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            try:
+                _, owner, episode = pool.submit(until_ready).result(timeout=90)
+            except concurrent.futures.TimeoutError:
+                child.kill()
+                raise AssertionError("the child never got its turn:\n" + "\n".join(output)) from None
+            OTHER_OWNERS.add(owner)
+            [container] = episode_containers(docker_client, episode)
+            assert container.labels["agentenv.owner"] == owner
+            assert owner.split(":")[1] == str(child.pid)
+
+            child.send_signal(signal.SIGKILL)           # no teardown, no finally
+            assert child.wait(10) == -signal.SIGKILL
+
+        container.reload()
+        assert container.status == "running", "a killed server leaves its container running"
+
+        async def go():
+            async with Runtime(Bundle.load(NOTES), sandbox="docker"):
+                return await asyncio.to_thread(episode_containers, docker_client, episode)
+
+        assert run(go()) == [], "the next Runtime.start() removes what the killed server left"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        child.stdout.close()
+        if episode:
+            remove_quietly(docker_client, episode_containers(docker_client, episode))
