@@ -1918,6 +1918,7 @@ END_TURN = {"name": "end_turn",
                 "response": {"type": "string", "description": "Your reply."}}}}
 RESERVED_TOOLS = {"reset", "step", "state", "close", "end_turn"}
 ENDED = "the episode has ended; call reset"
+SPLIT_TYPES = {"train", "validation", "test"}
 
 
 def envelope(observation: dict[str, Any], reward: float | None = None, done: bool = False,
@@ -1929,44 +1930,82 @@ def envelope(observation: dict[str, Any], reward: float | None = None, done: boo
     return body
 
 
+def rpc_error(rid: Any, code: int, message: str, data: Any = None) -> dict[str, Any]:
+    error: dict[str, Any] = {"code": code, "message": message}
+    if data is not None:
+        error["data"] = data
+    return {"jsonrpc": "2.0", "id": rid, "error": error}
+
+
+class Capacity(AgentEnvError):
+    """Every session slot is taken: a temporary refusal, with how to raise the limit."""
+
+    def __init__(self, active: int, limit: int):
+        self.active, self.limit = active, limit
+        super().__init__(f"Server at capacity: {active}/{limit} sessions active. Cannot accept new "
+                         "connections. This is temporary: retry when a session closes, or serve "
+                         "with a higher --max-concurrent-envs (MAX_CONCURRENT_ENVS).")
+
+    @property
+    def data(self) -> dict[str, Any]:
+        return {"active_sessions": self.active, "max_sessions": self.limit, "retry_after_s": 1}
+
+
 class OpenEnvSession:
-    """One OpenEnv session (a /ws connection): one episode at a time, reset by split and index.
+    """One OpenEnv session: one episode at a time, reset by split and index.
 
     It maps a bundle onto OpenEnv as AgentEnv does: ``reset`` plays a task, ``list_tools`` and
     ``call_tool`` play its turn, and the added ``end_turn`` tool hands over the next prompt or,
     after the last turn, the reward and the scores. A failure is an observation, never a crash.
+    Every reply comes within ``deadline`` seconds, inside the clients' own timeout.
     """
 
-    def __init__(self, runtime: Runtime, tool_timeout: float):
-        self.runtime, self.tool_timeout = runtime, tool_timeout
+    def __init__(self, runtime: Runtime, deadline: float, sid: str | None = None):
+        self.runtime, self.deadline = runtime, deadline
+        self.id = sid or uuid.uuid4().hex
         self.episode: Episode | None = None
         self.where: dict[str, Any] | None = None
+        self.episode_id: str | None = None         # the id the caller gave at reset, if any
         self.step_count = 0
+        self.last_used = time.monotonic()
+        self.busy = 0                              # requests under way: never reaped meanwhile
+        self.attached = False                      # a /ws?session_id= socket is on it
+        self.close_asked = False
+        self.lock = asyncio.Lock()                 # reset, step and close take turns
+
+    @contextlib.asynccontextmanager
+    async def using(self) -> Any:
+        self.busy += 1
+        try:
+            async with self.lock:
+                yield self
+        finally:
+            self.busy -= 1
+            self.last_used = time.monotonic()
 
     async def reset(self, data: dict[str, Any]) -> dict[str, Any]:
         await self.close("reset")
         split, index = data.get("split"), data.get("index")
         self.step_count, self.where = 0, None
+        self.episode_id = data.get("episode_id") if isinstance(data.get("episode_id"), str) else None
         if (split is None) != (index is None):
             return self._error("split and index go together: give both, or neither for the first "
                                "task served")
-        bundle = self.runtime.bundle
         try:
-            task = bundle.task(split or "all", 0 if index is None else index)
+            task = self.runtime.bundle.task(split or "all", 0 if index is None else index)
         except LookupError as exc:
             return self._error(str(exc))
         self.where = {"id": task.id, "name": task.name, "split": split or "all", "index": index or 0}
         self.episode = self.runtime.episode(task)
-        return await self._next_turn()
+        return await self._advance()
 
     async def step(self, action: Any) -> dict[str, Any]:
         if not isinstance(action, dict):
-            return self._error("a step's data is an action object such as {\"type\": \"list_tools\"}")
+            return self._error('a step\'s data is an action such as {"type": "list_tools"}')
         episode = self.episode
-        if episode is None or episode.outcome is not None:
+        if episode is None or episode.outcome is not None or episode.turn is None:
             return self._error(ENDED)
         turn = episode.turn
-        assert turn is not None
         self.step_count += 1
         kind = action.get("type")
         if kind == "list_tools":
@@ -1977,13 +2016,15 @@ class OpenEnvSession:
         if name == "end_turn":
             response = arguments.get("response", "") if isinstance(arguments, dict) else ""
             turn.end(response if isinstance(response, str) else json.dumps(response))
-            return await self._next_turn(tool_name="end_turn")
+            return await self._advance(tool_name="end_turn")
         try:
-            result = await turn.call(name, arguments, self.tool_timeout)
+            result = await turn.call(name, arguments, self.deadline)
         except ToolTimeout as exc:
-            return envelope({"tool_name": name, "result": None, "metadata": self._meta(),
-                             "error": {"error_type": "timeout", "message": str(exc)}}, None, True)
-        except EpisodeFailed as exc:
+            return envelope({"tool_name": name, "result": None,
+                             "error": {"error_type": "timeout", "message": str(exc)},
+                             "metadata": {"status": "error", "error": str(exc), "task": self.where}},
+                            None, True)
+        except (EpisodeFailed, AgentEnvError) as exc:
             return self._error(str(exc), tool_name=name)
         if name not in turn.route:
             return envelope({"tool_name": name, "result": None, "metadata": {},
@@ -1993,42 +2034,79 @@ class OpenEnvSession:
             "meta": None, "data": result.text, "is_error": result.is_error}})
 
     def state(self) -> dict[str, Any]:
-        episode = self.episode
-        return {"episode_id": episode.id if episode else None, "step_count": self.step_count,
-                "task_id": (self.where or {}).get("id"), "split": (self.where or {}).get("split"),
-                "index": (self.where or {}).get("index"),
+        episode, where = self.episode, self.where or {}
+        return {"episode_id": self.episode_id or (episode.id if episode else None),
+                "step_count": self.step_count, "task_id": where.get("id"),
+                "task_name": where.get("name"), "split": where.get("split"),
+                "index": where.get("index"),
                 "turn": episode.turn.id if episode and episode.turn else None,
                 "done": episode is None or episode.outcome is not None}
+
+    async def mcp(self, method: str, params: dict[str, Any], rid: Any) -> dict[str, Any]:
+        """tools/list and tools/call on this session's episode, as JSON-RPC."""
+        if method == "tools/list":
+            episode = self.episode
+            if episode is None or episode.turn is None or episode.outcome is not None:
+                return {"jsonrpc": "2.0", "id": rid, "result": {"tools": []}}
+            tools = [{"name": t["name"], "description": t["description"], "inputSchema": t["input_schema"]}
+                     for t in [*episode.turn.tool_specs, END_TURN]]
+            return {"jsonrpc": "2.0", "id": rid, "result": {"tools": tools}}
+        name = params.get("name")
+        if not isinstance(name, str) or not name:
+            return rpc_error(rid, -32602, "tools/call needs params.name, the tool to call")
+        reply = await self.step({"type": "call_tool", "tool_name": name,
+                                 "arguments": params.get("arguments") or {}})
+        observation = reply["observation"]
+        meta = observation.get("metadata") or {}
+        if observation.get("error"):
+            return rpc_error(rid, -32603, observation["error"]["message"], observation["error"])
+        if meta.get("status") == "error":
+            return rpc_error(rid, -32603, meta.get("error", "the episode failed"))
+        if name == "end_turn":
+            data = observation.get("result") if not reply["done"] else \
+                {"done": True, "reward": reply["reward"], "scores": meta.get("scores")}
+            return {"jsonrpc": "2.0", "id": rid, "result": {"data": data}}
+        return {"jsonrpc": "2.0", "id": rid, "result": observation["result"]}
 
     async def close(self, reason: str = "the session closed") -> None:
         if self.episode is not None:
             episode, self.episode = self.episode, None
             await episode.abandon(reason)
 
-    async def _next_turn(self, tool_name: str | None = None) -> dict[str, Any]:
+    async def _advance(self, tool_name: str | None = None) -> dict[str, Any]:
+        """Wait (within the deadline) for the next turn or the outcome, and say it."""
         episode = self.episode
         assert episode is not None
         try:
-            turn = await episode.next_turn()
+            async with asyncio.timeout(self.deadline):
+                turn = await episode.next_turn()
+                outcome = None if turn is not None else await episode.result()
         except EpisodeFailed as exc:
             return self._error(str(exc), tool_name)
+        except asyncio.TimeoutError:
+            what = "the deploy and the opening of the turn" if tool_name is None else \
+                "the next turn or the score"
+            reason = (f"{what} took longer than {self.deadline:g}s, so the episode was ended to "
+                      "answer inside the client's timeout; raise the client's message_timeout_s "
+                      "and serve with a higher --client-timeout")
+            await episode.abandon(reason)
+            return self._error(reason, tool_name)
         extra = {"tool_name": tool_name, "error": None} if tool_name else {}
         if turn is not None:
             if reserved := sorted(RESERVED_TOOLS & set(turn.route)):
-                await episode.abandon("reserved tool names")
+                await episode.abandon("the env offers reserved tool names")
                 return self._error(f"the env offers tools OpenEnv reserves: {', '.join(reserved)}; "
-                                   "rename them in the env")
+                                   "rename them in the env", tool_name)
             prompt = {"prompt": turn.prompt, "system_prompt": turn.system_prompt}
             if tool_name:
                 return envelope({**extra, "result": prompt, "metadata": {}})
             return envelope({"metadata": {**prompt, "task": self.where}})
-        outcome = await episode.result()
+        assert outcome is not None
+        if outcome.status != "scored":
+            return self._error(outcome.failure or "the episode failed", tool_name)
         return envelope({**extra, "result": None,
                          "metadata": {"scores": outcome.scores, "task": self.where}},
                         outcome.reward, True)
-
-    def _meta(self) -> dict[str, Any]:
-        return {"status": "error", "task": self.where}
 
     def _error(self, message: str, tool_name: str | None = None) -> dict[str, Any]:
         observation: dict[str, Any] = {"metadata": {"status": "error", "error": message,
@@ -2038,84 +2116,414 @@ class OpenEnvSession:
         return envelope(observation, None, True)
 
 
-class Server:
-    """The aiohttp app that serves a bundle: OpenEnv's routes, over one runtime and its pool."""
+class OpenEnvSurface:
+    """OpenEnv's routes on the app: /ws, /mcp, the stateless HTTP routes, schema and task API.
 
-    def __init__(self, runtime: Runtime, tool_timeout: float = 55.0, host: str = "127.0.0.1",
-                 port: int = 8000):
-        from aiohttp import web
-        self.runtime, self.tool_timeout = runtime, tool_timeout
-        self.host, self.port = host, port
-        self.sessions: set[OpenEnvSession] = set()
-        self.app = web.Application()
-        self.app.router.add_get("/health", self.health)
-        self.app.router.add_get("/metadata", self.metadata)
-        self.app.router.add_get("/ws", self.ws)
-        self.app.on_startup.append(self._start)
-        self.app.on_shutdown.append(self._shutdown)
+    Sessions live in one table, capped at the pool's limit (past it a new one is refused, as
+    OpenEnv's clients expect, and the server says once how to raise it). WebSocket pings find
+    half-open sockets, and one sweep ends sessions idle past ``idle_timeout``, so capacity never
+    silts up with sessions whose client has gone.
+    """
 
-    async def _start(self, app: Any) -> None:
-        await self.runtime.start()
-        bundle, url = self.runtime.bundle, f"http://{self.host}:{self.port}"
-        log.info("Serving %s: %d tasks in the splits %s, up to %d episodes at once, envs in the %s "
-                    "sandbox, at %s (OpenEnv: %s/ws).", bundle.name, len(bundle.tasks),
-                 ", ".join(bundle.splits), self.runtime.pool.limit, self.runtime.sandbox.kind, url, url)
+    def __init__(self, runtime: Runtime, app: Any, client_timeout: float = 60.0,
+                 margin: float = 5.0, idle_timeout: float = 600.0):
+        self.runtime, self.idle_timeout = runtime, idle_timeout
+        self.deadline = max(1.0, client_timeout - margin)
+        self.sessions: dict[str, OpenEnvSession] = {}
+        self.env_name = runtime.bundle.name.replace(".", "-")
+        self._warned = False
+        self._sweeper: asyncio.Task | None = None
+        add = app.router
+        add.add_get("/health", self.health)
+        add.add_get("/metadata", self.metadata)
+        add.add_get("/schema", self.schema)
+        add.add_get("/openapi.json", self.openapi)
+        add.add_get("/ws", self.ws)
+        add.add_get("/mcp", self.mcp_ws)
+        add.add_post("/mcp", self.mcp_http)
+        add.add_post("/reset", self.http_reset)
+        add.add_post("/step", self.http_step)
+        add.add_get("/state", self.http_state)
+        add.add_get("/list_environments", self.list_environments)
+        add.add_get("/{env}/splits", self.splits)
+        for route in ("tasks", "num_tasks", "task", "task_range"):
+            add.add_post("/{env}/" + route, self.task_api)
 
-    async def _shutdown(self, app: Any) -> None:
-        log.info("Shutting down: ending %d live episode(s) and tearing their envs down.",
-                    len(self.runtime.live))
-        await asyncio.gather(*(s.close("the server shut down") for s in list(self.sessions)),
-                             return_exceptions=True)
-        await self.runtime.close()
+    # -- sessions
+
+    def open_session(self) -> OpenEnvSession:
+        limit = self.runtime.pool.limit
+        if len(self.sessions) >= limit:
+            if not self._warned:
+                self._warned = True
+                log.warning("The server is at its limit of %d sessions at once, so new sessions are "
+                            "refused until one closes: serve the bundle with a higher "
+                            "MAX_CONCURRENT_ENVS (or --max-concurrent-envs) to run more at once.",
+                            limit)
+            raise Capacity(len(self.sessions), limit)
+        session = OpenEnvSession(self.runtime, self.deadline)
+        self.sessions[session.id] = session
+        return session
+
+    async def end_session(self, session: OpenEnvSession, reason: str) -> None:
+        self.sessions.pop(session.id, None)
+        await session.close(reason)
+
+    async def start(self) -> None:
+        self._sweeper = asyncio.create_task(self._sweep())
+
+    async def stop(self) -> None:
+        if self._sweeper:
+            self._sweeper.cancel()
+        await asyncio.gather(*(self.end_session(s, "the server shut down")
+                               for s in list(self.sessions.values())), return_exceptions=True)
+
+    async def _sweep(self) -> None:
+        """End sessions idle past idle_timeout; one timer for all, never one that is busy."""
+        period = max(0.05, min(self.idle_timeout / 4, 30.0))
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                if not session.busy and now - session.last_used > self.idle_timeout:
+                    log.info("Ended OpenEnv session %s: no request for %gs (--idle-timeout).",
+                             session.id[:8], self.idle_timeout)
+                    await self.end_session(session, f"the session was idle past {self.idle_timeout:g}s")
+
+    # -- HTTP routes
 
     async def health(self, request: Any) -> Any:
-        from aiohttp import web
-        return web.json_response({"status": "healthy"})
+        return _json({"status": "healthy"})
 
     async def metadata(self, request: Any) -> Any:
-        from aiohttp import web
         bundle = self.runtime.bundle
-        return web.json_response({"name": bundle.name, "description": bundle.description,
-                                  "readme_content": None, "version": __version__,
-                                  "author": None, "documentation_url": None})
+        readme = bundle.root / "README.md"
+        return _json({"name": self.env_name, "description": bundle.description or bundle.name,
+                      "readme_content": readme.read_text() if readme.is_file() else None,
+                      "version": __version__, "author": None, "documentation_url": None})
+
+    async def schema(self, request: Any) -> Any:
+        return _json(OPENENV_SCHEMA)
+
+    async def openapi(self, request: Any) -> Any:
+        return _json(openapi_document())
+
+    async def http_reset(self, request: Any) -> Any:
+        """Stateless, as OpenEnv has it: a fresh session, reset (a full deploy), then closed."""
+        data, problem = await _body(request, allow_empty=True)
+        if problem:
+            return problem
+        session = OpenEnvSession(self.runtime, self.deadline)
+        try:
+            return _json(await session.reset(data or {}))
+        finally:
+            await session.close("a stateless /reset ends its episode")
+
+    async def http_step(self, request: Any) -> Any:
+        data, problem = await _body(request)
+        if problem:
+            return problem
+        if not isinstance(data.get("action"), dict):
+            return _json({"detail": [{"type": "missing", "loc": ["body", "action"],
+                                      "msg": "Field required: the action to take"}]}, 422)
+        return _json(OpenEnvSession(self.runtime, self.deadline)._error(ENDED))
+
+    async def http_state(self, request: Any) -> Any:
+        return _json(OpenEnvSession(self.runtime, self.deadline).state())
+
+    # -- the task API
+
+    async def list_environments(self, request: Any) -> Any:
+        return _json([self.env_name])
+
+    async def splits(self, request: Any) -> Any:
+        if request.match_info["env"] != self.env_name:
+            return _json({"detail": f"no environment {request.match_info['env']!r}; "
+                                    f"this server serves {self.env_name!r}"}, 404)
+        return _json([{"name": s, "type": s if s in SPLIT_TYPES else "validation"}
+                      for s in self.runtime.bundle.splits])
+
+    async def task_api(self, request: Any) -> Any:
+        if request.match_info["env"] != self.env_name:
+            return _json({"detail": f"no environment {request.match_info['env']!r}; "
+                                    f"this server serves {self.env_name!r}"}, 404)
+        data, problem = await _body(request)
+        if problem:
+            return problem
+        route = request.path.rsplit("/", 1)[1]
+        bundle, split = self.runtime.bundle, data.get("split")
+        if split not in bundle.splits:
+            return _json({"detail": f"Invalid task index: there is no split {split!r}; the "
+                                    f"splits are {', '.join(bundle.splits)}"}, 400)
+        tasks = bundle.splits[split]
+        if route == "num_tasks":
+            return _json({"num_tasks": len(tasks)})
+        if route == "tasks":
+            return _json({"tasks": [task_row(t, i) for i, t in enumerate(tasks)],
+                          "env_name": self.env_name})
+        if route == "task":
+            try:
+                return _json({"task": task_row(bundle.task(split, data.get("index")),
+                                               data.get("index"))})
+            except LookupError as exc:
+                return _json({"detail": f"Invalid task index: {exc}"}, 400)
+        start, stop = data.get("start") or 0, data.get("stop")
+        if not isinstance(start, int) or (stop is not None and not isinstance(stop, int)):
+            return _json({"detail": "start and stop are whole numbers"}, 400)
+        return _json({"tasks": [task_row(t, start + i) for i, t in enumerate(tasks[start:stop])]})
+
+    # -- JSON-RPC on POST /mcp and WebSocket /mcp
+
+    async def mcp_http(self, request: Any) -> Any:
+        try:
+            message = json.loads(await request.read())
+        except (ValueError, UnicodeDecodeError) as exc:
+            return _json(rpc_error(None, -32700, f"Parse error: {exc}"))
+        return _json(await self.rpc(message, None))
+
+    async def rpc(self, message: Any, owned: OpenEnvSession | None) -> dict[str, Any]:
+        """Answer one JSON-RPC request; ``owned`` is the session of the socket it came on."""
+        if not isinstance(message, dict) or message.get("jsonrpc") != "2.0" or \
+                not isinstance(message.get("method"), str):
+            rid = message.get("id") if isinstance(message, dict) else None
+            return rpc_error(rid, -32600, "Invalid Request: send {\"jsonrpc\": \"2.0\", \"method\": "
+                                          "..., \"params\": {...}, \"id\": ...}")
+        rid, method, params = message.get("id"), message["method"], message.get("params") or {}
+        if not isinstance(params, dict):
+            return rpc_error(rid, -32602, "params must be an object")
+        if method == "openenv/session/create":
+            try:
+                return {"jsonrpc": "2.0", "id": rid, "result": {"session_id": self.open_session().id}}
+            except Capacity as exc:
+                return rpc_error(rid, -32000, str(exc), exc.data)
+        if method == "openenv/session/close":
+            session = self.sessions.get(str(params.get("session_id")))
+            if session is None:
+                return rpc_error(rid, -32602, f"no session {params.get('session_id')!r}")
+            if session.attached:
+                session.close_asked = True
+                return {"jsonrpc": "2.0", "id": rid,
+                        "result": {"session_id": session.id, "closed": False, "closing": True}}
+            await self.end_session(session, "openenv/session/close")
+            return {"jsonrpc": "2.0", "id": rid, "result": {"session_id": session.id, "closed": True}}
+        if method not in ("tools/list", "tools/call"):
+            return rpc_error(rid, -32601, f"Method not found: {method}; this server answers "
+                                          "tools/list, tools/call, openenv/session/create and "
+                                          "openenv/session/close")
+        session = owned
+        if params.get("session_id") is not None:
+            session = self.sessions.get(str(params["session_id"]))
+            if session is None:
+                return rpc_error(rid, -32602, f"no session {params['session_id']!r}; create one "
+                                              "with openenv/session/create")
+        if session is None:       # no session: a throwaway env, which has no episode
+            session = OpenEnvSession(self.runtime, self.deadline)
+        async with session.using():
+            return await session.mcp(method, params, rid)
+
+    async def mcp_ws(self, request: Any) -> Any:
+        socket_ = await _accept(request)
+        try:
+            session = self.open_session()
+        except Capacity as exc:
+            await socket_.send_json(rpc_error(None, -32000, str(exc), exc.data))
+            await socket_.close()
+            return socket_
+        try:
+            async for message in socket_:
+                if message.type == aiohttp.WSMsgType.TEXT:
+                    try:
+                        request_ = json.loads(message.data)
+                    except ValueError as exc:
+                        await socket_.send_json(rpc_error(None, -32700, f"Parse error: {exc}"))
+                        continue
+                    await socket_.send_json(await self.rpc(request_, session))
+        finally:
+            await self.end_session(session, "the session closed")
+        return socket_
+
+    # -- the WebSocket session /ws
 
     async def ws(self, request: Any) -> Any:
-        from aiohttp import web
-        socket_ = web.WebSocketResponse(heartbeat=20, max_msg_size=16 * 2**20)
-        await socket_.prepare(request)
-        session = OpenEnvSession(self.runtime, self.tool_timeout)
-        self.sessions.add(session)
+        socket_ = await _accept(request)
+        attach = request.query.get("session_id")
+        owns = attach is None
+        if attach is not None:
+            session = self.sessions.get(attach)
+            if session is None or session.attached:
+                why = "is already attached to a socket" if session else "does not exist"
+                await socket_.send_json({"type": "error", "data": {
+                    "message": f"session {attach!r} {why}; create one with openenv/session/create",
+                    "code": "SESSION_ERROR"}})
+                await socket_.close()
+                return socket_
+            session.attached = True
+        else:
+            try:
+                session = self.open_session()
+            except Capacity as exc:
+                await socket_.send_json({"type": "error", "data": {
+                    "message": str(exc), "code": "CAPACITY_REACHED", **exc.data}})
+                await socket_.close()
+                return socket_
         try:
             async for message in socket_:
                 if message.type != aiohttp.WSMsgType.TEXT:
                     continue
-                reply = await self._answer(session, message.data)
+                async with session.using():
+                    reply = await self._answer(session, message.data)
                 if reply is None:
                     break
                 await socket_.send_json(reply)
         finally:
-            self.sessions.discard(session)
-            await session.close()
+            session.attached = False
+            if owns or session.close_asked:
+                await self.end_session(session, "the session closed")
         return socket_
 
     async def _answer(self, session: OpenEnvSession, text: str) -> dict[str, Any] | None:
         try:
             message = json.loads(text)
         except ValueError as exc:
-            return {"type": "error", "data": {"message": f"Invalid JSON: {exc}",
-                                              "code": "INVALID_JSON"}}
-        kind = message.get("type") if isinstance(message, dict) else None
-        data = message.get("data") if isinstance(message, dict) else None
-        if kind == "reset":
-            return {"type": "observation", "data": await session.reset(data or {})}
-        if kind == "step":
-            return {"type": "observation", "data": await session.step(data)}
-        if kind == "state":
-            return {"type": "state", "data": session.state()}
-        if kind == "close":
-            return None
+            return {"type": "error", "data": {"message": f"Invalid JSON: {exc}", "code": "INVALID_JSON"}}
+        if not isinstance(message, dict):
+            return {"type": "error", "data": {"message": "Invalid message: send a JSON object with "
+                                                         "a type", "code": "VALIDATION_ERROR"}}
+        kind, data = message.get("type"), message.get("data")
+        try:
+            if kind == "reset":
+                if data is not None and not isinstance(data, dict):
+                    raise TypeError("reset's data is an object of keyword arguments")
+                return {"type": "observation", "data": await session.reset(data or {})}
+            if kind == "step":
+                return {"type": "observation", "data": await session.step(data)}
+            if kind == "state":
+                return {"type": "state", "data": session.state()}
+            if kind == "mcp":
+                return {"type": "mcp", "data": await self.rpc(data, session)}
+            if kind == "close":
+                return None
+        except TypeError as exc:
+            return {"type": "error", "data": {"message": f"Invalid message: {exc}",
+                                              "code": "VALIDATION_ERROR"}}
         return {"type": "error", "data": {"message": f"Unknown message type: {kind}",
                                           "code": "UNKNOWN_TYPE"}}
+
+
+def task_row(task: Task, index: int) -> dict[str, Any]:
+    """A task as OpenEnv's task API describes it."""
+    prompt, system_prompt = task.first_prompt
+    return {"id": task.id, "name": task.name, "index": index, "prompt": prompt,
+            "system_prompt": system_prompt, "agent": task.agent}
+
+
+def _json(body: Any, status: int = 200) -> Any:
+    from aiohttp import web
+    return web.json_response(body, status=status)
+
+
+async def _body(request: Any, allow_empty: bool = False) -> tuple[dict[str, Any], Any]:
+    """A request's JSON object body, or the 422 that says what is wrong with it."""
+    raw = await request.read()
+    if not raw.strip() and allow_empty:
+        return {}, None
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return {}, _json({"detail": [{"type": "json_invalid", "loc": ["body"],
+                                      "msg": f"the body is not JSON: {exc}"}]}, 422)
+    if not isinstance(data, dict):
+        return {}, _json({"detail": [{"type": "model_attributes_type", "loc": ["body"],
+                                      "msg": "the body must be a JSON object"}]}, 422)
+    return data, None
+
+
+async def _accept(request: Any) -> Any:
+    from aiohttp import web
+    # Pings every 20 s find a socket whose far end has gone without closing it.
+    socket_ = web.WebSocketResponse(heartbeat=20, max_msg_size=16 * 2**20)
+    await socket_.prepare(request)
+    return socket_
+
+
+_OPEN_OBJECT = {"type": "object", "additionalProperties": True}
+OPENENV_SCHEMA = {
+    "action": {"title": "CallToolAction", "type": "object", "additionalProperties": True,
+               "properties": {"type": {"type": "string", "enum": ["list_tools", "call_tool"]},
+                              "tool_name": {"type": "string"},
+                              "arguments": {"type": "object"}, "metadata": {"type": "object"}},
+               "required": ["type"]},
+    "observation": {"title": "CallToolObservation", "type": "object", "additionalProperties": True,
+                    "properties": {"done": {"type": "boolean"},
+                                   "reward": {"type": ["number", "null"]},
+                                   "metadata": _OPEN_OBJECT, "tool_name": {"type": ["string", "null"]},
+                                   "result": {}, "error": {"type": ["object", "null"]},
+                                   "tools": {"type": "array", "items": _OPEN_OBJECT}}},
+    "reset_observation": {"title": "Observation", "type": "object", "additionalProperties": True,
+                          "properties": {"done": {"type": "boolean"},
+                                         "reward": {"type": ["number", "null"]},
+                                         "metadata": _OPEN_OBJECT}},
+    "state": {"title": "State", "type": "object", "additionalProperties": True,
+              "properties": {"episode_id": {"type": ["string", "null"]},
+                             "step_count": {"type": "integer"}}},
+}
+
+
+def openapi_document() -> dict[str, Any]:
+    """An OpenAPI document of the routes this server answers."""
+    def op(summary: str, body: bool = False) -> dict[str, Any]:
+        spec: dict[str, Any] = {"summary": summary, "responses": {"200": {
+            "description": "OK", "content": {"application/json": {"schema": {}}}}}}
+        if body:
+            spec["requestBody"] = {"content": {"application/json": {"schema": {"type": "object"}}}}
+        return spec
+    paths = {
+        "/health": {"get": op("Whether the server is up")},
+        "/metadata": {"get": op("The bundle served: name, description, README")},
+        "/schema": {"get": op("JSON schemas of the action, observation and state")},
+        "/reset": {"post": op("Stateless: play a task's first turn in a fresh episode, then end it", True)},
+        "/step": {"post": op("Stateless: always answers that the episode has ended", True)},
+        "/state": {"get": op("Stateless: a fresh session's state")},
+        "/mcp": {"post": op("JSON-RPC: tools/list, tools/call, openenv/session/create and close", True),
+                 "get": op("WebSocket JSON-RPC, one session per connection")},
+        "/ws": {"get": op("WebSocket OpenEnv session: reset, step, state, mcp, close")},
+        "/list_environments": {"get": op("The environment served")},
+        "/{env}/splits": {"get": op("The splits: all, and one per eval")},
+        "/{env}/tasks": {"post": op("The tasks of a split", True)},
+        "/{env}/num_tasks": {"post": op("How many tasks a split has", True)},
+        "/{env}/task": {"post": op("One task of a split", True)},
+        "/{env}/task_range": {"post": op("A range of a split's tasks", True)},
+    }
+    return {"openapi": "3.1.0", "info": {"title": "agentenv.py", "version": "1.0.0",
+                                         "description": f"agentenv.py {__version__}"},
+            "paths": paths}
+
+
+class Server:
+    """The aiohttp app that serves a bundle over one runtime and its pool."""
+
+    def __init__(self, runtime: Runtime, host: str = "127.0.0.1", port: int = 8000,
+                 client_timeout: float = 60.0, margin: float = 5.0, idle_timeout: float = 600.0):
+        from aiohttp import web
+        self.runtime, self.host, self.port = runtime, host, port
+        self.app = web.Application(client_max_size=16 * 2**20)
+        self.openenv = OpenEnvSurface(runtime, self.app, client_timeout, margin, idle_timeout)
+        self.app.on_startup.append(self._start)
+        self.app.on_shutdown.append(self._shutdown)
+
+    async def _start(self, app: Any) -> None:
+        await self.runtime.start()
+        await self.openenv.start()
+        bundle, url = self.runtime.bundle, f"http://{self.host}:{self.port}"
+        log.info("Serving %s: %d tasks in the splits %s, up to %d episodes at once, envs in the %s "
+                 "sandbox, at %s (OpenEnv: %s/ws).", bundle.name, len(bundle.tasks),
+                 ", ".join(bundle.splits), self.runtime.pool.limit, self.runtime.sandbox.kind, url, url)
+
+    async def _shutdown(self, app: Any) -> None:
+        log.info("Shutting down: ending %d live episode(s) and tearing their envs down.",
+                 len(self.runtime.live))
+        await self.openenv.stop()
+        await self.runtime.close()
 
 
 # ================================================================ 9. CLI
@@ -2176,7 +2584,8 @@ def serve(args: argparse.Namespace) -> None:
     limit = args.max_concurrent_envs or _env_int("MAX_CONCURRENT_ENVS", 8)
     bundle = Bundle.load(args.bundle, args.reward)
     runtime = Runtime(bundle, sandbox=args.sandbox, max_concurrent_envs=limit)
-    server = Server(runtime, tool_timeout=args.tool_timeout, host=args.host, port=args.port)
+    server = Server(runtime, host=args.host, port=args.port, client_timeout=args.client_timeout,
+                    margin=args.reply_margin, idle_timeout=args.idle_timeout)
     web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None,
                 shutdown_timeout=30)
 
@@ -2212,8 +2621,14 @@ def main(argv: list[str] | None = None) -> int:
     serve_cmd.add_argument("--max-concurrent-envs", type=int, default=None, metavar="N",
                            help="episodes live at once; past it, new ones wait (default: "
                                 "MAX_CONCURRENT_ENVS, else 8)")
-    serve_cmd.add_argument("--tool-timeout", type=float, default=55.0, metavar="SECONDS",
-                           help="a tool call's deadline (55, inside OpenEnv clients' 60 s)")
+    serve_cmd.add_argument("--client-timeout", type=float, default=60.0, metavar="SECONDS",
+                           help="how long OpenEnv clients wait for a reply (their message_timeout_s, "
+                                "60 by default); every reply comes --reply-margin before it")
+    serve_cmd.add_argument("--reply-margin", type=float, default=5.0, metavar="SECONDS",
+                           help="how long before the client's timeout a call still running is "
+                                "ended with a timeout error (5)")
+    serve_cmd.add_argument("--idle-timeout", type=float, default=600.0, metavar="SECONDS",
+                           help="end a session with no request for this long, to free its slot (600)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
