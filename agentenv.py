@@ -15,7 +15,10 @@ The file reads top to bottom in the order data flows:
 5. Verifiers            the two verifier kinds and AgentEnv's score aggregators.
 6. Episode              one play of a task: its steps as a graph, its turns, its outcome.
 7. Pool                 the semaphore that bounds live episodes, and the runtime that owns them.
-8. CLI                  ``python agentenv.py check|serve ...``.
+8. OpenEnv surface      sessions over /ws and /mcp, the stateless routes, the task API.
+9. Gym surface          NeMo Gym's resources-server routes, masked rollouts, the app itself.
+10. Writer              ``write-gym``: a resources server and its rows, written into a Gym root.
+11. CLI                 ``python agentenv.py check|serve|write-gym ...``.
 
 Only the standard library, aiohttp and (for Docker) the docker SDK are used at run time. Blocking
 calls (the docker SDK, verifier code) run in threads so the event loop never stalls.
@@ -34,8 +37,10 @@ import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import re
+import secrets
 import shlex
 import signal
 import socket
@@ -72,12 +77,20 @@ class BundleError(AgentEnvError):
 class EpisodeFailed(AgentEnvError):
     """The environment failed the episode (a deploy, an env, a verifier), not the model.
 
-    A trainer masks such a rollout instead of scoring it 0.
+    A trainer masks such a rollout instead of scoring it 0. ``kind`` names the failure in NeMo
+    Gym's vocabulary (environment_server_failed, transport_timeout, verifier_error, ...).
     """
+
+    def __init__(self, message: str, kind: str = "environment_server_failed"):
+        super().__init__(message)
+        self.kind = kind
 
 
 class ToolTimeout(EpisodeFailed):
     """A tool call missed its deadline; the episode ends, since the call may still be under way."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "transport_timeout")
 
 
 def short(text: str, limit: int = 2000) -> str:
@@ -1463,6 +1476,7 @@ class Outcome:
     scores: dict[str, float]
     reward: float | None
     failure: str | None = None
+    kind: str | None = None              # the failure in NeMo Gym's vocabulary
 
 
 class Turn:
@@ -1504,7 +1518,7 @@ class Turn:
         except asyncio.TimeoutError:
             reason = (f"{name} didn't answer within {timeout:g}s, and the episode ended, since what "
                       "the call does may still be under way")
-            self.episode.fail(reason)
+            self.episode.fail(reason, "transport_timeout")
             raise ToolTimeout(reason) from None
         except (aiohttp.ClientError, McpError) as exc:
             why = await self.episode.env_trouble(exc)
@@ -1542,7 +1556,7 @@ class Episode:
         self.outcome: Outcome | None = None
         self.closed = asyncio.Event()
         self._changed = asyncio.Event()
-        self._stop: tuple[str, str] | None = None  # (status, reason) asked for from outside
+        self._stop: tuple[str, str, str | None] | None = None  # (status, reason, kind) from outside
         self._driver: asyncio.Task | None = None
 
     # -- the caller's side
@@ -1557,8 +1571,8 @@ class Episode:
         # A driver cancelled before its first step never ran its own cleanup: nothing was
         # deployed and no slot taken, so closing the episode is all there is to do.
         if not self.closed.is_set():
-            status, reason = self._stop or ("abandoned", "the episode was cancelled")
-            self._settle(Outcome(status, dict(self.scores), None, reason))
+            status, reason, kind = self._stop or ("abandoned", "the episode was cancelled", None)
+            self._settle(Outcome(status, dict(self.scores), None, reason, kind))
             self.phase = "closed"
             self.runtime.live.discard(self)
             self.closed.set()
@@ -1573,7 +1587,8 @@ class Episode:
             if self.outcome is not None:
                 if self.outcome.status == "scored":
                     return None
-                raise EpisodeFailed(self.outcome.failure or "the episode ended")
+                raise EpisodeFailed(self.outcome.failure or "the episode ended",
+                                    self.outcome.kind or "environment_server_failed")
             await self._wait_change()
 
     async def result(self) -> Outcome:
@@ -1587,12 +1602,12 @@ class Episode:
 
     async def abandon(self, reason: str) -> None:
         """Stop the episode wherever it is, unscored, and wait until it is torn down."""
-        self._halt("abandoned", reason)
+        self._halt("abandoned", reason, None)
         await self.closed.wait()
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, kind: str = "environment_server_failed") -> None:
         """End the episode as failed by the environment; teardown follows in the background."""
-        self._halt("failed", reason)
+        self._halt("failed", reason, kind)
 
     async def env_trouble(self, exc: BaseException) -> str:
         """Why a call to an env failed: an env that stopped says so, with its last output."""
@@ -1602,9 +1617,9 @@ class Episode:
                        f"{short(await env.instance.output(), 1000)}"
         return f"{type(exc).__name__}: {exc}"
 
-    def _halt(self, status: str, reason: str) -> None:
+    def _halt(self, status: str, reason: str, kind: str | None) -> None:
         if self.outcome is None and self._stop is None and self._driver is not None:
-            self._stop = (status, reason)
+            self._stop = (status, reason, kind)
             self._driver.cancel()
 
     async def _wait_change(self) -> None:
@@ -1636,14 +1651,15 @@ class Episode:
             self.phase = "scoring"
             self._settle(self._score())
         except asyncio.CancelledError:
-            status, reason = self._stop or ("abandoned", "the episode was cancelled")
-            self._settle(Outcome(status, dict(self.scores), None, reason))
+            status, reason, kind = self._stop or ("abandoned", "the episode was cancelled", None)
+            self._settle(Outcome(status, dict(self.scores), None, reason, kind))
         except EpisodeFailed as exc:
-            self._settle(Outcome("failed", dict(self.scores), None, str(exc)))
+            self._settle(Outcome("failed", dict(self.scores), None, str(exc), exc.kind))
         except Exception as exc:                        # noqa: BLE001 - a bug must not leak an env
             log.exception("Episode %s of task %r hit an unexpected error.", self.id[:8], self.task.name)
             self._settle(Outcome("failed", dict(self.scores), None,
-                                 f"agentenv.py failed: {type(exc).__name__}: {exc}"))
+                                 f"agentenv.py failed: {type(exc).__name__}: {exc}",
+                                 "environment_server_failed"))
         finally:
             # Teardown runs to its end even if the episode is cancelled again meanwhile.
             teardown = asyncio.ensure_future(self._teardown())
@@ -1683,7 +1699,8 @@ class Episode:
                     reason = f"step {step.id!r} ({step.type}) failed: {exc}"
                     status[step.id] = "failed"
                     if step.fail_task_on_error:
-                        raise EpisodeFailed(reason) from None
+                        raise EpisodeFailed(reason, "verifier_error" if step.type.endswith("verifier")
+                                            else exc.kind) from None
                     self.errors[step.id] = str(exc)
                     log.info("Episode %s: %s; going on (fail_task_on_error is false).",
                              self.id[:8], reason)
@@ -1794,7 +1811,8 @@ class Episode:
         if step not in self.scores:
             why = self.errors.get(step, "it did not run")
             return Outcome("failed", dict(self.scores), None,
-                           f"no reward: the run recorded no score at step {step!r} ({why})")
+                           f"no reward: the run recorded no score at step {step!r} ({why})",
+                           "verifier_error")
         return Outcome("scored", dict(self.scores), self.scores[step])
 
 
@@ -2414,7 +2432,7 @@ def task_row(task: Task, index: int) -> dict[str, Any]:
     """A task as OpenEnv's task API describes it."""
     prompt, system_prompt = task.first_prompt
     return {"id": task.id, "name": task.name, "index": index, "prompt": prompt,
-            "system_prompt": system_prompt, "agent": task.agent}
+            "system_prompt": system_prompt, "agent": task.agent, "toolset": task.toolset.name}
 
 
 def _json(body: Any, status: int = 200) -> Any:
@@ -2499,34 +2517,784 @@ def openapi_document() -> dict[str, Any]:
             "paths": paths}
 
 
+# ================================================================ 9. Gym surface
+
+gym_log = logging.getLogger("agentenv.gym")
+GYM_COOKIE = "agentenv_session"
+# Routes of the app that a tool must not shadow: Gym's own, and the OpenEnv surface's.
+GYM_ROUTES = {"seed_session", "verify", "close_session", "aggregate_metrics", "reverify_mode",
+              "docs", "redoc", "openapi.json", "health", "healthz", "livez", "readyz", "ng-rollout",
+              "metadata", "schema", "reset", "step", "state", "mcp", "ws", "list_environments"}
+
+
+@dataclasses.dataclass
+class GymSettings:
+    """The resources server's deadlines (the page's defaults), from its Gym config."""
+
+    tool_timeout: float = 60.0      # one tool call
+    reset_timeout: float = 600.0    # deploy + first turn, each end_turn, the wait for a free episode
+    idle_timeout: float = 600.0     # a session with no request is ended, freeing its slot
+
+
+class Rollout:
+    """What a Gym session plays: an episode here, or one on another server (``url:``)."""
+
+    async def open(self) -> tuple[str, list[str]]:
+        """Wait for the first turn: its prompt, and the names of the tools it offers."""
+        raise NotImplementedError
+
+    async def call(self, name: str, arguments: dict[str, Any], timeout: float) -> ToolResult:
+        raise NotImplementedError
+
+    async def end_turn(self, reply: str) -> str | None:
+        """End the turn: the next turn's prompt, or None once the episode is scored."""
+        raise NotImplementedError
+
+    async def outcome(self) -> Outcome:
+        raise NotImplementedError
+
+    async def close(self, reason: str) -> None:
+        raise NotImplementedError
+
+
+class LocalRollout(Rollout):
+    """A rollout played on this server's own runtime."""
+
+    def __init__(self, runtime: Runtime, task: Task):
+        self.episode = runtime.episode(task)
+
+    async def open(self) -> tuple[str, list[str]]:
+        turn = await self.episode.next_turn()
+        if turn is None:
+            raise EpisodeFailed("the episode ended before its first turn")
+        return turn.prompt, list(turn.route)
+
+    async def call(self, name: str, arguments: dict[str, Any], timeout: float) -> ToolResult:
+        turn = await self.episode.next_turn()
+        if turn is None:
+            return ToolResult("error: the episode has ended; there is no turn to call tools in", True)
+        return await turn.call(name, arguments, timeout)
+
+    async def end_turn(self, reply: str) -> str | None:
+        turn = await self.episode.next_turn()
+        if turn is not None:
+            turn.end(reply)
+        turn = await self.episode.next_turn()
+        return None if turn is None else turn.prompt
+
+    async def outcome(self) -> Outcome:
+        return await self.episode.result()
+
+    async def close(self, reason: str) -> None:
+        await self.episode.abandon(reason)
+
+
+class RemoteRollout(Rollout):
+    """A rollout played on a running ``serve`` over OpenEnv's /ws: the resources server is then a
+    client. At that server's capacity it waits and retries, and says so once."""
+
+    warned: set[str] = set()        # servers already said to be at their limit, once per process
+
+    def __init__(self, http: aiohttp.ClientSession, url: str, split: str, index: int,
+                 deadline: float):
+        self.http, self.url, self.split, self.index, self.deadline = http, url, split, index, deadline
+        self.socket: aiohttp.ClientWebSocketResponse | None = None
+        self.tools: list[str] = []
+        self.result: Outcome | None = None
+
+    async def _ask(self, message: dict[str, Any]) -> dict[str, Any]:
+        assert self.socket is not None
+        try:
+            await self.socket.send_json(message)
+            frame = await self.socket.receive(timeout=self.deadline + 30)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+            raise EpisodeFailed(f"the server at {self.url} went away ({type(exc).__name__}: {exc}); "
+                                "check that it still runs", "session_lost") from None
+        if frame.type != aiohttp.WSMsgType.TEXT:
+            raise EpisodeFailed(f"the server at {self.url} closed the session; check that it still "
+                                "runs", "session_lost")
+        return json.loads(frame.data)
+
+    async def open(self) -> tuple[str, list[str]]:
+        delay = 0.1
+        while True:
+            try:
+                self.socket = await self.http.ws_connect(self.url.rstrip("/") + "/ws", heartbeat=20,
+                                                         max_msg_size=16 * 2**20)
+            except (aiohttp.ClientError, OSError) as exc:
+                raise EpisodeFailed(f"the server at {self.url} did not answer ({exc}); start it with "
+                                    "python agentenv.py serve BUNDLE", "session_lost") from None
+            reply = await self._ask({"type": "reset", "data": {"split": self.split,
+                                                                "index": self.index}})
+            data = reply.get("data") or {}
+            if reply.get("type") != "error" or data.get("code") != "CAPACITY_REACHED":
+                break
+            await self.socket.close()
+            if self.url not in RemoteRollout.warned:
+                RemoteRollout.warned.add(self.url)
+                gym_log.warning("the server at %s is at its limit of %s sessions at once, so rollouts "
+                                "wait their turn: serve the bundle with a higher MAX_CONCURRENT_ENVS "
+                                "(or --max-concurrent-envs) to run more at once",
+                                self.url, data.get("max_sessions"))
+            await asyncio.sleep(delay)        # no event tells a client that a slot has freed
+            delay = min(delay * 2, 2.0)
+        if reply.get("type") == "error":
+            raise EpisodeFailed(f"the server at {self.url} refused the session: "
+                                f"{data.get('message')}")
+        meta = data.get("metadata") or {}
+        if meta.get("status") == "error":
+            raise EpisodeFailed(str(meta.get("error")))
+        listed = await self._ask({"type": "step", "data": {"type": "list_tools"}})
+        tools = ((listed.get("data") or {}).get("observation") or {}).get("tools") or []
+        self.tools = [t["name"] for t in tools if t.get("name") != "end_turn"]
+        return str(meta.get("prompt", "")), self.tools
+
+    async def call(self, name: str, arguments: dict[str, Any], timeout: float) -> ToolResult:
+        reply = await self._ask({"type": "step", "data": {"type": "call_tool", "tool_name": name,
+                                                          "arguments": arguments}})
+        data = reply.get("data") or {}
+        observation = data.get("observation") or {}
+        error = observation.get("error") or {}
+        if error.get("error_type") == "timeout":
+            raise ToolTimeout(error.get("message", f"{name} timed out"))
+        if error:
+            return ToolResult(f"error: {error.get('message')}", True)
+        meta = observation.get("metadata") or {}
+        if data.get("done") or meta.get("status") == "error":
+            raise EpisodeFailed(str(meta.get("error", "the episode ended on the server")))
+        result = observation.get("result") or {}
+        return ToolResult(str(result.get("data", "")), bool(result.get("is_error")))
+
+    async def end_turn(self, reply: str) -> str | None:
+        answer = await self._ask({"type": "step", "data": {"type": "call_tool",
+                                                           "tool_name": "end_turn",
+                                                           "arguments": {"response": reply}}})
+        data = answer.get("data") or {}
+        observation = data.get("observation") or {}
+        meta = observation.get("metadata") or {}
+        if meta.get("status") == "error":
+            raise EpisodeFailed(str(meta.get("error")),
+                                "verifier_error" if "verifier" in str(meta.get("error")) else
+                                "environment_server_failed")
+        if data.get("done"):
+            self.result = Outcome("scored", meta.get("scores") or {}, data.get("reward"))
+            return None
+        return str((observation.get("result") or {}).get("prompt", ""))
+
+    async def outcome(self) -> Outcome:
+        if self.result is None:
+            raise EpisodeFailed("the episode was not scored")
+        return self.result
+
+    async def close(self, reason: str) -> None:
+        if self.socket is not None and not self.socket.closed:
+            with contextlib.suppress(Exception):
+                await self.socket.send_json({"type": "close"})
+            await self.socket.close()
+
+
+class GymSession:
+    """One Gym rollout, by cookie: the row's task as an episode, the model's tool calls, and the
+    verify that scores it. The deploy starts at seed and the first tool call waits for it; a
+    rollout the environment failed is answered masked, with its kind and reason."""
+
+    def __init__(self, token: str, row: dict[str, Any], rollout: Rollout, settings: GymSettings):
+        self.token, self.row, self.rollout, self.settings = token, row, rollout, settings
+        self.failure: tuple[str, str] | None = None          # (failure kind, reason)
+        self.tools: list[str] = []
+        self.finished = False          # the episode is over (scored)
+        self.last_used = time.monotonic()
+        self.busy = 0
+        self.lock = asyncio.Lock()
+        self.opened = asyncio.create_task(self._open())
+
+    def fail(self, kind: str, reason: str) -> None:
+        if self.failure is None:
+            self.failure = (kind, reason)
+
+    async def _open(self) -> None:
+        try:
+            async with asyncio.timeout(self.settings.reset_timeout):
+                _, self.tools = await self.rollout.open()
+        except asyncio.TimeoutError:
+            self.fail("transport_timeout", f"the episode was not deployed and at its first turn "
+                      f"within reset_timeout ({self.settings.reset_timeout:g}s): a deploy that slow, "
+                      "or a wait for a free episode that long; raise reset_timeout or "
+                      "max_concurrent_envs in the resources server's config")
+            return
+        except EpisodeFailed as exc:
+            self.fail(exc.kind, f"the environment failed: {exc}")
+            return
+        offered = row_tools(self.row)
+        if offered is not None and set(offered) != {*self.tools, "end_turn"}:
+            self.fail("protocol_violation",
+                      f"the row offers the tools {sorted(offered)}, but its task offers "
+                      f"{sorted({*self.tools, 'end_turn'})}; write the rows again with write-gym")
+
+    @contextlib.asynccontextmanager
+    async def using(self) -> Any:
+        self.busy += 1
+        try:
+            async with self.lock:
+                yield self
+        finally:
+            self.busy -= 1
+            self.last_used = time.monotonic()
+
+    async def call(self, name: str, arguments: dict[str, Any]) -> str:
+        """A tool call, answered with the text the model reads."""
+        await asyncio.shield(self.opened)
+        if self.failure:
+            return (f"error: the environment of this rollout failed, so {name} did not run "
+                    f"({self.failure[1]}); the rollout will be masked")
+        if self.finished:
+            return "error: the episode has ended; there are no more turns to play"
+        try:
+            if name == "end_turn":
+                reply = arguments.get("response", "")
+                async with asyncio.timeout(self.settings.reset_timeout):
+                    prompt = await self.rollout.end_turn(reply if isinstance(reply, str) else
+                                                         json.dumps(reply))
+                if prompt is None:
+                    self.finished = True
+                    return "Your turn is over, and so is the episode: it is being scored."
+                return prompt
+            result = await self.rollout.call(name, arguments, self.settings.tool_timeout)
+        except ToolTimeout:
+            self.fail("transport_timeout", f"{name} didn't answer within "
+                      f"{self.settings.tool_timeout:g}s, and the episode ended, since what the call "
+                      "does may still be under way")
+            return f"error: {self.failure[1]}"
+        except asyncio.TimeoutError:
+            self.fail("transport_timeout", f"end_turn did not hand over the next turn within "
+                      f"reset_timeout ({self.settings.reset_timeout:g}s)")
+            return f"error: {self.failure[1]}"
+        except EpisodeFailed as exc:
+            self.fail(exc.kind, f"the environment failed: {exc}")
+            return f"error: {self.failure[1]}; the rollout will be masked"
+        if result.is_error and not result.text.startswith("error"):
+            return "error: " + result.text
+        return result.text
+
+    async def verify(self, last_reply: str) -> Outcome | None:
+        """End the turns the model left open (its last reply ends the first), and score."""
+        await asyncio.shield(self.opened)
+        if self.failure:
+            return None
+        try:
+            reply = last_reply
+            while not self.finished:
+                async with asyncio.timeout(self.settings.reset_timeout):
+                    if await self.rollout.end_turn(reply) is None:
+                        self.finished = True
+                reply = ""
+            outcome = await self.rollout.outcome()
+        except asyncio.TimeoutError:
+            self.fail("transport_timeout", f"ending the turns and scoring took longer than "
+                      f"reset_timeout ({self.settings.reset_timeout:g}s)")
+            return None
+        except EpisodeFailed as exc:
+            self.fail(exc.kind, f"the environment failed: {exc}")
+            return None
+        if outcome.status != "scored":
+            self.fail(outcome.kind or "environment_server_failed", outcome.failure or "not scored")
+            return None
+        reward = outcome.reward
+        if not isinstance(reward, (int, float)) or isinstance(reward, bool) or \
+                not math.isfinite(reward) or not 0.0 <= reward <= 1.0:
+            self.fail("verifier_error", f"the verifier's reward {reward!r} is not a finite number "
+                                        "from 0 to 1")
+            return None
+        return outcome
+
+    async def close(self, reason: str) -> None:
+        self.opened.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self.opened
+        await self.rollout.close(reason)
+
+
+def row_tools(row: dict[str, Any]) -> list[str] | None:
+    """The tool names a dataset row offers the model, or None when it names none."""
+    params = row.get("responses_create_params")
+    tools = params.get("tools") if isinstance(params, dict) else None
+    if not isinstance(tools, list):
+        return None
+    return [str(t.get("name")) for t in tools if isinstance(t, dict) and t.get("name")]
+
+
+def last_reply(response: Any) -> str:
+    """The text of the model's last message in a Responses object (its final reply)."""
+    output = response.get("output") if isinstance(response, dict) else None
+    for item in reversed(output or []):
+        if isinstance(item, dict) and item.get("type") == "message":
+            parts = item.get("content") or []
+            return "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+    return ""
+
+
+class GymSurface:
+    """NeMo Gym's resources-server routes on the app: /seed_session, a route per tool, /verify,
+    /close_session and /aggregate_metrics, by a session cookie, each answering within its bound."""
+
+    def __init__(self, app: Any, settings: GymSettings, runtime: Runtime | None = None,
+                 url: str | None = None):
+        self.settings, self.runtime, self.url = settings, runtime, url
+        self.sessions: dict[str, GymSession] = {}
+        self.by_resources_id: dict[str, str] = {}
+        self.http: aiohttp.ClientSession | None = None
+        self.env_name: str | None = None
+        self._sweeper: asyncio.Task | None = None
+        for prefix in ("", "/ng-rollout/{rollout_id}"):   # Gym may prefix a rollout's routes
+            app.router.add_get(prefix + "/", self.alive)
+            app.router.add_post(prefix + "/seed_session", self.seed)
+            app.router.add_post(prefix + "/verify", self.verify)
+            app.router.add_post(prefix + "/close_session", self.close)
+            app.router.add_post(prefix + "/aggregate_metrics", self.aggregate)
+            app.router.add_post(prefix + "/{tool}", self.tool)
+
+    async def start(self) -> None:
+        if self.url:
+            self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+            async with self.http.get(self.url.rstrip("/") + "/list_environments") as resp:
+                self.env_name = (await resp.json())[0]
+        self._sweeper = asyncio.create_task(self._sweep())
+
+    async def stop(self) -> None:
+        if self._sweeper:
+            self._sweeper.cancel()
+        await asyncio.gather(*(self._end(s, "the server shut down") for s in list(self.sessions.values())),
+                             return_exceptions=True)
+        if self.http:
+            await self.http.close()
+
+    async def _end(self, session: GymSession, reason: str) -> None:
+        self.sessions.pop(session.token, None)
+        await session.close(reason)
+
+    async def _sweep(self) -> None:
+        """End sessions idle past idle_timeout (Gym never verifies a failed or cancelled run)."""
+        period = max(0.05, min(self.settings.idle_timeout / 4, 30.0))
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                if not session.busy and now - session.last_used > self.settings.idle_timeout:
+                    gym_log.info("Ended a Gym session with no request for %gs (idle_timeout), "
+                                 "freeing its episode.", self.settings.idle_timeout)
+                    await self._end(session, "idle_timeout")
+
+    async def _task_of(self, row: dict[str, Any]) -> tuple[str, int, Any]:
+        """The row's split and index, checked against its task_id; raises ValueError."""
+        split, index, task_id = row.get("split"), row.get("index"), row.get("task_id")
+        if not isinstance(split, str) or not isinstance(index, int) or isinstance(index, bool):
+            raise ValueError("the row needs split (text) and index (a whole number) naming the task "
+                             "to play; write the rows with python agentenv.py write-gym")
+        if self.runtime is not None:
+            try:
+                task_id_here = self.runtime.bundle.task(split, index).id
+            except LookupError as exc:
+                raise ValueError(str(exc)) from None
+        else:
+            assert self.http is not None
+            async with self.http.post(f"{self.url.rstrip('/')}/{self.env_name}/task",
+                                      json={"split": split, "index": index}) as resp:
+                body = await resp.json()
+                if resp.status != 200:
+                    raise ValueError(str(body.get("detail")))
+                task_id_here = body["task"]["id"]
+        if task_id is not None and not same_task(str(task_id), task_id_here):
+            raise ValueError(f"the row's task_id {task_id!r} is not the task at {split}[{index}], "
+                             f"which is {task_id_here!r}; write the rows again with write-gym")
+        return split, index, task_id_here
+
+    def _session(self, request: Any) -> GymSession | None:
+        token = request.cookies.get(GYM_COOKIE)
+        return self.sessions.get(token) if token else None
+
+    # -- routes
+
+    async def alive(self, request: Any) -> Any:
+        return _json({"status": "ok"})
+
+    async def seed(self, request: Any) -> Any:
+        from aiohttp import web
+        body, problem = await _body(request)
+        if problem:
+            return problem
+        resources_id = body.get("resources_session_id")      # Gym's newer environment servers
+        row = body.get("task_data") if isinstance(body.get("task_data"), dict) else body
+        try:
+            split, index, _ = await self._task_of(row)
+        except ValueError as exc:
+            return _json({"detail": str(exc)}, 400)
+        if self.runtime is not None:
+            rollout: Rollout = LocalRollout(self.runtime, self.runtime.bundle.task(split, index))
+        else:
+            assert self.http is not None and self.url is not None
+            rollout = RemoteRollout(self.http, self.url, split, index, self.settings.reset_timeout)
+        token = secrets.token_urlsafe(24)
+        self.sessions[token] = GymSession(token, row, rollout, self.settings)
+        reply: dict[str, Any] = {}
+        if isinstance(resources_id, str):
+            self.by_resources_id[resources_id] = token
+            reply["resources_session_id"] = resources_id
+        response = web.json_response(reply)
+        response.set_cookie(GYM_COOKIE, token, httponly=True, samesite="Lax")
+        return response
+
+    async def tool(self, request: Any) -> Any:
+        from aiohttp import web
+        name = request.match_info["tool"]
+        session = self._session(request)
+        if session is None:
+            return web.Response(status=400, text=f"error: no session: POST /seed_session with the "
+                                                 f"row first, then call {name} with its cookie")
+        try:
+            arguments = json.loads(await request.read() or b"{}")
+        except (ValueError, UnicodeDecodeError) as exc:
+            return web.Response(status=400, text=f"error: the arguments of {name} are not JSON ({exc})")
+        if not isinstance(arguments, dict):
+            return web.Response(status=400, text=f"error: the arguments of {name} must be a JSON "
+                                                 "object")
+        async with session.using():
+            text = await session.call(name, arguments)
+        return web.Response(text=text)
+
+    async def verify(self, request: Any) -> Any:
+        body, problem = await _body(request)
+        if problem:
+            return problem
+        if not isinstance(body.get("responses_create_params"), dict) or "response" not in body:
+            return _json({"detail": "verify takes the row with responses_create_params and the "
+                                    "model's response"}, 422)
+        if GYM_COOKIE not in request.cookies:
+            return _json({"detail": "no session cookie: POST /seed_session with the row first, and "
+                                    "send its cookie with /verify"}, 400)
+        session = self._session(request)
+        if session is None:
+            return _json(masked(body, "session_lost", "this server holds no session for the rollout "
+                                "(it was closed, ended after idle_timeout, or the server restarted)"))
+        async with session.using():
+            outcome = await session.verify(last_reply(body.get("response")))
+        await self._end(session, "verified")
+        if outcome is None:
+            assert session.failure is not None
+            return _json(masked(body, *session.failure))
+        return _json({**body, "reward": float(outcome.reward), "mask_sample": False,
+                      "failure_kind": None, "failure_reason": None, "scores": outcome.scores})
+
+    async def close(self, request: Any) -> Any:
+        body, problem = await _body(request, allow_empty=True)
+        if problem:
+            return problem
+        token = request.cookies.get(GYM_COOKIE)
+        resources_id = body.get("resources_session_id")
+        if isinstance(resources_id, str):
+            token = self.by_resources_id.pop(resources_id, token)
+        session = self.sessions.get(token) if token else None
+        reply: dict[str, Any] = {"resources_session_id": resources_id} if resources_id else {}
+        if session is None:
+            return _json({**reply, "status": "already_closed"})
+        try:
+            await self._end(session, "close_session")
+        except Exception as exc:                        # noqa: BLE001
+            return _json({**reply, "status": "release_failed", "detail": str(exc)})
+        return _json({**reply, "status": "closed"})
+
+    async def aggregate(self, request: Any) -> Any:
+        body, problem = await _body(request, allow_empty=True)
+        if problem:
+            return problem
+        results = [r for r in body.get("verify_responses") or [] if isinstance(r, dict)]
+        scored = [float(r["reward"]) for r in results if not r.get("mask_sample")
+                  and isinstance(r.get("reward"), (int, float))]
+        metrics = {"mean/reward": sum(scored) / len(scored) if scored else None,
+                   "rollouts": len(results), "masked": len(results) - len(scored)}
+        return _json({"group_level_metrics": [], "agent_metrics": metrics, "key_metrics": metrics,
+                      "perf_summary": None, "repeat_level_metrics": []})
+
+
+def same_task(given: str, here: str) -> bool:
+    """Whether a row's task_id names this task: the same id, or (a bundle served from another
+    folder) the same bundle and task names."""
+    return given == here or given.split("/")[-2:] == here.split("/")[-2:]
+
+
+def masked(body: dict[str, Any], kind: str, reason: str) -> dict[str, Any]:
+    """A complete verify reply for a rollout the environment failed: NeMo RL leaves it out."""
+    gym_log.warning("rollout masked: %s", reason)
+    config = body.get("instance_config") if isinstance(body.get("instance_config"), dict) else {}
+    return {**body, "reward": 0.0, "mask_sample": True, "failure_kind": kind,
+            "failure_reason": reason, "instance_config": {**config, "mask_sample": True}}
+
+
 class Server:
-    """The aiohttp app that serves a bundle over one runtime and its pool."""
+    """The aiohttp app that serves a bundle over one runtime and its pool: OpenEnv's routes and
+    NeMo Gym's side by side, so both kinds of trainer share one pool of episodes."""
 
     def __init__(self, runtime: Runtime, host: str = "127.0.0.1", port: int = 8000,
-                 client_timeout: float = 60.0, margin: float = 5.0, idle_timeout: float = 600.0):
+                 client_timeout: float = 60.0, margin: float = 5.0, idle_timeout: float = 600.0,
+                 gym: GymSettings | None = None):
         from aiohttp import web
         self.runtime, self.host, self.port = runtime, host, port
         self.app = web.Application(client_max_size=16 * 2**20)
         self.openenv = OpenEnvSurface(runtime, self.app, client_timeout, margin, idle_timeout)
+        self.gym = GymSurface(self.app, gym or GymSettings(idle_timeout=idle_timeout), runtime=runtime)
         self.app.on_startup.append(self._start)
         self.app.on_shutdown.append(self._shutdown)
 
     async def _start(self, app: Any) -> None:
         await self.runtime.start()
         await self.openenv.start()
+        await self.gym.start()
         bundle, url = self.runtime.bundle, f"http://{self.host}:{self.port}"
         log.info("Serving %s: %d tasks in the splits %s, up to %d episodes at once, envs in the %s "
-                 "sandbox, at %s (OpenEnv: %s/ws).", bundle.name, len(bundle.tasks),
-                 ", ".join(bundle.splits), self.runtime.pool.limit, self.runtime.sandbox.kind, url, url)
+                 "sandbox, at %s (OpenEnv: %s/ws; NeMo Gym: %s/seed_session).", bundle.name,
+                 len(bundle.tasks), ", ".join(bundle.splits), self.runtime.pool.limit,
+                 self.runtime.sandbox.kind, url, url, url)
 
     async def _shutdown(self, app: Any) -> None:
         log.info("Shutting down: ending %d live episode(s) and tearing their envs down.",
                  len(self.runtime.live))
+        await self.gym.stop()
         await self.openenv.stop()
         await self.runtime.close()
 
 
-# ================================================================ 9. CLI
+class RemoteServer:
+    """A Gym resources server that plays its rollouts on a running ``serve`` (``url:``)."""
+
+    def __init__(self, url: str, settings: GymSettings):
+        from aiohttp import web
+        self.app = web.Application(client_max_size=16 * 2**20)
+        self.gym = GymSurface(self.app, settings, url=url)
+        self.app.on_startup.append(lambda app: self.gym.start())
+        self.app.on_shutdown.append(lambda app: self.gym.stop())
+
+
+def run_gym_server() -> None:
+    """Run as NeMo Gym runs a resources server: ``python app.py`` in its folder, with its host,
+    port and settings in ``NEMO_GYM_CONFIG_DICT`` under the instance ``NEMO_GYM_CONFIG_PATH``."""
+    from aiohttp import web
+    import yaml
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    try:
+        full = yaml.safe_load(os.environ["NEMO_GYM_CONFIG_DICT"])
+        instance = os.environ["NEMO_GYM_CONFIG_PATH"]
+        servers = full[instance]["resources_servers"]
+        config = dict(next(iter(servers.values())))
+    except (KeyError, TypeError, StopIteration, yaml.YAMLError) as exc:
+        sys.exit(f"agentenv.py: this resources server runs under NeMo Gym, which passes its config in "
+                 f"NEMO_GYM_CONFIG_DICT and NEMO_GYM_CONFIG_PATH ({type(exc).__name__}: {exc}); start "
+                 "it with gym env start --config configs/<name>.yaml")
+    if int(config.get("num_workers") or 1) > 1:
+        sys.exit(f"agentenv.py: num_workers is {config['num_workers']}, but a rollout's session lives "
+                 "in its server's process, so the resources server runs with one worker; remove "
+                 "num_workers from its config")
+    settings = GymSettings(float(config.get("tool_timeout", 60)), float(config.get("reset_timeout", 600)),
+                           float(config.get("idle_timeout", 600)))
+    host = config.get("host") or full.get("default_host") or "127.0.0.1"
+    port = int(config.get("port") or 8000)
+    try:
+        if config.get("url"):
+            app = RemoteServer(str(config["url"]), settings).app
+        elif config.get("bundle"):
+            bundle = Bundle.load(Path(str(config["bundle"])).expanduser(), config.get("reward"))
+            runtime = Runtime(bundle, sandbox=str(config.get("sandbox", "auto")),
+                              max_concurrent_envs=int(config.get("max_concurrent_envs", 8)))
+            app = Server(runtime, host, port, idle_timeout=settings.idle_timeout, gym=settings).app
+        else:
+            sys.exit("agentenv.py: the resources server's config names neither url: (a running "
+                     "python agentenv.py serve) nor bundle: (a bundle folder); add one")
+    except AgentEnvError as exc:
+        sys.exit(f"agentenv.py: {exc}")
+    web.run_app(app, host=host, port=port, print=None, access_log=None, shutdown_timeout=30)
+
+
+# ================================================================ 10. Writer
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.~-]+")
+WRITTEN_BY = "written by agentenv.py write-gym"
+
+
+def gym_name(bundle: str) -> str:
+    """The resources server's name for a bundle: gridsim-v1 -> gridsim_v1."""
+    name = re.sub(r"[^A-Za-z0-9_]", "_", bundle).strip("_")
+    return name if name and not name[0].isdigit() else f"bundle_{name}"
+
+
+def check_tool_names(toolsets: dict[str, list[dict[str, Any]]]) -> None:
+    problems = []
+    for toolset, tools in toolsets.items():
+        for tool in tools:
+            name = tool["name"]
+            if not TOOL_NAME.fullmatch(name) or name in (".", ".."):
+                problems.append(f"toolset {toolset}: the tool {name!r} is not one path segment, and "
+                                "Gym calls a tool at the route of its name; rename it in the env "
+                                "(letters, digits, _ . ~ -)")
+            elif name in GYM_ROUTES or name == "end_turn":
+                problems.append(f"toolset {toolset}: the tool {name!r} has the name of one of the "
+                                "resources server's own routes, which Gym would call instead; rename "
+                                "it in the env")
+    if problems:
+        raise AgentEnvError("the rows can't be written:\n  - " + "\n  - ".join(problems))
+
+
+def function_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool as a Responses function tool."""
+    return {"type": "function", "name": tool["name"], "description": tool.get("description") or "",
+            "parameters": tool.get("input_schema") or {"type": "object", "properties": {}},
+            "strict": False}
+
+
+async def _toolsets_here(bundle: Bundle, sandbox: str) -> dict[str, list[dict[str, Any]]]:
+    """Play one task of each toolset as far as its first turn, to list the tools it offers."""
+    found = {}
+    async with Runtime(bundle, sandbox=sandbox) as runtime:
+        for toolset, tasks in bundle.toolsets.items():
+            episode = runtime.episode(tasks[0])
+            try:
+                turn = await episode.next_turn()
+                assert turn is not None
+                found[toolset.name] = turn.tool_specs
+            finally:
+                await episode.abandon("write-gym listed the tools")
+    return found
+
+
+async def _catalog_there(url: str) -> tuple[str, dict[str, list[dict[str, Any]]],
+                                            dict[str, list[dict[str, Any]]]]:
+    """A running server's bundle name, its splits' task rows, and the tools of each toolset."""
+    base = url.rstrip("/")
+    async with aiohttp.ClientSession() as http:
+        async with http.get(base + "/list_environments") as resp:
+            env = (await resp.json())[0]
+        async with http.get(f"{base}/{env}/splits") as resp:
+            splits = [s["name"] for s in await resp.json()]
+        rows = {}
+        for split in splits:
+            async with http.post(f"{base}/{env}/tasks", json={"split": split}) as resp:
+                rows[split] = (await resp.json())["tasks"]
+        toolsets: dict[str, list[dict[str, Any]]] = {}
+        for row in rows["all"]:
+            key = row.get("toolset", "(all)")
+            if key in toolsets:
+                continue
+            async with http.ws_connect(base + "/ws") as socket_:
+                await socket_.send_json({"type": "reset", "data": {"split": "all",
+                                                                   "index": row["index"]}})
+                reset = json.loads((await socket_.receive()).data)
+                meta = ((reset.get("data") or {}).get("observation") or {}).get("metadata") or {}
+                if reset.get("type") == "error" or meta.get("status") == "error":
+                    raise AgentEnvError(f"the server at {url} could not play {row['name']}: "
+                                        f"{meta.get('error') or reset.get('data')}")
+                await socket_.send_json({"type": "step", "data": {"type": "list_tools"}})
+                listed = json.loads((await socket_.receive()).data)
+                toolsets[key] = [t for t in listed["data"]["observation"]["tools"]
+                                 if t["name"] != "end_turn"]
+                await socket_.send_json({"type": "close"})
+    return env, rows, toolsets
+
+
+def _bundle_rows(bundle: Bundle) -> dict[str, list[dict[str, Any]]]:
+    return {split: [task_row(task, i) for i, task in enumerate(tasks)]
+            for split, tasks in bundle.splits.items()}
+
+
+async def write_gym(source: str, gym_root: str, max_concurrent_envs: int = 8, sandbox: str = "auto",
+                    reward: str | None = None, keep_prompts: bool = False,
+                    out: Callable[[str], None] = print) -> Path:
+    """Write ``GYM_ROOT/resources_servers/<name>/``: app.py, a copy of agentenv.py, the venv's
+    pyproject.toml, configs/<name>.yaml and data/<split>.jsonl for every split."""
+    remote = source.startswith(("http://", "https://"))
+    if remote:
+        bundle_name, rows, toolsets = await _catalog_there(source)
+    else:
+        bundle = Bundle.load(source, reward)
+        bundle_name, rows = bundle.name, _bundle_rows(bundle)
+        toolsets = await _toolsets_here(bundle, sandbox)
+    check_tool_names(toolsets)
+    name = gym_name(bundle_name)
+    root = Path(gym_root).expanduser().resolve()
+    target = root / "resources_servers" / name
+    if (target / "app.py").exists() and WRITTEN_BY not in (target / "app.py").read_text():
+        raise AgentEnvError(f"{target} holds a resources server that write-gym did not write; move "
+                            "it away or write into another Gym root")
+    kept = _prompts_in(target / "data") if keep_prompts else {}
+    settings: dict[str, Any] = {"tool_timeout": 60, "reset_timeout": 600, "idle_timeout": 600}
+    where: dict[str, Any] = {"url": source} if remote else {
+        "bundle": str(bundle.root), "max_concurrent_envs": max_concurrent_envs, "sandbox": sandbox}
+    if reward and not remote:
+        where["reward"] = reward
+    config = {
+        name: {"resources_servers": {name: {
+            "entrypoint": "app.py", "domain": "agent",
+            "description": f"{bundle_name}'s tasks, served by agentenv.py", **where, **settings}}},
+        f"{name}_simple_agent": {"responses_api_agents": {"simple_agent": {
+            "entrypoint": "app.py",
+            "resources_server": {"type": "resources_servers", "name": name},
+            "model_server": {"type": "responses_api_models", "name": "policy_model"}}}},
+        f"{name}_environment_server": {"environment_servers": {"legacy_agent": {
+            "entrypoint": "app.py",
+            "agent_server": {"type": "responses_api_agents", "name": f"{name}_simple_agent"}}}},
+    }
+    files = {
+        "app.py": f'"""NeMo Gym resources server for the bundle {bundle_name}, {WRITTEN_BY}.\n\n'
+                  f"Gym runs it as `python app.py` in this folder; its settings are in "
+                  f"configs/{name}.yaml.\n\"\"\"\n\nimport agentenv\n\n"
+                  "if __name__ == \"__main__\":\n    agentenv.run_gym_server()\n",
+        "agentenv.py": Path(__file__).read_text(),
+        "pyproject.toml": f'[project]\nname = "{name.replace("_", "-")}-resources-server"\n'
+                          f'version = "{__version__}"\nrequires-python = ">=3.11"\n'
+                          'dependencies = ["aiohttp>=3.9", "pyyaml>=6.0", "docker>=7.0"]\n\n'
+                          '[build-system]\nrequires = ["setuptools>=68"]\n'
+                          'build-backend = "setuptools.build_meta"\n\n'
+                          '[tool.setuptools]\npy-modules = ["agentenv", "app"]\n',
+        f"configs/{name}.yaml": _yaml(config),
+    }
+    for split, split_rows in rows.items():
+        lines = []
+        for row in split_rows:
+            tools = [function_tool(t) for t in toolsets.get(row.get("toolset", "(all)"), [])]
+            messages = [{"role": "user", "content": row["prompt"]}]
+            if row.get("system_prompt"):
+                messages.insert(0, {"role": "system", "content": row["system_prompt"]})
+            line = {"responses_create_params": {
+                        "input": kept.get(row["id"], messages),
+                        "tools": [*tools, function_tool(END_TURN)]},
+                    "agent_ref": {"type": "responses_api_agents", "name": f"{name}_simple_agent"},
+                    "split": split, "index": row["index"], "task_id": row["id"]}
+            lines.append(json.dumps(line, ensure_ascii=False))
+        files[f"data/{split}.jsonl"] = "\n".join(lines) + "\n"
+    for rel, text in files.items():
+        path = target / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(text)
+        partial.replace(path)      # a file is replaced whole, never left half written
+    out(f"wrote {target}")
+    return target
+
+
+def _prompts_in(data: Path) -> dict[str, Any]:
+    """The prompts of rows already written, by task id, to keep a user's edits (--keep-prompts)."""
+    kept: dict[str, Any] = {}
+    for path in sorted(data.glob("*.jsonl")) if data.is_dir() else []:
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                row = json.loads(line)
+                kept.setdefault(row["task_id"], row["responses_create_params"]["input"])
+    return kept
+
+
+def _yaml(data: dict[str, Any]) -> str:
+    import yaml
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+
+
+# ================================================================ 11. CLI
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
@@ -2629,6 +3397,25 @@ def main(argv: list[str] | None = None) -> int:
                                 "ended with a timeout error (5)")
     serve_cmd.add_argument("--idle-timeout", type=float, default=600.0, metavar="SECONDS",
                            help="end a session with no request for this long, to free its slot (600)")
+    writer = commands.add_parser(
+        "write-gym", help="write a NeMo Gym resources server for a bundle into a Gym root",
+        description="Write GYM_ROOT/resources_servers/<name>/: app.py, a copy of agentenv.py, the "
+                    "venv's pyproject.toml, configs/<name>.yaml and data/<split>.jsonl rows for the "
+                    "split 'all' and every eval. From a URL, the resources server plays its rollouts "
+                    "on that running server; from a bundle folder, it serves the bundle itself. It "
+                    "plays one task of each toolset to list the tools its rows offer.")
+    writer.add_argument("source", metavar="URL_OR_BUNDLE",
+                        help="a running server's URL (http://127.0.0.1:8000) or a bundle's folder")
+    writer.add_argument("gym_root", metavar="GYM_ROOT", help="the Gym checkout (or extra root)")
+    writer.add_argument("--max-concurrent-envs", type=int, default=None, metavar="N",
+                        help="with a bundle: episodes the resources server runs at once (8)")
+    writer.add_argument("--sandbox", choices=("auto", "docker", "local"), default="auto",
+                        help="with a bundle: where its envs run")
+    writer.add_argument("--reward", metavar="STEP", default=None,
+                        help="with a bundle: the scoring step whose score is the reward")
+    writer.add_argument("--keep-prompts", action="store_true",
+                        help="keep the prompts of rows already written (your edits) when writing "
+                             "the server again; without it every file is written anew")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -2642,6 +3429,10 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(check(args.bundle, args.sandbox, args.reward))
         elif args.command == "serve":
             serve(args)
+        elif args.command == "write-gym":
+            asyncio.run(write_gym(args.source, args.gym_root,
+                                  args.max_concurrent_envs or _env_int("MAX_CONCURRENT_ENVS", 8),
+                                  args.sandbox, args.reward, args.keep_prompts))
     except AgentEnvError as exc:
         print(f"agentenv.py {args.command}: {exc}", file=sys.stderr)
         return 1
