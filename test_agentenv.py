@@ -1415,7 +1415,7 @@ def test_a_tool_that_misses_its_timeout_fails_the_episode(make_bundle):
     message, result = run(go())
     assert message == ("sleep didn't answer within 0.3s, and the episode ended, since what the call "
                        "does may still be under way")
-    assert result == agentenv.Outcome("failed", {}, None, message)
+    assert result == agentenv.Outcome("failed", {}, None, message, "transport_timeout")
 
 
 def test_the_outcome_is_ready_as_soon_as_a_tool_timeout_is_raised(make_bundle):
