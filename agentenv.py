@@ -716,15 +716,17 @@ def _load_evals(root: Path, tasks: dict[str, Task], id_root: str,
             problems.append(f"{where}: tasks must be a non-empty list of task names")
             continue
         split: list[Task] = []
+        listed: set[str] = set()
         for name in names:
             stem = name[len(id_root) + 1:] if name.startswith(id_root + "/") else name
             if stem not in tasks:
                 if (root / "tasks" / f"{stem}.json").exists():
                     continue   # the task itself has problems, reported where it is loaded
                 problems.append(f"{where}: lists {name!r}, which is not a task of the bundle")
-            elif tasks[stem] in split:
+            elif stem in listed:
                 problems.append(f"{where}: lists {name!r} twice; an eval lists each task once")
             else:
+                listed.add(stem)
                 split.append(tasks[stem])
         splits[path.stem] = split
     return splits
