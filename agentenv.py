@@ -26,6 +26,7 @@ calls (the docker SDK, verifier code) run in threads so the event loop never sta
 
 from __future__ import annotations
 
+import abc
 import argparse
 import ast
 import asyncio
@@ -761,24 +762,26 @@ def owner_alive(owner: str) -> bool | None:
     return bool(now) and (now == started or not started)
 
 
-class Instance:
+class Instance(abc.ABC):
     """One env running for an episode: where it answers, whether it still runs, and its removal."""
 
     base_url: str
 
+    @abc.abstractmethod
     async def exited(self, settle: float = 0.0) -> str | None:
         """None while the env runs; once it has stopped, a sentence saying how. ``settle`` is how
         long to wait for an exit that a dropped connection suggests is under way."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def output(self) -> str:
-        raise NotImplementedError
+        """The env's last lines of output, for a failure to quote."""
 
+    @abc.abstractmethod
     async def remove(self) -> None:
-        raise NotImplementedError
+        """Stop the env and remove what it ran in."""
 
 
-class Sandbox:
+class Sandbox(abc.ABC):
     """Where envs run. ``prepare`` once at start-up, ``launch`` per env per episode, then ``close``."""
 
     kind = ""
@@ -789,11 +792,12 @@ class Sandbox:
     async def prepare(self, envs: list[EnvSpec]) -> None:
         """Remove what a crashed earlier run left, and make every env ready to launch."""
 
+    @abc.abstractmethod
     async def launch(self, env: EnvSpec, episode: str, limits: dict[str, Any]) -> Instance:
-        raise NotImplementedError
+        """Start an env for an episode (not yet ready: see wait_ready)."""
 
     async def close(self) -> None:
-        pass
+        """Wait for removals under way, and let go of what the sandbox holds."""
 
 
 async def guarded(awaitable: Any, undo: Callable[[Any], None]) -> Any:
@@ -2538,25 +2542,28 @@ class GymSettings:
     idle_timeout: float = 600.0     # a session with no request is ended, freeing its slot
 
 
-class Rollout:
+class Rollout(abc.ABC):
     """What a Gym session plays: an episode here, or one on another server (``url:``)."""
 
+    @abc.abstractmethod
     async def open(self) -> tuple[str, list[str]]:
         """Wait for the first turn: its prompt, and the names of the tools it offers."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def call(self, name: str, arguments: dict[str, Any], timeout: float) -> ToolResult:
-        raise NotImplementedError
+        """Call a tool of the open turn (ToolTimeout past ``timeout``)."""
 
+    @abc.abstractmethod
     async def end_turn(self, reply: str) -> str | None:
         """End the turn: the next turn's prompt, or None once the episode is scored."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def outcome(self) -> Outcome:
-        raise NotImplementedError
+        """The scored outcome, once the last turn has ended."""
 
+    @abc.abstractmethod
     async def close(self, reason: str) -> None:
-        raise NotImplementedError
+        """End the episode, scored or not, and let go of it."""
 
 
 class LocalRollout(Rollout):
