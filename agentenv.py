@@ -79,10 +79,11 @@ class EpisodeFailed(AgentEnvError):
     """The environment failed the episode (a deploy, an env, a verifier), not the model.
 
     A trainer masks such a rollout instead of scoring it 0. ``kind`` names the failure in NeMo
-    Gym's vocabulary (environment_server_failed, transport_timeout, verifier_error, ...).
+    Gym's registered vocabulary (provider_unavailable, transport_timeout, transport_peer_drop,
+    verifier_error, session_lost, ...), or as ``agentenv:<kind>`` where it has no word for it.
     """
 
-    def __init__(self, message: str, kind: str = "environment_server_failed"):
+    def __init__(self, message: str, kind: str = "agentenv:env_failed"):
         super().__init__(message)
         self.kind = kind
 
@@ -1529,8 +1530,8 @@ class Turn:
         except (aiohttp.ClientError, McpError) as exc:
             why = await self.episode.env_trouble(exc)
             reason = f"{name} failed because the env failed: {why}"
-            self.episode.fail(reason)
-            raise EpisodeFailed(reason) from None
+            self.episode.fail(reason, "transport_peer_drop")
+            raise EpisodeFailed(reason, "transport_peer_drop") from None
 
     def end(self, response: str | None) -> None:
         """End the turn with the agent's reply; the episode goes on to its next step."""
@@ -1594,7 +1595,7 @@ class Episode:
                 if self.outcome.status == "scored":
                     return None
                 raise EpisodeFailed(self.outcome.failure or "the episode ended",
-                                    self.outcome.kind or "environment_server_failed")
+                                    self.outcome.kind or "agentenv:env_failed")
             await self._wait_change()
 
     async def result(self) -> Outcome:
@@ -1611,7 +1612,7 @@ class Episode:
         self._halt("abandoned", reason, None)
         await self.closed.wait()
 
-    def fail(self, reason: str, kind: str = "environment_server_failed") -> None:
+    def fail(self, reason: str, kind: str = "agentenv:env_failed") -> None:
         """End the episode as failed by the environment; teardown follows in the background."""
         self._halt("failed", reason, kind)
 
@@ -1665,7 +1666,7 @@ class Episode:
             log.exception("Episode %s of task %r hit an unexpected error.", self.id[:8], self.task.name)
             self._settle(Outcome("failed", dict(self.scores), None,
                                  f"agentenv.py failed: {type(exc).__name__}: {exc}",
-                                 "environment_server_failed"))
+                                 "agentenv:internal_error"))
         finally:
             # Teardown runs to its end even if the episode is cancelled again meanwhile.
             teardown = asyncio.ensure_future(self._teardown())
@@ -1726,18 +1727,21 @@ class Episode:
         try:
             await handler(step)
         except asyncio.TimeoutError:        # before OSError, of which it is a kind
-            raise EpisodeFailed("a call to the env timed out") from None
+            raise EpisodeFailed("a call to the env timed out", "transport_timeout") from None
         except (aiohttp.ClientError, McpError, OSError) as exc:
-            raise EpisodeFailed(await self.env_trouble(exc)) from None
+            raise EpisodeFailed(await self.env_trouble(exc), "transport_peer_drop") from None
 
     async def _deploy_env(self, step: Step) -> None:
         env = self.runtime.bundle.envs[_resolve_env(step.get("env_id"), self.runtime.bundle.envs,
                                                     self.task.id)]
         limits = {k: step.get(k) for k in ("cpu", "memory_mb") if step.get(k)}
-        instance = await self.runtime.sandbox.launch(env, self.id, limits)
-        self.instances.append(instance)
-        self.envs[step.get("env_id")] = await wait_ready(self.runtime.http, instance, env,
-                                                         self.runtime.deploy_timeout)
+        try:
+            instance = await self.runtime.sandbox.launch(env, self.id, limits)
+            self.instances.append(instance)
+            self.envs[step.get("env_id")] = await wait_ready(self.runtime.http, instance, env,
+                                                             self.runtime.deploy_timeout)
+        except EpisodeFailed as exc:          # the sandbox could not provide the env
+            raise EpisodeFailed(str(exc), "provider_unavailable") from None
 
     async def _apply_server_config(self, step: Step) -> None:
         env = self.envs[step.get("env_id")]
@@ -1839,11 +1843,11 @@ class Pool:
     """The bound on live episodes: one semaphore. Past it, an episode waits its turn, and the
     first time that happens the server says so once, with how to raise the limit."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, knob: str = "--max-concurrent-envs (or MAX_CONCURRENT_ENVS)"):
         if not isinstance(limit, int) or limit < 1:
             raise AgentEnvError(f"--max-concurrent-envs must be a whole number of at least 1, not "
                                 f"{limit!r}")
-        self.limit = limit
+        self.limit, self.knob = limit, knob
         self.waiting = 0
         self._free = asyncio.Semaphore(limit)
         self._warned = False
@@ -1855,9 +1859,8 @@ class Pool:
     async def acquire(self) -> None:
         if self._free.locked() and not self._warned:
             self._warned = True
-            log.warning("All %d episodes are in use, so new episodes wait their turn: raise "
-                        "--max-concurrent-envs (or MAX_CONCURRENT_ENVS) to run more at once.",
-                        self.limit)
+            log.warning("All %d episodes are in use, so new episodes wait their turn: raise %s to "
+                        "run more at once.", self.limit, self.knob)
         self.waiting += 1
         try:
             await self._free.acquire()
@@ -1873,9 +1876,10 @@ class Runtime:
     client, the loaded verifiers, and the set of live episodes (so shutdown can end them all)."""
 
     def __init__(self, bundle: Bundle, sandbox: str = "auto", max_concurrent_envs: int = 8,
-                 deploy_timeout: float = 180.0, verifier_timeout: float = 300.0):
+                 deploy_timeout: float = 180.0, verifier_timeout: float = 300.0,
+                 knob: str = "--max-concurrent-envs (or MAX_CONCURRENT_ENVS)"):
         self.bundle, self.sandbox_kind = bundle, sandbox
-        self.pool = Pool(max_concurrent_envs)
+        self.pool = Pool(max_concurrent_envs, knob)
         self.deploy_timeout, self.verifier_timeout = deploy_timeout, verifier_timeout
         self.owner = owner_id()
         self.live: set[Episode] = set()
@@ -1994,6 +1998,7 @@ class OpenEnvSession:
         self.last_used = time.monotonic()
         self.busy = 0                              # requests under way: never reaped meanwhile
         self.attached = False                      # a /ws?session_id= socket is on it
+        self.socket: Any = None                    # the WebSocket it is played over, if any
         self.close_asked = False
         self.lock = asyncio.Lock()                 # reset, step and close take turns
 
@@ -2033,7 +2038,7 @@ class OpenEnvSession:
         self.step_count += 1
         kind = action.get("type")
         if kind == "list_tools":
-            return envelope({"tools": [*turn.tool_specs, END_TURN], "metadata": {}})
+            return envelope({"tools": [*turn.tool_specs, END_TURN], "metadata": {}}, 0.0)
         if kind != "call_tool":
             return self._error(f"unknown action type {kind!r}; use list_tools or call_tool")
         name, arguments = action.get("tool_name"), action.get("arguments") or {}
@@ -2048,14 +2053,17 @@ class OpenEnvSession:
                              "error": {"error_type": "timeout", "message": str(exc)},
                              "metadata": {"status": "error", "error": str(exc), "task": self.where}},
                             None, True)
-        except (EpisodeFailed, AgentEnvError) as exc:
-            return self._error(str(exc), tool_name=name)
+        except EpisodeFailed as exc:
+            return self._error(str(exc), name, exc.kind)
+        except AgentEnvError as exc:
+            return self._error(str(exc), name)
         if name not in turn.route:
             return envelope({"tool_name": name, "result": None, "metadata": {},
-                             "error": {"error_type": "tool_not_found", "message": result.text}})
+                             "error": {"error_type": "tool_not_found",
+                                       "message": result.text.removeprefix("error: ")}}, 0.0)
         return envelope({"tool_name": name, "error": None, "metadata": {}, "result": {
             "content": [{"type": "text", "text": result.text}], "structured_content": None,
-            "meta": None, "data": result.text, "is_error": result.is_error}})
+            "meta": None, "data": result.text, "is_error": result.is_error}}, 0.0)
 
     def state(self) -> dict[str, Any]:
         episode, where = self.episode, self.where or {}
@@ -2106,7 +2114,7 @@ class OpenEnvSession:
                 turn = await episode.next_turn()
                 outcome = None if turn is not None else await episode.result()
         except EpisodeFailed as exc:
-            return self._error(str(exc), tool_name)
+            return self._error(str(exc), tool_name, exc.kind)
         except asyncio.TimeoutError:
             what = "the deploy and the opening of the turn" if tool_name is None else \
                 "the next turn or the score"
@@ -2114,7 +2122,7 @@ class OpenEnvSession:
                       "answer inside the client's timeout; raise the client's message_timeout_s "
                       "and serve with a higher --client-timeout")
             await episode.abandon(reason)
-            return self._error(reason, tool_name)
+            return self._error(reason, tool_name, "transport_timeout")
         extra = {"tool_name": tool_name, "error": None} if tool_name else {}
         if turn is not None:
             if reserved := sorted(RESERVED_TOOLS & set(turn.route)):
@@ -2123,18 +2131,23 @@ class OpenEnvSession:
                                    "rename them in the env", tool_name)
             prompt = {"prompt": turn.prompt, "system_prompt": turn.system_prompt}
             if tool_name:
-                return envelope({**extra, "result": prompt, "metadata": {}})
+                return envelope({**extra, "result": prompt, "metadata": {}}, 0.0)
             return envelope({"metadata": {**prompt, "task": self.where}})
         assert outcome is not None
         if outcome.status != "scored":
-            return self._error(outcome.failure or "the episode failed", tool_name)
-        return envelope({**extra, "result": None,
+            return self._error(outcome.failure or "the episode failed", tool_name, outcome.kind)
+        # The score in the result too: a client that reads only call_tool's result sees it.
+        result = {"done": True, "reward": outcome.reward, "scores": outcome.scores} if tool_name else None
+        return envelope({**extra, "result": result,
                          "metadata": {"scores": outcome.scores, "task": self.where}},
                         outcome.reward, True)
 
-    def _error(self, message: str, tool_name: str | None = None) -> dict[str, Any]:
+    def _error(self, message: str, tool_name: str | None = None, kind: str | None = None,
+               ) -> dict[str, Any]:
         observation: dict[str, Any] = {"metadata": {"status": "error", "error": message,
                                                     "task": self.where}}
+        if kind:      # what failed, in NeMo Gym's words, for a resources server playing over /ws
+            observation["metadata"]["failure_kind"] = kind
         if tool_name:
             observation.update(tool_name=tool_name, result=None, error=None)
         return envelope(observation, None, True)
@@ -2155,6 +2168,7 @@ class OpenEnvSurface:
         self.deadline = max(1.0, client_timeout - margin)
         self.sessions: dict[str, OpenEnvSession] = {}
         self.env_name = runtime.bundle.name.replace(".", "-")
+        self.others: Callable[[], int] = lambda: 0      # sessions of other surfaces on the pool
         self._warned = False
         self._sweeper: asyncio.Task | None = None
         add = app.router
@@ -2177,21 +2191,28 @@ class OpenEnvSurface:
 
     def open_session(self) -> OpenEnvSession:
         limit = self.runtime.pool.limit
-        if len(self.sessions) >= limit:
+        active = len(self.sessions) + self.others()
+        if active >= limit:
             if not self._warned:
                 self._warned = True
                 log.warning("The server is at its limit of %d sessions at once, so new sessions are "
                             "refused until one closes: serve the bundle with a higher "
                             "MAX_CONCURRENT_ENVS (or --max-concurrent-envs) to run more at once.",
                             limit)
-            raise Capacity(len(self.sessions), limit)
+            raise Capacity(active, limit)
         session = OpenEnvSession(self.runtime, self.deadline)
         self.sessions[session.id] = session
         return session
 
     async def end_session(self, session: OpenEnvSession, reason: str) -> None:
+        """End a session: its episode, and the socket it is played over (a reaped or shut-down
+        session must not go on playing outside the limit)."""
         self.sessions.pop(session.id, None)
+        socket_, session.socket = session.socket, None
         await session.close(reason)
+        if socket_ is not None and not socket_.closed:
+            await socket_.close(code=aiohttp.WSCloseCode.GOING_AWAY,
+                                message=reason.encode()[:120])
 
     async def start(self) -> None:
         self._sweeper = asyncio.create_task(self._sweep())
@@ -2305,8 +2326,10 @@ class OpenEnvSurface:
             return _json(rpc_error(None, -32700, f"Parse error: {exc}"))
         return _json(await self.rpc(message, None))
 
-    async def rpc(self, message: Any, owned: OpenEnvSession | None) -> dict[str, Any]:
-        """Answer one JSON-RPC request; ``owned`` is the session of the socket it came on."""
+    async def rpc(self, message: Any, owned: OpenEnvSession | None, held: bool = False,
+                  ) -> dict[str, Any]:
+        """Answer one JSON-RPC request; ``owned`` is the session of the socket it came on, whose
+        lock the caller already ``held`` when it came inside a /ws message."""
         if not isinstance(message, dict) or message.get("jsonrpc") != "2.0" or \
                 not isinstance(message.get("method"), str):
             rid = message.get("id") if isinstance(message, dict) else None
@@ -2342,6 +2365,8 @@ class OpenEnvSurface:
                                               "with openenv/session/create")
         if session is None:       # no session: a throwaway env, which has no episode
             session = OpenEnvSession(self.runtime, self.deadline)
+        if held and session is owned:
+            return await session.mcp(method, params, rid)
         async with session.using():
             return await session.mcp(method, params, rid)
 
@@ -2353,6 +2378,7 @@ class OpenEnvSurface:
             await socket_.send_json(rpc_error(None, -32000, str(exc), exc.data))
             await socket_.close()
             return socket_
+        session.socket = socket_
         try:
             async for message in socket_:
                 if message.type == aiohttp.WSMsgType.TEXT:
@@ -2390,6 +2416,7 @@ class OpenEnvSurface:
                     "message": str(exc), "code": "CAPACITY_REACHED", **exc.data}})
                 await socket_.close()
                 return socket_
+        session.socket = socket_
         try:
             async for message in socket_:
                 if message.type != aiohttp.WSMsgType.TEXT:
@@ -2401,6 +2428,8 @@ class OpenEnvSurface:
                 await socket_.send_json(reply)
         finally:
             session.attached = False
+            if session.socket is socket_:
+                session.socket = None
             if owns or session.close_asked:
                 await self.end_session(session, "the session closed")
         return socket_
@@ -2424,7 +2453,7 @@ class OpenEnvSurface:
             if kind == "state":
                 return {"type": "state", "data": session.state()}
             if kind == "mcp":
-                return {"type": "mcp", "data": await self.rpc(data, session)}
+                return {"type": "mcp", "data": await self.rpc(data, session, held=True)}
             if kind == "close":
                 return None
         except TypeError as exc:
@@ -2652,25 +2681,32 @@ class RemoteRollout(Rollout):
                                 f"{data.get('message')}")
         meta = data.get("metadata") or {}
         if meta.get("status") == "error":
-            raise EpisodeFailed(str(meta.get("error")))
+            raise EpisodeFailed(str(meta.get("error")), meta.get("failure_kind") or "agentenv:env_failed")
         listed = await self._ask({"type": "step", "data": {"type": "list_tools"}})
         tools = ((listed.get("data") or {}).get("observation") or {}).get("tools") or []
         self.tools = [t["name"] for t in tools if t.get("name") != "end_turn"]
         return str(meta.get("prompt", "")), self.tools
 
     async def call(self, name: str, arguments: dict[str, Any], timeout: float) -> ToolResult:
-        reply = await self._ask({"type": "step", "data": {"type": "call_tool", "tool_name": name,
-                                                          "arguments": arguments}})
+        try:
+            async with asyncio.timeout(timeout):
+                reply = await self._ask({"type": "step", "data": {
+                    "type": "call_tool", "tool_name": name, "arguments": arguments}})
+        except asyncio.TimeoutError:
+            await self.close("the tool call missed its deadline")   # the server ends the episode
+            raise ToolTimeout(f"{name} didn't answer within {timeout:g}s") from None
         data = reply.get("data") or {}
         observation = data.get("observation") or {}
         error = observation.get("error") or {}
         if error.get("error_type") == "timeout":
             raise ToolTimeout(error.get("message", f"{name} timed out"))
         if error:
-            return ToolResult(f"error: {error.get('message')}", True)
+            message = str(error.get("message"))
+            return ToolResult(message if message.startswith("error") else f"error: {message}", True)
         meta = observation.get("metadata") or {}
         if data.get("done") or meta.get("status") == "error":
-            raise EpisodeFailed(str(meta.get("error", "the episode ended on the server")))
+            raise EpisodeFailed(str(meta.get("error", "the episode ended on the server")),
+                                meta.get("failure_kind") or "agentenv:env_failed")
         result = observation.get("result") or {}
         return ToolResult(str(result.get("data", "")), bool(result.get("is_error")))
 
@@ -2682,9 +2718,7 @@ class RemoteRollout(Rollout):
         observation = data.get("observation") or {}
         meta = observation.get("metadata") or {}
         if meta.get("status") == "error":
-            raise EpisodeFailed(str(meta.get("error")),
-                                "verifier_error" if "verifier" in str(meta.get("error")) else
-                                "environment_server_failed")
+            raise EpisodeFailed(str(meta.get("error")), meta.get("failure_kind") or "agentenv:env_failed")
         if data.get("done"):
             self.result = Outcome("scored", meta.get("scores") or {}, data.get("reward"))
             return None
@@ -2736,7 +2770,7 @@ class GymSession:
             return
         offered = row_tools(self.row)
         if offered is not None and set(offered) != {*self.tools, "end_turn"}:
-            self.fail("protocol_violation",
+            self.fail("agentenv:tools_mismatch",
                       f"the row offers the tools {sorted(offered)}, but its task offers "
                       f"{sorted({*self.tools, 'end_turn'})}; write the rows again with write-gym")
 
@@ -2806,7 +2840,7 @@ class GymSession:
             self.fail(exc.kind, f"the environment failed: {exc}")
             return None
         if outcome.status != "scored":
-            self.fail(outcome.kind or "environment_server_failed", outcome.failure or "not scored")
+            self.fail(outcome.kind or "agentenv:env_failed", outcome.failure or "not scored")
             return None
         reward = outcome.reward
         if not isinstance(reward, (int, float)) or isinstance(reward, bool) or \
@@ -3050,6 +3084,7 @@ class Server:
         self.app = web.Application(client_max_size=16 * 2**20)
         self.openenv = OpenEnvSurface(runtime, self.app, client_timeout, margin, idle_timeout)
         self.gym = GymSurface(self.app, gym or GymSettings(idle_timeout=idle_timeout), runtime=runtime)
+        self.openenv.others = lambda: len(self.gym.sessions)
         self.app.on_startup.append(self._start)
         self.app.on_shutdown.append(self._shutdown)
 
@@ -3112,7 +3147,9 @@ def run_gym_server() -> None:
         elif config.get("bundle"):
             bundle = Bundle.load(Path(str(config["bundle"])).expanduser(), config.get("reward"))
             runtime = Runtime(bundle, sandbox=str(config.get("sandbox", "auto")),
-                              max_concurrent_envs=int(config.get("max_concurrent_envs", 8)))
+                              max_concurrent_envs=int(config.get("max_concurrent_envs", 8)),
+                              knob=f"max_concurrent_envs in the resources server's config "
+                                   f"(configs/{instance}.yaml)")
             app = Server(runtime, host, port, idle_timeout=settings.idle_timeout, gym=settings).app
         else:
             sys.exit("agentenv.py: the resources server's config names neither url: (a running "
@@ -3271,7 +3308,7 @@ async def write_gym(source: str, gym_root: str, max_concurrent_envs: int = 8, sa
             if row.get("system_prompt"):
                 messages.insert(0, {"role": "system", "content": row["system_prompt"]})
             line = {"responses_create_params": {
-                        "input": kept.get(row["id"], messages),
+                        "input": kept.get((split, row["id"]), messages),
                         "tools": [*tools, function_tool(END_TURN)]},
                     "agent_ref": {"type": "responses_api_agents", "name": f"{name}_simple_agent"},
                     "split": split, "index": row["index"], "task_id": row["id"]}
@@ -3283,18 +3320,19 @@ async def write_gym(source: str, gym_root: str, max_concurrent_envs: int = 8, sa
         partial = path.with_name(path.name + ".partial")
         partial.write_text(text)
         partial.replace(path)      # a file is replaced whole, never left half written
-    out(f"wrote {target}")
+    out(f"wrote {Path(gym_root) / 'resources_servers' / name}")
     return target
 
 
-def _prompts_in(data: Path) -> dict[str, Any]:
-    """The prompts of rows already written, by task id, to keep a user's edits (--keep-prompts)."""
-    kept: dict[str, Any] = {}
+def _prompts_in(data: Path) -> dict[tuple[str, str], Any]:
+    """The prompts of rows already written, by split and task id, to keep a user's edits
+    (--keep-prompts): each split keeps its own."""
+    kept: dict[tuple[str, str], Any] = {}
     for path in sorted(data.glob("*.jsonl")) if data.is_dir() else []:
         for line in path.read_text().splitlines():
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 row = json.loads(line)
-                kept.setdefault(row["task_id"], row["responses_create_params"]["input"])
+                kept[(path.stem, row["task_id"])] = row["responses_create_params"]["input"]
     return kept
 
 

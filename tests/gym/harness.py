@@ -14,6 +14,8 @@ Three things:
 * ``run_cli(root, name, jsonl, work_dir=...)``: the full CLI. ``gym env start`` (head server, Ray,
   resources server, simple_agent, legacy_agent, openai_model pointed at the fake), then
   ``gym eval run --no-serve``; returns the rollouts, the aggregate metrics and the command lines.
+  ``more_servers=[(root, name), ...]`` starts further resources servers in the same run, each row
+  then going to its own ``agent_ref``.
 
 Every child runs in its own session (``start_new_session=True``), is stopped with SIGINT (the only
 signal Gym shuts down cleanly on) and, failing that, SIGKILLed. Every child's environment carries a
@@ -555,7 +557,8 @@ def link_venvs(uv_venv_dir: Path, venv: Path, name: str) -> list[Path]:
 
 def run_cli(root: Path, name: str, jsonl: Path, *, work_dir: Path, venv: Path | None = None,
             model_base_url: str | None = None, head_port: int | None = None, concurrency: int = 4,
-            agent: str | None = None, start_overrides: Iterable[str] = (),
+            agent: str | None = None, more_servers: Iterable[tuple[Path, str]] = (),
+            start_overrides: Iterable[str] = (),
             eval_args: Iterable[str] = (), ready_timeout: float = 300, eval_timeout: float = 600,
             stop_timeout: float = 90) -> CliRun:
     """The §6.2 full-CLI variant: ``gym env start`` then ``gym eval run --no-serve``, SIGINT-stopped.
@@ -563,6 +566,10 @@ def run_cli(root: Path, name: str, jsonl: Path, *, work_dir: Path, venv: Path | 
     With no ``model_base_url`` the fake model runs on a thread of this process for the duration.
     ``work_dir`` is the cwd of both commands (Hydra writes ``outputs/`` there) and holds the venv
     links (``venvs/``), the logs (``logs/``) and the rollouts (``out/``).
+
+    ``more_servers`` lists further ``(root, name)`` resources servers started by the same
+    ``gym env start`` (one ``--config`` each, one ``--search-dir`` per distinct root). With them and
+    no ``agent``, ``gym eval run`` gets no ``--agent``: each row goes to its own ``agent_ref``.
     """
     from . import fake_model
 
@@ -573,10 +580,14 @@ def run_cli(root: Path, name: str, jsonl: Path, *, work_dir: Path, venv: Path | 
     out_dir = work_dir / "out"
     out_dir.mkdir(exist_ok=True)
     uv_venv_dir = work_dir / "venvs"
+    servers = [(root, name), *((Path(r).resolve(), n) for r, n in more_servers)]
     config_path = server_config_path(root, name)
-    if agent is None:
+    if agent is None and len(servers) == 1:
         agent = find_instances(yaml.safe_load(config_path.read_text()), name)[1]
-    link_venvs(uv_venv_dir, venv, name)
+    for _, server_name in servers:
+        link_venvs(uv_venv_dir, venv, server_name)
+    configs = [arg for r, n in servers for arg in ("--config", str(server_config_path(r, n)))]
+    search_dirs = [arg for r in dict.fromkeys(r for r, _ in servers) for arg in ("--search-dir", str(r))]
     gym = str(venv / "bin" / "gym")
     shown_env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "UV_PYTHON_DOWNLOADS": "never"}
 
@@ -593,14 +604,15 @@ def run_cli(root: Path, name: str, jsonl: Path, *, work_dir: Path, venv: Path | 
             own_model = fake_model.start()
             model_base_url = own_model.base_url
         head_port = head_port or free_ports(1)[0]
-        start_argv = [gym, "env", "start", "--config", str(config_path), "--search-dir", str(root),
+        start_argv = [gym, "env", "start", *configs, *search_dirs,
                       "--model-type", "openai_model", "--model", fake_model.MODEL_ID,
                       "--model-url", model_base_url, "--model-api-key", "dummy",
                       "+skip_venv_if_present=true", f"+uv_venv_dir={uv_venv_dir}",
                       f"+head_server.port={head_port}", *start_overrides]
         rollouts_path = out_dir / "rollouts.jsonl"
-        eval_argv = [gym, "eval", "run", "--no-serve", "--search-dir", str(root),
-                     f"+head_server.port={head_port}", "--agent", agent, "--input", str(Path(jsonl).resolve()),
+        eval_argv = [gym, "eval", "run", "--no-serve", *search_dirs,
+                     f"+head_server.port={head_port}", *(("--agent", agent) if agent else ()),
+                     "--input", str(Path(jsonl).resolve()),
                      "--output", str(rollouts_path), "--concurrency", str(concurrency), *eval_args]
         env = group.env(shown_env)
         commands = [_show(start_argv, cwd=work_dir, env=shown_env), _show(eval_argv, cwd=work_dir, env=shown_env)]

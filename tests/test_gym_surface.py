@@ -1,0 +1,1318 @@
+"""Tests of agentenv.py's NeMo Gym side, as a user of the NeMo RL page sees it.
+
+* ``write-gym`` (section 10, and its CLI in section 11): the resources server folder it writes into
+  a Gym root from a bundle or from a running ``serve``, its config, its rows, rewrites, refusals.
+* The resources server as NeMo Gym runs it (section 9): ``python app.py`` in the written folder with
+  ``NEMO_GYM_CONFIG_DICT`` / ``NEMO_GYM_CONFIG_PATH`` / ``PYTHONPATH``, driven here the way Gym's
+  ``simple_agent`` drives it: POST the row to /seed_session, keep the reply's Set-Cookie and send it
+  with every tool call (a POST to the tool's route, its body the JSON arguments, its reply the text
+  the model reads) and with /verify (the row plus the Responses object of the whole rollout).
+* Masked rollouts, the deadlines (tool_timeout, reset_timeout, idle_timeout), bad requests, and the
+  one pool the OpenEnv and Gym surfaces of ``serve`` share.
+
+Every server runs as a subprocess in the local sandbox with its own AGENTENV_STATE_DIR (a temp
+folder), and is shared by the tests of this module where its flags allow. Async code runs with
+``asyncio.run`` (no pytest-asyncio). Nothing here reads ../shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import types
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import agentenv  # noqa: E402
+
+AGENTENV = REPO / "agentenv.py"
+NOTES = REPO / "bundles" / "notes-v1"
+GRIDSIM = REPO / "bundles" / "gridsim-v1"
+PY = sys.executable
+COOKIE = "agentenv_session"
+
+RECALL_PROMPT = "How many eggs does my 'pancakes' note say I need? Reply with just the number."
+TURN2_PROMPT = ("Now save a note titled 'groceries' that lists the ingredients my 'pancakes' note "
+                "needs.")
+NOTES_SYSTEM = ("You keep a notebook for the user. Use the notebook tools (write_note, read_note, "
+                "list_notes) to save and look up notes, and answer briefly.")
+PANCAKES = "2 eggs, 1 cup milk, 1 cup flour"
+NOTES_TOOLS = ["write_note", "read_note", "list_notes", "end_turn"]
+NOTES_ID = agentenv.task_id_root(NOTES)
+
+
+# ================================================================ processes
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def environ(state: Path, **extra: str) -> dict[str, str]:
+    """This process's environment for a child, with its own AGENTENV_STATE_DIR and no Gym or
+    agentenv settings leaking in from the caller's shell."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("NEMO_GYM_", "MAX_CONCURRENT_ENVS"))}
+    env.update(AGENTENV_STATE_DIR=str(state), PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def env_records(state: Path) -> list[int]:
+    """The pids of the env processes a server recorded under its state folder (live ones)."""
+    local = state / "local"
+    return [int(p.name) for p in local.glob("*/*") if p.name.isdigit()] if local.is_dir() else []
+
+
+def gone(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while os.path.exists(f"/proc/{pid}"):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+class Proc:
+    """A server this module started: its stdout and stderr kept in files."""
+
+    def __init__(self, name: str, args: list[str], cwd: Path, env: dict[str, str], logs: Path,
+                 url: str, state: Path):
+        logs.mkdir(parents=True, exist_ok=True)
+        self.name, self.url, self.state = name, url, state
+        self.out_path, self.err_path = logs / f"{name}.out", logs / f"{name}.err"
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.popen = subprocess.Popen(args, cwd=cwd, env=env, stdout=out, stderr=err,
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def log(self) -> str:
+        """What the server wrote to stderr so far (its log)."""
+        return self.err_path.read_text(errors="replace")
+
+    def wait_ready(self, path: str, timeout: float = 30) -> Proc:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.popen.poll() is not None:
+                raise AssertionError(f"{self.name} exited with {self.popen.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.url + path, timeout=2):
+                    return self
+            except urllib.error.HTTPError:
+                return self                     # Gym counts any answer as ready
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"{self.name} did not answer {path} in {timeout}s:\n{self.log()}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(20)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        reap(self.state)
+
+    def kill(self) -> None:
+        self.popen.kill()
+        self.popen.wait(5)
+
+
+def reap(state: Path) -> None:
+    """Kill the env process groups a server of ours left behind (one it was made to crash)."""
+    for pid in env_records(state):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def start_app(folder: Path, config: dict, instance: str, work: Path, label: str,
+              **settings) -> Proc:
+    """``python app.py`` in a written folder, as Gym starts it: the config as YAML in
+    NEMO_GYM_CONFIG_DICT with host and port added under the resources server, its instance name in
+    NEMO_GYM_CONFIG_PATH, and PYTHONPATH set to the folder."""
+    port = free_port()
+    config = copy.deepcopy(config)
+    server = next(iter(config[instance]["resources_servers"].values()))
+    server.update(host="127.0.0.1", port=port, **settings)
+    state = work / f"state-{label}"
+    env = environ(state, NEMO_GYM_CONFIG_DICT=yaml.safe_dump(config), NEMO_GYM_CONFIG_PATH=instance,
+                  PYTHONPATH=str(folder))
+    proc = Proc(label, [PY, "app.py"], folder, env, work / "logs", f"http://127.0.0.1:{port}", state)
+    return proc.wait_ready("/")
+
+
+def start_serve(bundle: Path, work: Path, label: str, *flags: str) -> Proc:
+    port = free_port()
+    state = work / f"state-{label}"
+    args = [PY, str(AGENTENV), "serve", str(bundle), "--sandbox", "local", "--port", str(port), *flags]
+    proc = Proc(label, args, REPO, environ(state), work / "logs", f"http://127.0.0.1:{port}", state)
+    return proc.wait_ready("/health")
+
+
+def write_gym_cli(source: str, root: str | Path, state: Path, *flags: str, cwd: Path = REPO):
+    started = time.monotonic()
+    done = subprocess.run([PY, str(AGENTENV), "write-gym", source, str(root), *flags],
+                          cwd=cwd, env=environ(state), capture_output=True, text=True, timeout=120)
+    done.seconds = time.monotonic() - started
+    return done
+
+
+def run(coro, timeout: float = 60):
+    async def bounded():
+        async with asyncio.timeout(timeout):
+            return await coro
+    return asyncio.run(bounded())
+
+
+# ================================================================ files written
+
+def read_rows(folder: Path, split: str) -> list[dict]:
+    return [json.loads(line) for line in (folder / "data" / f"{split}.jsonl").read_text().splitlines()]
+
+
+def row_of(folder: Path, task: str, split: str = "all") -> dict:
+    found = [r for r in read_rows(folder, split) if r["task_id"].endswith("/" + task)]
+    assert len(found) == 1, f"{task} in {split}: {found}"
+    return found[0]
+
+
+def written_files(folder: Path) -> set[str]:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+
+
+def notes_copy(dest: Path, name: str) -> Path:
+    root = dest / name
+    shutil.copytree(NOTES, root, ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+def patch(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert text.count(old) == 1, f"{old!r} is not in {path} once"
+    path.write_text(text.replace(old, new))
+
+
+def one_turn_task(env: str, prompt: str, artifact: str = "check_notes") -> list[dict]:
+    return [{"id": "env", "type": "deploy_env", "env_id": env},
+            {"id": "agent", "type": "deploy_agent", "agent_name": "writer", "env_ids": [env],
+             "role": "writer", "system_prompt": NOTES_SYSTEM},
+            {"id": "turn1", "type": "prompt_agent", "agent_name": "writer", "prompt_id": "turn1",
+             "prompt": prompt, "timeout_seconds": 600},
+            {"id": "check", "type": "env_outcome_verifier", "env_id": env,
+             "file_artifact_id": artifact, "verifier_id": "check", "score_aggregator": "all_pass"}]
+
+
+def make_trouble_bundle(dest: Path) -> Path:
+    """notes-v1 plus trouble: a tool that sleeps 3 s (slow_note), an env that waits 2 s before it
+    listens (sluggish), an env that exits at start (broken), and a verifier that raises."""
+    root = notes_copy(dest, "trouble-v1")
+    server = root / "envs" / "notebook" / "server.py"
+    patch(server, "import threading\n", "import threading\nimport time\n")
+    patch(server, "TOOLS = [\n", 'TOOLS = [\n    {"name": "slow_note", "description": "Save a note, '
+                                 'slowly.", "inputSchema": _schema("title")},\n')
+    patch(server, '    with LOCK:\n        if name == "write_note":',
+          '    if name == "slow_note":\n        time.sleep(3)\n        return "slow done", False\n'
+          '    with LOCK:\n        if name == "write_note":')
+    patch(server, "    server = ThreadingHTTPServer(",
+          "    time.sleep(float(os.environ.get('START_DELAY', '0')))\n"
+          "    server = ThreadingHTTPServer(")
+    shutil.copytree(root / "envs" / "notebook", root / "envs" / "sluggish")
+    patch(root / "envs" / "sluggish" / "Dockerfile", "USER 10001\n", "USER 10001\nENV START_DELAY=2\n")
+    broken = root / "envs" / "broken"
+    broken.mkdir()
+    (broken / "Dockerfile").write_text('FROM python:3.11-slim\nCOPY broken.py .\nCMD ["python", "broken.py"]\n')
+    (broken / "broken.py").write_text("import sys\nprint('broken: no config at /etc/broken.toml', "
+                                      "flush=True)\nsys.exit(3)\n")
+    (root / "artifacts" / "raises").mkdir()
+    (root / "artifacts" / "raises" / "verify.py").write_text(
+        "async def verify(mcp_url):\n    raise RuntimeError('the checker broke')\n")
+    tasks = {"slow-call": one_turn_task("notebook", "Save a note, slowly."),
+             "slow-start": one_turn_task("sluggish", "Save a note titled 'groceries' that lists eggs "
+                                                     "and milk."),
+             "deploy-fails": one_turn_task("broken", "Say hello."),
+             "verifier-raises": one_turn_task("notebook", "Save any note.", "raises")}
+    for name, steps in tasks.items():
+        (root / "tasks" / f"{name}.json").write_text(json.dumps(steps, indent=2))
+    return root
+
+
+def bundle_rows(bundle: Path) -> dict[str, dict]:
+    """Rows for a bundle that write-gym can't write (an env of it fails): by task name, with the
+    split, index and task_id the server plays, and no tools (so no tool check)."""
+    loaded = agentenv.Bundle.load(bundle)
+    return {task.name: {"responses_create_params": {"input": [{"role": "user",
+                                                               "content": task.first_prompt[0]}]},
+                        "agent_ref": {"type": "responses_api_agents", "name": "x_simple_agent"},
+                        "split": "all", "index": i, "task_id": task.id}
+            for i, task in enumerate(loaded.splits["all"])}
+
+
+# ================================================================ a simple_agent stand-in
+
+def message(text: str) -> dict:
+    return {"type": "message", "id": "msg_final", "role": "assistant", "status": "completed",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def responses_object(output: list[dict]) -> dict:
+    return {"id": "resp_1", "object": "response", "created_at": 0, "model": "policy_model",
+            "status": "completed", "output": output, "parallel_tool_calls": True,
+            "tool_choice": "auto", "tools": [],
+            "usage": {"input_tokens": 10, "output_tokens": 5, "total_tokens": 15,
+                      "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": 0}}}
+
+
+class Reply(types.SimpleNamespace):
+    status: int
+    text: str
+    elapsed: float
+
+
+class Agent:
+    """One rollout, played as Gym's simple_agent plays it: the whole row (plus Gym's own _ng_ keys)
+    to /seed_session with no cookies; the seed reply's cookies with every tool call and /verify;
+    each tool's body the JSON arguments; /verify gets row | {"response": the rollout}."""
+
+    def __init__(self, http: aiohttp.ClientSession, base: str, row: dict, prefix: str = ""):
+        self.http, self.base, self.prefix = http, base.rstrip("/") + prefix, prefix
+        self.row = {**row, "_ng_task_index": 0, "_ng_rollout_index": 0}
+        self.cookies: dict[str, str] = {}
+        self.output: list[dict] = []
+        self.set_cookie: list[str] = []
+
+    async def _post(self, route: str, body=None, raw: bytes | None = None,
+                    cookies: dict | None = None) -> Reply:
+        started = time.monotonic()
+        kwargs = {"data": raw, "headers": {"Content-Type": "application/json"}} if raw is not None \
+            else {"json": body}
+        async with self.http.post(self.base + route, cookies=cookies, **kwargs) as resp:
+            text = await resp.text()
+            self.cookies.update({k: m.value for k, m in resp.cookies.items()})
+            return Reply(status=resp.status, text=text, elapsed=time.monotonic() - started,
+                         content_type=resp.content_type,
+                         set_cookie=resp.headers.getall("Set-Cookie", []))
+
+    async def seed(self) -> Reply:
+        reply = await self._post("/seed_session", self.row, cookies=None)
+        self.set_cookie = reply.set_cookie
+        return reply
+
+    async def call(self, name: str, **arguments) -> Reply:
+        reply = await self._post(f"/{name}", arguments, cookies=self.cookies)
+        n = len(self.output)
+        self.output += [{"type": "function_call", "id": f"fc_{n}", "call_id": f"call_{n}",
+                         "name": name, "arguments": json.dumps(arguments), "status": "completed"},
+                        {"type": "function_call_output", "call_id": f"call_{n}", "output": reply.text}]
+        return reply
+
+    async def verify(self, final: str | None = None) -> tuple[Reply, dict]:
+        if final is not None:
+            self.output.append(message(final))
+        body = {**self.row, "response": responses_object(self.output)}
+        # Gym's verify carries the model server's and the agent's cookies too
+        cookies = {**self.cookies, "SimpleAgent___notes_v1_simple_agent": "eyJzZXNzaW9uX2lkIjoiMSJ9"}
+        reply = await self._post("/verify", body, cookies=cookies)
+        return reply, body
+
+    async def close(self) -> Reply:
+        return await self._post("/close_session", {}, cookies=self.cookies)
+
+
+def client() -> aiohttp.ClientSession:
+    # Gym's own client keeps no cookie jar: cookies travel by hand, as here
+    return aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(),
+                                 timeout=aiohttp.ClientTimeout(total=60))
+
+
+async def play(base: str, row: dict, calls=(), final: str | None = None) -> tuple[list[Reply], dict]:
+    """Seed, make the calls, verify with a final message; the call replies and the verify body."""
+    async with client() as http:
+        agent = Agent(http, base, row)
+        seeded = await agent.seed()
+        assert seeded.status == 200, seeded.text
+        replies = [await agent.call(name, **args) for name, args in calls]
+        verified, _ = await agent.verify(final)
+        assert verified.status == 200, verified.text
+        return replies, json.loads(verified.text)
+
+
+def assert_scored(body: dict, sent: dict, reward: float) -> None:
+    assert body["reward"] == reward
+    assert body["mask_sample"] is False
+    assert body["failure_kind"] is None and body["failure_reason"] is None
+    assert body["responses_create_params"] == sent["responses_create_params"]
+    assert body["response"] == sent["response"]
+
+
+def assert_masked(body: dict, sent: dict, kind: str, reason_starts: str, log: str) -> str:
+    """A masked verify reply, as the page says: reward 0, mask_sample (top level and in
+    instance_config), failure_kind and failure_reason, the body echoed; and the log line."""
+    assert body["reward"] == 0.0
+    assert body["mask_sample"] is True
+    assert body["instance_config"]["mask_sample"] is True
+    assert body["failure_kind"] == kind, body["failure_reason"]
+    assert body["failure_reason"].startswith(reason_starts), body["failure_reason"]
+    for key, value in sent.items():
+        assert body[key] == value, f"{key} was not echoed"
+    assert f"rollout masked: {body['failure_reason']}" in log
+    return body["failure_reason"]
+
+
+# ================================================================ fixtures
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("gym")
+
+
+@pytest.fixture(scope="module")
+def written(work):
+    """`python agentenv.py write-gym bundles/notes-v1 <root> --sandbox local`, run once."""
+    root = work / "gym-root"
+    done = write_gym_cli("bundles/notes-v1", root, work / "state-writer", "--sandbox", "local")
+    assert done.returncode == 0, done.stderr
+    folder = root / "resources_servers" / "notes_v1"
+    config = yaml.safe_load((folder / "configs" / "notes_v1.yaml").read_text())
+    return types.SimpleNamespace(root=root, folder=folder, done=done, config=config)
+
+
+@pytest.fixture(scope="module")
+def notes_app(written, work):
+    """The written server as Gym runs it, with the written config's settings."""
+    proc = start_app(written.folder, written.config, "notes_v1", work, "notes-app")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def trouble(work) -> Path:
+    return make_trouble_bundle(work / "bundles")
+
+
+def trouble_config(**where) -> dict:
+    return {"trouble_v1": {"resources_servers": {"trouble_v1": {
+        "entrypoint": "app.py", "domain": "agent", "description": "trouble", **where,
+        "tool_timeout": 1, "reset_timeout": 600, "idle_timeout": 600}}}}
+
+
+@pytest.fixture(scope="module")
+def trouble_app(written, work, trouble):
+    """A server of the trouble bundle (written by hand: write-gym refuses a bundle one of whose
+    envs won't deploy), with tool_timeout: 1."""
+    config = trouble_config(bundle=str(trouble), sandbox="local", max_concurrent_envs=8)
+    proc = start_app(written.folder, config, "trouble_v1", work, "trouble-app")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def serve1(work):
+    """`serve bundles/notes-v1 --max-concurrent-envs 1`, its OpenEnv replies due within 3 s."""
+    proc = start_serve(NOTES, work, "serve1", "--max-concurrent-envs", "1", "--client-timeout", "4",
+                       "--reply-margin", "1")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def url_written(serve1, work):
+    root = work / "gym-root-url"
+    done = write_gym_cli(serve1.url, root, work / "state-url-writer")
+    assert done.returncode == 0, done.stderr
+    folder = root / "resources_servers" / "notes_v1"
+    config = yaml.safe_load((folder / "configs" / "notes_v1.yaml").read_text())
+    return types.SimpleNamespace(root=root, folder=folder, done=done, config=config)
+
+
+@pytest.fixture(scope="module")
+def url_app(url_written, work):
+    proc = start_app(url_written.folder, url_written.config, "notes_v1", work, "url-app")
+    yield proc
+    proc.stop()
+
+
+# ================================================================ 1. write-gym from a bundle
+
+def test_write_gym_cli_writes_the_server_folder_the_page_lists(written):
+    folder, done = written.folder, written.done
+    assert done.stdout == f"wrote {written.root.resolve()}/resources_servers/notes_v1\n"
+    assert done.stderr == ""
+    assert written_files(folder) == {"app.py", "agentenv.py", "pyproject.toml",
+                                     "configs/notes_v1.yaml", "data/all.jsonl", "data/smoke.jsonl"}
+    # Gym takes a folder with pyproject.toml or requirements.txt, and refuses one with both
+    assert not (folder / "requirements.txt").exists()
+    app = (folder / "app.py").read_text()
+    assert "import agentenv" in app
+    assert 'if __name__ == "__main__":\n    agentenv.run_gym_server()' in app
+    assert (folder / "agentenv.py").read_bytes() == AGENTENV.read_bytes()
+    project = tomllib.loads((folder / "pyproject.toml").read_text())
+    deps = {d.split(">")[0].split("=")[0].strip().lower() for d in project["project"]["dependencies"]}
+    assert deps == {"aiohttp", "pyyaml", "docker"}
+    assert project["project"]["name"] and project["project"]["version"] == agentenv.__version__
+    assert project["build-system"]["build-backend"] == "setuptools.build_meta"
+    assert set(project["tool"]["setuptools"]["py-modules"]) == {"agentenv", "app"}
+    assert done.seconds < 30
+
+
+def test_the_config_has_the_pages_shape_with_the_bundle_and_the_default_settings(written):
+    config, name = written.config, "notes_v1"
+    assert list(config) == ["notes_v1", "notes_v1_simple_agent", "notes_v1_environment_server"]
+    server = config[name]["resources_servers"][name]
+    assert list(server)[:3] == ["entrypoint", "domain", "description"]
+    assert server["description"].startswith("notes-v1's tasks, served by ")
+    assert {k: v for k, v in server.items() if k != "description"} == {
+        "entrypoint": "app.py", "domain": "agent", "bundle": str(NOTES), "max_concurrent_envs": 8,
+        "sandbox": "local", "tool_timeout": 60, "reset_timeout": 600, "idle_timeout": 600}
+    assert Path(server["bundle"]).is_absolute()
+    assert config["notes_v1_simple_agent"] == {"responses_api_agents": {"simple_agent": {
+        "entrypoint": "app.py", "resources_server": {"type": "resources_servers", "name": name},
+        "model_server": {"type": "responses_api_models", "name": "policy_model"}}}}
+    assert config["notes_v1_environment_server"] == {"environment_servers": {"legacy_agent": {
+        "entrypoint": "app.py",
+        "agent_server": {"type": "responses_api_agents", "name": "notes_v1_simple_agent"}}}}
+    defaults = agentenv.GymSettings()
+    assert (defaults.tool_timeout, defaults.reset_timeout, defaults.idle_timeout) == (60, 600, 600)
+
+
+def test_the_rows_name_the_task_and_offer_its_tools_as_responses_function_tools(written):
+    rows, smoke = read_rows(written.folder, "all"), read_rows(written.folder, "smoke")
+    assert [r["task_id"].rsplit("/", 1)[1] for r in rows] == ["recall-recipe", "save-groceries",
+                                                              "two-step"]
+    assert [(r["split"], r["index"]) for r in rows] == [("all", 0), ("all", 1), ("all", 2)]
+    assert len(smoke) == 1 and (smoke[0]["split"], smoke[0]["index"]) == ("smoke", 0)
+    assert smoke[0]["task_id"] == rows[1]["task_id"] == f"{NOTES_ID}/save-groceries"
+    for row in rows + smoke:
+        assert set(row) == {"responses_create_params", "agent_ref", "split", "index", "task_id"}
+        assert row["agent_ref"] == {"type": "responses_api_agents", "name": "notes_v1_simple_agent"}
+        params = row["responses_create_params"]
+        assert set(params) == {"input", "tools"}          # Gym's model forbids other keys
+        assert params["input"][0] == {"role": "system", "content": NOTES_SYSTEM}
+        assert params["input"][1]["role"] == "user" and len(params["input"]) == 2
+        tools = params["tools"]
+        assert [t["name"] for t in tools] == NOTES_TOOLS     # end_turn last, dump_notes hidden
+        for tool in tools:
+            assert set(tool) == {"type", "name", "description", "parameters", "strict"}
+            assert tool["type"] == "function" and tool["strict"] is False
+            assert tool["description"] and tool["parameters"]["type"] == "object"
+        assert tools[0]["parameters"]["required"] == ["title", "text"]
+        assert tools[-1]["parameters"]["properties"]["response"]["type"] == "string"
+    assert rows[0]["responses_create_params"]["input"][1]["content"] == RECALL_PROMPT
+
+
+def test_write_gym_in_process_writes_the_same_rows(written, tmp_path):
+    lines: list[str] = []
+    target = run(agentenv.write_gym(str(NOTES), str(tmp_path / "root"), max_concurrent_envs=16,
+                                    sandbox="local", out=lines.append))
+    assert target == (tmp_path / "root").resolve() / "resources_servers" / "notes_v1"
+    assert lines == [f"wrote {target}"]
+    for rel in ("data/all.jsonl", "data/smoke.jsonl", "app.py", "agentenv.py", "pyproject.toml"):
+        assert (target / rel).read_text() == (written.folder / rel).read_text(), rel
+    server = yaml.safe_load((target / "configs/notes_v1.yaml").read_text())["notes_v1"]
+    assert server["resources_servers"]["notes_v1"]["max_concurrent_envs"] == 16
+
+
+def test_write_gym_prints_the_root_as_the_user_gave_it(tmp_path):
+    done = write_gym_cli(str(NOTES), "gym-root", tmp_path / "state", "--sandbox", "local", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "wrote gym-root/resources_servers/notes_v1\n"
+
+
+def test_gridsim_writes_2200_2000_200_rows_with_one_deploy(tmp_path, monkeypatch):
+    launched: list[str] = []
+    launch = agentenv.LocalSandbox.launch
+
+    async def counting(self, env, episode, limits):
+        launched.append(env.name)
+        return await launch(self, env, episode, limits)
+
+    monkeypatch.setattr(agentenv.LocalSandbox, "launch", counting)
+    started = time.monotonic()
+    target = run(agentenv.write_gym(str(GRIDSIM), str(tmp_path), sandbox="local", out=lambda _: None))
+    seconds = time.monotonic() - started
+    assert launched == ["gridsim"], "one toolset, so one deploy"
+    assert seconds < 30, f"write-gym of gridsim-v1 took {seconds:.1f}s"
+    assert target.name == "gridsim_v1"
+    counts = {split: len(read_rows(target, split)) for split in ("all", "train", "eval")}
+    assert counts == {"all": 2200, "train": 2000, "eval": 200}
+    assert sorted(p.name for p in (target / "data").iterdir()) == ["all.jsonl", "eval.jsonl",
+                                                                   "train.jsonl"]
+    first = read_rows(target, "train")[0]
+    assert (first["split"], first["index"]) == ("train", 0)
+    assert first["agent_ref"] == {"type": "responses_api_agents", "name": "gridsim_v1_simple_agent"}
+    assert first["task_id"].startswith("@local/") and "/gridsim-v1/dam-v1-" in first["task_id"]
+    assert [m["role"] for m in first["responses_create_params"]["input"]] == ["system", "user"]
+    assert [t["name"] for t in first["responses_create_params"]["tools"]] == ["submit_schedule",
+                                                                               "end_turn"]
+    config = yaml.safe_load((target / "configs" / "gridsim_v1.yaml").read_text())
+    assert list(config) == ["gridsim_v1", "gridsim_v1_simple_agent", "gridsim_v1_environment_server"]
+
+
+def test_writing_again_overwrites_every_file(written, tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(written.root, root)
+    folder = root / "resources_servers" / "notes_v1"
+    rows = read_rows(folder, "all")
+    rows[0]["responses_create_params"]["input"][1]["content"] = "EDITED"
+    (folder / "data" / "all.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "configs" / "notes_v1.yaml").write_text("stale: true\n")
+    (folder / "agentenv.py").write_text("# an old copy\n")
+    done = write_gym_cli(str(NOTES), root, tmp_path / "state", "--sandbox", "local")
+    assert done.returncode == 0, done.stderr
+    for rel in ("data/all.jsonl", "data/smoke.jsonl", "configs/notes_v1.yaml", "agentenv.py", "app.py"):
+        assert (folder / rel).read_text() == (written.folder / rel).read_text(), rel
+    assert not list(folder.rglob("*.partial"))
+
+
+def _edit_prompt(folder: Path, split: str, text: str) -> None:
+    rows = read_rows(folder, split)
+    rows[0]["responses_create_params"]["input"][1]["content"] = text
+    (folder / "data" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_keep_prompts_keeps_an_edited_prompt(written, tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(written.root, root)
+    folder = root / "resources_servers" / "notes_v1"
+    _edit_prompt(folder, "all", "How many eggs? Just the number, please.")
+    done = write_gym_cli(str(NOTES), root, tmp_path / "state", "--sandbox", "local", "--keep-prompts")
+    assert done.returncode == 0, done.stderr
+    rows = read_rows(folder, "all")
+    assert rows[0]["responses_create_params"]["input"][1]["content"] == \
+        "How many eggs? Just the number, please."
+    assert rows[0]["responses_create_params"]["tools"] == \
+        read_rows(written.folder, "all")[0]["responses_create_params"]["tools"]
+    assert rows[1:] == read_rows(written.folder, "all")[1:]
+
+
+def test_keep_prompts_keeps_an_edit_made_in_an_eval_split(written, tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(written.root, root)
+    folder = root / "resources_servers" / "notes_v1"
+    _edit_prompt(folder, "smoke", "Save 'groceries': eggs and milk.")
+    done = write_gym_cli(str(NOTES), root, tmp_path / "state", "--sandbox", "local", "--keep-prompts")
+    assert done.returncode == 0, done.stderr
+    assert read_rows(folder, "smoke")[0]["responses_create_params"]["input"][1]["content"] == \
+        "Save 'groceries': eggs and milk."
+
+
+def test_a_folder_holding_a_server_write_gym_did_not_write_is_refused(tmp_path):
+    folder = tmp_path / "root" / "resources_servers" / "notes_v1"
+    folder.mkdir(parents=True)
+    (folder / "app.py").write_text("# my own resources server\n")
+    done = write_gym_cli(str(NOTES), tmp_path / "root", tmp_path / "state", "--sandbox", "local")
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert done.stderr.startswith(f"agentenv.py write-gym: {folder} holds a resources server that "
+                                  "write-gym did not write; move it away or write into another Gym root")
+    assert written_files(folder) == {"app.py"}
+    assert (folder / "app.py").read_text() == "# my own resources server\n"
+
+
+@pytest.mark.parametrize("name, fix", [
+    ("verify", "has the name of one of the resources server's own routes, which Gym would call "
+               "instead; rename it in the env"),
+    ("a/b", "is not one path segment, and Gym calls a tool at the route of its name; rename it in "
+            "the env (letters, digits, _ . ~ -)"),
+])
+def test_a_tool_gym_cant_route_to_is_refused_with_the_fix(tmp_path, name, fix):
+    bundle = notes_copy(tmp_path, "badtools-v1")
+    patch(bundle / "envs" / "notebook" / "server.py", '{"name": "list_notes"', f'{{"name": "{name}"')
+    with pytest.raises(agentenv.AgentEnvError) as caught:
+        run(agentenv.write_gym(str(bundle), str(tmp_path / "root"), sandbox="local", out=print))
+    assert str(caught.value) == (f"the rows can't be written:\n  - toolset notebook: the tool "
+                                 f"{name!r} {fix}")
+    assert not (tmp_path / "root").exists()
+    if name == "verify":            # and from the CLI: exit 1, the message on stderr
+        done = write_gym_cli(str(bundle), tmp_path / "root", tmp_path / "state", "--sandbox", "local")
+        assert done.returncode == 1 and done.stdout == ""
+        assert done.stderr == f"agentenv.py write-gym: {caught.value}\n"
+
+
+# ================================================================ 2. write-gym from a URL
+
+def test_write_gym_from_a_url_names_the_url_and_writes_the_same_rows(url_written, written, serve1):
+    assert url_written.done.stdout == f"wrote {url_written.folder}\n"
+    server = url_written.config["notes_v1"]["resources_servers"]["notes_v1"]
+    assert server["url"] == serve1.url
+    assert "bundle" not in server and "max_concurrent_envs" not in server
+    assert {k: server[k] for k in ("entrypoint", "domain", "tool_timeout", "reset_timeout",
+                                   "idle_timeout")} == {
+        "entrypoint": "app.py", "domain": "agent", "tool_timeout": 60, "reset_timeout": 600,
+        "idle_timeout": 600}
+    assert {k: v for k, v in url_written.config.items() if k != "notes_v1"} == \
+        {k: v for k, v in written.config.items() if k != "notes_v1"}
+    assert written_files(url_written.folder) == written_files(written.folder)
+    for split in ("all", "smoke"):
+        assert read_rows(url_written.folder, split) == read_rows(written.folder, split)
+
+
+# ================================================================ 3. the resources server as Gym runs it
+
+def test_seed_answers_at_once_with_a_cookie_and_a_tool_answers_its_text(notes_app, written):
+    row = row_of(written.folder, "save-groceries")
+
+    async def go():
+        async with client() as http:
+            agent = Agent(http, notes_app.url, row)
+            before = set(env_records(notes_app.state))
+            seeded = await agent.seed()
+            assert seeded.status == 200 and json.loads(seeded.text) == {}
+            assert seeded.elapsed < 0.5
+            assert any(c.startswith(f"{COOKIE}=") for c in seeded.set_cookie), seeded.set_cookie
+            assert list(agent.cookies) == [COOKIE]
+            listed = await agent.call("list_notes")
+            assert (listed.status, listed.text, listed.content_type) == (200, "(no notes)", "text/plain")
+            env_pids = set(env_records(notes_app.state)) - before
+            assert len(env_pids) == 1
+            saved = await agent.call("write_note", title="groceries", text="eggs and milk")
+            assert (saved.status, saved.text) == (200, "saved note 'groceries'")
+            read = await agent.call("read_note", title="groceries")
+            assert read.text == "eggs and milk"
+            verified, sent = await agent.verify("Saved.")
+            assert verified.status == 200
+            body = json.loads(verified.text)
+            assert_scored(body, sent, 1.0)
+            assert body["split"] == "all" and body["task_id"] == row["task_id"]
+            assert body["_ng_rollout_index"] == 0          # the row's other keys come back too
+            assert body["scores"] == {"check": 1.0}
+            # the episode is torn down once verify has answered
+            assert gone(env_pids.pop(), 3)
+    run(go())
+
+
+def test_a_model_that_writes_nothing_scores_0_unmasked(notes_app, written):
+    row = row_of(written.folder, "save-groceries")
+    _, body = run(play(notes_app.url, row, [("list_notes", {})], "I did nothing."))
+    assert body["reward"] == 0.0 and body["mask_sample"] is False and body["failure_kind"] is None
+
+
+def test_verify_ends_the_turn_with_the_models_last_message(notes_app, written):
+    row = row_of(written.folder, "recall-recipe")
+    replies, body = run(play(notes_app.url, row, [("read_note", {"title": "pancakes"})], "2"))
+    assert replies[0].text == PANCAKES
+    assert body["reward"] == 1.0 and body["mask_sample"] is False
+    _, body = run(play(notes_app.url, row, [], "3"))
+    assert body["reward"] == 0.0 and body["mask_sample"] is False
+
+
+def test_end_turn_answers_the_next_prompt_and_verify_ends_the_last_turn(notes_app, written):
+    row = row_of(written.folder, "two-step")
+
+    async def go():
+        async with client() as http:
+            agent = Agent(http, notes_app.url, row)
+            await agent.seed()
+            assert (await agent.call("list_notes")).text == "pancakes"
+            nxt = await agent.call("end_turn", response="You have one note: pancakes.")
+            assert (nxt.status, nxt.text) == (200, TURN2_PROMPT)
+            await agent.call("write_note", title="groceries", text=PANCAKES)
+            verified, sent = await agent.verify("Saved your groceries.")
+            assert_scored(json.loads(verified.text), sent, 1.0)
+    run(go())
+
+
+def test_verify_ends_every_turn_left_open(notes_app, written):
+    """The model never calls end_turn: its last message ends turn 1, and verify ends turn 2."""
+    row = row_of(written.folder, "two-step")
+    _, body = run(play(notes_app.url, row, [("write_note", {"title": "groceries", "text": PANCAKES})],
+                       "pancakes"))
+    assert body["reward"] == 1.0 and body["mask_sample"] is False
+
+
+def test_end_turn_on_the_last_turn_ends_the_episode(notes_app, written):
+    row = row_of(written.folder, "recall-recipe")
+
+    async def go():
+        async with client() as http:
+            agent = Agent(http, notes_app.url, row)
+            await agent.seed()
+            ended = await agent.call("end_turn", response="2")
+            assert ended.text == "Your turn is over, and so is the episode: it is being scored."
+            after = await agent.call("list_notes")
+            assert after.status == 200 and after.text.startswith("error: the episode has ended")
+            verified, sent = await agent.verify("2")
+            assert_scored(json.loads(verified.text), sent, 1.0)
+    run(go())
+
+
+def test_a_models_bad_calls_are_text_it_reads_and_not_masked(notes_app, written):
+    row = row_of(written.folder, "recall-recipe")
+    calls = [("delete_note", {"title": "pancakes"}), ("read_note", {}),
+             ("read_note", {"title": "pancakes", "page": 2}), ("read_note", {"title": "waffles"}),
+             ("read_note", {"title": "pancakes"})]
+    replies, body = run(play(notes_app.url, row, calls, "2"))
+    assert [r.status for r in replies] == [200] * 5
+    assert replies[0].text == ("error: there is no tool 'delete_note'; the tools are: write_note, "
+                               "read_note, list_notes")
+    assert replies[1].text == "error: read_note: argument 'title' is required and must be a string"
+    assert replies[2].text == "error: read_note: unexpected argument 'page'"
+    assert replies[3].text == "error: no note titled 'waffles'; the notes are: pancakes"
+    assert replies[4].text == PANCAKES
+    assert body["reward"] == 1.0 and body["mask_sample"] is False and body["failure_kind"] is None
+
+
+def test_a_hidden_tool_is_not_callable_by_the_model(notes_app, written):
+    row = row_of(written.folder, "recall-recipe")
+    replies, body = run(play(notes_app.url, row, [("dump_notes", {})], "2"))
+    assert replies[0].status == 200 and replies[0].text.startswith("error: there is no tool 'dump_notes'")
+    assert body["mask_sample"] is False
+
+
+def test_rollouts_run_at_once_each_in_its_own_episode(notes_app, written):
+    rows = [row_of(written.folder, "save-groceries")] * 3
+
+    async def go():
+        plays = [play(notes_app.url, row, [("write_note", {"title": "groceries", "text": text})], "ok")
+                 for row, text in zip(rows, ["eggs and milk", "just bread", "milk, eggs"])]
+        return await asyncio.gather(*plays)
+
+    results = run(go())
+    assert [body["reward"] for _, body in results] == [1.0, 0.0, 1.0]
+
+
+def test_close_session_answers_closed_then_already_closed(notes_app, written):
+    row = row_of(written.folder, "save-groceries")
+
+    async def go():
+        async with client() as http:
+            agent = Agent(http, notes_app.url, row)
+            before = set(env_records(notes_app.state))
+            await agent.seed()
+            await agent.call("list_notes")
+            env_pids = set(env_records(notes_app.state)) - before
+            assert len(env_pids) == 1
+            first, second = await agent.close(), await agent.close()
+            assert gone(env_pids.pop(), 3), "close_session left the episode's env running"
+            assert (first.status, json.loads(first.text)) == (200, {"status": "closed"})
+            assert (second.status, json.loads(second.text)) == (200, {"status": "already_closed"})
+            late = await agent.call("list_notes")
+            assert late.status == 400 and late.text.startswith("error: no session")
+            # the newer environment servers' path: the row in task_data, resources_session_id echoed
+            seeded = await agent._post("/seed_session", {"task_data": row, "resources_session_id": "r1"})
+            assert json.loads(seeded.text) == {"resources_session_id": "r1"}
+            assert any(c.startswith(f"{COOKIE}=") for c in seeded.set_cookie)
+            closed = await agent._post("/close_session", {"resources_session_id": "r1"})
+            assert json.loads(closed.text) == {"resources_session_id": "r1", "status": "closed"}
+            again = await agent._post("/close_session", {"resources_session_id": "r1"})
+            assert json.loads(again.text) == {"resources_session_id": "r1", "status": "already_closed"}
+    run(go())
+
+
+def test_aggregate_metrics_answers_gyms_shape(notes_app):
+    results = [{"reward": 1.0, "mask_sample": False, "response": {"usage": {}}},
+               {"reward": 0.0, "mask_sample": False}, {"reward": 0.0, "mask_sample": True}]
+    with urllib.request.urlopen(urllib.request.Request(
+            notes_app.url + "/aggregate_metrics", json.dumps({"verify_responses": results}).encode(),
+            {"Content-Type": "application/json"})) as resp:
+        body = json.loads(resp.read())
+    assert set(body) == {"group_level_metrics", "agent_metrics", "key_metrics", "perf_summary",
+                         "repeat_level_metrics"}
+    assert isinstance(body["group_level_metrics"], list) and isinstance(body["repeat_level_metrics"], list)
+    assert body["perf_summary"] is None or isinstance(body["perf_summary"], dict)
+    assert body["agent_metrics"] == {"mean/reward": 0.5, "rollouts": 3, "masked": 1}
+    assert isinstance(body["key_metrics"], dict)
+
+
+def test_ng_rollout_prefixed_routes_play_a_rollout(notes_app, written):
+    row = row_of(written.folder, "save-groceries")
+
+    async def go():
+        async with client() as http:
+            agent = Agent(http, notes_app.url, row, prefix="/ng-rollout/rollout-7")
+            assert (await agent.seed()).status == 200
+            saved = await agent.call("write_note", title="groceries", text="eggs, milk")
+            assert saved.text == "saved note 'groceries'"
+            verified, sent = await agent.verify("Done.")
+            assert_scored(json.loads(verified.text), sent, 1.0)
+            async with http.get(notes_app.url + "/") as resp:
+                assert resp.status == 200
+    run(go())
+
+
+def test_num_workers_above_1_is_refused_with_the_reason(written, tmp_path):
+    config = copy.deepcopy(written.config)
+    config["notes_v1"]["resources_servers"]["notes_v1"].update(num_workers=2, host="127.0.0.1",
+                                                               port=free_port())
+    done = subprocess.run([PY, "app.py"], cwd=written.folder, capture_output=True, text=True, timeout=30,
+                          env=environ(tmp_path, NEMO_GYM_CONFIG_DICT=yaml.safe_dump(config),
+                                      NEMO_GYM_CONFIG_PATH="notes_v1", PYTHONPATH=str(written.folder)))
+    assert done.returncode != 0
+    assert "num_workers is 2" in done.stderr
+    assert "runs with one worker; remove num_workers from its config" in done.stderr
+
+
+def test_an_app_started_without_gyms_config_says_how_to_start_it(written, tmp_path):
+    done = subprocess.run([PY, "app.py"], cwd=written.folder, capture_output=True, text=True, timeout=30,
+                          env=environ(tmp_path, PYTHONPATH=str(written.folder)))
+    assert done.returncode == 1
+    assert "NEMO_GYM_CONFIG_DICT and NEMO_GYM_CONFIG_PATH" in done.stderr
+    assert "gym env start --config configs/<name>.yaml" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_an_app_whose_config_names_no_source_says_so(written, tmp_path):
+    config = {"x": {"resources_servers": {"x": {"entrypoint": "app.py", "domain": "agent"}}}}
+    done = subprocess.run([PY, "app.py"], cwd=written.folder, capture_output=True, text=True, timeout=30,
+                          env=environ(tmp_path, NEMO_GYM_CONFIG_DICT=yaml.safe_dump(config),
+                                      NEMO_GYM_CONFIG_PATH="x", PYTHONPATH=str(written.folder)))
+    assert done.returncode == 1
+    assert "names neither url:" in done.stderr and "nor bundle:" in done.stderr
+
+
+def test_the_url_mode_server_plays_through_the_running_serve(url_app, url_written):
+    row = row_of(url_written.folder, "recall-recipe")
+    replies, body = run(play(url_app.url, row, [("read_note", {"title": "pancakes"}),
+                                                ("read_note", {})], "2"))
+    assert replies[0].text == PANCAKES
+    assert replies[1].status == 200
+    assert replies[1].text == "error: read_note: argument 'title' is required and must be a string"
+    assert body["reward"] == 1.0 and body["mask_sample"] is False
+    row = row_of(url_written.folder, "two-step")
+    replies, body = run(play(url_app.url, row, [("end_turn", {"response": "pancakes"}),
+                                                ("write_note", {"title": "groceries",
+                                                                "text": PANCAKES})], "Saved."))
+    assert replies[0].text == TURN2_PROMPT and replies[1].text == "saved note 'groceries'"
+    assert body["reward"] == 1.0 and body["mask_sample"] is False
+
+
+def test_url_mode_rollouts_past_the_serves_limit_wait_and_it_says_so_once(url_app, url_written,
+                                                                        serve1):
+    row = row_of(url_written.folder, "save-groceries")
+
+    async def go():
+        return await asyncio.gather(*(
+            play(url_app.url, row, [("write_note", {"title": "groceries", "text": "eggs, milk"})], "ok")
+            for _ in range(3)))
+
+    results = run(go())
+    assert [(body["reward"], body["mask_sample"]) for _, body in results] == [(1.0, False)] * 3
+    warning = (f"WARNING agentenv.gym: the server at {serve1.url} is at its limit of 1 sessions at "
+               "once, so rollouts wait their turn: serve the bundle with a higher MAX_CONCURRENT_ENVS "
+               "(or --max-concurrent-envs) to run more at once\n")
+    assert url_app.log().count(warning) == 1
+
+
+def test_the_url_mode_server_answers_an_unknown_tool_as_bundle_mode_does(url_app, url_written):
+    row = row_of(url_written.folder, "recall-recipe")
+    replies, body = run(play(url_app.url, row, [("nope", {})], "2"))
+    assert body["mask_sample"] is False
+    assert replies[0].status == 200
+    assert replies[0].text == "error: there is no tool 'nope'; the tools are: write_note, read_note, " \
+                              "list_notes"
+
+
+# ================================================================ 4. masked rollouts
+
+def test_a_deploy_that_fails_is_masked(trouble_app, trouble):
+    row = bundle_rows(trouble)["deploy-fails"]
+
+    async def go():
+        async with client() as http:
+            agent = Agent(http, trouble_app.url, row)
+            assert (await agent.seed()).status == 200
+            call = await agent.call("write_note", title="a", text="b")
+            assert call.status == 200
+            assert call.text.startswith("error: the environment of this rollout failed, so write_note "
+                                        "did not run (the environment failed: ")
+            assert call.text.endswith("; the rollout will be masked")
+            verified, sent = await agent.verify("hello")
+            return json.loads(verified.text), sent
+
+    body, sent = run(go())
+    reason = assert_masked(body, sent, "provider_unavailable",
+                           "the environment failed: step 'env' (deploy_env) failed: env 'broken' did "
+                           "not come up: its process exited with code 3", trouble_app.log())
+    assert "broken: no config at /etc/broken.toml" in reason
+
+
+def test_a_tool_that_misses_tool_timeout_is_masked_with_the_pages_message(trouble_app, trouble):
+    row = bundle_rows(trouble)["slow-call"]
+
+    async def go():
+        async with client() as http:
+            agent = Agent(http, trouble_app.url, row)
+            await agent.seed()
+            assert (await agent.call("list_notes")).text == "(no notes)"
+            slow = await agent.call("slow_note", title="x")
+            assert slow.status == 200
+            assert 0.9 < slow.elapsed < 2.5
+            message_ = ("slow_note didn't answer within 1s, and the episode ended, since what the call "
+                        "does may still be under way")
+            assert slow.text == f"error: {message_}"
+            after = await agent.call("list_notes")
+            assert after.text.startswith("error: the environment of this rollout failed")
+            verified, sent = await agent.verify("done")
+            return json.loads(verified.text), sent, message_
+
+    body, sent, message_ = run(go())
+    assert_masked(body, sent, "transport_timeout", message_, trouble_app.log())
+    assert body["failure_reason"] == message_
+    assert f"WARNING agentenv.gym: rollout masked: {message_}\n" in trouble_app.log()
+
+
+def test_a_verifier_that_raises_is_masked_verifier_error(trouble_app, trouble):
+    row = bundle_rows(trouble)["verifier-raises"]
+
+    async def go():
+        async with client() as http:
+            agent = Agent(http, trouble_app.url, row)
+            await agent.seed()
+            await agent.call("write_note", title="groceries", text="eggs and milk")
+            verified, sent = await agent.verify("Saved.")
+            return json.loads(verified.text), sent
+
+    body, sent = run(go())
+    reason = assert_masked(body, sent, "verifier_error", "the environment failed: ", trouble_app.log())
+    assert "RuntimeError: the checker broke" in reason
+
+
+def test_seed_answers_before_the_deploy_and_the_first_call_waits_for_it(trouble_app, trouble):
+    row = bundle_rows(trouble)["slow-start"]          # its env listens 2 s after it starts
+
+    async def go():
+        async with client() as http:
+            agent = Agent(http, trouble_app.url, row)
+            seeded = await agent.seed()
+            assert seeded.status == 200 and seeded.elapsed < 0.5
+            first = await agent.call("write_note", title="groceries", text="eggs and milk")
+            assert first.text == "saved note 'groceries'"
+            assert first.elapsed > 1.5
+            verified, sent = await agent.verify("Saved.")
+            assert_scored(json.loads(verified.text), sent, 1.0)
+    run(go())
+
+
+def test_a_row_whose_tools_differ_from_its_tasks_is_masked(notes_app, written):
+    row = copy.deepcopy(row_of(written.folder, "save-groceries"))
+    tools = row["responses_create_params"]["tools"]
+    row["responses_create_params"]["tools"] = [t for t in tools if t["name"] != "read_note"]
+
+    async def go():
+        async with client() as http:
+            agent = Agent(http, notes_app.url, row)
+            assert (await agent.seed()).status == 200
+            call = await agent.call("write_note", title="groceries", text="eggs and milk")
+            assert call.text.startswith("error: the environment of this rollout failed")
+            verified, sent = await agent.verify("Saved.")
+            return json.loads(verified.text), sent
+
+    body, sent = run(go())
+    assert_masked(body, sent, "agentenv:tools_mismatch",
+                  "the row offers the tools ['end_turn', 'list_notes', 'write_note'], but its task "
+                  "offers ['end_turn', 'list_notes', 'read_note', 'write_note']; write the rows again "
+                  "with write-gym", notes_app.log())
+
+
+def test_a_server_that_went_away_is_masked_session_lost(written, work, tmp_path):
+    serve = start_serve(NOTES, tmp_path, "serve-gone")
+    config = {"notes_v1": {"resources_servers": {"notes_v1": {
+        "entrypoint": "app.py", "domain": "agent", "url": serve.url}}}}
+    app = start_app(written.folder, config, "notes_v1", tmp_path, "url-gone")
+    row = row_of(written.folder, "save-groceries")
+    try:
+        async def go():
+            async with client() as http:
+                agent = Agent(http, app.url, row)
+                await agent.seed()
+                saved = await agent.call("write_note", title="groceries", text="eggs and milk")
+                assert saved.text == "saved note 'groceries'"
+                serve.kill()                                      # mid-rollout
+                lost = await agent.call("list_notes")
+                assert lost.status == 200
+                assert lost.text.startswith(f"error: the environment failed: the server at {serve.url}")
+                assert lost.text.endswith("; the rollout will be masked")
+                verified, sent = await agent.verify("Saved.")
+                return json.loads(verified.text), sent
+
+        body, sent = run(go())
+        assert_masked(body, sent, "session_lost", f"the environment failed: the server at {serve.url} ",
+                      app.log())
+    finally:
+        app.stop()
+        serve.stop()
+
+
+# ================================================================ url mode: the resources server's settings
+
+@pytest.fixture(scope="module")
+def trouble_remote(written, work, trouble):
+    """`serve` of the trouble bundle, and a url: resources server on it with tool_timeout: 1."""
+    serve = start_serve(trouble, work, "serve-trouble")
+    app = start_app(written.folder, trouble_config(url=serve.url), "trouble_v1", work, "url-trouble")
+    yield types.SimpleNamespace(serve=serve, app=app)
+    app.stop()
+    serve.stop()
+
+
+def test_url_mode_masks_a_failed_deploy_and_a_raising_verifier(trouble_remote, trouble):
+    rows, app = bundle_rows(trouble), trouble_remote.app
+    _, body = run(play(app.url, rows["deploy-fails"], [("list_notes", {})], "hi"))
+    sent = {"responses_create_params": rows["deploy-fails"]["responses_create_params"]}
+    assert_masked(body, sent, "provider_unavailable", "the environment failed: ", app.log())
+    assert "did not come up: its process exited with code 3" in body["failure_reason"]
+    _, body = run(play(app.url, rows["verifier-raises"], [("write_note", {"title": "a", "text": "b"})],
+                       "ok"))
+    sent = {"responses_create_params": rows["verifier-raises"]["responses_create_params"]}
+    assert_masked(body, sent, "verifier_error", "the environment failed: ", app.log())
+    assert "RuntimeError: the checker broke" in body["failure_reason"]
+
+
+def test_url_mode_honours_the_resources_servers_tool_timeout(trouble_remote, trouble):
+    app = trouble_remote.app
+    row = bundle_rows(trouble)["slow-call"]
+
+    async def go():
+        async with client() as http:
+            agent = Agent(http, app.url, row)
+            await agent.seed()
+            slow = await agent.call("slow_note", title="x")
+            verified, sent = await agent.verify("done")
+            return slow, json.loads(verified.text), sent
+
+    slow, body, sent = run(go())
+    message_ = ("slow_note didn't answer within 1s, and the episode ended, since what the call does "
+                "may still be under way")
+    assert slow.text == f"error: {message_}"
+    assert_masked(body, sent, "transport_timeout", message_, app.log())
+
+
+# ================================================================ 5. reset_timeout and idle_timeout
+
+def test_idle_timeout_ends_a_session_that_never_verifies_and_frees_its_slot(written, tmp_path):
+    app = start_app(written.folder, written.config, "notes_v1", tmp_path, "idle-app",
+                    idle_timeout=1, max_concurrent_envs=1)
+    try:
+        async def go():
+            async with client() as http:
+                abandoned = Agent(http, app.url, row_of(written.folder, "two-step"))
+                await abandoned.seed()
+                assert (await abandoned.call("list_notes")).text == "pancakes"
+                pids = env_records(app.state)
+                assert len(pids) == 1
+                started = time.monotonic()
+                while env_records(app.state) and time.monotonic() - started < 5:
+                    await asyncio.sleep(0.1)
+                assert not env_records(app.state), "the idle session's env was not torn down"
+                assert gone(pids[0], 3), "the idle session's env process still runs"
+                assert time.monotonic() - started < 4
+                # the one slot is free again: a second rollout completes
+                _, body = await play(app.url, row_of(written.folder, "save-groceries"),
+                                     [("write_note", {"title": "groceries", "text": "eggs, milk"})], "ok")
+                assert body["reward"] == 1.0 and body["mask_sample"] is False
+                # and the abandoned rollout, verified late, has no session any more
+                late, sent = await abandoned.verify("pancakes")
+                return json.loads(late.text), sent
+
+        body, sent = run(go())
+        assert "Ended a Gym session with no request for 1s (idle_timeout), freeing its episode." in app.log()
+        assert_masked(body, sent, "session_lost", "this server holds no session for the rollout",
+                      app.log())
+    finally:
+        app.stop()
+
+
+def test_reset_timeout_masks_a_rollout_that_waits_too_long_for_a_slot(written, tmp_path):
+    app = start_app(written.folder, written.config, "notes_v1", tmp_path, "reset-app",
+                    reset_timeout=1, max_concurrent_envs=1)
+    try:
+        async def go():
+            async with client() as http:
+                holder = Agent(http, app.url, row_of(written.folder, "save-groceries"))
+                await holder.seed()
+                assert (await holder.call("list_notes")).text == "(no notes)"      # holds the slot
+                waiter = Agent(http, app.url, row_of(written.folder, "recall-recipe"))
+                seeded = await waiter.seed()
+                assert seeded.status == 200 and seeded.elapsed < 0.5
+                call = await waiter.call("read_note", title="pancakes")
+                assert call.status == 200 and 0.8 < call.elapsed < 3
+                assert call.text.startswith(
+                    "error: the environment of this rollout failed, so read_note did not run (the "
+                    "episode was not deployed and at its first turn within reset_timeout (1s)")
+                verified, sent = await waiter.verify("2")
+                masked_ = json.loads(verified.text), sent
+                # the slot's holder plays on, unharmed
+                await holder.call("write_note", title="groceries", text="eggs and milk")
+                done, _ = await holder.verify("Saved.")
+                return masked_, json.loads(done.text)
+
+        (body, sent), held = run(go())
+        assert_masked(body, sent, "transport_timeout",
+                      "the episode was not deployed and at its first turn within reset_timeout (1s): ",
+                      app.log())
+        assert "raise reset_timeout or max_concurrent_envs" in body["failure_reason"]
+        assert held["reward"] == 1.0 and held["mask_sample"] is False
+    finally:
+        app.stop()
+
+
+def test_the_wait_warning_of_a_bundle_mode_server_names_its_config_setting(written, tmp_path):
+    app = start_app(written.folder, written.config, "notes_v1", tmp_path, "wait-app",
+                    max_concurrent_envs=1, reset_timeout=1)
+    try:
+        async def go():
+            async with client() as http:
+                holder = Agent(http, app.url, row_of(written.folder, "save-groceries"))
+                await holder.seed()
+                await holder.call("list_notes")
+                waiter = Agent(http, app.url, row_of(written.folder, "recall-recipe"))
+                await waiter.seed()
+                await waiter.call("list_notes")                  # waits past reset_timeout
+                await waiter.close()
+                await holder.close()
+        run(go())
+        warning = [line for line in app.log().splitlines() if "episodes are in use" in line]
+        assert len(warning) == 1, app.log()
+        assert "max_concurrent_envs" in warning[0] and "MAX_CONCURRENT_ENVS" not in warning[0], warning
+    finally:
+        app.stop()
+
+
+# ================================================================ 6. bad requests
+
+def _post(url: str, body: bytes, cookie: str | None = None) -> tuple[int, str, str]:
+    headers = {"Content-Type": "application/json"}
+    if cookie:
+        headers["Cookie"] = f"{COOKIE}={cookie}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, body, headers)) as resp:
+            return resp.status, resp.headers.get_content_type(), resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get_content_type(), exc.read().decode()
+
+
+def test_a_row_whose_task_id_is_not_its_split_and_index_is_refused(notes_app, written):
+    row = {**row_of(written.folder, "save-groceries"), "index": 0}
+    status, kind, text = _post(notes_app.url + "/seed_session", json.dumps(row).encode())
+    assert (status, kind) == (400, "application/json")
+    assert json.loads(text)["detail"] == (
+        f"the row's task_id '{NOTES_ID}/save-groceries' is not the task at all[0], which is "
+        f"'{NOTES_ID}/recall-recipe'; write the rows again with write-gym")
+
+
+@pytest.mark.parametrize("split, index, detail", [
+    ("all", 3, "split 'all' has 3 tasks, so it has no task 3; give an index from 0 to 2"),
+    ("smoke", -1, "split 'smoke' has 1 tasks, so it has no task -1; give an index from 0 to 0"),
+    ("train", 0, "there is no split 'train'; the splits are all, smoke"),
+    (None, None, "the row needs split (text) and index (a whole number) naming the task to play; "
+                 "write the rows with python agentenv.py write-gym"),
+])
+def test_a_row_naming_no_task_here_is_refused_listing_what_exists(notes_app, written, split, index,
+                                                                  detail):
+    row = {**row_of(written.folder, "save-groceries"), "split": split, "index": index}
+    row.pop("task_id")
+    status, _, text = _post(notes_app.url + "/seed_session", json.dumps(row).encode())
+    assert status == 400 and json.loads(text) == {"detail": detail}
+
+
+def test_a_row_from_the_same_bundle_in_another_folder_plays(notes_app, written):
+    row = {**row_of(written.folder, "save-groceries"), "task_id": "@local/elsewhere/notes-v1/save-groceries"}
+    _, body = run(play(notes_app.url, row, [("write_note", {"title": "groceries", "text": "eggs milk"})],
+                       "ok"))
+    assert body["reward"] == 1.0
+
+
+def test_calls_without_a_session_cookie_are_400(notes_app, written):
+    status, _, text = _post(notes_app.url + "/write_note", b'{"title": "a", "text": "b"}')
+    assert status == 400
+    assert text == "error: no session: POST /seed_session with the row first, then call write_note " \
+                   "with its cookie"
+    row = row_of(written.folder, "save-groceries")
+    body = json.dumps({**row, "response": responses_object([message("hi")])}).encode()
+    status, _, text = _post(notes_app.url + "/verify", body)
+    assert status == 400 and "no session cookie" in json.loads(text)["detail"]
+
+
+def test_verify_with_an_unknown_cookie_is_masked_session_lost(notes_app, written):
+    row = row_of(written.folder, "save-groceries")
+    sent = {**row, "response": responses_object([message("hi")])}
+    status, _, text = _post(notes_app.url + "/verify", json.dumps(sent).encode(), cookie="nope")
+    assert status == 200
+    assert_masked(json.loads(text), sent, "session_lost",
+                  "this server holds no session for the rollout (it was closed, ended after "
+                  "idle_timeout, or the server restarted)", notes_app.log())
+
+
+@pytest.mark.parametrize("route", ["/seed_session", "/verify", "/close_session", "/aggregate_metrics",
+                                   "/ng-rollout/r1/seed_session"])
+def test_a_body_that_is_not_json_is_422(notes_app, route):
+    status, _, text = _post(notes_app.url + route, b"{not json", cookie="whatever")
+    assert status == 422
+    assert json.loads(text)["detail"][0]["type"] == "json_invalid"
+
+
+def test_verify_without_the_row_or_the_response_is_422(notes_app, written):
+    row = row_of(written.folder, "save-groceries")
+    status, _, text = _post(notes_app.url + "/verify", json.dumps(row).encode(), cookie="x")
+    assert status == 422 and "responses_create_params and the model's response" in text
+
+
+def test_a_tool_call_whose_body_is_not_a_json_object_answers_text(notes_app, written):
+    """Gym never sends one (it parses the model's arguments first); the answer is still text."""
+    async def go():
+        async with client() as http:
+            agent = Agent(http, notes_app.url, row_of(written.folder, "save-groceries"))
+            await agent.seed()
+            bad = await agent._post("/write_note", raw=b"{oops", cookies=agent.cookies)
+            listed = await agent._post("/write_note", [1, 2], cookies=agent.cookies)
+            await agent.close()
+            return bad, listed
+
+    bad, listed = run(go())
+    assert bad.status == 400 and bad.text.startswith("error: the arguments of write_note are not JSON")
+    assert listed.status == 400 and listed.text == "error: the arguments of write_note must be a JSON object"
+
+
+# ================================================================ 7. both surfaces of serve share one pool
+
+def test_a_gym_rollout_and_an_openenv_session_share_serves_pool(serve1, written):
+    """serve --max-concurrent-envs 1: a Gym rollout on serve's own /seed_session holds the one
+    episode, so an OpenEnv /ws is refused with CAPACITY_REACHED (which OpenEnv's clients know to
+    retry), and once the Gym rollout closes, a new /ws plays."""
+    row = row_of(written.folder, "save-groceries")
+
+    async def go():
+        async with client() as http:
+            gym = Agent(http, serve1.url, row)
+            assert (await gym.seed()).status == 200
+            assert (await gym.call("list_notes")).text == "(no notes)"      # holds the one episode
+            refused = await http.ws_connect(serve1.url + "/ws")
+            frame = await refused.receive_json(timeout=20)
+            await refused.close()
+            closed = await gym.close()
+            socket_ = await http.ws_connect(serve1.url + "/ws")
+            await socket_.send_json({"type": "reset", "data": {"split": "all", "index": 0}})
+            played = await socket_.receive_json(timeout=20)
+            await socket_.send_json({"type": "close"})
+            await socket_.close()
+            return frame, json.loads(closed.text), played
+
+    frame, closed, played = run(go())
+    assert frame["type"] == "error" and frame["data"]["code"] == "CAPACITY_REACHED", frame
+    assert frame["data"]["active_sessions"] == 1 and frame["data"]["max_sessions"] == 1
+    assert "This is temporary" in frame["data"]["message"]
+    assert closed == {"status": "closed"}
+    assert played["type"] == "observation"
+    assert played["data"]["observation"]["metadata"]["prompt"] == RECALL_PROMPT
