@@ -1144,8 +1144,8 @@ async def open_sandbox(kind: str, owner: str) -> Sandbox:
     try:
         return await DockerSandbox.connect(owner)
     except AgentEnvError as exc:
-        log.warning("%s. Envs run as local processes instead (--sandbox local), with no isolation.",
-                 str(exc).split(";")[0].capitalize())
+        log.warning("Envs run as local processes (--sandbox local), with no isolation, since %s.",
+                    str(exc).split(";")[0])
         return LocalSandbox(owner)
 
 
