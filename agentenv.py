@@ -43,9 +43,11 @@ import os
 import re
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import tomllib
 import uuid
@@ -174,12 +176,18 @@ class Task:
 
     id: str
     name: str
-    file: str
     steps: tuple[Step, ...]
     agent: str                        # the played agent's name
     toolset: Toolset
     reward_step: str                  # the scoring step whose score is the reward
-    scoring_steps: tuple[str, ...]
+
+    @property
+    def file(self) -> str:
+        return f"{self.name}.json"
+
+    @property
+    def scoring_steps(self) -> tuple[str, ...]:
+        return tuple(s.id for s in self.steps if s.type.endswith("verifier"))
 
     @property
     def turns(self) -> list[Step]:
@@ -522,6 +530,7 @@ def _check_task(path: Path, task_id: str, steps: list[Step], envs: dict[str, Env
     agents: dict[str, Step] = {}
     prompt_ids: set[str] = set()
     made_by: dict[tuple[str, str], str] = {}    # (kind, name) -> the step that makes it
+    last_turn: str | None = None
     ancestors: dict[str, set[str]] = {}
     for step in steps:
         sat = f"{at} step {step.id!r}"
@@ -577,6 +586,10 @@ def _check_task(path: Path, task_id: str, steps: list[Step], envs: dict[str, Env
             if step.get("prompt_id"):
                 prompt_ids.add(step.get("prompt_id"))
                 made_by[("prompt", step.get("prompt_id"))] = step.id
+            if last_turn is not None and last_turn not in ancestors[step.id]:
+                problems.append(f"{sat}: may open while turn {last_turn!r} is still open; the agent "
+                                f"plays one turn at a time, so add {last_turn!r} to its depends_on")
+            last_turn = step.id
         elif step.type == "env_outcome_verifier":
             artifact = step.get("file_artifact_id")
             if artifact not in verifiers:
@@ -605,7 +618,7 @@ def _check_task(path: Path, task_id: str, steps: list[Step], envs: dict[str, Env
         return None
     agent_name, agent_step = next(iter(agents.items()))
     toolset = Toolset(tuple(sorted({deployed[e] for e in agent_step.get("env_ids", [])})))
-    return Task(task_id, name, path.name, tuple(steps), agent_name, toolset, reward_step, scoring)
+    return Task(task_id, name, tuple(steps), agent_name, toolset, reward_step)
 
 
 def _resolve_env(env_id: Any, envs: dict[str, EnvSpec], task_id: str) -> str | None:
@@ -826,18 +839,26 @@ def state_dir() -> Path:
 
 
 class LocalInstance(Instance):
-    """An env run as a host process in its own process group; its output kept in a ring."""
+    """An env run as a host process in its own process group, with a scratch folder of its own
+    (its TMPDIR and database); its output kept in a ring."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, port: int, record: Path):
-        self.proc, self.record = proc, record
+    def __init__(self, proc: asyncio.subprocess.Process, port: int, record: Path, scratch: Path):
+        self.proc, self.record, self.scratch = proc, record, scratch
         self.base_url = f"http://127.0.0.1:{port}"
         self.lines: collections.deque[str] = collections.deque(maxlen=OUTPUT_LINES)
         self.reader = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
+        # Chunks, not readline: a line of any length must never stop the reader, or the pipe
+        # fills and the env blocks on its next print.
         assert self.proc.stdout
-        while line := await self.proc.stdout.readline():
-            self.lines.append(line.decode(errors="replace").rstrip())
+        partial = b""
+        while chunk := await self.proc.stdout.read(65536):
+            *lines, partial = (partial + chunk).split(b"\n")
+            self.lines.extend(line.decode(errors="replace").rstrip()[:2000] for line in lines)
+            partial = partial[-2000:]
+        if partial:
+            self.lines.append(partial.decode(errors="replace").rstrip())
 
     async def exited(self, settle: float = 0.0) -> str | None:
         if settle and self.proc.returncode is None:
@@ -847,25 +868,28 @@ class LocalInstance(Instance):
         return None if code is None else f"its process exited with code {code}"
 
     async def output(self) -> str:
-        await asyncio.sleep(0)
         return "\n".join(self.lines)
 
     async def remove(self) -> None:
-        if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.proc.wait(), 3)
-            except asyncio.TimeoutError:
+        try:
+            if self.proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                await self.proc.wait()
-        # the group may hold children of the env's process: end them too
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(self.reader, 1)
-        self.record.unlink(missing_ok=True)
+                    os.killpg(self.proc.pid, signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(self.proc.wait(), 3)
+                except asyncio.TimeoutError:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self.proc.pid, signal.SIGKILL)
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self.proc.wait(), 5)
+            # the group may hold children of the env's process: end them too
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            await asyncio.wait([self.reader], timeout=1)
+            self.reader.cancel()
+        finally:
+            self.record.unlink(missing_ok=True)
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 class LocalSandbox(Sandbox):
@@ -907,11 +931,12 @@ class LocalSandbox(Sandbox):
         command = list(env.command)
         if Path(command[0]).name in ("python", "python3"):
             command[0] = sys.executable      # "python" in an image's command means this interpreter
+        scratch = Path(tempfile.mkdtemp(prefix=f"agentenv-{env.name}-"))   # removed at teardown
         environ = {**os.environ, **env.image_env,
                    "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
                    "ENVIRONMENT_NAME": env.environment_name, "MCP_HOST": "127.0.0.1",
-                   "MCP_PORT": str(port), "PYTHONUNBUFFERED": "1",
-                   "DATABASE_URL": f"sqlite:////tmp/agentenv-{env.environment_name}-{episode}.sqlite"}
+                   "MCP_PORT": str(port), "PYTHONUNBUFFERED": "1", "TMPDIR": str(scratch),
+                   "DATABASE_URL": f"sqlite:///{scratch}/{env.environment_name}.sqlite"}
         self.records.mkdir(parents=True, exist_ok=True)
         spawn = asyncio.create_subprocess_exec(
             *command, cwd=env.folder, env=environ, stdin=asyncio.subprocess.DEVNULL,
@@ -923,11 +948,15 @@ class LocalSandbox(Sandbox):
         try:
             proc = await guarded(spawn, kill)
         except OSError as exc:
+            shutil.rmtree(scratch, ignore_errors=True)
             raise EpisodeFailed(f"env {env.name!r} could not start: running {shlex.join(command)} in "
                                 f"{env.folder} failed ({exc}); fix the Dockerfile's CMD") from None
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
         record = self.records / str(proc.pid)
         record.write_text(_process_start(proc.pid))
-        return LocalInstance(proc, port, record)
+        return LocalInstance(proc, port, record, scratch)
 
 
 def free_port() -> int:
@@ -948,10 +977,15 @@ class DockerInstance(Instance):
         if not settle and time.monotonic() - self._checked < 0.5:   # a daemon call twice a second
             return None
         self._checked = time.monotonic()
+        import docker.errors
         try:
             await self.sandbox.call(self.container.reload, timeout=10)
-        except Exception as exc:                        # noqa: BLE001 - any failure means it's gone
-            return f"its container could not be inspected ({exc})"
+        except docker.errors.NotFound:
+            return "its container is gone (removed from outside)"
+        except Exception as exc:                        # noqa: BLE001 - a busy daemon is not a dead env
+            log.info("Could not inspect container %s (%s); taking it to be still up.",
+                     self.container.short_id, exc)
+            return None
         state = self.container.attrs.get("State", {})
         if state.get("Status") in ("exited", "dead"):
             return (f"its container exited with code {state.get('ExitCode')}"
@@ -1102,8 +1136,6 @@ class DockerSandbox(Sandbox):
                 raise EpisodeFailed(f"env {env.name!r}: the Docker daemon did not create and start "
                                     "its container within 120s; it may be overloaded (lower "
                                     "--max-concurrent-envs)") from None
-            except asyncio.CancelledError:
-                raise
             except Exception as exc:                    # noqa: BLE001 - docker raises many kinds
                 raise EpisodeFailed(f"env {env.name!r} did not come up: {short(str(exc), 2500)}") from None
         return DockerInstance(self, container, port)
@@ -1230,7 +1262,8 @@ class McpSession:
 
     async def request(self, method: str, params: dict[str, Any], timeout: float | None = 30) -> dict:
         self.next_id += 1
-        body = {"jsonrpc": "2.0", "id": self.next_id, "method": method, "params": params}
+        rid = self.next_id                  # this request's id, whatever later requests take
+        body = {"jsonrpc": "2.0", "id": rid, "method": method, "params": params}
         async with self.http.post(self.url, json=body, headers=self.headers,
                                   timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             if session := resp.headers.get("Mcp-Session-Id"):
@@ -1239,7 +1272,7 @@ class McpSession:
                 raise McpError(f"{method} was answered HTTP {resp.status}: "
                                f"{short(await resp.text(errors='replace'), 300)}")
             if resp.content_type == "text/event-stream":
-                message = await self._from_stream(resp, self.next_id)
+                message = await self._from_stream(resp, rid)
             else:
                 try:
                     message = json.loads(await resp.read())
@@ -1457,10 +1490,11 @@ def load_verifier(path: Path) -> Callable:
     return module.verify
 
 
-def run_verify(verify: Callable, mcp_url: str) -> Any:
+def run_verify(verify: Callable, mcp_url: str, timeout: float) -> Any:
     """Run an async ``verify`` on an event loop of its own, in the calling (worker) thread, so a
-    verifier that blocks or hangs never stalls the server's loop."""
-    return asyncio.run(verify(mcp_url))
+    verifier that blocks never stalls the server's loop; its own loop cancels it at the deadline,
+    which frees the thread unless the verifier blocks without awaiting."""
+    return asyncio.run(asyncio.wait_for(verify(mcp_url), timeout))
 
 
 def check_rows(rows: Any, where: str) -> list[dict[str, Any]]:
@@ -1558,7 +1592,6 @@ class Episode:
         self.turn: Turn | None = None
         self.replies: dict[str, str] = {}         # prompt_id -> reply
         self.scores: dict[str, float] = {}
-        self.verifications: dict[str, list[dict[str, Any]]] = {}
         self.errors: dict[str, str] = {}          # step id -> why it failed (tolerated steps)
         self.outcome: Outcome | None = None
         self.closed = asyncio.Event()
@@ -1611,6 +1644,10 @@ class Episode:
         """Stop the episode wherever it is, unscored, and wait until it is torn down."""
         self._halt("abandoned", reason, None)
         await self.closed.wait()
+
+    def stop(self, reason: str) -> None:
+        """Abandon the episode without waiting for its teardown."""
+        self._halt("abandoned", reason, None)
 
     def fail(self, reason: str, kind: str = "agentenv:env_failed") -> None:
         """End the episode as failed by the environment; teardown follows in the background."""
@@ -1727,7 +1764,9 @@ class Episode:
         try:
             await handler(step)
         except asyncio.TimeoutError:        # before OSError, of which it is a kind
-            raise EpisodeFailed("a call to the env timed out", "transport_timeout") from None
+            raise EpisodeFailed("a call to its env got no answer within its deadline; the env may "
+                                "be stuck or overloaded (its output may say which)",
+                                "transport_timeout") from None
         except (aiohttp.ClientError, McpError, OSError) as exc:
             raise EpisodeFailed(await self.env_trouble(exc), "transport_peer_drop") from None
 
@@ -1788,6 +1827,7 @@ class Episode:
             try:
                 reply = await asyncio.wait_for(asyncio.shield(turn.ended), timeout)
             except asyncio.TimeoutError:
+                turn.end(None)       # over for the caller too, even if the task goes on
                 raise EpisodeFailed(f"turn {step.id!r} was not ended within {timeout:g}s (its "
                                     "prompt_agent step's timeout_seconds)") from None
             self.replies[step.get("prompt_id") or step.id] = reply
@@ -1814,7 +1854,6 @@ class Episode:
         if score != score:
             raise EpisodeFailed("its score is not a number (NaN); check the rows' scores")
         self.scores[step.id] = score
-        self.verifications[step.id] = rows
 
     def _score(self) -> Outcome:
         step = self.task.reward_step
@@ -1885,7 +1924,7 @@ class Runtime:
         self.live: set[Episode] = set()
         self.sandbox: Sandbox = LocalSandbox(self.owner)
         self.http: aiohttp.ClientSession | None = None
-        self._verifiers: dict[str, Callable] = {}
+        self._verifiers: dict[str, asyncio.Future] = {}
         from concurrent.futures import ThreadPoolExecutor
         self._verifier_threads = ThreadPoolExecutor(max_workers=16, thread_name_prefix="verifier")
 
@@ -1911,15 +1950,19 @@ class Runtime:
     async def verify(self, artifact: str, mcp_url: str) -> list[dict[str, Any]]:
         """Run an artifact's ``verify(mcp_url)`` in a worker thread, within the verifier deadline."""
         where = f"the verifier artifacts/{artifact}"
-        if artifact not in self._verifiers:
-            try:
-                self._verifiers[artifact] = load_verifier(self.bundle.verifiers[artifact])
-            except Exception as exc:                    # noqa: BLE001 - bundle code may raise anything
-                raise EpisodeFailed(f"{where} did not import: {type(exc).__name__}: {exc}") from None
         loop = asyncio.get_running_loop()
-        job = loop.run_in_executor(self._verifier_threads, run_verify, self._verifiers[artifact], mcp_url)
+        if artifact not in self._verifiers:     # imported once, in a thread: bundle code may be slow
+            self._verifiers[artifact] = loop.run_in_executor(
+                self._verifier_threads, load_verifier, self.bundle.verifiers[artifact])
         try:
-            rows = await asyncio.wait_for(job, self.verifier_timeout)
+            verify = await asyncio.shield(self._verifiers[artifact])
+        except Exception as exc:                        # noqa: BLE001 - bundle code may raise anything
+            raise EpisodeFailed(f"{where} did not import: {type(exc).__name__}: {exc}") from None
+        job = loop.run_in_executor(self._verifier_threads, run_verify, verify, mcp_url,
+                                   self.verifier_timeout)
+        try:
+            # the thread's own deadline comes first; this one is for a verifier that blocks
+            rows = await asyncio.wait_for(job, self.verifier_timeout + 5)
         except asyncio.TimeoutError:
             raise EpisodeFailed(f"{where} did not finish within {self.verifier_timeout:g}s") from None
         except EpisodeFailed:
@@ -1965,6 +2008,43 @@ def rpc_error(rid: Any, code: int, message: str, data: Any = None) -> dict[str, 
     return {"jsonrpc": "2.0", "id": rid, "error": error}
 
 
+class Lease:
+    """What a served session shares with every other: a lock its requests take in turn, how many
+    are under way, and when the last one ended, so an idle sweep never ends a busy session."""
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.busy = 0
+        self.last_used = time.monotonic()
+
+    @contextlib.asynccontextmanager
+    async def using(self) -> Any:
+        self.busy += 1
+        try:
+            async with self.lock:
+                yield self
+        finally:
+            self.busy -= 1
+            self.last_used = time.monotonic()
+
+
+async def sweep_idle(what: str, knob: str, sessions: dict[str, Any], idle_timeout: float,
+                     end: Callable[[Any, str], Any]) -> None:
+    """End sessions with no request for ``idle_timeout``: one timer for all, never a busy one."""
+    period = max(0.05, min(idle_timeout / 4, 30.0))
+    while True:
+        await asyncio.sleep(period)          # a timer: an idle session sends no event
+        now = time.monotonic()
+        for session in list(sessions.values()):
+            if not session.lease.busy and now - session.lease.last_used > idle_timeout:
+                log.info("Ended %s session with no request for %gs (%s), freeing its episode.",
+                         what, idle_timeout, knob)
+                try:
+                    await end(session, f"the session was idle past {idle_timeout:g}s")
+                except Exception:                    # noqa: BLE001 - one failure must not stop reaping
+                    log.exception("Ending %s session that was idle failed.", what)
+
+
 class Capacity(AgentEnvError):
     """Every session slot is taken: a temporary refusal, with how to raise the limit."""
 
@@ -1995,22 +2075,10 @@ class OpenEnvSession:
         self.where: dict[str, Any] | None = None
         self.episode_id: str | None = None         # the id the caller gave at reset, if any
         self.step_count = 0
-        self.last_used = time.monotonic()
-        self.busy = 0                              # requests under way: never reaped meanwhile
+        self.lease = Lease()
         self.attached = False                      # a /ws?session_id= socket is on it
         self.socket: Any = None                    # the WebSocket it is played over, if any
         self.close_asked = False
-        self.lock = asyncio.Lock()                 # reset, step and close take turns
-
-    @contextlib.asynccontextmanager
-    async def using(self) -> Any:
-        self.busy += 1
-        try:
-            async with self.lock:
-                yield self
-        finally:
-            self.busy -= 1
-            self.last_used = time.monotonic()
 
     async def reset(self, data: dict[str, Any]) -> dict[str, Any]:
         await self.close("reset")
@@ -2049,10 +2117,9 @@ class OpenEnvSession:
         try:
             result = await turn.call(name, arguments, self.deadline)
         except ToolTimeout as exc:
-            return envelope({"tool_name": name, "result": None,
-                             "error": {"error_type": "timeout", "message": str(exc)},
-                             "metadata": {"status": "error", "error": str(exc), "task": self.where}},
-                            None, True)
+            timed_out = self._error(str(exc), name, exc.kind)
+            timed_out["observation"]["error"] = {"error_type": "timeout", "message": str(exc)}
+            return timed_out
         except EpisodeFailed as exc:
             return self._error(str(exc), name, exc.kind)
         except AgentEnvError as exc:
@@ -2121,7 +2188,7 @@ class OpenEnvSession:
             reason = (f"{what} took longer than {self.deadline:g}s, so the episode was ended to "
                       "answer inside the client's timeout; raise the client's message_timeout_s "
                       "and serve with a higher --client-timeout")
-            await episode.abandon(reason)
+            episode.stop(reason)       # teardown goes on in the background, holding the slot
             return self._error(reason, tool_name, "transport_timeout")
         extra = {"tool_name": tool_name, "error": None} if tool_name else {}
         if turn is not None:
@@ -2215,25 +2282,15 @@ class OpenEnvSurface:
                                 message=reason.encode()[:120])
 
     async def start(self) -> None:
-        self._sweeper = asyncio.create_task(self._sweep())
+        self._sweeper = asyncio.create_task(
+            sweep_idle("an OpenEnv", "--idle-timeout", self.sessions, self.idle_timeout,
+                       self.end_session))
 
     async def stop(self) -> None:
         if self._sweeper:
             self._sweeper.cancel()
         await asyncio.gather(*(self.end_session(s, "the server shut down")
                                for s in list(self.sessions.values())), return_exceptions=True)
-
-    async def _sweep(self) -> None:
-        """End sessions idle past idle_timeout; one timer for all, never one that is busy."""
-        period = max(0.05, min(self.idle_timeout / 4, 30.0))
-        while True:
-            await asyncio.sleep(period)
-            now = time.monotonic()
-            for session in list(self.sessions.values()):
-                if not session.busy and now - session.last_used > self.idle_timeout:
-                    log.info("Ended OpenEnv session %s: no request for %gs (--idle-timeout).",
-                             session.id[:8], self.idle_timeout)
-                    await self.end_session(session, f"the session was idle past {self.idle_timeout:g}s")
 
     # -- HTTP routes
 
@@ -2281,17 +2338,22 @@ class OpenEnvSurface:
     async def list_environments(self, request: Any) -> Any:
         return _json([self.env_name])
 
+    def _not_ours(self, request: Any) -> Any:
+        """The 404 for a task-API path naming another environment, or None when it names ours."""
+        if request.match_info["env"] == self.env_name:
+            return None
+        return _json({"detail": f"no environment {request.match_info['env']!r}; this server "
+                                f"serves {self.env_name!r}"}, 404)
+
     async def splits(self, request: Any) -> Any:
-        if request.match_info["env"] != self.env_name:
-            return _json({"detail": f"no environment {request.match_info['env']!r}; "
-                                    f"this server serves {self.env_name!r}"}, 404)
+        if wrong := self._not_ours(request):
+            return wrong
         return _json([{"name": s, "type": s if s in SPLIT_TYPES else "validation"}
                       for s in self.runtime.bundle.splits])
 
     async def task_api(self, request: Any) -> Any:
-        if request.match_info["env"] != self.env_name:
-            return _json({"detail": f"no environment {request.match_info['env']!r}; "
-                                    f"this server serves {self.env_name!r}"}, 404)
+        if wrong := self._not_ours(request):
+            return wrong
         data, problem = await _body(request)
         if problem:
             return problem
@@ -2367,7 +2429,7 @@ class OpenEnvSurface:
             session = OpenEnvSession(self.runtime, self.deadline)
         if held and session is owned:
             return await session.mcp(method, params, rid)
-        async with session.using():
+        async with session.lease.using():
             return await session.mcp(method, params, rid)
 
     async def mcp_ws(self, request: Any) -> Any:
@@ -2421,7 +2483,7 @@ class OpenEnvSurface:
             async for message in socket_:
                 if message.type != aiohttp.WSMsgType.TEXT:
                     continue
-                async with session.using():
+                async with session.lease.using():
                     reply = await self._answer(session, message.data)
                 if reply is None:
                     break
@@ -2631,11 +2693,10 @@ class RemoteRollout(Rollout):
     """A rollout played on a running ``serve`` over OpenEnv's /ws: the resources server is then a
     client. At that server's capacity it waits and retries, and says so once."""
 
-    warned: set[str] = set()        # servers already said to be at their limit, once per process
-
     def __init__(self, http: aiohttp.ClientSession, url: str, split: str, index: int,
-                 deadline: float):
+                 deadline: float, warned: set[str]):
         self.http, self.url, self.split, self.index, self.deadline = http, url, split, index, deadline
+        self.warned = warned            # the servers already said to be at their limit
         self.socket: aiohttp.ClientWebSocketResponse | None = None
         self.tools: list[str] = []
         self.result: Outcome | None = None
@@ -2668,8 +2729,8 @@ class RemoteRollout(Rollout):
             if reply.get("type") != "error" or data.get("code") != "CAPACITY_REACHED":
                 break
             await self.socket.close()
-            if self.url not in RemoteRollout.warned:
-                RemoteRollout.warned.add(self.url)
+            if self.url not in self.warned:
+                self.warned.add(self.url)
                 gym_log.warning("the server at %s is at its limit of %s sessions at once, so rollouts "
                                 "wait their turn: serve the bundle with a higher MAX_CONCURRENT_ENVS "
                                 "(or --max-concurrent-envs) to run more at once",
@@ -2746,9 +2807,8 @@ class GymSession:
         self.failure: tuple[str, str] | None = None          # (failure kind, reason)
         self.tools: list[str] = []
         self.finished = False          # the episode is over (scored)
-        self.last_used = time.monotonic()
-        self.busy = 0
-        self.lock = asyncio.Lock()
+        self.resources_id: str | None = None
+        self.lease = Lease()
         self.opened = asyncio.create_task(self._open())
 
     def fail(self, kind: str, reason: str) -> None:
@@ -2768,21 +2828,15 @@ class GymSession:
         except EpisodeFailed as exc:
             self.fail(exc.kind, f"the environment failed: {exc}")
             return
+        except Exception as exc:                        # noqa: BLE001 - e.g. a garbled url: reply
+            gym_log.exception("Opening a rollout failed unexpectedly.")
+            self.fail("agentenv:internal_error", f"agentenv.py failed: {type(exc).__name__}: {exc}")
+            return
         offered = row_tools(self.row)
         if offered is not None and set(offered) != {*self.tools, "end_turn"}:
             self.fail("agentenv:tools_mismatch",
                       f"the row offers the tools {sorted(offered)}, but its task offers "
                       f"{sorted({*self.tools, 'end_turn'})}; write the rows again with write-gym")
-
-    @contextlib.asynccontextmanager
-    async def using(self) -> Any:
-        self.busy += 1
-        try:
-            async with self.lock:
-                yield self
-        finally:
-            self.busy -= 1
-            self.last_used = time.monotonic()
 
     async def call(self, name: str, arguments: dict[str, Any]) -> str:
         """A tool call, answered with the text the model reads."""
@@ -2885,6 +2939,7 @@ class GymSurface:
         self.settings, self.runtime, self.url = settings, runtime, url
         self.sessions: dict[str, GymSession] = {}
         self.by_resources_id: dict[str, str] = {}
+        self.warned: set[str] = set()      # url: servers already said to be at their limit
         self.http: aiohttp.ClientSession | None = None
         self.env_name: str | None = None
         self._sweeper: asyncio.Task | None = None
@@ -2899,9 +2954,11 @@ class GymSurface:
     async def start(self) -> None:
         if self.url:
             self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
-            async with self.http.get(self.url.rstrip("/") + "/list_environments") as resp:
-                self.env_name = (await resp.json())[0]
-        self._sweeper = asyncio.create_task(self._sweep())
+            self.env_name = await environment_at(self.http, self.url)
+        # Gym never verifies a rollout whose run failed or was cancelled: the sweep frees it.
+        self._sweeper = asyncio.create_task(
+            sweep_idle("a NeMo Gym", "idle_timeout", self.sessions, self.settings.idle_timeout,
+                       self._end))
 
     async def stop(self) -> None:
         if self._sweeper:
@@ -2913,19 +2970,9 @@ class GymSurface:
 
     async def _end(self, session: GymSession, reason: str) -> None:
         self.sessions.pop(session.token, None)
+        if session.resources_id is not None:
+            self.by_resources_id.pop(session.resources_id, None)
         await session.close(reason)
-
-    async def _sweep(self) -> None:
-        """End sessions idle past idle_timeout (Gym never verifies a failed or cancelled run)."""
-        period = max(0.05, min(self.settings.idle_timeout / 4, 30.0))
-        while True:
-            await asyncio.sleep(period)
-            now = time.monotonic()
-            for session in list(self.sessions.values()):
-                if not session.busy and now - session.last_used > self.settings.idle_timeout:
-                    gym_log.info("Ended a Gym session with no request for %gs (idle_timeout), "
-                                 "freeing its episode.", self.settings.idle_timeout)
-                    await self._end(session, "idle_timeout")
 
     async def _task_of(self, row: dict[str, Any]) -> tuple[str, int, Any]:
         """The row's split and index, checked against its task_id; raises ValueError."""
@@ -2975,11 +3022,16 @@ class GymSurface:
             rollout: Rollout = LocalRollout(self.runtime, self.runtime.bundle.task(split, index))
         else:
             assert self.http is not None and self.url is not None
-            rollout = RemoteRollout(self.http, self.url, split, index, self.settings.reset_timeout)
+            rollout = RemoteRollout(self.http, self.url, split, index, self.settings.reset_timeout,
+                                    self.warned)
         token = secrets.token_urlsafe(24)
-        self.sessions[token] = GymSession(token, row, rollout, self.settings)
+        session = self.sessions[token] = GymSession(token, row, rollout, self.settings)
         reply: dict[str, Any] = {}
         if isinstance(resources_id, str):
+            earlier = self.sessions.get(self.by_resources_id.get(resources_id, ""))
+            if earlier is not None:
+                await self._end(earlier, "seeded again")
+            session.resources_id = resources_id
             self.by_resources_id[resources_id] = token
             reply["resources_session_id"] = resources_id
         response = web.json_response(reply)
@@ -3000,7 +3052,7 @@ class GymSurface:
         if not isinstance(arguments, dict):
             return web.Response(status=400, text=f"error: the arguments of {name} must be a JSON "
                                                  "object")
-        async with session.using():
+        async with session.lease.using():
             text = await session.call(name, arguments)
         return web.Response(text=text)
 
@@ -3018,7 +3070,7 @@ class GymSurface:
         if session is None:
             return _json(masked(body, "session_lost", "this server holds no session for the rollout "
                                 "(it was closed, ended after idle_timeout, or the server restarted)"))
-        async with session.using():
+        async with session.lease.using():
             outcome = await session.verify(last_reply(body.get("response")))
         await self._end(session, "verified")
         if outcome is None:
@@ -3034,7 +3086,7 @@ class GymSurface:
         token = request.cookies.get(GYM_COOKIE)
         resources_id = body.get("resources_session_id")
         if isinstance(resources_id, str):
-            token = self.by_resources_id.pop(resources_id, token)
+            token = self.by_resources_id.get(resources_id, token)
         session = self.sessions.get(token) if token else None
         reply: dict[str, Any] = {"resources_session_id": resources_id} if resources_id else {}
         if session is None:
@@ -3056,6 +3108,18 @@ class GymSurface:
                    "rollouts": len(results), "masked": len(results) - len(scored)}
         return _json({"group_level_metrics": [], "agent_metrics": metrics, "key_metrics": metrics,
                       "perf_summary": None, "repeat_level_metrics": []})
+
+
+async def environment_at(http: aiohttp.ClientSession, url: str) -> str:
+    """The name of the environment a running server serves; AgentEnvError if none answers."""
+    try:
+        async with http.get(url.rstrip("/") + "/list_environments",
+                            timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            return str((await resp.json(content_type=None))[0])
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, LookupError, TypeError) as exc:
+        raise AgentEnvError(f"no agentenv.py server answered at {url} ({type(exc).__name__}: "
+                            f"{exc}); start it with python agentenv.py serve BUNDLE, or pass the "
+                            "bundle's folder instead of a URL") from None
 
 
 def same_task(given: str, here: str) -> bool:
@@ -3156,7 +3220,10 @@ def run_gym_server() -> None:
                      "python agentenv.py serve) nor bundle: (a bundle folder); add one")
     except AgentEnvError as exc:
         sys.exit(f"agentenv.py: {exc}")
-    web.run_app(app, host=host, port=port, print=None, access_log=None, shutdown_timeout=30)
+    try:
+        web.run_app(app, host=host, port=port, print=None, access_log=None, shutdown_timeout=30)
+    except AgentEnvError as exc:
+        sys.exit(f"agentenv.py: {exc}")
 
 
 # ================================================================ 10. Writer
@@ -3215,8 +3282,7 @@ async def _catalog_there(url: str) -> tuple[str, dict[str, list[dict[str, Any]]]
     """A running server's bundle name, its splits' task rows, and the tools of each toolset."""
     base = url.rstrip("/")
     async with aiohttp.ClientSession() as http:
-        async with http.get(base + "/list_environments") as resp:
-            env = (await resp.json())[0]
+        env = await environment_at(http, url)
         async with http.get(f"{base}/{env}/splits") as resp:
             splits = [s["name"] for s in await resp.json()]
         rows = {}

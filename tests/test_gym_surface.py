@@ -1127,7 +1127,7 @@ def test_idle_timeout_ends_a_session_that_never_verifies_and_frees_its_slot(writ
                 return json.loads(late.text), sent
 
         body, sent = run(go())
-        assert "Ended a Gym session with no request for 1s (idle_timeout), freeing its episode." in app.log()
+        assert "Ended a NeMo Gym session with no request for 1s (idle_timeout), freeing its episode." in app.log()
         assert_masked(body, sent, "session_lost", "this server holds no session for the rollout",
                       app.log())
     finally:
