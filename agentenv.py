@@ -20,8 +20,9 @@ The file reads top to bottom in the order data flows:
 10. Writer              ``write-gym``: a resources server and its rows, written into a Gym root.
 11. CLI                 ``python agentenv.py check|serve|write-gym ...``.
 
-Only the standard library, aiohttp and (for Docker) the docker SDK are used at run time. Blocking
-calls (the docker SDK, verifier code) run in threads so the event loop never stalls.
+Only the standard library, aiohttp, the docker SDK (for the Docker sandbox) and PyYAML (for Gym's
+YAML) are used at run time, the last two imported only where needed. Blocking calls (the docker
+SDK, verifier code) run in threads so the event loop never stalls.
 """
 
 from __future__ import annotations
@@ -911,17 +912,17 @@ class LocalSandbox(Sandbox):
             return
         killed = 0
         for folder in root.iterdir():
-            if folder == self.records or owner_alive(folder.name) is not False:
+            if not folder.is_dir() or folder == self.records or owner_alive(folder.name) is not False:
                 continue
-            for record in folder.iterdir():
-                pid, started = record.name, record.read_text().strip()
-                if pid.isdigit() and started and _process_start(int(pid)) == started:
+            for record in folder.iterdir():     # a pid file per env process; scratch folders
+                if not (record.is_file() and record.name.isdigit()):
+                    continue
+                started = record.read_text().strip()
+                if started and _process_start(int(record.name)) == started:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(int(pid), signal.SIGKILL)
+                        os.killpg(int(record.name), signal.SIGKILL)
                         killed += 1
-                record.unlink(missing_ok=True)
-            with contextlib.suppress(OSError):
-                folder.rmdir()
+            shutil.rmtree(folder, ignore_errors=True)
         if killed:
             log.warning("Killed %d env process group(s) that an earlier run of agentenv.py left "
                         "behind when it stopped without tearing down.", killed)
@@ -931,13 +932,14 @@ class LocalSandbox(Sandbox):
         command = list(env.command)
         if Path(command[0]).name in ("python", "python3"):
             command[0] = sys.executable      # "python" in an image's command means this interpreter
-        scratch = Path(tempfile.mkdtemp(prefix=f"agentenv-{env.name}-"))   # removed at teardown
+        # The env's scratch folder lives beside its record, so a crashed run's are swept with them.
+        self.records.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f"scratch-{env.name}-", dir=self.records))
         environ = {**os.environ, **env.image_env,
                    "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
                    "ENVIRONMENT_NAME": env.environment_name, "MCP_HOST": "127.0.0.1",
                    "MCP_PORT": str(port), "PYTHONUNBUFFERED": "1", "TMPDIR": str(scratch),
                    "DATABASE_URL": f"sqlite:///{scratch}/{env.environment_name}.sqlite"}
-        self.records.mkdir(parents=True, exist_ok=True)
         spawn = asyncio.create_subprocess_exec(
             *command, cwd=env.folder, env=environ, stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
@@ -1946,6 +1948,17 @@ class Runtime:
     def episode(self, task: Task, seed: dict[str, Any] | None = None) -> Episode:
         """Start an episode of a task; it waits for a slot, then deploys."""
         return Episode(self, task, seed).start()
+
+    async def first_turn_tools(self, task: Task, why: str) -> list[dict[str, Any]]:
+        """Play a task as far as its first turn and list the tools that turn offers; then end it.
+        A task's tools exist only once its envs are deployed: they answer tools/list, nothing else."""
+        episode = self.episode(task)
+        try:
+            turn = await episode.next_turn()
+            assert turn is not None          # a task that loads has a turn
+            return turn.tool_specs
+        finally:
+            await episode.abandon(why)
 
     async def verify(self, artifact: str, mcp_url: str) -> list[dict[str, Any]]:
         """Run an artifact's ``verify(mcp_url)`` in a worker thread, within the verifier deadline."""
@@ -3264,17 +3277,9 @@ def function_tool(tool: dict[str, Any]) -> dict[str, Any]:
 
 async def _toolsets_here(bundle: Bundle, sandbox: str) -> dict[str, list[dict[str, Any]]]:
     """Play one task of each toolset as far as its first turn, to list the tools it offers."""
-    found = {}
     async with Runtime(bundle, sandbox=sandbox) as runtime:
-        for toolset, tasks in bundle.toolsets.items():
-            episode = runtime.episode(tasks[0])
-            try:
-                turn = await episode.next_turn()
-                assert turn is not None
-                found[toolset.name] = turn.tool_specs
-            finally:
-                await episode.abandon("write-gym listed the tools")
-    return found
+        return {toolset.name: await runtime.first_turn_tools(tasks[0], "write-gym listed the tools")
+                for toolset, tasks in bundle.toolsets.items()}
 
 
 async def _catalog_there(url: str) -> tuple[str, dict[str, list[dict[str, Any]]],
@@ -3442,19 +3447,15 @@ async def check(folder: str, sandbox: str, reward: str | None, out: Callable[[st
         out("toolsets:")
         failed = []
         for toolset, tasks in bundle.toolsets.items():
-            episode = runtime.episode(tasks[0])
             started = time.monotonic()
             try:
-                turn = await episode.next_turn()
-                assert turn is not None
-                shown = ", ".join(t["name"] for t in turn.tools) or "(none)"
+                tools = await runtime.first_turn_tools(tasks[0], "check is done")
+                shown = ", ".join(t["name"] for t in tools) or "(none)"
                 out(f"  {toolset.name} ({len(tasks)} task{'s' if len(tasks) != 1 else ''}), played "
                     f"with {tasks[0].name} in {time.monotonic() - started:.2f}s: {shown}")
             except EpisodeFailed as exc:
                 failed.append(toolset.name)
                 out(f"  {toolset.name}: the episode of {tasks[0].name} failed: {exc}")
-            finally:
-                await episode.abandon("check is done")
         if failed:
             raise AgentEnvError(f"the toolsets {', '.join(failed)} did not play; see above")
         out("ok: every toolset deployed, and every env was torn down")

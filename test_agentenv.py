@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -2015,3 +2016,259 @@ def test_notes_v1_plays_each_task(name, right):
     assert result.scores == {task.reward_step: result.reward}
     if right and name != "recall-recipe":       # the writer's role reached the env
         assert "notebook: role 'writer' wrote 'groceries'" in output
+
+
+# ================================================================ review fixes
+
+def fake_server_with(marker: str, insert: str) -> str:
+    """FAKE_SERVER with ``insert`` put just before ``marker`` (which it must hold)."""
+    assert marker in FAKE_SERVER
+    return FAKE_SERVER.replace(marker, insert + marker, 1)
+
+
+def custom_env(name: str, source: str) -> dict[str, str]:
+    """The ``files`` of make_bundle for an env of its own: a Dockerfile and a server."""
+    return {f"envs/{name}/Dockerfile": dockerfile(), f"envs/{name}/server.py": source}
+
+
+# One line of 200,000 characters, then more output than a pipe holds, then the usual server.
+NOISY_SERVER = fake_server_with("\nserver = ThreadingHTTPServer(", r'''
+print("x" * 200_000, flush=True)
+for n in range(3000):
+    print(f"fake: noise {n} " + "y" * 200, flush=True)
+''')
+
+
+def test_an_env_that_prints_a_line_longer_than_64k_plays_and_is_torn_down(make_bundle):
+    root = make_bundle({"a": simple("noisy")}, envs=(), files=custom_env("noisy", NOISY_SERVER))
+    bundle = Bundle.load(root)
+
+    async def go():
+        async with local(bundle, deploy_timeout=5) as rt:
+            records = rt.sandbox.records
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            await turn.call("say", {"text": "hello"})
+            turn.end("done")
+            result = await ep.result()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            output = await ep.instances[0].output()
+        return result, output, records
+
+    result, output, records = run(go())
+    assert result == agentenv.Outcome("scored", {"check": 1.0}, 1.0)
+    assert "fake: noise 2999" in output and "fake: env noisy listening" in output
+    assert not records.exists() or list(records.iterdir()) == [], "a record outlived the Runtime"
+
+
+def test_two_turns_that_could_be_open_at_once_are_refused(make_bundle):
+    steps = [deploy(), agent("main"), prompt(depends_on=["agent"]),
+             prompt("Again.", id="turn2", depends_on=["agent"]), outcome()]
+    assert refused(make_bundle({"good": simple(), "t": steps})) == [
+        "tasks/t.json: task 't' step 'turn2': may open while turn 'turn1' is still open; the agent "
+        "plays one turn at a time, so add 'turn1' to its depends_on"]
+    ordered = [deploy(), agent("main"), prompt(depends_on=["agent"]),
+               prompt("Again.", id="turn2", depends_on=["turn1"]), outcome()]
+    assert [t.id for t in Bundle.load(make_bundle({"t": ordered})).tasks["t"].turns] == \
+        ["turn1", "turn2"]
+
+
+def test_a_tolerated_turn_timeout_closes_the_turn(make_bundle, tmp_path):
+    steps = [deploy(), agent("main"), prompt(timeout_seconds=1, fail_task_on_error=False),
+             outcome("hangs", depends_on=["agent"])]      # waits for the release file
+    bundle = Bundle.load(make_bundle({"a": steps}, artifacts=("hangs",)))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            await asyncio.sleep(1.5)                    # past the turn's timeout_seconds
+            waiting = asyncio.ensure_future(ep.next_turn())
+            await asyncio.sleep(0.2)
+            handed_back = waiting.done() and waiting.result() is turn
+            with pytest.raises(AgentEnvError, match="turn 'turn1' has ended"):
+                await turn.call("say", {"text": "too late"})
+            (tmp_path / "release").touch()              # the verifier finishes
+            after = await waiting
+            result = await ep.result()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            return handed_back, after, result
+
+    handed_back, after, result = run(go())
+    assert not handed_back, "next_turn() handed back the turn that timed out"
+    assert after is None
+    assert result == agentenv.Outcome("scored", {"check": 1.0}, 1.0)
+
+
+SLEEPER_VERIFIER = "import asyncio\n\n\nasync def verify(mcp_url):\n    await asyncio.sleep(3600)\n"
+
+
+def running_verifier(path: Path) -> list[str]:
+    """The live verifier worker threads that are running a verifier (or this file's code)."""
+    frames = sys._current_frames()
+    busy = []
+    for thread in threading.enumerate():
+        if not thread.name.startswith("verifier_") or thread.ident not in frames:
+            continue
+        frame = frames[thread.ident]
+        while frame is not None:
+            if frame.f_code.co_name == "run_verify" or frame.f_code.co_filename == str(path):
+                busy.append(thread.name)
+                break
+            frame = frame.f_back
+    return busy
+
+
+def test_a_hanging_verifier_fails_the_episode_and_frees_its_thread(make_bundle):
+    root = make_bundle({"a": simple(artifact="sleeper")}, artifacts=(),
+                       files={"artifacts/sleeper/verify.py": SLEEPER_VERIFIER})
+    bundle = Bundle.load(root)
+    path = root / "artifacts" / "sleeper" / "verify.py"
+
+    async def go():
+        async with local(bundle, verifier_timeout=1) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            (await ep.next_turn()).end("hello")
+            started = time.monotonic()
+            result = await ep.result()
+            took = time.monotonic() - started
+            deadline = time.monotonic() + 2
+            while running_verifier(path) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            busy = running_verifier(path)
+            await ep.closed.wait()
+            return result, took, busy
+
+    result, took, busy = run(go())
+    assert result.status == "failed" and result.reward is None
+    assert result.kind == "verifier_error"
+    assert result.failure == ("step 'check' (env_outcome_verifier) failed: the verifier "
+                              "artifacts/sleeper did not finish within 1s")
+    assert took < 4
+    assert busy == [], f"the threads {busy} still run the verifier"
+
+
+def test_a_slow_verifier_import_does_not_stall_the_loop_and_happens_once(make_bundle, tmp_path):
+    imports = tmp_path / "imports.txt"
+    source = (f"import time\nwith open({str(imports)!r}, 'a') as f:\n    f.write('imported\\n')\n"
+              "time.sleep(0.5)\n\n\nasync def verify(mcp_url):\n"
+              "    return [{'id': 'ok', 'result': True}]\n")
+    bundle = Bundle.load(make_bundle({"a": simple(artifact="slow")}, artifacts=(),
+                                     files={"artifacts/slow/verify.py": source}))
+
+    async def go():
+        async with local(bundle) as rt:
+            episodes = [rt.episode(bundle.tasks["a"]) for _ in range(2)]
+            turns = [await ep.next_turn() for ep in episodes]
+            gaps: list[float] = []
+            stop = asyncio.Event()
+
+            async def tick():
+                last = time.monotonic()
+                while not stop.is_set():
+                    await asyncio.sleep(0.05)
+                    now = time.monotonic()
+                    gaps.append(now - last)
+                    last = now
+
+            ticker = asyncio.create_task(tick())
+            await asyncio.sleep(0.1)
+            for turn in turns:
+                turn.end("done")
+            results = await asyncio.gather(*(ep.result() for ep in episodes))
+            stop.set()
+            await ticker
+            for ep in episodes:
+                await ep.closed.wait()
+            return results, gaps
+
+    results, gaps = run(go())
+    assert [r.reward for r in results] == [1.0, 1.0]
+    assert max(gaps) < 0.3, f"the loop stalled for {max(gaps):.2f}s"
+    assert imports.read_text() == "imported\n", "the verifier was not imported exactly once"
+
+
+def test_concurrent_calls_on_one_turn_of_a_fastmcp_env_get_their_own_answers(make_bundle):
+    steps = [deploy("plain"), agent("plain"), prompt("Add."), contains("done")]
+    bundle = Bundle.load(make_bundle({"a": steps}, envs=("plain",), artifacts=()))
+
+    async def go():
+        async with local(bundle, deploy_timeout=30) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            answers = await asyncio.gather(*(turn.call("add", {"a": n, "b": 1000})
+                                             for n in range(4)))
+            turn.end("done")
+            result = await ep.result()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            return answers, result
+
+    answers, result = run(go(), timeout=60)
+    assert answers == [ToolResult(str(1000 + n), False) for n in range(4)]
+    assert result == agentenv.Outcome("scored", {"answer": 1.0}, 1.0)
+
+
+# A fake env with one more tool: where its TMPDIR and DATABASE_URL point, and a temp file made there.
+SCRATCH_SERVER = fake_server_with('    tool("dump",', '''    tool("scratch", "Where the env keeps its files."),
+''')
+SCRATCH_SERVER = SCRATCH_SERVER.replace('    if base == "dump":', '''    if base == "scratch":
+        import tempfile
+        fd, made = tempfile.mkstemp()
+        os.close(fd)
+        return json.dumps({"tmpdir": os.environ.get("TMPDIR"), "made": made,
+                           "database_url": os.environ.get("DATABASE_URL")}), False
+    if base == "dump":''', 1)
+
+
+def test_each_local_env_has_its_own_scratch_folder_removed_at_teardown(make_bundle):
+    assert 'base == "scratch"' in SCRATCH_SERVER
+    steps = [deploy("scratchy"), agent("scratchy"), prompt(), contains()]
+    bundle = Bundle.load(make_bundle({"a": steps}, envs=(), artifacts=(),
+                                     files=custom_env("scratchy", SCRATCH_SERVER)))
+
+    async def one(rt):
+        ep = rt.episode(bundle.tasks["a"])
+        turn = await ep.next_turn()
+        seen = json.loads((await turn.call("scratch", {})).text)
+        assert seen["tmpdir"], f"the env got no TMPDIR of its own: {seen}"
+        existed = Path(seen["tmpdir"]).is_dir() and Path(seen["made"]).is_file()
+        await asyncio.sleep(0.2)              # both episodes are live at once
+        turn.end("hello")
+        await ep.result()
+        await ep.closed.wait()
+        assert_torn_down(ep)
+        return seen, existed
+
+    async def go():
+        async with local(bundle) as rt:
+            return await asyncio.gather(one(rt), one(rt))
+
+    (first, first_existed), (second, second_existed) = run(go())
+    assert first_existed and second_existed
+    assert first["tmpdir"] != second["tmpdir"]
+    for seen in (first, second):
+        assert Path(seen["made"]).parent == Path(seen["tmpdir"])
+        assert seen["database_url"].startswith(f"sqlite:///{seen['tmpdir']}/")
+        assert not Path(seen["tmpdir"]).exists(), f"{seen['tmpdir']} outlived its env"
+
+
+def test_auto_sandbox_without_docker_falls_back_to_local_and_says_why(make_bundle, monkeypatch,
+                                                                      caplog):
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent")
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+
+    async def go():
+        async with Runtime(bundle, sandbox="auto", deploy_timeout=10) as rt:
+            kind = rt.sandbox.kind
+            result = await play(rt, bundle.tasks["a"], calls=[("say", {"text": "hello"})])
+        return kind, result
+
+    kind, result = run(go())
+    assert kind == "local" and result.reward == 1.0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("Envs run as local processes (--sandbox local), with no "
+                                  "isolation, since no Docker daemon answered"), warnings[0]
