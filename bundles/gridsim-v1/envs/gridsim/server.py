@@ -182,6 +182,9 @@ def handle_rpc(msg):
 # --- HTTP ------------------------------------------------------------------------------
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive; every reply sets Content-Length
+    # Headers and body go out in two writes; without this, Nagle's algorithm holds the body
+    # back until the client's delayed ACK, about 40 ms a reply.
+    disable_nagle_algorithm = True
 
     def log_message(self, *args):  # keep stderr to the lines this server prints itself
         pass
