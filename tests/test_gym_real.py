@@ -361,23 +361,7 @@ def test_cli_failure_kinds_are_in_gyms_vocabulary(cli):
 
 def _processes_with_state(state: Path) -> list[tuple[int, str]]:
     """Live processes whose environment carries AGENTENV_STATE_DIR=state: our servers' envs."""
-    needle = f"AGENTENV_STATE_DIR={state}".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/environ", "rb") as f:
-                if needle not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue
-            cmd = Path(f"/proc/{entry.name}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        found.append((int(entry.name), cmd.strip()))
-    return found
+    return harness.processes_with_env("AGENTENV_STATE_DIR", str(state))
 
 
 def test_nothing_left_running(gym, lightest, cli):

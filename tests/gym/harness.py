@@ -237,10 +237,15 @@ def child_env(venv: Path, tag: str, extra: dict[str, str] | None = None) -> dict
 
 def _tagged_pids(tag: str) -> list[tuple[int, str]]:
     """(pid, command line) of every live process whose environment carries the run tag."""
-    needle = f"{RUN_TAG_VAR}={tag}".encode()
+    return processes_with_env(RUN_TAG_VAR, tag)
+
+
+def processes_with_env(name: str, value: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process but this one whose environment has name=value."""
+    needle = f"{name}={value}".encode()
     found = []
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             with open(f"/proc/{entry.name}/environ", "rb") as f:
