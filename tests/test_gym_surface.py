@@ -391,8 +391,13 @@ def work(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def written(work):
     """`python agentenv.py write-gym bundles/notes-v1 <root> --sandbox local`, run once."""
-    root = work / "gym-root"
-    done = write_gym_cli("bundles/notes-v1", root, work / "state-writer", "--sandbox", "local")
+    return write_notes_server("bundles/notes-v1", work / "gym-root", work / "state-writer",
+                              "--sandbox", "local")
+
+
+def write_notes_server(source: str, root: Path, state: Path, *flags: str) -> types.SimpleNamespace:
+    """Run write-gym for notes-v1 (from its folder or a serving URL) and read what it wrote."""
+    done = write_gym_cli(source, root, state, *flags)
     assert done.returncode == 0, done.stderr
     folder = root / "resources_servers" / "notes_v1"
     config = yaml.safe_load((folder / "configs" / "notes_v1.yaml").read_text())
@@ -439,12 +444,7 @@ def serve1(work):
 
 @pytest.fixture(scope="module")
 def url_written(serve1, work):
-    root = work / "gym-root-url"
-    done = write_gym_cli(serve1.url, root, work / "state-url-writer")
-    assert done.returncode == 0, done.stderr
-    folder = root / "resources_servers" / "notes_v1"
-    config = yaml.safe_load((folder / "configs" / "notes_v1.yaml").read_text())
-    return types.SimpleNamespace(root=root, folder=folder, done=done, config=config)
+    return write_notes_server(serve1.url, work / "gym-root-url", work / "state-url-writer")
 
 
 @pytest.fixture(scope="module")
