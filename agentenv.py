@@ -277,19 +277,22 @@ class Bundle:
         if not task_dir.is_dir():
             problems.append("tasks/: the bundle has no tasks folder; add tasks/<name>.json")
         else:
-            for path in sorted(task_dir.iterdir()):
-                if path.name.startswith(".") or path.name == "__pycache__":
+            with os.scandir(task_dir) as listing:      # one pass, types included: 2,000+ tasks
+                entries = sorted(listing, key=lambda e: e.name)
+            for entry in entries:
+                if entry.name.startswith(".") or entry.name == "__pycache__":
                     continue
-                if path.is_dir():
-                    problems.append(f"tasks/{path.name}/: task folders are not supported; "
-                                    f"write tasks/{path.name}.json")
-                elif path.suffix != ".json":
-                    problems.append(f"tasks/{path.name}: a task is a .json file; rename or remove it")
+                if entry.is_dir():
+                    problems.append(f"tasks/{entry.name}/: task folders are not supported; "
+                                    f"write tasks/{entry.name}.json")
+                elif not entry.name.endswith(".json"):
+                    problems.append(f"tasks/{entry.name}: a task is a .json file; rename or remove it")
                 else:
+                    path = task_dir / entry.name
                     task = _load_task(path, f"{id_root}/{path.stem}", envs, verifiers, reward, problems)
                     if task:
                         tasks[task.name] = task
-            if not any(p.suffix == ".json" for p in task_dir.iterdir()):
+            if not any(e.name.endswith(".json") for e in entries):
                 problems.append("tasks/: there are no tasks; add tasks/<name>.json")
         splits = {"all": [tasks[n] for n in sorted(tasks)]}
         splits.update(_load_evals(root, tasks, id_root, problems))
@@ -451,7 +454,7 @@ def _load_task(path: Path, task_id: str, envs: dict[str, EnvSpec], verifiers: di
                reward: str | None, problems: list[str]) -> Task | None:
     where = f"tasks/{path.name}"
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         problems.append(f"{where}: is not valid JSON ({exc}); a task is a JSON array of step objects")
         return None
@@ -750,6 +753,7 @@ def _load_evals(root: Path, tasks: dict[str, Task], id_root: str,
 
 # ================================================================ 3. Sandbox
 
+DOCKER_PIDS_LIMIT = 1024          # processes and threads in one env container (a fork bomb stops)
 ENV_PORT = 18765                  # the port an env's MCP server listens on in its container
 OUTPUT_LINES = 40                 # how much of an env's last output a failure quotes
 
@@ -907,9 +911,39 @@ class LocalSandbox(Sandbox):
         self.records = state_dir() / "local" / owner
 
     async def prepare(self, envs: list[EnvSpec]) -> None:
+        killed = await asyncio.to_thread(self._sweep_records) + await asyncio.to_thread(self._sweep_marked)
+        if killed:
+            log.warning("Killed %d env process group(s) that an earlier run of agentenv.py left "
+                        "behind when it stopped without tearing down.", killed)
+
+    def _sweep_marked(self) -> int:
+        """Kill the process groups of env processes whose server is gone, found by the owner in
+        their environment (Linux's /proc; elsewhere the records alone)."""
+        killed, groups = 0, set()
+        for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+            if not entry.isdigit():
+                continue
+            try:
+                environ = Path(f"/proc/{entry}/environ").read_bytes()
+            except OSError:                     # gone, or another user's
+                continue
+            marker = environ.find(b"AGENTENV_OWNER=")
+            if marker < 0 or (marker and environ[marker - 1] != 0):
+                continue
+            owner = environ[marker + 15:].split(b"\0", 1)[0].decode(errors="replace")
+            if owner_alive(owner) is False:
+                with contextlib.suppress(OSError):
+                    groups.add(os.getpgid(int(entry)))
+        for group in groups - {os.getpgrp()}:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGKILL)
+                killed += 1
+        return killed
+
+    def _sweep_records(self) -> int:
         root = self.records.parent
         if not root.is_dir():
-            return
+            return 0
         killed = 0
         for folder in root.iterdir():
             if not folder.is_dir() or folder == self.records or owner_alive(folder.name) is not False:
@@ -923,9 +957,7 @@ class LocalSandbox(Sandbox):
                         os.killpg(int(record.name), signal.SIGKILL)
                         killed += 1
             shutil.rmtree(folder, ignore_errors=True)
-        if killed:
-            log.warning("Killed %d env process group(s) that an earlier run of agentenv.py left "
-                        "behind when it stopped without tearing down.", killed)
+        return killed
 
     async def launch(self, env: EnvSpec, episode: str, limits: dict[str, Any]) -> Instance:
         port = free_port()
@@ -935,7 +967,10 @@ class LocalSandbox(Sandbox):
         # The env's scratch folder lives beside its record, so a crashed run's are swept with them.
         self.records.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f"scratch-{env.name}-", dir=self.records))
-        environ = {**os.environ, **env.image_env,
+        # The owner marks the process and all it starts, so a sweep finds even one whose record
+        # a crash kept from being written; the server's own token stays with the server.
+        environ = {**{k: v for k, v in os.environ.items() if k != "AGENTENV_TOKEN"}, **env.image_env,
+                   "AGENTENV_OWNER": self.owner,
                    "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
                    "ENVIRONMENT_NAME": env.environment_name, "MCP_HOST": "127.0.0.1",
                    "MCP_PORT": str(port), "PYTHONUNBUFFERED": "1", "TMPDIR": str(scratch),
@@ -1041,12 +1076,28 @@ class DockerSandbox(Sandbox):
                                 "set DOCKER_HOST, or pass --sandbox local") from None
         return cls(owner, client)
 
+    async def start(self, fn: Callable, *args: Any, **kwargs: Any) -> asyncio.Future:
+        """Start a blocking docker SDK call in a thread, once one of the ``ops`` slots is free.
+
+        The slot is given back when the thread ends, not when its caller stops waiting: a call
+        past its deadline still loads the daemon, so it still counts against the cap."""
+        await self.limit.acquire()
+        loop = asyncio.get_running_loop()
+
+        def give_back(_: Any) -> None:
+            with contextlib.suppress(RuntimeError):        # the loop has closed: nothing waits
+                loop.call_soon_threadsafe(self.limit.release)
+        try:
+            job = self.threads.submit(fn, *args, **kwargs)
+        except BaseException:
+            self.limit.release()
+            raise
+        job.add_done_callback(give_back)
+        return asyncio.wrap_future(job)
+
     async def call(self, fn: Callable, *args: Any, timeout: float = 60, **kwargs: Any) -> Any:
         """Run a blocking docker SDK call in a thread, with a deadline."""
-        loop = asyncio.get_running_loop()
-        async with self.limit:
-            return await asyncio.wait_for(
-                loop.run_in_executor(self.threads, lambda: fn(*args, **kwargs)), timeout)
+        return await asyncio.wait_for(await self.start(fn, *args, **kwargs), timeout)
 
     async def prepare(self, envs: list[EnvSpec]) -> None:
         await self.sweep()
@@ -1095,7 +1146,8 @@ class DockerSandbox(Sandbox):
                          "DATABASE_URL": f"sqlite:////tmp/{env.environment_name}.sqlite"},
             labels={"agentenv.owner": self.owner, "agentenv.episode": episode,
                     "agentenv.env": env.name},
-            security_opt=["no-new-privileges"])
+            # unprivileged: no capabilities, no privilege gain, no host mounts, bounded processes
+            security_opt=["no-new-privileges"], cap_drop=["ALL"], pids_limit=DOCKER_PIDS_LIMIT)
         if limits.get("cpu"):
             options["nano_cpus"] = int(float(limits["cpu"]) * 1e9)
         if limits.get("memory_mb"):
@@ -1127,19 +1179,19 @@ class DockerSandbox(Sandbox):
             task.add_done_callback(self.removals.discard)
 
         # The thread's own future is kept until the thread ends, so neither a deadline nor an
-        # abandoned episode nor close() can lose a container that is still being created.
-        async with self.limit:
-            job = asyncio.get_running_loop().run_in_executor(self.threads, create_and_start)
-            self.creating.add(job)
-            job.add_done_callback(self.creating.discard)
-            try:
-                container, port = await asyncio.wait_for(guarded(job, undo), 120)
-            except asyncio.TimeoutError:
-                raise EpisodeFailed(f"env {env.name!r}: the Docker daemon did not create and start "
-                                    "its container within 120s; it may be overloaded (lower "
-                                    "--max-concurrent-envs)") from None
-            except Exception as exc:                    # noqa: BLE001 - docker raises many kinds
-                raise EpisodeFailed(f"env {env.name!r} did not come up: {short(str(exc), 2500)}") from None
+        # abandoned episode nor close() can lose a container that is still being created; and
+        # a creation past its deadline holds its slot until it ends, capping those in flight.
+        job = await self.start(create_and_start)
+        self.creating.add(job)
+        job.add_done_callback(self.creating.discard)
+        try:
+            container, port = await asyncio.wait_for(guarded(job, undo), 120)
+        except asyncio.TimeoutError:
+            raise EpisodeFailed(f"env {env.name!r}: the Docker daemon did not create and start "
+                                "its container within 120s; it may be overloaded (lower "
+                                "--max-concurrent-envs)") from None
+        except Exception as exc:                    # noqa: BLE001 - docker raises many kinds
+            raise EpisodeFailed(f"env {env.name!r} did not come up: {short(str(exc), 2500)}") from None
         return DockerInstance(self, container, port)
 
     async def remove(self, container: Any) -> None:
@@ -2003,6 +2055,7 @@ END_TURN = {"name": "end_turn",
 RESERVED_TOOLS = {"reset", "step", "state", "close", "end_turn"}
 ENDED = "the episode has ended; call reset"
 SPLIT_TYPES = {"train", "validation", "test"}
+MAX_BODY = 16 * 2**20          # a request body or WebSocket frame past this is refused (413 / close)
 
 
 def envelope(observation: dict[str, Any], reward: float | None = None, done: bool = False,
@@ -2569,7 +2622,7 @@ async def _body(request: Any, allow_empty: bool = False) -> tuple[dict[str, Any]
 async def _accept(request: Any) -> Any:
     from aiohttp import web
     # Pings every 20 s find a socket whose far end has gone without closing it.
-    socket_ = web.WebSocketResponse(heartbeat=20, max_msg_size=16 * 2**20)
+    socket_ = web.WebSocketResponse(heartbeat=20, max_msg_size=MAX_BODY)
     await socket_.prepare(request)
     return socket_
 
@@ -2732,7 +2785,7 @@ class RemoteRollout(Rollout):
         while True:
             try:
                 self.socket = await self.http.ws_connect(self.url.rstrip("/") + "/ws", heartbeat=20,
-                                                         max_msg_size=16 * 2**20)
+                                                         max_msg_size=MAX_BODY)
             except (aiohttp.ClientError, OSError) as exc:
                 raise EpisodeFailed(f"the server at {self.url} did not answer ({exc}); start it with "
                                     "python agentenv.py serve BUNDLE", "session_lost") from None
@@ -2924,6 +2977,35 @@ class GymSession:
         await self.rollout.close(reason)
 
 
+VERDICTS_KEPT = 2048
+
+
+@dataclasses.dataclass
+class Verdict:
+    """What /verify answered for a rollout, kept small: the reply is rebuilt around the request."""
+
+    digest: str                             # of the model's last reply, to tell a retry apart
+    fields: dict[str, Any]                  # reward, mask_sample, failure_kind, ... (scored)
+    failure: tuple[str, str] | None = None  # (kind, reason) of a masked rollout
+
+    @staticmethod
+    def digest_of(reply: str) -> str:
+        return hashlib.blake2b(reply.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+    @classmethod
+    def of(cls, reply: str, outcome: Outcome | None, failure: tuple[str, str] | None) -> Verdict:
+        if outcome is None:
+            assert failure is not None
+            gym_log.warning("rollout masked: %s", failure[1])
+            return cls(cls.digest_of(reply), {}, failure)
+        return cls(cls.digest_of(reply), {"reward": float(outcome.reward), "mask_sample": False,
+                                          "failure_kind": None, "failure_reason": None,
+                                          "scores": outcome.scores})
+
+    def reply(self, body: dict[str, Any]) -> dict[str, Any]:
+        return masked(body, *self.failure, quiet=True) if self.failure else {**body, **self.fields}
+
+
 def row_tools(row: dict[str, Any]) -> list[str] | None:
     """The tool names a dataset row offers the model, or None when it names none."""
     params = row.get("responses_create_params")
@@ -2952,6 +3034,9 @@ class GymSurface:
         self.settings, self.runtime, self.url = settings, runtime, url
         self.sessions: dict[str, GymSession] = {}
         self.by_resources_id: dict[str, str] = {}
+        # The verdicts of the last rollouts verified, by cookie, so a retried /verify (its reply
+        # lost on the way) gets the same answer; bounded, as Gym retries within seconds.
+        self.verdicts: collections.OrderedDict[str, Verdict] = collections.OrderedDict()
         self.warned: set[str] = set()      # url: servers already said to be at their limit
         self.http: aiohttp.ClientSession | None = None
         self.env_name: str | None = None
@@ -2966,7 +3051,8 @@ class GymSurface:
 
     async def start(self) -> None:
         if self.url:
-            self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+            self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                              headers=client_headers())
             self.env_name = await environment_at(self.http, self.url)
         # Gym never verifies a rollout whose run failed or was cancelled: the sweep frees it.
         self._sweeper = asyncio.create_task(
@@ -3056,6 +3142,10 @@ class GymSurface:
         name = request.match_info["tool"]
         session = self._session(request)
         if session is None:
+            if request.cookies.get(GYM_COOKIE) in self.verdicts:
+                return web.Response(status=409, text=f"error: this rollout was verified already, so "
+                                                     f"{name} cannot run; seed a new session for a "
+                                                     "new rollout")
             return web.Response(status=400, text=f"error: no session: POST /seed_session with the "
                                                  f"row first, then call {name} with its cookie")
         try:
@@ -3076,21 +3166,27 @@ class GymSurface:
         if not isinstance(body.get("responses_create_params"), dict) or "response" not in body:
             return _json({"detail": "verify takes the row with responses_create_params and the "
                                     "model's response"}, 422)
-        if GYM_COOKIE not in request.cookies:
+        token = request.cookies.get(GYM_COOKIE)
+        if token is None:
             return _json({"detail": "no session cookie: POST /seed_session with the row first, and "
                                     "send its cookie with /verify"}, 400)
-        session = self._session(request)
-        if session is None:
+        reply, session = last_reply(body.get("response")), self.sessions.get(token)
+        if session is not None:
+            async with session.lease.using():        # a second verify waits for the first's verdict
+                if token not in self.verdicts:
+                    outcome = await session.verify(reply)
+                    self.verdicts[token] = Verdict.of(reply, outcome, session.failure)
+                    while len(self.verdicts) > VERDICTS_KEPT:
+                        self.verdicts.popitem(last=False)
+                    await self._end(session, "verified")
+        verdict = self.verdicts.get(token)
+        if verdict is None:
             return _json(masked(body, "session_lost", "this server holds no session for the rollout "
                                 "(it was closed, ended after idle_timeout, or the server restarted)"))
-        async with session.lease.using():
-            outcome = await session.verify(last_reply(body.get("response")))
-        await self._end(session, "verified")
-        if outcome is None:
-            assert session.failure is not None
-            return _json(masked(body, *session.failure))
-        return _json({**body, "reward": float(outcome.reward), "mask_sample": False,
-                      "failure_kind": None, "failure_reason": None, "scores": outcome.scores})
+        if verdict.digest != Verdict.digest_of(reply):
+            return _json({"detail": "this rollout was verified already, with another response; a "
+                                    "session scores once: seed a new session for a new rollout"}, 409)
+        return _json(verdict.reply(body))
 
     async def close(self, request: Any) -> Any:
         body, problem = await _body(request, allow_empty=True)
@@ -3128,6 +3224,11 @@ async def environment_at(http: aiohttp.ClientSession, url: str) -> str:
     try:
         async with http.get(url.rstrip("/") + "/list_environments",
                             timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            if resp.status == 401:
+                raise AgentEnvError(f"the server at {url} asks for a bearer token, and "
+                                    + ("AGENTENV_TOKEN is not the one it was given"
+                                       if client_headers() else "none was sent")
+                                    + "; set AGENTENV_TOKEN to the token serve was given")
             return str((await resp.json(content_type=None))[0])
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, LookupError, TypeError) as exc:
         raise AgentEnvError(f"no agentenv.py server answered at {url} ({type(exc).__name__}: "
@@ -3141,12 +3242,49 @@ def same_task(given: str, here: str) -> bool:
     return given == here or given.split("/")[-2:] == here.split("/")[-2:]
 
 
-def masked(body: dict[str, Any], kind: str, reason: str) -> dict[str, Any]:
+def masked(body: dict[str, Any], kind: str, reason: str, quiet: bool = False) -> dict[str, Any]:
     """A complete verify reply for a rollout the environment failed: NeMo RL leaves it out."""
-    gym_log.warning("rollout masked: %s", reason)
+    if not quiet:
+        gym_log.warning("rollout masked: %s", reason)
     config = body.get("instance_config") if isinstance(body.get("instance_config"), dict) else {}
     return {**body, "reward": 0.0, "mask_sample": True, "failure_kind": kind,
             "failure_reason": reason, "instance_config": {**config, "mask_sample": True}}
+
+
+def bearer_token(token: str) -> Any:
+    """Middleware that asks every request, WebSocket upgrades included, for the bearer token."""
+    from aiohttp import web
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def require_token(request: Any, handler: Callable) -> Any:
+        # compare_digest: the time taken says nothing about how much of a guess was right
+        if not secrets.compare_digest(request.headers.get("Authorization", "").encode(), expected):
+            return web.json_response(
+                {"detail": "this server asks for a bearer token: send the header Authorization: "
+                           "Bearer <token>, with the token serve was given (--token or "
+                           "AGENTENV_TOKEN)"},
+                status=401, headers={"WWW-Authenticate": 'Bearer realm="agentenv.py"'})
+        return await handler(request)
+    return require_token
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the server reachable from this machine only."""
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False                    # a name or "" (every interface): assume it reaches out
+
+
+def client_headers() -> dict[str, str]:
+    """The headers a client of a running ``serve`` sends: its bearer token, if AGENTENV_TOKEN
+    holds one."""
+    token = os.environ.get("AGENTENV_TOKEN")
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 class Server:
@@ -3155,10 +3293,11 @@ class Server:
 
     def __init__(self, runtime: Runtime, host: str = "127.0.0.1", port: int = 8000,
                  client_timeout: float = 60.0, margin: float = 5.0, idle_timeout: float = 600.0,
-                 gym: GymSettings | None = None):
+                 gym: GymSettings | None = None, token: str | None = None):
         from aiohttp import web
         self.runtime, self.host, self.port = runtime, host, port
-        self.app = web.Application(client_max_size=16 * 2**20)
+        self.app = web.Application(client_max_size=MAX_BODY,
+                                   middlewares=[bearer_token(token)] if token else [])
         self.openenv = OpenEnvSurface(runtime, self.app, client_timeout, margin, idle_timeout)
         self.gym = GymSurface(self.app, gym or GymSettings(idle_timeout=idle_timeout), runtime=runtime)
         self.openenv.others = lambda: len(self.gym.sessions)
@@ -3188,7 +3327,7 @@ class RemoteServer:
 
     def __init__(self, url: str, settings: GymSettings):
         from aiohttp import web
-        self.app = web.Application(client_max_size=16 * 2**20)
+        self.app = web.Application(client_max_size=MAX_BODY)
         self.gym = GymSurface(self.app, settings, url=url)
         self.app.on_startup.append(lambda app: self.gym.start())
         self.app.on_shutdown.append(lambda app: self.gym.stop())
@@ -3286,7 +3425,7 @@ async def _catalog_there(url: str) -> tuple[str, dict[str, list[dict[str, Any]]]
                                             dict[str, list[dict[str, Any]]]]:
     """A running server's bundle name, its splits' task rows, and the tools of each toolset."""
     base = url.rstrip("/")
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(headers=client_headers()) as http:
         env = await environment_at(http, url)
         async with http.get(f"{base}/{env}/splits") as resp:
             splits = [s["name"] for s in await resp.json()]
@@ -3465,9 +3604,14 @@ def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
     limit = args.max_concurrent_envs or _env_int("MAX_CONCURRENT_ENVS", 8)
     bundle = Bundle.load(args.bundle, args.reward)
+    token = args.token or os.environ.get("AGENTENV_TOKEN") or None
+    if not is_loopback(args.host) and not token:
+        log.warning("Serving on %s with no token: anyone who can reach this port can run the "
+                    "bundle's envs and tools. Pass --token (or set AGENTENV_TOKEN) so every request "
+                    "must carry it, or bind 127.0.0.1.", args.host or "every interface")
     runtime = Runtime(bundle, sandbox=args.sandbox, max_concurrent_envs=limit)
     server = Server(runtime, host=args.host, port=args.port, client_timeout=args.client_timeout,
-                    margin=args.reply_margin, idle_timeout=args.idle_timeout)
+                    margin=args.reply_margin, idle_timeout=args.idle_timeout, token=token)
     web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None,
                 shutdown_timeout=30)
 
@@ -3509,6 +3653,10 @@ def main(argv: list[str] | None = None) -> int:
     serve_cmd.add_argument("--reply-margin", type=float, default=5.0, metavar="SECONDS",
                            help="how long before the client's timeout a call still running is "
                                 "ended with a timeout error (5)")
+    serve_cmd.add_argument("--token", default=None, metavar="TOKEN",
+                           help="ask every request for the header Authorization: Bearer TOKEN "
+                                "(default: AGENTENV_TOKEN, else none); clients of a served URL "
+                                "(write-gym, a Gym server with url:) send AGENTENV_TOKEN")
     serve_cmd.add_argument("--idle-timeout", type=float, default=600.0, metavar="SECONDS",
                            help="end a session with no request for this long, to free its slot (600)")
     writer = commands.add_parser(

@@ -1610,6 +1610,51 @@ def test_processes_left_by_a_crashed_run_are_killed_at_start(make_bundle, tmp_pa
         leftover.wait()
 
 
+def test_env_processes_a_crashed_run_had_not_recorded_yet_are_killed_at_start(make_bundle, caplog):
+    """A server killed between starting an env process and writing its record: the owner in the
+    process's environment is enough for the next start to find it, and its children with it."""
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+    dead_owner = f"{socket.gethostname()}:999999999:1"
+    env = {**os.environ, "AGENTENV_OWNER": dead_owner}
+    leftover = subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True, env=env)
+    bystander = subprocess.Popen(["sleep", "60"], start_new_session=True)    # not marked
+    alive = subprocess.Popen(["sleep", "60"], start_new_session=True,        # a live owner's
+                             env={**os.environ, "AGENTENV_OWNER": agentenv.owner_id()})
+    try:
+        async def go():
+            async with local(bundle):
+                pass
+
+        run(go())
+        assert leftover.wait(timeout=5) == -signal.SIGKILL
+        assert bystander.poll() is None and alive.poll() is None
+        assert "Killed 1 env process group(s) that an earlier run of agentenv.py left behind" in \
+            caplog.text
+    finally:
+        for proc in (leftover, bystander, alive):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_env_processes_carry_their_owner_and_not_the_servers_token(make_bundle, monkeypatch):
+    monkeypatch.setenv("AGENTENV_TOKEN", "the-servers-secret")
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            await ep.next_turn()
+            [instance] = ep.instances
+            environ = Path(f"/proc/{instance.proc.pid}/environ").read_bytes().split(b"\0")
+            await ep.abandon("seen")
+            return rt.sandbox.owner, environ
+
+    owner, environ = run(go())
+    assert f"AGENTENV_OWNER={owner}".encode() in environ
+    assert not any(item.startswith(b"AGENTENV_TOKEN=") for item in environ)
+
+
 # -- the pool
 
 def test_an_episode_waits_for_a_free_slot_and_the_warning_is_said_once(make_bundle, caplog):
@@ -2272,3 +2317,34 @@ def test_auto_sandbox_without_docker_falls_back_to_local_and_says_why(make_bundl
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith("Envs run as local processes (--sandbox local), with no "
                                   "isolation, since no Docker daemon answered"), warnings[0]
+
+
+# ================================================================ Docker calls (no daemon needed)
+
+def test_a_docker_call_past_its_deadline_keeps_its_slot_until_its_thread_ends():
+    """The cap on Docker operations counts calls still running in their thread after their
+    caller gave up: a daemon that is slow to create must not be handed more creations."""
+    release = threading.Event()
+    started: list[str] = []
+
+    def slow(name: str) -> str:
+        started.append(name)
+        release.wait(10)
+        return name
+
+    async def go():
+        sandbox = agentenv.DockerSandbox("test-owner", client=None, ops=2)
+        for name in ("a", "b"):
+            with pytest.raises(asyncio.TimeoutError):
+                await sandbox.call(slow, name, timeout=0.05)
+        third = asyncio.ensure_future(sandbox.call(slow, "c", timeout=10))
+        await asyncio.sleep(0.2)
+        waited = started == ["a", "b"]          # both slots still held by the late threads
+        release.set()
+        result = await third
+        sandbox.threads.shutdown(wait=True)
+        return waited, result, started
+
+    waited, result, started = asyncio.run(go())
+    assert waited, f"a third call started while two timed-out calls still ran: {started}"
+    assert result == "c" and started == ["a", "b", "c"]

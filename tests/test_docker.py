@@ -208,11 +208,14 @@ def test_container_settings_and_limits(docker_client, tmp_path):
         attrs = instance.container.attrs
         uid = await asyncio.to_thread(instance.container.exec_run,
                                       ["python", "-c", "import os; print(os.getuid(), os.geteuid())"])
+        caps = await asyncio.to_thread(  # the env server's own effective capabilities
+            instance.container.exec_run,
+            ["python", "-c", "print(*[l for l in open('/proc/1/status') if l.startswith('CapEff')])"])
         assert await turn.call("write_note", {"title": "groceries", "text": "eggs and milk"}) == \
             ToolResult("saved note 'groceries'", False)
         turn.end("done")
         assert (await ep.result()).reward == 1.0
-        return {"attrs": attrs, "uid": uid, "base_url": instance.base_url}
+        return {"attrs": attrs, "uid": uid, "caps": caps, "base_url": instance.base_url}
 
     async def go():
         async with Runtime(bundle, sandbox="docker") as rt:
@@ -237,6 +240,12 @@ def test_container_settings_and_limits(docker_client, tmp_path):
     # confined: no new privileges, the Dockerfile's USER 10001, not privileged
     assert "no-new-privileges" in (host.get("SecurityOpt") or [])
     assert host.get("Privileged") is False
+    # no capabilities at all, no host mounts, a bound on processes (a fork bomb stays inside)
+    assert host.get("CapDrop") == ["ALL"] and not host.get("CapAdd")
+    assert not host.get("Binds") and not plain["attrs"].get("Mounts")
+    assert host.get("PidsLimit") == agentenv.DOCKER_PIDS_LIMIT
+    assert plain["caps"].exit_code == 0 and plain["caps"].output.decode().split() == \
+        ["CapEff:", "0000000000000000"]
     assert plain["attrs"]["Config"]["User"] == "10001"
     assert plain["uid"].exit_code == 0 and plain["uid"].output.decode().split() == ["10001", "10001"]
     # no limit unless the deploy_env step asks for one; then its cpu and memory_mb

@@ -1316,3 +1316,70 @@ def test_a_gym_rollout_and_an_openenv_session_share_serves_pool(serve1, written)
     assert closed == {"status": "closed"}
     assert played["type"] == "observation"
     assert played["data"]["observation"]["metadata"]["prompt"] == RECALL_PROMPT
+
+
+# ================================================================ a served URL behind a bearer token
+
+def test_a_token_protected_serve_is_reachable_by_write_gym_and_a_url_app_given_the_token(
+        written, tmp_path):
+    """serve with AGENTENV_TOKEN asks every request for it; write-gym from its URL and the
+    resources server written for it send AGENTENV_TOKEN from their environment, and say what to
+    do when it is missing."""
+    token = "a-token-for-the-test"
+    port = free_port()
+    state = tmp_path / "state-serve"
+    serve = Proc("serve-token", [PY, str(AGENTENV), "serve", str(NOTES), "--sandbox", "local",
+                                 "--port", str(port)],
+                 REPO, environ(state, AGENTENV_TOKEN=token), tmp_path / "logs",
+                 f"http://127.0.0.1:{port}", state)
+    app = None
+    try:
+        serve.wait_ready("/health")                  # any answer: here a 401
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(serve.url + "/health", timeout=5)
+        assert refused.value.code == 401
+        assert refused.value.headers["WWW-Authenticate"].startswith("Bearer")
+
+        without = write_gym_cli(serve.url, tmp_path / "root-none", tmp_path / "state-w1")
+        assert without.returncode == 1
+        assert f"the server at {serve.url} asks for a bearer token, and none was sent; set " \
+               "AGENTENV_TOKEN to the token serve was given" in without.stderr
+
+        done = subprocess.run([PY, str(AGENTENV), "write-gym", serve.url, str(tmp_path / "root")],
+                              cwd=REPO, env=environ(tmp_path / "state-w2", AGENTENV_TOKEN=token),
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        folder = tmp_path / "root" / "resources_servers" / "notes_v1"
+        config = yaml.safe_load((folder / "configs" / "notes_v1.yaml").read_text())
+        os.environ["AGENTENV_TOKEN"] = token         # start_app passes this process's environment
+        try:
+            app = start_app(folder, config, "notes_v1", tmp_path, "url-token")
+        finally:
+            del os.environ["AGENTENV_TOKEN"]
+        row = row_of(folder, "save-groceries")
+        replies, body = run(play(app.url, row, [("write_note", {"title": "groceries",
+                                                                "text": "eggs and milk"})], "ok"))
+        assert replies[0].text == "saved note 'groceries'"
+        assert body["reward"] == 1.0 and body["mask_sample"] is False
+    finally:
+        if app:
+            app.stop()
+        serve.stop()
+
+
+def test_serving_beyond_loopback_without_a_token_warns(tmp_path):
+    port = free_port()
+    state = tmp_path / "state"
+    serve = Proc("serve-open", [PY, str(AGENTENV), "serve", str(NOTES), "--sandbox", "local",
+                                "--host", "0.0.0.0", "--port", str(port)],
+                 REPO, environ(state), tmp_path / "logs", f"http://127.0.0.1:{port}", state)
+    try:
+        serve.wait_ready("/health")
+    finally:
+        serve.stop()
+    assert ("WARNING agentenv: Serving on 0.0.0.0 with no token: anyone who can reach this port "
+            "can run the bundle's envs and tools. Pass --token (or set AGENTENV_TOKEN) so every "
+            "request must carry it, or bind 127.0.0.1.") in serve.log()
+    loopback = start_serve(NOTES, tmp_path, "serve-loopback")
+    loopback.stop()
+    assert "with no token" not in loopback.log()

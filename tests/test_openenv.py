@@ -912,11 +912,11 @@ def test_sigterm_with_live_episodes_tears_down_and_exits_0(tmp_path):
         assert len(server.records()) == 2
         server.terminate()
         server.no_envs(timeout=10)                      # every env torn down at once
-        assert not server.records()
     finally:
         for raw in clients:                             # (see the next test: it waits for these)
             raw.close()
     assert server.stop(timeout=15) == 0
+    assert not server.records()                         # and, by its exit, their records
     log = server.log()
     assert "Shutting down: ending 2 live episode(s)" in log, log
 
