@@ -245,7 +245,7 @@ class Bundle:
 
     def task(self, split: str, index: int) -> Task:
         """The task at ``index`` of ``split``; a LookupError that lists what exists otherwise."""
-        if split not in self.splits:
+        if not isinstance(split, str) or split not in self.splits:
             raise LookupError(f"there is no split {split!r}; the splits are {', '.join(self.splits)}")
         tasks = self.splits[split]
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(tasks):
@@ -321,6 +321,12 @@ def _toml(path: Path, problems: list[str]) -> dict[str, Any] | None:
         return None
 
 
+def plain_name(name: Any) -> bool:
+    """Whether ``name`` can name a file in a folder without reaching out of it."""
+    return isinstance(name, str) and name not in ("", ".", "..") and not any(
+        c in name for c in "/\\\0")
+
+
 def _load_envs(root: Path, problems: list[str]) -> dict[str, EnvSpec]:
     envs: dict[str, EnvSpec] = {}
     env_dir = root / "envs"
@@ -343,7 +349,13 @@ def _load_envs(root: Path, problems: list[str]) -> dict[str, EnvSpec]:
         image = config.get("image", {})
         dockerfile = folder / "Dockerfile"
         if isinstance(image, dict) and set(image) <= {"dockerfile"}:
-            dockerfile = folder / image.get("dockerfile", "Dockerfile")
+            given = image.get("dockerfile", "Dockerfile")
+            dockerfile = folder / str(given)
+            if not isinstance(given, str) or Path(given).is_absolute() or \
+                    not dockerfile.resolve().is_relative_to(folder.resolve()):
+                problems.append(f"{where}/env.toml: dockerfile = {given!r} is not a file of the env's "
+                                "folder, its Docker build context; name one inside it")
+                continue
         else:
             problems.append(f"{where}/env.toml: image = {image!r} is not supported; agentenv.py builds "
                             "each env from a Dockerfile in its folder (image = {dockerfile = \"...\"})")
@@ -357,6 +369,10 @@ def _load_envs(root: Path, problems: list[str]) -> dict[str, EnvSpec]:
             problems.append(f"{where}/{dockerfile.name}: {exc}")
             continue
         name = config.get("environment_name") or folder.name
+        if not plain_name(name):
+            problems.append(f"{where}/env.toml: environment_name = {name!r} is not a plain name (it "
+                            "names the env's database file, so no '/' or '\\'); give a plain name")
+            continue
         envs[folder.name] = EnvSpec(folder.name, folder, dockerfile, str(name), command, image_env,
                                     _digest(folder))
     return envs
@@ -739,9 +755,11 @@ def _load_evals(root: Path, tasks: dict[str, Task], id_root: str,
         for name in names:
             stem = name[len(id_root) + 1:] if name.startswith(id_root + "/") else name
             if stem not in tasks:
-                if (root / "tasks" / f"{stem}.json").exists():
+                if "/" not in stem and "\\" not in stem and not stem.startswith(".") and \
+                        (root / "tasks" / f"{stem}.json").is_file():
                     continue   # the task itself has problems, reported where it is loaded
-                problems.append(f"{where}: lists {name!r}, which is not a task of the bundle")
+                problems.append(f"{where}: lists {name!r}, which is not a task of the bundle; list "
+                                "tasks by name (the file name under tasks/ without .json) or by id")
             elif stem in listed:
                 problems.append(f"{where}: lists {name!r} twice; an eval lists each task once")
             else:
@@ -1987,7 +2005,9 @@ class Runtime:
         self.sandbox = await open_sandbox(self.sandbox_kind, self.owner)
         # Every env is prepared now, never inside an episode: a deploy then only starts a process.
         await self.sandbox.prepare(list(self.bundle.envs.values()))
+        # MCP keeps its session in a header; a cookie jar would only cost every call its upkeep.
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False),
+                                          cookie_jar=aiohttp.DummyCookieJar(),
                                           timeout=aiohttp.ClientTimeout(total=None))
         return self
 
@@ -2056,6 +2076,7 @@ RESERVED_TOOLS = {"reset", "step", "state", "close", "end_turn"}
 ENDED = "the episode has ended; call reset"
 SPLIT_TYPES = {"train", "validation", "test"}
 MAX_BODY = 16 * 2**20          # a request body or WebSocket frame past this is refused (413 / close)
+BINARY_FRAME = "a binary frame was sent; this socket reads JSON text frames only"
 
 
 def envelope(observation: dict[str, Any], reward: float | None = None, done: bool = False,
@@ -2155,10 +2176,12 @@ class OpenEnvSession:
             return self._error("split and index go together: give both, or neither for the first "
                                "task served")
         try:
-            task = self.runtime.bundle.task(split or "all", 0 if index is None else index)
+            if split is None:
+                split, index = "all", 0
+            task = self.runtime.bundle.task(split, index)
         except LookupError as exc:
             return self._error(str(exc))
-        self.where = {"id": task.id, "name": task.name, "split": split or "all", "index": index or 0}
+        self.where = {"id": task.id, "name": task.name, "split": split, "index": index}
         self.episode = self.runtime.episode(task)
         return await self._advance()
 
@@ -2391,9 +2414,13 @@ class OpenEnvSurface:
         data, problem = await _body(request)
         if problem:
             return problem
-        if not isinstance(data.get("action"), dict):
+        if "action" not in data:
             return _json({"detail": [{"type": "missing", "loc": ["body", "action"],
                                       "msg": "Field required: the action to take"}]}, 422)
+        if not isinstance(data["action"], dict):
+            return _json({"detail": [{"type": "model_attributes_type", "loc": ["body", "action"],
+                                      "msg": 'the action is an object, such as {"type": '
+                                             '"list_tools"}'}]}, 422)
         return _json(OpenEnvSession(self.runtime, self.deadline)._error(ENDED))
 
     async def http_state(self, request: Any) -> Any:
@@ -2425,7 +2452,7 @@ class OpenEnvSurface:
             return problem
         route = request.path.rsplit("/", 1)[1]
         bundle, split = self.runtime.bundle, data.get("split")
-        if split not in bundle.splits:
+        if not isinstance(split, str) or split not in bundle.splits:
             return _json({"detail": f"Invalid task index: there is no split {split!r}; the "
                                     f"splits are {', '.join(bundle.splits)}"}, 400)
         tasks = bundle.splits[split]
@@ -2440,17 +2467,20 @@ class OpenEnvSurface:
                                                data.get("index"))})
             except LookupError as exc:
                 return _json({"detail": f"Invalid task index: {exc}"}, 400)
-        start, stop = data.get("start") or 0, data.get("stop")
-        if not isinstance(start, int) or (stop is not None and not isinstance(stop, int)):
-            return _json({"detail": "start and stop are whole numbers"}, 400)
+        start, stop = data.get("start"), data.get("stop")
+        start = 0 if start is None else start
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0 or \
+                (stop is not None and (not isinstance(stop, int) or isinstance(stop, bool))):
+            return _json({"detail": "start is a whole number from 0, and stop a whole number or "
+                                    "null"}, 400)
         return _json({"tasks": [task_row(t, start + i) for i, t in enumerate(tasks[start:stop])]})
 
     # -- JSON-RPC on POST /mcp and WebSocket /mcp
 
     async def mcp_http(self, request: Any) -> Any:
         try:
-            message = json.loads(await request.read())
-        except (ValueError, UnicodeDecodeError) as exc:
+            message = loads(await request.read())
+        except ValueError as exc:
             return _json(rpc_error(None, -32700, f"Parse error: {exc}"))
         return _json(await self.rpc(message, None))
 
@@ -2509,9 +2539,11 @@ class OpenEnvSurface:
         session.socket = socket_
         try:
             async for message in socket_:
-                if message.type == aiohttp.WSMsgType.TEXT:
+                if message.type == aiohttp.WSMsgType.BINARY:
+                    await socket_.send_json(rpc_error(None, -32700, BINARY_FRAME))
+                elif message.type == aiohttp.WSMsgType.TEXT:
                     try:
-                        request_ = json.loads(message.data)
+                        request_ = loads(message.data)
                     except ValueError as exc:
                         await socket_.send_json(rpc_error(None, -32700, f"Parse error: {exc}"))
                         continue
@@ -2547,6 +2579,10 @@ class OpenEnvSurface:
         session.socket = socket_
         try:
             async for message in socket_:
+                if message.type == aiohttp.WSMsgType.BINARY:
+                    await socket_.send_json({"type": "error", "data": {"message": BINARY_FRAME,
+                                                                       "code": "INVALID_JSON"}})
+                    continue
                 if message.type != aiohttp.WSMsgType.TEXT:
                     continue
                 async with session.lease.using():
@@ -2564,7 +2600,7 @@ class OpenEnvSurface:
 
     async def _answer(self, session: OpenEnvSession, text: str) -> dict[str, Any] | None:
         try:
-            message = json.loads(text)
+            message = loads(text)
         except ValueError as exc:
             return {"type": "error", "data": {"message": f"Invalid JSON: {exc}", "code": "INVALID_JSON"}}
         if not isinstance(message, dict):
@@ -2603,14 +2639,23 @@ def _json(body: Any, status: int = 200) -> Any:
     return web.json_response(body, status=status)
 
 
+def loads(raw: bytes | str) -> Any:
+    """JSON a client sent; a ValueError saying why for anything else, nesting too deep to read
+    included (json raises RecursionError for that, which must not become a 500)."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("it nests arrays or objects deeper than this server reads") from None
+
+
 async def _body(request: Any, allow_empty: bool = False) -> tuple[dict[str, Any], Any]:
     """A request's JSON object body, or the 422 that says what is wrong with it."""
     raw = await request.read()
     if not raw.strip() and allow_empty:
         return {}, None
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+        data = loads(raw)
+    except ValueError as exc:
         return {}, _json({"detail": [{"type": "json_invalid", "loc": ["body"],
                                       "msg": f"the body is not JSON: {exc}"}]}, 422)
     if not isinstance(data, dict):
@@ -3018,10 +3063,11 @@ def row_tools(row: dict[str, Any]) -> list[str] | None:
 def last_reply(response: Any) -> str:
     """The text of the model's last message in a Responses object (its final reply)."""
     output = response.get("output") if isinstance(response, dict) else None
-    for item in reversed(output or []):
+    for item in reversed(output if isinstance(output, list) else []):
         if isinstance(item, dict) and item.get("type") == "message":
-            parts = item.get("content") or []
-            return "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            parts = item.get("content")
+            return "".join(p["text"] for p in parts if isinstance(p, dict)
+                           and isinstance(p.get("text"), str)) if isinstance(parts, list) else ""
     return ""
 
 
@@ -3149,15 +3195,17 @@ class GymSurface:
             return web.Response(status=400, text=f"error: no session: POST /seed_session with the "
                                                  f"row first, then call {name} with its cookie")
         try:
-            arguments = json.loads(await request.read() or b"{}")
-        except (ValueError, UnicodeDecodeError) as exc:
+            arguments = loads(await request.read() or b"{}")
+        except ValueError as exc:
             return web.Response(status=400, text=f"error: the arguments of {name} are not JSON ({exc})")
         if not isinstance(arguments, dict):
             return web.Response(status=400, text=f"error: the arguments of {name} must be a JSON "
                                                  "object")
         async with session.lease.using():
             text = await session.call(name, arguments)
-        return web.Response(text=text)
+        # A lone surrogate (JSON's "\ud800" escape, echoed back by the env) cannot be UTF-8.
+        return web.Response(body=text.encode("utf-8", "replace"), content_type="text/plain",
+                            charset="utf-8")
 
     async def verify(self, request: Any) -> Any:
         body, problem = await _body(request)
@@ -3210,7 +3258,8 @@ class GymSurface:
         body, problem = await _body(request, allow_empty=True)
         if problem:
             return problem
-        results = [r for r in body.get("verify_responses") or [] if isinstance(r, dict)]
+        given = body.get("verify_responses")
+        results = [r for r in given if isinstance(r, dict)] if isinstance(given, list) else []
         scored = [float(r["reward"]) for r in results if not r.get("mask_sample")
                   and isinstance(r.get("reward"), (int, float))]
         metrics = {"mean/reward": sum(scored) / len(scored) if scored else None,
@@ -3511,6 +3560,10 @@ async def write_gym(source: str, gym_root: str, max_concurrent_envs: int = 8, sa
         f"configs/{name}.yaml": _yaml(config),
     }
     for split, split_rows in rows.items():
+        if not plain_name(split):
+            raise AgentEnvError(f"the split {split!r} cannot name a file of rows (data/<split>.jsonl) "
+                                "inside the server's folder; a split is named after its eval file, "
+                                "so rename the eval")
         lines = []
         for row in split_rows:
             tools = [function_tool(t) for t in toolsets.get(row.get("toolset", "(all)"), [])]

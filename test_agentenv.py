@@ -1336,7 +1336,8 @@ def test_an_env_that_never_listens_misses_the_deploy_timeout(make_bundle):
     bundle = Bundle.load(make_bundle({"a": simple("deaf")}, envs=("deaf",)))
 
     async def go():
-        async with local(bundle, deploy_timeout=0.8) as rt:
+        # 2.5 s: long enough for the env's first line to be printed on a loaded machine
+        async with local(bundle, deploy_timeout=2.5) as rt:
             ep = rt.episode(bundle.tasks["a"])
             started = time.monotonic()
             with pytest.raises(EpisodeFailed) as caught:
@@ -1347,9 +1348,9 @@ def test_an_env_that_never_listens_misses_the_deploy_timeout(make_bundle):
             return str(caught.value), took
 
     message, took = run(go())
-    assert "env 'deaf' was not ready within 0.8s (last: ClientConnectorError" in message
+    assert "env 'deaf' was not ready within 2.5s (last: ClientConnectorError" in message
     assert "fake: started, but never listening" in message
-    assert 0.5 < took < 3          # it gives up once the next poll would pass the deadline
+    assert 2.2 < took < 4.5        # it gives up once the next poll would pass the deadline
 
 
 @pytest.mark.parametrize("env, part", [
