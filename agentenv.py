@@ -817,6 +817,10 @@ class Instance(abc.ABC):
     async def remove(self) -> None:
         """Stop the env and remove what it ran in."""
 
+    async def answers_itself(self) -> bool:
+        """Whether what answers at ``base_url`` is this env and not another's (a port taken)."""
+        return True
+
 
 class Sandbox(abc.ABC):
     """Where envs run. ``prepare`` once at start-up, ``launch`` per env per episode, then ``close``."""
@@ -865,8 +869,10 @@ class LocalInstance(Instance):
     """An env run as a host process in its own process group, with a scratch folder of its own
     (its TMPDIR and database); its output kept in a ring."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, port: int, record: Path, scratch: Path):
-        self.proc, self.record, self.scratch = proc, record, scratch
+    def __init__(self, proc: asyncio.subprocess.Process, port: int, record: Path, scratch: Path,
+                 release: Callable[[], None] = lambda: None):
+        self.proc, self.port, self.record, self.scratch = proc, port, record, scratch
+        self.release = release
         self.base_url = f"http://127.0.0.1:{port}"
         self.lines: collections.deque[str] = collections.deque(maxlen=OUTPUT_LINES)
         self.reader = asyncio.create_task(self._read())
@@ -893,6 +899,11 @@ class LocalInstance(Instance):
     async def output(self) -> str:
         return "\n".join(self.lines)
 
+    async def answers_itself(self) -> bool:
+        # A port found free can be taken by another process before the env binds it; then the
+        # env dies on bind while the other answers in its place. Linux says who listens.
+        return await asyncio.to_thread(listens, self.proc.pid, self.port) is not False
+
     async def remove(self) -> None:
         try:
             if self.proc.returncode is None:
@@ -911,6 +922,7 @@ class LocalInstance(Instance):
             await asyncio.wait([self.reader], timeout=1)
             self.reader.cancel()
         finally:
+            self.release()
             self.record.unlink(missing_ok=True)
             shutil.rmtree(self.scratch, ignore_errors=True)
 
@@ -927,6 +939,7 @@ class LocalSandbox(Sandbox):
     def __init__(self, owner: str):
         super().__init__(owner)
         self.records = state_dir() / "local" / owner
+        self.ports: set[int] = set()        # handed to envs still running: never handed twice
 
     async def prepare(self, envs: list[EnvSpec]) -> None:
         killed = await asyncio.to_thread(self._sweep_records) + await asyncio.to_thread(self._sweep_marked)
@@ -979,6 +992,8 @@ class LocalSandbox(Sandbox):
 
     async def launch(self, env: EnvSpec, episode: str, limits: dict[str, Any]) -> Instance:
         port = free_port()
+        while port in self.ports:             # the kernel hands a closed port out again at once
+            port = free_port()
         command = list(env.command)
         if Path(command[0]).name in ("python", "python3"):
             command[0] = sys.executable      # "python" in an image's command means this interpreter
@@ -1011,13 +1026,41 @@ class LocalSandbox(Sandbox):
             raise
         record = self.records / str(proc.pid)
         record.write_text(_process_start(proc.pid))
-        return LocalInstance(proc, port, record, scratch)
+        self.ports.add(port)
+        return LocalInstance(proc, port, record, scratch, lambda: self.ports.discard(port))
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def listens(pid: int, port: int) -> bool | None:
+    """Whether the process ``pid`` or one of its descendants holds the socket listening on
+    ``port``; None where /proc can't say (not Linux, or no such listener yet)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:   # LISTEN
+                    inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return None
+    family, seen = [pid], set()
+    while family:
+        member = family.pop()
+        seen.add(member)
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{member}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{member}/fd/{fd}") in inodes:
+                        return True
+        with contextlib.suppress(OSError, ValueError):
+            children = Path(f"/proc/{member}/task/{member}/children").read_text().split()
+            family.extend(int(c) for c in children if int(c) not in seen)
+    return False
 
 
 class DockerInstance(Instance):
@@ -1482,6 +1525,9 @@ async def wait_ready(http: aiohttp.ClientSession, instance: Instance, env: EnvSp
             if dupes := sorted({n for n in names if names.count(n) > 1}):
                 raise EpisodeFailed(f"env {env.name!r} lists the tools {dupes} twice; tool names are "
                                     "unique")
+            if not await instance.answers_itself():
+                raise McpError(f"another process answers on {instance.base_url}, which the env "
+                               "was to listen on; the env is expected to fail to bind it")
             return DeployedEnv(env, instance, mcp_url, card, tools)
         except (aiohttp.ClientError, asyncio.TimeoutError, McpError, ValueError) as exc:
             last = f"{type(exc).__name__}: {exc}"
@@ -2186,9 +2232,11 @@ class OpenEnvSession:
         return await self._advance()
 
     async def step(self, action: Any) -> dict[str, Any]:
-        if not isinstance(action, dict):
-            return self._error('a step\'s data is an action such as {"type": "list_tools"}')
         episode = self.episode
+        live = episode is not None and episode.outcome is None and episode.turn is not None
+        if not isinstance(action, dict):      # a malformed step leaves a live episode as it was
+            return self._error('a step\'s data is an action such as {"type": "list_tools"}',
+                               done=not live)
         if episode is None or episode.outcome is not None or episode.turn is None:
             return self._error(ENDED)
         turn = episode.turn
@@ -2197,7 +2245,8 @@ class OpenEnvSession:
         if kind == "list_tools":
             return envelope({"tools": [*turn.tool_specs, END_TURN], "metadata": {}}, 0.0)
         if kind != "call_tool":
-            return self._error(f"unknown action type {kind!r}; use list_tools or call_tool")
+            return self._error(f"unknown action type {kind!r}; use list_tools or call_tool",
+                               done=False)
         name, arguments = action.get("tool_name"), action.get("arguments") or {}
         if name == "end_turn":
             response = arguments.get("response", "") if isinstance(arguments, dict) else ""
@@ -2299,14 +2348,14 @@ class OpenEnvSession:
                         outcome.reward, True)
 
     def _error(self, message: str, tool_name: str | None = None, kind: str | None = None,
-               ) -> dict[str, Any]:
+               done: bool = True) -> dict[str, Any]:
         observation: dict[str, Any] = {"metadata": {"status": "error", "error": message,
                                                     "task": self.where}}
         if kind:      # what failed, in NeMo Gym's words, for a resources server playing over /ws
             observation["metadata"]["failure_kind"] = kind
         if tool_name:
             observation.update(tool_name=tool_name, result=None, error=None)
-        return envelope(observation, None, True)
+        return envelope(observation, None, done)
 
 
 class OpenEnvSurface:
@@ -2479,7 +2528,7 @@ class OpenEnvSurface:
 
     async def mcp_http(self, request: Any) -> Any:
         try:
-            message = loads(await request.read())
+            message = loads(await _read(request))
         except ValueError as exc:
             return _json(rpc_error(None, -32700, f"Parse error: {exc}"))
         return _json(await self.rpc(message, None))
@@ -2648,9 +2697,23 @@ def loads(raw: bytes | str) -> Any:
         raise ValueError("it nests arrays or objects deeper than this server reads") from None
 
 
+async def _read(request: Any) -> bytes:
+    """A request's body; past MAX_BODY, a 413 that says what to do."""
+    from aiohttp import web
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise web.HTTPRequestEntityTooLarge(
+            max_size=MAX_BODY, actual_size=request.content_length or MAX_BODY + 1,
+            text=json.dumps({"detail": f"the body is larger than this server reads "
+                                       f"({MAX_BODY // 2**20} MiB); send less, such as a tool's "
+                                       "arguments without the data it can read itself"}),
+            content_type="application/json") from None
+
+
 async def _body(request: Any, allow_empty: bool = False) -> tuple[dict[str, Any], Any]:
     """A request's JSON object body, or the 422 that says what is wrong with it."""
-    raw = await request.read()
+    raw = await _read(request)
     if not raw.strip() and allow_empty:
         return {}, None
     try:
@@ -3195,7 +3258,7 @@ class GymSurface:
             return web.Response(status=400, text=f"error: no session: POST /seed_session with the "
                                                  f"row first, then call {name} with its cookie")
         try:
-            arguments = loads(await request.read() or b"{}")
+            arguments = loads(await _read(request) or b"{}")
         except ValueError as exc:
             return web.Response(status=400, text=f"error: the arguments of {name} are not JSON ({exc})")
         if not isinstance(arguments, dict):

@@ -1638,6 +1638,35 @@ def test_env_processes_a_crashed_run_had_not_recorded_yet_are_killed_at_start(ma
             proc.wait()
 
 
+def test_an_env_whose_port_another_process_took_fails_and_never_plays_on_the_other(
+        make_bundle, monkeypatch):
+    """Two servers on one machine: the port the second hands its env is found free, then taken
+    by the first's env before it binds. The second env dies on bind; its episode must fail with
+    that reason, never play on the other server's env, which answers on that port meanwhile."""
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+    real_free_port = agentenv.free_port
+
+    async def go():
+        async with local(bundle) as first, local(bundle, deploy_timeout=5) as second:
+            theirs = first.episode(bundle.tasks["a"])
+            turn = await theirs.next_turn()
+            await turn.call("say", {"text": "mine"})
+            [instance] = theirs.instances
+            ports = iter([instance.port])
+            monkeypatch.setattr(agentenv, "free_port", lambda: next(ports, None) or real_free_port())
+            ours = second.episode(bundle.tasks["a"])
+            with pytest.raises(EpisodeFailed) as failed:
+                await ours.next_turn()
+            await turn.call("say", {"text": "still mine"})        # the first plays on, untouched
+            turn.end("done")
+            return str(failed.value), await theirs.result()
+
+    message, outcome = run(go())
+    assert "did not come up: its process exited with code" in message, message
+    assert "another process answers on http://127.0.0.1:" not in message      # the exit says more
+    assert outcome.status == "scored"
+
+
 def test_env_processes_carry_their_owner_and_not_the_servers_token(make_bundle, monkeypatch):
     monkeypatch.setenv("AGENTENV_TOKEN", "the-servers-secret")
     bundle = Bundle.load(make_bundle({"a": simple()}))

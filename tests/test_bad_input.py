@@ -803,7 +803,9 @@ def test_a_17_mib_body_is_413(server):
         for route in JSON_BODY_ROUTES + ["/mcp", "/write_note", "/ng-rollout/r1/seed_session"]:
             reply = request(server.url + route, body=big, cookie=rollout.cookie)
             assert reply.status == 413, (route, reply.status, reply.text[:300])
-            assert f"Maximum request body size {MAX_BODY} exceeded" in reply.text
+            assert reply.json() == {"detail": "the body is larger than this server reads (16 MiB); "
+                                              "send less, such as a tool's arguments without the "
+                                              "data it can read itself"}
             assert server.healthy()
         for route in ("/write_note", "/reset"):                  # sent chunked, with no length
             chunks = iter([big[i:i + 2**20] for i in range(0, len(big), 2**20)])
@@ -924,6 +926,11 @@ def test_ws_bad_messages(server):
             meta = frame["data"]["observation"]["metadata"]
             assert meta["status"] == "error"
             assert meta["error"] == 'a step\'s data is an action such as {"type": "list_tools"}'
+            assert frame["data"]["done"] is False          # the episode is still there to play
+        frame = sock.ask({"type": "step", "data": {"type": "list_tool"}})
+        assert frame["data"]["observation"]["metadata"]["error"] == \
+            "unknown action type 'list_tool'; use list_tools or call_tool"
+        assert frame["data"]["done"] is False
         for data in (None, [1], "tools/list", {"method": "tools/list"}):   # mcp that is no JSON-RPC
             frame = sock.ask({"type": "mcp", "data": data})
             assert frame["type"] == "mcp" and frame["data"]["error"]["code"] == -32600, frame
