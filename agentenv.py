@@ -897,6 +897,8 @@ class LocalInstance(Instance):
         return None if code is None else f"its process exited with code {code}"
 
     async def output(self) -> str:
+        if self.proc.returncode is not None:       # its last words may still be in the pipe
+            await asyncio.wait([self.reader], timeout=1)
         return "\n".join(self.lines)
 
     async def answers_itself(self) -> bool:
@@ -994,6 +996,14 @@ class LocalSandbox(Sandbox):
         port = free_port()
         while port in self.ports:             # the kernel hands a closed port out again at once
             port = free_port()
+        self.ports.add(port)                  # taken now: another launch may be under way
+        try:
+            return await self._launch(env, port)
+        except BaseException:
+            self.ports.discard(port)
+            raise
+
+    async def _launch(self, env: EnvSpec, port: int) -> Instance:
         command = list(env.command)
         if Path(command[0]).name in ("python", "python3"):
             command[0] = sys.executable      # "python" in an image's command means this interpreter
@@ -1026,7 +1036,6 @@ class LocalSandbox(Sandbox):
             raise
         record = self.records / str(proc.pid)
         record.write_text(_process_start(proc.pid))
-        self.ports.add(port)
         return LocalInstance(proc, port, record, scratch, lambda: self.ports.discard(port))
 
 
@@ -1166,9 +1175,12 @@ class DockerSandbox(Sandbox):
             self.images[env.name] = await self.build(env)
 
     async def sweep(self) -> None:
-        containers = await self.call(self.client.containers.list, all=True,
+        # sparse: the list as the daemon gave it, with no inspect of each container, which fails
+        # for one removed meanwhile (by another server's sweep, say)
+        containers = await self.call(self.client.containers.list, all=True, sparse=True,
                                      filters={"label": "agentenv.owner"})
-        stale = [c for c in containers if owner_alive(c.labels.get("agentenv.owner", "")) is False]
+        stale = [c for c in containers
+                 if owner_alive((c.attrs.get("Labels") or {}).get("agentenv.owner", "")) is False]
         await asyncio.gather(*(self.remove(c) for c in stale))
         if stale:
             log.warning("Removed %d container(s) that an earlier run of agentenv.py left behind when "
@@ -1680,6 +1692,9 @@ class Turn:
             self.episode.fail(reason, "transport_timeout")
             raise ToolTimeout(reason) from None
         except (aiohttp.ClientError, McpError) as exc:
+            if self.episode._stop is not None:      # ended from outside, its env torn down
+                raise EpisodeFailed(f"{name} was cut short: the episode was ended, since "
+                                    f"{self.episode._stop[1]}", "session_lost") from None
             why = await self.episode.env_trouble(exc)
             reason = f"{name} failed because the env failed: {why}"
             self.episode.fail(reason, "transport_peer_drop")
@@ -1861,8 +1876,8 @@ class Episode:
                     reason = f"step {step.id!r} ({step.type}) failed: {exc}"
                     status[step.id] = "failed"
                     if step.fail_task_on_error:
-                        raise EpisodeFailed(reason, "verifier_error" if step.type.endswith("verifier")
-                                            else exc.kind) from None
+                        verifier = step.type.endswith("verifier") and exc.kind != "transport_peer_drop"
+                        raise EpisodeFailed(reason, "verifier_error" if verifier else exc.kind) from None
                     self.errors[step.id] = str(exc)
                     log.info("Episode %s: %s; going on (fail_task_on_error is false).",
                              self.id[:8], reason)
@@ -1956,7 +1971,15 @@ class Episode:
     async def _env_outcome_verifier(self, step: Step) -> None:
         env = self.envs[step.get("env_id")]
         artifact = step.get("file_artifact_id")
-        rows = await self.runtime.verify(artifact, env.mcp_url)
+        try:
+            rows = await self.runtime.verify(artifact, env.mcp_url)
+        except EpisodeFailed as exc:
+            # A verifier fails when the env it reads has died: the env's fault, not the verifier's.
+            if why := await env.instance.exited(settle=0.5):
+                raise EpisodeFailed(f"env {env.spec.name!r} stopped: {why}. "
+                                    f"Its last output:\n{short(await env.instance.output(), 1000)}",
+                                    "transport_peer_drop") from None
+            raise exc
         self._record(step, rows)
 
     async def _agent_prompt_response_verifier(self, step: Step) -> None:
@@ -2596,7 +2619,11 @@ class OpenEnvSurface:
                     except ValueError as exc:
                         await socket_.send_json(rpc_error(None, -32700, f"Parse error: {exc}"))
                         continue
-                    await socket_.send_json(await self.rpc(request_, session))
+                    answer = await self.rpc(request_, session)
+                    try:
+                        await socket_.send_json(answer)
+                    except ConnectionError:     # the client left while its call ran
+                        break
         finally:
             await self.end_session(session, "the session closed")
         return socket_
@@ -2638,7 +2665,11 @@ class OpenEnvSurface:
                     reply = await self._answer(session, message.data)
                 if reply is None:
                     break
-                await socket_.send_json(reply)
+                try:
+                    await socket_.send_json(reply)
+                except ConnectionError:         # the client left while its step ran
+                    log.info("An OpenEnv client left before its reply; ending its session.")
+                    break
         finally:
             session.attached = False
             if session.socket is socket_:
