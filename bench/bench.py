@@ -1,33 +1,76 @@
 """bench.py: agentenv.py's benchmark, every number measured beside a baseline in the same run.
 
-    python bench/bench.py [--parts hop,startup,memory] [--repeat N] [--calls N] [--sessions K]
-                          [--json out.json]
+    python bench/bench.py [--parts hop,startup,memory,episodes,throughput,deploys,writegym]
+                          [--repeat N] [--json out.json] [options of each part: --help]
 
-Parts (each reports medians and p95 beside a baseline measured in this run, and their ratio; the
-machine is shared and noisy, so absolute numbers alone mean little):
+It prints a Markdown table per part and, with --json, writes every figure (medians, p95s, the
+raw rounds) to a file. Each part reports medians (and p95 where latencies are concerned) beside a
+baseline measured in the same run, in interleaved rounds where the two can run at once, and their
+ratio: the machine is shared and noisy, so absolute numbers alone mean little.
 
-hop      one tool call, list_notes, made sequentially with one aiohttp client to three servers:
-         ours    POST /list_notes with a Gym session cookie to `agentenv.py serve bundles/notes-v1
-                 --sandbox local` (the server then makes the MCP call to its notebook env)
-         direct  MCP tools/call list_notes straight to a notebook env process we start ourselves
-         floor   a bare aiohttp JSON POST handler in its own process
-         The three are measured in interleaved rounds (--repeat rounds of --calls calls each, the
-         order rotated every round), so load on the machine hits them alike. Target: ours/direct
-         p50 <= 2.2x.
-startup  process start to GET /health answering 200, for `serve bundles/notes-v1` and `serve
-         bundles/gridsim-v1` (local sandbox), beside the bare aiohttp server; --repeat runs each,
-         interleaved.
-memory   the serve process's VmRSS idle after start, then after seeding K (--sessions) Gym sessions
-         and playing one list_notes call in each, and after closing them. The env processes are
-         separate processes and are not in the serve process's RSS (their sum is shown apart).
+hop        one tool call, list_notes, made sequentially with one aiohttp client to three servers:
+           ours    POST /list_notes with a Gym session cookie to `agentenv.py serve bundles/notes-v1
+                   --sandbox local` (the server then makes the MCP call to its notebook env)
+           direct  MCP tools/call list_notes straight to a notebook env process we start ourselves
+           floor   a bare aiohttp JSON POST handler in its own process
+           --repeat interleaved rounds of --calls calls each (the order rotated every round), for
+           the shipped notebook and a copy with TCP_NODELAY (--env). Target: ours/direct p50 <= 2.2x.
+startup    process start to GET /health answering 200, for `serve bundles/notes-v1` and `serve
+           bundles/gridsim-v1` (local sandbox), beside the bare aiohttp server; --repeat runs each.
+memory     serve's VmRSS idle, with K (--sessions) Gym sessions on notes-v1 each after one
+           list_notes (the env processes are apart, their sum shown), and after closing them; then
+           serve of bench/bundles/quiz-v1 (no env) idle and with --noenv-sessions (1,000) live Gym
+           sessions. Targets: idle <= 60 MiB, <= 64 KiB a session (no env).
+episodes   quiz-v1 (one task, no env: one prompt, an agent_prompt_response_verifier) played over
+           OpenEnv's /ws: reset, then the end_turn step that scores it (reward 1.0 checked), by 1,
+           8 and 64 concurrent clients (--clients; each its own /ws, episodes back to back on it):
+           episodes/s (median of --repeat rounds) and episode / reset / end_turn latencies. Beside
+           agentenv-framework 0.9.1364's OpenEnv server (build_app under uvicorn,
+           bench/peers/framework_openenv.py, in the bench venv below) on the same bundle, at
+           --their-clients (1,8) with few episodes (--their-episodes 5, at least one per client):
+           its episode takes seconds. An episode that fails (an error observation) is counted
+           and quoted, not timed. Target: ours >= 100x theirs in episodes/s.
+throughput tool calls/s with K live Gym sessions (--throughput-sessions 32,256), every session
+           calling back to back for --seconds windows in --repeat interleaved rounds: ours
+           list_notes through serve notes-v1 --sandbox local (a notebook env per session) beside
+           NeMo Gym 0.7's SimpleResourcesServer (bench/peers/gym_counter: a counter, no env, POST
+           /add) run in the NeMo Gym venv (~/.cache/agentenv-tests/nemo-gym-0.7 or
+           AGENTENV_GYM_VENV, built by bash .ci/gym-venv.sh) as Gym starts a resources server.
+           Target: ours >= 2x theirs at both K.
+deploys    needs Docker (bash .ci/docker-up.sh). serve notes-v1 --sandbox docker --max-concurrent-
+           envs --pool (8): the deploy the user waits for, save-groceries' seed_session to its first
+           list_notes answer (Gym) and /ws reset to its reply (OpenEnv), beside a bare `docker run
+           -d` (CLI) of the same agentenv/notebook:<digest> image until it first answers HTTP, and
+           the same through the Engine API (docker SDK containers.run); 2x--repeat interleaved
+           rounds. Target: ours Gym / bare docker run <= 1.2x. Then k = 1,2,4,8,16,32
+           (--deploy-levels) Gym episodes started at once through the pool (each seed, first call,
+           close), beside k bare docker runs at once, plotted to --plot (bench/deploys.png, with
+           matplotlib from the bench venv). Containers: ours carry agentenv.owner (any left by the
+           serve process is counted and removed), the bare ones are named agentenv-bench-* and
+           labelled agentenv-bench.run, and removed.
+writegym   `python agentenv.py write-gym bundles/gridsim-v1 ROOT --sandbox local` (2,200 rows): the
+           CLI's wall time, and beside it write_gym() run in-process with Bundle.load,
+           Runtime.start/close and Runtime.first_turn_tools (its deploys, one per toolset) timed by
+           wrappers: the deploys' share. --repeat runs of each, into fresh temp roots.
+profile    (not in the default --parts) the hot path of a Gym tool call: 8 sessions of list_notes
+           against serve (run under a cProfile switched on by SIGUSR1), measured three ways for
+           --profile-seconds each: serve's CPU per call from /proc, py-spy --nonblocking samples of
+           its event loop thread, and cProfile by that thread's CPU time. Writes --profile-out
+           (bench/profile.txt; the raw stacks and stats beside it, git-ignored).
 
-Every process started is stopped (SIGINT, then SIGKILL), env processes of serve included.
+The bench venv (--parts episodes, deploys, profile): ~/.cache/agentenv-bench/venv (or
+AGENTENV_BENCH_VENV) with agentenv-framework[openenv]==0.9.1364, matplotlib and py-spy, created on
+first use with the Python running this script and then only checked; it says what it does.
+
+Every process started is stopped (SIGINT, then SIGKILL), env processes of serve included, and
+every container started is removed.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import platform
@@ -41,6 +84,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import aiohttp
 
@@ -48,6 +92,8 @@ ROOT = Path(__file__).resolve().parent.parent
 AGENTENV = ROOT / "agentenv.py"
 NOTES = ROOT / "bundles" / "notes-v1"
 GRIDSIM = ROOT / "bundles" / "gridsim-v1"
+QUIZ = ROOT / "bench" / "bundles" / "quiz-v1"
+PEERS = ROOT / "bench" / "peers"
 COOKIE = "agentenv_session"
 MCP_HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
 
@@ -68,10 +114,19 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log
 
 # ------------------------------------------------------------------ processes
 
+_GIVEN_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port on 127.0.0.1, never one this run handed out before (ports picked at once for
+    containers published later must differ)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
 
 
 def children_of(pid: int) -> set[int]:
@@ -195,8 +250,8 @@ async def wait_port(port: int, proc: Proc, timeout: float = 30.0) -> float:
     raise RuntimeError(f"{shlex.join(proc.argv)} did not listen on {port} in {timeout}s")
 
 
-def serve(bundle: Path, port: int, *extra: str) -> Proc:
-    return Proc([sys.executable, str(AGENTENV), "serve", str(bundle), "--sandbox", "local",
+def serve(bundle: Path, port: int, *extra: str, sandbox: str = "local") -> Proc:
+    return Proc([sys.executable, str(AGENTENV), "serve", str(bundle), "--sandbox", sandbox,
                  "--port", str(port), *extra])
 
 
@@ -451,10 +506,981 @@ async def memory(args) -> dict:
             "per_session_delta": (loaded - idle) / k, "rss_after_close": closed,
             "env_processes": len(envs), "env_processes_rss_sum": env_rss,
             "env_processes_left_after_close": envs_left,
-            "first_calls_after_seeding_wall_s": deploy_s}
+            "first_calls_after_seeding_wall_s": deploy_s,
+            "noenv": await memory_noenv(args) if args.noenv_sessions else None}
+
+
+# ------------------------------------------------------------------ shared: venvs, rows, clients
+
+BENCH_VENV = Path(os.environ.get("AGENTENV_BENCH_VENV")
+                  or Path.home() / ".cache" / "agentenv-bench" / "venv")
+BENCH_REQUIREMENTS = ["agentenv-framework[openenv]==0.9.1364", "matplotlib", "py-spy"]
+GYM_VENV = Path(os.environ.get("AGENTENV_GYM_VENV")
+                or Path.home() / ".cache" / "agentenv-tests" / "nemo-gym-0.7")
+
+
+def say(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def bench_venv() -> Path:
+    """The benchmark's own venv: agentenv-framework 0.9.1364 (its OpenEnv server, for `episodes`),
+    matplotlib (the `deploys` plot) and py-spy (`profile`). Created on first use with the Python
+    running this script, then only checked (a marker file holds the requirements it was built
+    for; changing BENCH_REQUIREMENTS installs again). Says what it does."""
+    marker = BENCH_VENV / ".agentenv-bench-complete"
+    want = "\n".join(BENCH_REQUIREMENTS)
+    python = BENCH_VENV / "bin" / "python"
+    if marker.is_file() and marker.read_text().split("\n--\n")[0] == want and python.exists():
+        return BENCH_VENV
+    base = getattr(sys, "_base_executable", sys.executable)
+    if not python.exists():
+        say(f"venv: creating {BENCH_VENV} with {base}")
+        BENCH_VENV.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([base, "-m", "venv", str(BENCH_VENV)], check=True)
+    say(f"venv: pip install {' '.join(BENCH_REQUIREMENTS)} into {BENCH_VENV} (the first time "
+        "takes a few minutes and ~700 MB)")
+    t = time.perf_counter()
+    subprocess.run([str(python), "-m", "pip", "install", "-qq", *BENCH_REQUIREMENTS], check=True)
+    frozen = subprocess.run([str(python), "-m", "pip", "freeze"], capture_output=True, text=True)
+    marker.write_text(want + "\n--\n" + frozen.stdout)
+    say(f"venv: ready in {time.perf_counter() - t:.0f}s")
+    return BENCH_VENV
+
+
+def gym_venv() -> Path:
+    if not (GYM_VENV / ".agentenv-gym-complete").is_file():
+        raise RuntimeError(f"NeMo Gym 0.7's venv is not built at {GYM_VENV}: run bash .ci/gym-venv.sh "
+                           "(or set AGENTENV_GYM_VENV)")
+    return GYM_VENV
+
+
+def quiz_row() -> dict:
+    """The Gym row of quiz-v1's one task (no env: its only tool is end_turn)."""
+    sys.path.insert(0, str(ROOT))
+    import agentenv  # noqa: PLC0415
+    task = agentenv.Bundle.load(str(QUIZ)).splits["all"][0]
+    end_turn = {"type": "function", "name": "end_turn", "description": "End your turn.",
+                "strict": False, "parameters": {"type": "object", "properties": {
+                    "response": {"type": "string"}}}}
+    return {"responses_create_params": {"input": [{"role": "user", "content": "What is 6 * 7?"}],
+                                        "tools": [end_turn]},
+            "split": "all", "index": 0, "task_id": task.id}
+
+
+def cookie_header(resp: aiohttp.ClientResponse) -> str:
+    return "; ".join(f"{k}={m.value}" for k, m in resp.cookies.items())
+
+
+async def seed_many(http: aiohttp.ClientSession, url: str, row: dict, k: int,
+                    concurrency: int = 16) -> list[str]:
+    """Seed k Gym sessions; returns each one's Cookie header (whatever cookies the server set)."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one() -> str:
+        async with sem:
+            async with http.post(url + "/seed_session", json=row) as resp:
+                body = await resp.text()
+                if resp.status != 200:
+                    raise RuntimeError(f"seed_session answered {resp.status}: {body[:500]}")
+                return cookie_header(resp)
+    return await asyncio.gather(*(one() for _ in range(k)))
+
+
+async def post_each(http: aiohttp.ClientSession, url: str, path: str, cookies: list[str],
+                    body: dict, concurrency: int = 16) -> list[str]:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(cookie: str) -> str:
+        async with sem:
+            async with http.post(url + path, json=body, headers={"Cookie": cookie}) as resp:
+                return await resp.text()
+    return await asyncio.gather(*(one(c) for c in cookies))
+
+
+def client(limit: int = 0) -> aiohttp.ClientSession:
+    """One client for many sessions: cookies go by hand (a Cookie header per request)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit),
+                                 cookie_jar=aiohttp.DummyCookieJar(),
+                                 timeout=aiohttp.ClientTimeout(total=600))
+
+
+def ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+# ------------------------------------------------------------------ episodes
+
+RESET = json.dumps({"type": "reset", "data": {"split": "all", "index": 0}})
+ANSWER = json.dumps({"type": "step", "data": {"type": "call_tool", "tool_name": "end_turn",
+                                               "arguments": {"response": "42"}}})
+
+
+async def ws_player(url: str, episodes: int) -> tuple[list[tuple[float, float]], list[str]]:
+    """One OpenEnv client: one /ws, `episodes` episodes of quiz-v1 on it, each a reset (which
+    answers with the first turn's prompt) and the end_turn that scores it. Returns per episode
+    scored 1.0 (reset seconds, end_turn seconds), and what each failed episode answered."""
+    out, failed = [], []
+    async with aiohttp.ClientSession() as http:
+        async with http.ws_connect(url + "/ws", max_msg_size=0, autoping=True) as ws:
+            for _ in range(episodes):
+                t0 = time.perf_counter()
+                await ws.send_str(RESET)
+                reset = json.loads((await ws.receive(timeout=300)).data)
+                t1 = time.perf_counter()
+                obs = (reset.get("data") or {}).get("observation") or {}
+                if reset.get("type") != "observation" or "prompt" not in (obs.get("metadata") or {}):
+                    failed.append(f"reset answered {json.dumps(reset)[:300]}")
+                    if reset.get("type") == "error":
+                        break                   # an error frame may close the socket
+                    continue
+                await ws.send_str(ANSWER)
+                ended = json.loads((await ws.receive(timeout=300)).data)
+                t2 = time.perf_counter()
+                data = ended.get("data") or {}
+                if not (data.get("done") is True and data.get("reward") == 1.0):
+                    failed.append(f"end_turn answered {json.dumps(ended)[:300]}")
+                    continue
+                out.append((t1 - t0, t2 - t1))
+            await ws.send_str(json.dumps({"type": "close"}))
+    return out, failed
+
+
+async def play_episodes(url: str, clients: int, per_client: int) -> dict:
+    t = time.perf_counter()
+    runs = await asyncio.gather(*(ws_player(url, per_client) for _ in range(clients)))
+    wall = time.perf_counter() - t
+    done = [e for run, _ in runs for e in run]
+    failed = [f for _, fails in runs for f in fails]
+    return {"clients": clients, "episodes": len(done), "failed": len(failed),
+            "failures": failed[:3], "wall_s": wall, "episodes_per_s": len(done) / wall,
+            "reset_ms": [r * 1e3 for r, _ in done], "end_turn_ms": [e * 1e3 for _, e in done],
+            "episode_ms": [(r + e) * 1e3 for r, e in done]}
+
+
+def framework_server(port: int, limit: int, state: Path) -> Proc:
+    """agentenv-framework 0.9.1364's build_app(quiz-v1) under uvicorn, in the bench venv, with its
+    stores (XDG_STATE_HOME) and home in a scratch folder."""
+    venv = bench_venv()
+    (state / "home").mkdir(parents=True, exist_ok=True)
+    return Proc([str(venv / "bin" / "python"), str(PEERS / "framework_openenv.py"), str(QUIZ),
+                 str(port), str(limit)],
+                env={"HOME": str(state / "home"), "XDG_STATE_HOME": str(state / "xdg"),
+                     "AGENT_ENV_LOCAL_SANDBOX_DIR": str(state / "sandboxes"),
+                     "PYTHONUNBUFFERED": "1"}, cwd=state)
+
+
+async def episodes(args) -> dict:
+    """quiz-v1 episodes over /ws: ours (serve) and agentenv-framework's build_app, side by side."""
+    levels = [int(c) for c in args.clients.split(",")]
+    theirs_at = {int(c) for c in args.their_clients.split(",") if c.strip()}
+    limit = max(levels) + 8
+    procs: list[Proc] = []
+    with tempfile.TemporaryDirectory(prefix="agentenv-bench-fw-") as tmp:
+        try:
+            p_ours, p_theirs = free_port(), free_port()
+            ours = serve(QUIZ, p_ours, "--max-concurrent-envs", str(limit))
+            procs.append(ours)
+            urls = {"ours": f"http://127.0.0.1:{p_ours}"}
+            start_s = {}
+            async with aiohttp.ClientSession() as probe:
+                start_s["ours"] = await wait_health(probe, urls["ours"], ours)
+                if theirs_at:
+                    theirs = framework_server(p_theirs, limit, Path(tmp))
+                    procs.append(theirs)
+                    urls["theirs"] = f"http://127.0.0.1:{p_theirs}"
+                    start_s["theirs"] = await wait_health(probe, urls["theirs"], theirs, timeout=180)
+            await asyncio.sleep(1.0)
+            rss_idle = {"ours": rss_kib(ours.pid)}
+            if theirs_at:
+                rss_idle["theirs"] = rss_kib(theirs.pid)
+            say("episodes: warming up (ours 20 episodes, theirs 1)")
+            await play_episodes(urls["ours"], 1, 20)
+            if theirs_at:
+                await play_episodes(urls["theirs"], 1, 1)
+            runs: dict[str, dict[int, list[dict]]] = {"ours": {c: [] for c in levels},
+                                                     "theirs": {c: [] for c in levels}}
+            for r in range(args.repeat):
+                for c in levels:
+                    who = ["ours", "theirs"] if r % 2 == 0 else ["theirs", "ours"]
+                    for name in who:
+                        if name == "theirs" and c not in theirs_at:
+                            continue
+                        per_client = (max(1, args.episodes // c) if name == "ours"
+                                      else max(1, -(-args.their_episodes // c)))
+                        got = await play_episodes(urls[name], c, per_client)
+                        say(f"episodes: round {r + 1}, {name}, {c} client(s): {got['episodes']} "
+                            f"episodes, {got['episodes_per_s']:.1f}/s"
+                            + (f"; {got['failed']} FAILED, e.g. {got['failures'][0]}"
+                               if got["failed"] else ""))
+                        runs[name][c].append(got)
+            rss_after = {name: rss_kib(p.pid) for name, p in zip(("ours", "theirs"), procs)}
+        finally:
+            for p in procs:
+                p.stop()
+
+    def level(name: str, c: int) -> dict | None:
+        got = runs[name][c]
+        if not got:
+            return None
+        cat = lambda key: [x for g in got for x in g[key]] or [float("nan")]  # noqa: E731
+        return {"rounds": len(got), "episodes_per_round": got[0]["episodes"] + got[0]["failed"],
+                "failed": sum(g["failed"] for g in got),
+                "failures": [f for g in got for f in g["failures"]][:3],
+                "episodes_per_s": summary([g["episodes_per_s"] for g in got]),
+                "episode_ms": summary(cat("episode_ms")), "reset_ms": summary(cat("reset_ms")),
+                "end_turn_ms": summary(cat("end_turn_ms"))}
+    out: dict = {"bundle": "bench/bundles/quiz-v1", "levels": {}, "start_to_health_s": start_s,
+                 "rss_idle_kib": rss_idle, "rss_after_kib": rss_after, "target_ratio": 100}
+    for c in levels:
+        ours_c, theirs_c = level("ours", c), level("theirs", c)
+        row = {"ours": ours_c, "theirs": theirs_c}
+        if theirs_c:
+            # all of theirs failing gives no ratio (None): infinitely better, but not measured
+            row["ratio_eps"] = ratio(ours_c["episodes_per_s"]["p50"], theirs_c["episodes_per_s"]["p50"])
+            row["ratio_episode_p50"] = theirs_c["episode_ms"]["p50"] / ours_c["episode_ms"]["p50"]
+            row["meets_target"] = row["ratio_eps"] is None or row["ratio_eps"] >= 100
+        out["levels"][str(c)] = row
+    return out
+
+
+# ------------------------------------------------------------------ throughput
+
+def gym_counter_server(port: int) -> Proc:
+    """bench/peers/gym_counter (a SimpleResourcesServer) started as Gym starts a resources server."""
+    venv = gym_venv()
+    folder = PEERS / "gym_counter"
+    config = {"gym_counter": {"resources_servers": {"gym_counter": {
+                  "entrypoint": "app.py", "domain": "other", "host": "127.0.0.1", "port": port}}},
+              "head_server": {"host": "127.0.0.1", "port": free_port()}, "dry_run": False}
+    return Proc([str(venv / "bin" / "python"), "app.py"], cwd=folder,
+                env={"NEMO_GYM_CONFIG_DICT": json.dumps(config),
+                     "NEMO_GYM_CONFIG_PATH": "gym_counter", "PYTHONPATH": str(folder),
+                     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1"})
+
+
+async def hammer(http: aiohttp.ClientSession, url: str, tool: str, body: dict,
+                 cookies: list[str], seconds: float, expect: Callable[[str], bool]) -> dict:
+    """Every session calls the tool back to back (one call in flight per session, as a rollout
+    does) for `seconds`; returns calls/s over the window and each call's latency."""
+    stop = time.perf_counter() + seconds
+    bad: list[str] = []
+
+    async def worker(cookie: str) -> list[float]:
+        got = []
+        headers = {"Cookie": cookie}
+        while time.perf_counter() < stop:
+            t = time.perf_counter()
+            async with http.post(url + "/" + tool, json=body, headers=headers) as resp:
+                text = await resp.text()
+                if resp.status != 200 or not expect(text):
+                    bad.append(f"{resp.status} {text[:200]}")
+            got.append((time.perf_counter() - t) * 1e3)
+        return got
+    t0 = time.perf_counter()
+    lat = [x for w in await asyncio.gather(*(worker(c) for c in cookies)) for x in w]
+    wall = time.perf_counter() - t0
+    if bad:
+        raise RuntimeError(f"{len(bad)} {tool} calls answered unexpectedly, e.g. {bad[0]}")
+    return {"calls": len(lat), "wall_s": wall, "calls_per_s": len(lat) / wall, "latency_ms": lat}
+
+
+async def throughput(args) -> dict:
+    """Gym tool calls/s with K live sessions: ours (list_notes through serve to a local notebook env
+    per session) and NeMo Gym's SimpleResourcesServer (a counter, no env), side by side."""
+    ks = [int(k) for k in args.throughput_sessions.split(",")]
+    procs: list[Proc] = []
+    out: dict = {"window_s": args.seconds, "levels": {}, "target_ratio": 2}
+    try:
+        p_ours, p_theirs = free_port(), free_port()
+        ours = serve(NOTES, p_ours, "--max-concurrent-envs", str(max(ks) + 8))
+        theirs = gym_counter_server(p_theirs)
+        procs = [ours, theirs]
+        u_ours, u_theirs = f"http://127.0.0.1:{p_ours}", f"http://127.0.0.1:{p_theirs}"
+        async with aiohttp.ClientSession() as probe:
+            await wait_health(probe, u_ours, ours)
+            out["theirs_start_s"] = await wait_health(probe, u_theirs, theirs, timeout=120, path="/")
+        row = notes_row(NOTES, 0)
+        calls = {"ours": (u_ours, "list_notes", {}, lambda t: t == "pancakes"),
+                 "theirs": (u_theirs, "add", {"amount": 1}, lambda t: t.startswith('{"total":'))}
+        for k in ks:
+            async with client() as http:
+                say(f"throughput: seeding {k} sessions on each (ours deploys {k} notebook envs)")
+                t = time.perf_counter()
+                cookies = {"ours": await seed_many(http, u_ours, row, k),
+                           "theirs": await seed_many(http, u_theirs, {"responses_create_params": {
+                               "input": "count"}}, k)}
+                first = await post_each(http, u_ours, "/list_notes", cookies["ours"], {})
+                if any(a != "pancakes" for a in first):
+                    raise RuntimeError(f"ours' first calls answered e.g. {first[0]!r}")
+                deploy_s = time.perf_counter() - t
+                for name, (url, tool, body, ok) in calls.items():     # warm up
+                    await hammer(http, url, tool, body, cookies[name], min(1.0, args.seconds), ok)
+                got: dict[str, list[dict]] = {"ours": [], "theirs": []}
+                for r in range(args.repeat):
+                    for name in (["ours", "theirs"] if r % 2 == 0 else ["theirs", "ours"]):
+                        url, tool, body, ok = calls[name]
+                        got[name].append(await hammer(http, url, tool, body, cookies[name],
+                                                      args.seconds, ok))
+                    say(f"throughput: {k} sessions, round {r + 1}: ours "
+                        f"{got['ours'][-1]['calls_per_s']:.0f}/s, theirs "
+                        f"{got['theirs'][-1]['calls_per_s']:.0f}/s")
+                rss = {"ours": rss_kib(ours.pid), "theirs": rss_kib(theirs.pid)}
+                await post_each(http, u_ours, "/close_session", cookies["ours"], {})
+                await post_each(http, u_theirs, "/verify", cookies["theirs"], {
+                    "responses_create_params": {"input": "count"},
+                    "response": {"id": "r", "created_at": 0, "model": "m", "object": "response",
+                                 "output": [], "parallel_tool_calls": True, "tool_choice": "auto",
+                                 "tools": []}})
+            level = {name: {"calls_per_s": summary([g["calls_per_s"] for g in runs]),
+                            "latency_ms": summary([x for g in runs for x in g["latency_ms"]]),
+                            "calls_per_round": [g["calls"] for g in runs], "rss_kib": rss[name]}
+                     for name, runs in got.items()}
+            level["ours_seed_and_deploy_s"] = deploy_s
+            level["ratio"] = (level["ours"]["calls_per_s"]["p50"]
+                              / level["theirs"]["calls_per_s"]["p50"])
+            level["meets_target"] = level["ratio"] >= 2
+            out["levels"][str(k)] = level
+            await asyncio.sleep(1.0)
+    finally:
+        for p in procs:
+            p.stop()
+    return out
+
+
+# ------------------------------------------------------------------ memory, no env
+
+async def memory_noenv(args) -> dict:
+    """serve quiz-v1 (no env): VmRSS idle, with N live Gym sessions (each an episode at its first
+    turn), and after closing them."""
+    n = args.noenv_sessions
+    port = free_port()
+    proc = serve(QUIZ, port, "--max-concurrent-envs", str(n + 8))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with client() as http:
+            await wait_health(http, url, proc)
+            await asyncio.sleep(1.0)
+            idle = rss_kib(proc.pid)
+            t = time.perf_counter()
+            cookies = await seed_many(http, url, quiz_row(), n)
+            seed_s = time.perf_counter() - t
+            await asyncio.sleep(1.0)
+            loaded = rss_kib(proc.pid)
+            # one session scored, to show they are live episodes at their first turn
+            async with http.post(url + "/end_turn", json={"response": "42"},
+                                 headers={"Cookie": cookies[0]}) as resp:
+                ended = await resp.text()
+            await post_each(http, url, "/close_session", cookies, {})
+            await asyncio.sleep(1.0)
+            closed = rss_kib(proc.pid)
+    finally:
+        proc.stop()
+    return {"unit": "KiB", "bundle": "bench/bundles/quiz-v1", "sessions": n, "idle_rss": idle,
+            "rss_with_sessions": loaded, "per_session_kib": (loaded - idle) / n,
+            "rss_after_close": closed, "seed_s": seed_s, "first_session_end_turn": ended[:200],
+            "targets": {"idle_mib": 60, "per_session_kib": 64},
+            "meets_target": idle / 1024 <= 60 and (loaded - idle) / n <= 64}
+
+
+# ------------------------------------------------------------------ deploys
+
+def docker(*argv: str, timeout: float = 120) -> str:
+    done = subprocess.run(["docker", *argv], capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"docker {' '.join(argv)} failed: {done.stderr.strip()[:500]}")
+    return done.stdout
+
+
+async def until_http(url: str, timeout: float = 60) -> None:
+    """Until anything at url answers HTTP (any status)."""
+    deadline = time.perf_counter() + timeout
+    async with aiohttp.ClientSession() as http:
+        while time.perf_counter() < deadline:
+            try:
+                async with http.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                    await resp.read()
+                    return
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                await asyncio.sleep(0.005)
+    raise RuntimeError(f"{url} did not answer in {timeout}s")
+
+
+PLOT = r'''
+import json, statistics, sys
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+data = json.load(open(sys.argv[1]))
+levels = sorted(int(k) for k in data["levels"])
+fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+for k in levels:
+    ys = data["levels"][str(k)]
+    ax.scatter([k] * len(ys), ys, s=10, color="tab:blue", alpha=0.35, zorder=2)
+def q(ys, p):
+    ys = sorted(ys)
+    if p == 50:
+        return statistics.median(ys)
+    return ys[max(0, min(len(ys) - 1, round(p / 100 * len(ys) + 0.5) - 1))]
+for p, style in ((50, "o-"), (95, "s--"), (100, "^:")):
+    ax.plot(levels, [q(data["levels"][str(k)], p) for k in levels], style,
+            label={50: "ours: median", 95: "ours: p95", 100: "ours: max"}[p], zorder=3)
+ax.plot(levels, [q(data["bare_levels"][str(k)], 50) for k in levels], "x-", color="grey",
+        label="k bare docker runs at once, no pool: median", zorder=3)
+ax.axhline(data["bare_p50_s"], color="grey", lw=1, ls="-.",
+           label=f"one bare docker run to HTTP (median {data['bare_p50_s']:.2f}s)")
+ax.set_xscale("log", base=2)
+ax.set_xticks(levels); ax.set_xticklabels([str(k) for k in levels])
+ax.set_xlabel("episodes started at once, k (ours: Gym seed_session, pool of %d)" % data["pool"])
+ax.set_ylabel("seed to first tool answer (s)")
+ax.set_title("agentenv.py serve --sandbox docker, notes-v1: deploy latency")
+ax.grid(True, which="both", alpha=0.3)
+ax.legend(fontsize=8)
+fig.text(0.01, 0.01, data["note"], fontsize=6, color="grey")
+fig.tight_layout(rect=(0, 0.03, 1, 1))
+fig.savefig(sys.argv[2])
+'''
+
+
+async def deploys(args) -> dict:
+    """Docker deploys: ours (seed to the first turn's first tool answer, and OpenEnv reset) beside
+    a bare `docker run` of the same image until it answers HTTP; then the pool at --pool with
+    1..32 episodes started at once, plotted."""
+    try:
+        docker("info", "--format", "{{.ServerVersion}}", timeout=20)
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(f"deploys needs Docker ({exc}); start it with bash .ci/docker-up.sh")
+    run_id = f"{os.getpid()}-{int(time.time())}"
+    port = free_port()
+    ours = serve(NOTES, port, "--max-concurrent-envs", str(args.pool), sandbox="docker")
+    url = f"http://127.0.0.1:{port}"
+    bare_names: list[str] = []
+    out: dict = {"pool": args.pool, "target_ratio": 1.2}
+    try:
+        async with aiohttp.ClientSession() as probe:
+            out["serve_start_s"] = await wait_health(probe, url, ours, timeout=900)
+        sys.path.insert(0, str(ROOT))
+        import agentenv  # noqa: PLC0415
+        env = agentenv.Bundle.load(str(NOTES)).envs["notebook"]
+        image = f"agentenv/notebook:{env.digest}"
+        out["image"] = image
+        row = notes_row(NOTES, 1)         # save-groceries: deploy_env, deploy_agent, one turn
+
+        async def ours_gym(http: aiohttp.ClientSession) -> float:
+            t = time.perf_counter()
+            async with http.post(url + "/seed_session", json=row) as resp:
+                cookie = cookie_header(resp)
+                await resp.read()
+            async with http.post(url + "/list_notes", json={}, headers={"Cookie": cookie}) as resp:
+                text = await resp.text()
+            took = time.perf_counter() - t
+            async with http.post(url + "/close_session", json={},
+                                 headers={"Cookie": cookie}) as resp:
+                await resp.read()
+            if text != "(no notes)":
+                raise RuntimeError(f"list_notes after a docker deploy answered {text!r}")
+            return took
+
+        async def ours_openenv(http: aiohttp.ClientSession) -> float:
+            async with http.ws_connect(url + "/ws") as ws:
+                t = time.perf_counter()
+                await ws.send_json({"type": "reset", "data": {"split": "all", "index": 1}})
+                reset = json.loads((await ws.receive(timeout=300)).data)
+                took = time.perf_counter() - t
+                await ws.send_json({"type": "close"})
+            if "prompt" not in (reset["data"]["observation"].get("metadata") or {}):
+                raise RuntimeError(f"reset answered {json.dumps(reset)[:500]}")
+            return took
+
+        async def bare(http: aiohttp.ClientSession) -> float:
+            for attempt in range(3):           # a port another process took meanwhile: again
+                name = f"agentenv-bench-{run_id}-{len(bare_names)}"
+                bare_names.append(name)
+                host_port = free_port()
+                t = time.perf_counter()
+                proc = await asyncio.create_subprocess_exec(
+                    "docker", "run", "-d", "--name", name, "--label",
+                    f"agentenv-bench.run={run_id}", "-p", f"127.0.0.1:{host_port}:18765",
+                    "-e", "ENVIRONMENT_NAME=notebook", "-e", "MCP_HOST=0.0.0.0",
+                    "--security-opt", "no-new-privileges", image,
+                    stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+                _, err = await proc.communicate()
+                if proc.returncode == 0:
+                    break
+                await asyncio.to_thread(subprocess.run, ["docker", "rm", "-f", name],
+                                        capture_output=True)
+                if "already allocated" not in err.decode() or attempt == 2:
+                    raise RuntimeError(f"docker run failed: {err.decode()[:500]}")
+            await until_http(f"http://127.0.0.1:{host_port}/.well-known/agent-env.json")
+            took = time.perf_counter() - t
+            await asyncio.to_thread(docker, "rm", "-f", name)
+            return took
+
+        import docker as docker_sdk  # noqa: PLC0415 - agentenv.py's own dependency
+        api = docker_sdk.from_env(timeout=120)
+
+        async def bare_api(http: aiohttp.ClientSession) -> float:
+            """The same container through the Engine API (the docker SDK, as serve drives it)."""
+            name = f"agentenv-bench-{run_id}-{len(bare_names)}"
+            bare_names.append(name)
+            host_port = free_port()
+            t = time.perf_counter()
+            await asyncio.to_thread(
+                api.containers.run, image, detach=True, name=name,
+                labels={"agentenv-bench.run": run_id}, ports={"18765/tcp": ("127.0.0.1", host_port)},
+                environment={"ENVIRONMENT_NAME": "notebook", "MCP_HOST": "0.0.0.0"},
+                security_opt=["no-new-privileges"])
+            await until_http(f"http://127.0.0.1:{host_port}/.well-known/agent-env.json")
+            took = time.perf_counter() - t
+            await asyncio.to_thread(docker, "rm", "-f", name)
+            return took
+
+        one = {"ours_gym": ours_gym, "ours_openenv": ours_openenv, "bare": bare,
+               "bare_api": bare_api}
+        times: dict[str, list[float]] = {k: [] for k in one}
+        async with client() as http:
+            for f in one.values():                   # warm up (page cache, the daemon)
+                await f(http)
+            order = list(one)
+            for r in range(args.repeat * 2):
+                for name in order[r % len(order):] + order[:r % len(order)]:
+                    times[name].append(await one[name](http))
+            say("deploys: single deploys done " + ", ".join(
+                f"{k} {statistics.median(v):.2f}s" for k, v in times.items()))
+            single = {k: summary([x * 1e3 for x in v]) for k, v in times.items()}
+            out["single_ms"] = single
+            out["ratio_gym_vs_bare"] = single["ours_gym"]["p50"] / single["bare"]["p50"]
+            out["ratio_openenv_vs_bare"] = single["ours_openenv"]["p50"] / single["bare"]["p50"]
+            out["ratio_gym_vs_bare_api"] = single["ours_gym"]["p50"] / single["bare_api"]["p50"]
+            out["ratio_openenv_vs_bare_api"] = (single["ours_openenv"]["p50"]
+                                                / single["bare_api"]["p50"])
+            out["meets_target"] = out["ratio_gym_vs_bare"] <= 1.2
+            out["meets_target_vs_api"] = out["ratio_gym_vs_bare_api"] <= 1.2
+
+            levels: dict[str, list[float]] = {}
+            bare_levels: dict[str, list[float]] = {}
+            for k in [int(x) for x in args.deploy_levels.split(",")]:
+                levels[str(k)], bare_levels[str(k)] = [], []
+                for r in range(args.repeat):
+                    for who in (("ours", "bare") if r % 2 == 0 else ("bare", "ours")):
+                        if who == "ours":
+                            levels[str(k)] += await asyncio.gather(*(ours_gym(http)
+                                                                     for _ in range(k)))
+                        else:
+                            bare_levels[str(k)] += await asyncio.gather(*(bare(http)
+                                                                          for _ in range(k)))
+                        await asyncio.sleep(0.5)
+                say(f"deploys: {k} at once, pool {args.pool}: median "
+                    f"{statistics.median(levels[str(k)]):.2f}s, max {max(levels[str(k)]):.2f}s; "
+                    f"{k} bare docker runs at once: median "
+                    f"{statistics.median(bare_levels[str(k)]):.2f}s")
+            out["pool_levels_ms"] = {k: summary([x * 1e3 for x in v]) for k, v in levels.items()}
+            out["bare_levels_ms"] = {k: summary([x * 1e3 for x in v])
+                                     for k, v in bare_levels.items()}
+        plot = {"levels": levels, "bare_levels": bare_levels, "pool": args.pool,
+                "bare_p50_s": single["bare"]["p50"] / 1e3,
+                "note": f"each point: one Gym session, seed_session to its first list_notes answer; "
+                        f"{args.repeat} round(s) per level; {os.cpu_count()} cores; "
+                        f"{time.strftime('%Y-%m-%d %H:%M')}"}
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(plot, f)
+        try:
+            subprocess.run([str(bench_venv() / "bin" / "python"), "-c", PLOT, f.name, args.plot],
+                           check=True, timeout=120)
+            out["plot"] = args.plot
+        finally:
+            os.unlink(f.name)
+    finally:
+        ours.stop(grace=60)
+        for name in bare_names:
+            subprocess.run(["docker", "rm", "-f", name], capture_output=True)
+        left = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=agentenv-bench.run={run_id}"],
+                              capture_output=True, text=True).stdout.split()
+        if left:
+            subprocess.run(["docker", "rm", "-f", *left], capture_output=True)
+        # ours: containers whose owner label names the serve process (host:pid:start)
+        listed = subprocess.run(["docker", "ps", "-a", "--filter", "label=agentenv.owner", "--format",
+                                 '{{.ID}} {{.Label "agentenv.owner"}}'],
+                                capture_output=True, text=True).stdout.splitlines()
+        mine = [line.split()[0] for line in listed
+                if len(line.split()) == 2 and line.split()[1].split(":")[1:2] == [str(ours.pid)]]
+        if mine:
+            say(f"deploys: serve left {len(mine)} container(s) behind; removing them")
+            subprocess.run(["docker", "rm", "-f", *mine], capture_output=True)
+        out["containers_left_by_serve"] = len(mine)
+    return out
+
+
+# ------------------------------------------------------------------ write-gym
+
+WRITEGYM_PROBE = r'''
+import asyncio, json, sys, time
+sys.path.insert(0, sys.argv[1])
+import agentenv
+spent = {"bundle_load": 0.0, "runtime_start": 0.0, "first_turn_tools": 0.0, "runtime_close": 0.0}
+deploys = []
+load, start, close, first = (agentenv.Bundle.load.__func__, agentenv.Runtime.start,
+                             agentenv.Runtime.close, agentenv.Runtime.first_turn_tools)
+def timed_load(cls, *a, **k):
+    t = time.perf_counter()
+    try:
+        return load(cls, *a, **k)
+    finally:
+        spent["bundle_load"] += time.perf_counter() - t
+def timed_async(key, fn):
+    async def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return await fn(*a, **k)
+        finally:
+            spent[key] += time.perf_counter() - t
+            if key == "first_turn_tools":
+                deploys.append(time.perf_counter() - t)
+    return wrapper
+agentenv.Bundle.load = classmethod(timed_load)
+agentenv.Runtime.start = timed_async("runtime_start", start)
+agentenv.Runtime.close = timed_async("runtime_close", close)
+agentenv.Runtime.first_turn_tools = timed_async("first_turn_tools", first)
+t = time.perf_counter()
+target = asyncio.run(agentenv.write_gym(sys.argv[2], sys.argv[3], sandbox="local", out=lambda s: None))
+total = time.perf_counter() - t
+rows = sum(1 for _ in open(target / "data" / "all.jsonl"))
+print(json.dumps({"total_s": total, "rows_all": rows, "deploys": deploys, **spent}))
+'''
+
+
+async def writegym(args) -> dict:
+    """write-gym of gridsim-v1 (local sandbox): the CLI's wall time, and in-process how much of
+    write_gym is its deploys (Runtime.first_turn_tools, one per toolset), side by side."""
+    cli, probes = [], []
+    with tempfile.TemporaryDirectory(prefix="agentenv-bench-gym-") as tmp:
+        for r in range(args.repeat):
+            root = Path(tmp) / f"cli-{r}"
+            t = time.perf_counter()
+            done = await asyncio.to_thread(subprocess.run, [
+                sys.executable, str(AGENTENV), "write-gym", str(GRIDSIM), str(root),
+                "--sandbox", "local"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+            took = time.perf_counter() - t
+            if done.returncode != 0:
+                raise RuntimeError(f"write-gym failed: {done.stderr[-1500:]}")
+            rows = sum(1 for _ in open(root / "resources_servers" / "gridsim_v1" / "data" / "all.jsonl"))
+            cli.append({"wall_s": took, "rows_all": rows})
+            done = await asyncio.to_thread(subprocess.run, [
+                sys.executable, "-c", WRITEGYM_PROBE, str(ROOT), str(GRIDSIM),
+                str(Path(tmp) / f"probe-{r}")], capture_output=True, text=True, cwd=ROOT, timeout=600)
+            if done.returncode != 0:
+                raise RuntimeError(f"the write-gym probe failed: {done.stderr[-1500:]}")
+            probes.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            say(f"writegym: round {r + 1}: CLI {took:.2f}s, in-process {probes[-1]['total_s']:.2f}s "
+                f"of which deploys {probes[-1]['first_turn_tools']:.2f}s")
+    med = lambda key: statistics.median(p[key] for p in probes)  # noqa: E731
+    total = med("total_s")
+    return {"bundle": "bundles/gridsim-v1", "sandbox": "local", "runs": args.repeat,
+            "rows_all": cli[0]["rows_all"], "toolsets_deployed": len(probes[0]["deploys"]),
+            "cli_wall_s": summary([c["wall_s"] for c in cli]),
+            "in_process_s": summary([p["total_s"] for p in probes]),
+            "deploys_s": summary([p["first_turn_tools"] for p in probes]),
+            "bundle_load_s": med("bundle_load"), "runtime_start_s": med("runtime_start"),
+            "runtime_close_s": med("runtime_close"),
+            "deploy_share_in_process": med("first_turn_tools") / total,
+            "deploy_share_of_cli_wall": med("first_turn_tools") / statistics.median(
+                c["wall_s"] for c in cli)}
+
+
+# ------------------------------------------------------------------ profile
+
+# serve, as `python agentenv.py serve ...` runs it, with a cProfile of the event loop's thread
+# (timer: that thread's CPU time) switched on by SIGUSR1 and dumped by SIGUSR2.
+PROFILED_SERVE = r'''
+import cProfile, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+import agentenv
+prof = cProfile.Profile(time.thread_time)
+signal.signal(signal.SIGUSR1, lambda *_: prof.enable())
+def dump(*_):
+    prof.disable()
+    prof.dump_stats(sys.argv[2])
+signal.signal(signal.SIGUSR2, dump)
+sys.exit(agentenv.main(sys.argv[3:]))
+'''
+
+
+def code_of(path: str, name: str) -> str:
+    """Which code a profiled function is in, by its file (or, for a C function, its name)."""
+    if path.endswith("agentenv.py"):
+        return "agentenv.py"
+    for part in ("/aiohttp/client", "/aiohttp/connector.py", "/aiohttp/cookiejar.py"):
+        if part in path:
+            return "aiohttp client (the MCP call to the env)"
+    for part, kind in (("/aiohttp/", "aiohttp server and shared"),
+                       ("/yarl/", "aiohttp (yarl, multidict)"),
+                       ("/multidict/", "aiohttp (yarl, multidict)"), ("/json/", "json"),
+                       ("/asyncio/", "asyncio"), ("selectors.py", "asyncio"),
+                       ("/http/", "stdlib http (cookies)"), ("/logging/", "logging")):
+        if part in path:
+            return kind
+    if path == "~":
+        if "socket" in name or "epoll" in name:
+            return "socket and epoll calls (C)"
+        if "json" in name or "scanner" in name or "encode" in name:
+            return "json"
+        return "other C built-ins"
+    return "other Python"
+
+
+def frame_code(frame: str) -> str:
+    """code_of for a py-spy frame, "function (path:line)" with the path relative to sys.path."""
+    where = frame.rsplit("(", 1)[-1]
+    return code_of("/" + where.split(":")[0], frame.split(" (")[0])
+
+
+def cpu_ticks(pid: int) -> tuple[int, int]:
+    """(user, system) CPU clock ticks a process has used, from /proc/<pid>/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]), int(fields[12])
+
+
+def top(counter: collections.Counter, total: float, n: int) -> dict[str, float]:
+    return {k: round(v / total, 4) for k, v in counter.most_common(n)}
+
+
+async def profile(args) -> dict:
+    """Where serve's time goes on the hot path of a Gym tool call: 8 sessions call list_notes back
+    to back (a local notebook env each) while (1) /proc counts the serve process's CPU per call,
+    (2) py-spy samples it (--nonblocking; stacks of the event loop's thread), and (3) cProfile
+    times every function by the event loop thread's CPU time. Writes a summary."""
+    import pstats  # noqa: PLC0415
+    spy = bench_venv() / "bin" / "py-spy"
+    port = free_port()
+    summary_path = Path(args.profile_out)
+    folded, pstats_path = summary_path.with_suffix(".folded"), summary_path.with_suffix(".pstats")
+    proc = Proc([sys.executable, "-c", PROFILED_SERVE, str(ROOT), str(pstats_path), "serve",
+                 str(NOTES), "--sandbox", "local", "--port", str(port),
+                 "--max-concurrent-envs", "16"])
+    url = f"http://127.0.0.1:{port}"
+    secs = args.profile_seconds
+    ok = lambda t: t == "pancakes"  # noqa: E731
+    try:
+        async with client() as http:
+            await wait_health(http, url, proc)
+            cookies = await seed_many(http, url, notes_row(NOTES, 0), 8)
+            await post_each(http, url, "/list_notes", cookies, {})
+            await hammer(http, url, "list_notes", {}, cookies, 1.0, ok)
+            before = cpu_ticks(proc.pid)
+            plain = await hammer(http, url, "list_notes", {}, cookies, secs, ok)
+            after = cpu_ticks(proc.pid)
+            hz = os.sysconf("SC_CLK_TCK")
+            cpu = {"user": (after[0] - before[0]) / hz * 1e3 / plain["calls"],
+                   "system": (after[1] - before[1]) / hz * 1e3 / plain["calls"],
+                   "calls_per_s": plain["calls_per_s"]}
+            record = await asyncio.create_subprocess_exec(
+                str(spy), "record", "--pid", str(proc.pid), "--duration", str(round(secs)),
+                "--rate", "200", "--format", "raw", "--function", "--nonblocking",
+                "--output", str(folded),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            sampled = await hammer(http, url, "list_notes", {}, cookies, secs + 1, ok)
+            spy_out, _ = await record.communicate()
+            if record.returncode != 0:
+                raise RuntimeError(f"py-spy failed: {spy_out.decode()[-1000:]}")
+            proc.popen.send_signal(signal.SIGUSR1)
+            await asyncio.sleep(0.2)
+            profiled = await hammer(http, url, "list_notes", {}, cookies, secs, ok)
+            proc.popen.send_signal(signal.SIGUSR2)
+            await asyncio.sleep(1.0)
+            await post_each(http, url, "/close_session", cookies, {})
+    finally:
+        proc.stop()
+
+    # py-spy: the event loop thread's stacks (those under agentenv's main), less its epoll waits
+    spy_total, spy_idle = 0, 0
+    spy_self, spy_code, spy_ours = collections.Counter(), collections.Counter(), collections.Counter()
+    for line in folded.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = [f for f in stack.split(";") if " (" in f]
+        if not frames or not any(f.startswith("main (agentenv.py") for f in frames):
+            continue
+        n = int(count)
+        if frames[-1].startswith("EpollSelector.select"):
+            spy_idle += n
+            continue
+        spy_total += n
+        spy_self[frames[-1]] += n
+        spy_code[frame_code(frames[-1])] += n
+        for name in {f.split(" (")[0] for f in frames[3:] if "(agentenv.py" in f}:
+            spy_ours[name] += n
+
+    # cProfile: self time by code, top functions by self time, agentenv.py's by cumulative time
+    stats = pstats.Stats(str(pstats_path)).stats
+    total = sum(tt for (_, _, tt, _, _) in stats.values()) or 1.0
+    by_code, self_time, ours_cum = collections.Counter(), collections.Counter(), collections.Counter()
+    for (path, line, name), (_, calls, tt, ct, _) in stats.items():
+        label = f"{name} ({Path(path).name if path != '~' else 'C'}:{line})"
+        by_code[code_of(path, name)] += tt
+        self_time[label] += tt
+        if path.endswith("agentenv.py") and name not in ("main", "serve", "<module>"):
+            ours_cum[label] = max(ours_cum[label], ct)
+    calls = profiled["calls"]
+    result = {"seconds": secs, "sessions": 8, "cpu_ms_per_call_unprofiled": cpu,
+              "calls_per_s_py_spy": sampled["calls_per_s"],
+              "calls_per_s_cprofile": profiled["calls_per_s"],
+              "py_spy": {"samples_busy": spy_total, "samples_in_epoll_wait": spy_idle,
+                         "by_code": top(spy_code, spy_total, 12),
+                         "top_self": top(spy_self, spy_total, 15),
+                         "agentenv_inclusive": top(spy_ours, spy_total, 15)},
+              "cprofile": {"cpu_ms_per_call": total * 1e3 / calls, "by_code": top(by_code, total, 12),
+                           "top_self": top(self_time, total, 20),
+                           "agentenv_cumulative": top(ours_cum, total, 15)},
+              "files": [str(summary_path), str(folded), str(pstats_path)]}
+    pct = lambda d: [f"  {v * 100:5.1f}%  {k}" for k, v in d.items()]  # noqa: E731
+    c = result["cprofile"]
+    lines = [f"serve notes-v1 --sandbox local; 8 Gym sessions call list_notes back to back "
+             f"(each a local notebook env); {secs}s per measure", "",
+             f"1. /proc, unprofiled ({cpu['calls_per_s']:.0f} calls/s): the serve process used "
+             f"{cpu['user']:.3f} ms user + {cpu['system']:.3f} ms system CPU per call", "",
+             "2. cProfile of the event loop thread, timer = its CPU time "
+             f"({profiled['calls_per_s']:.0f} "
+             f"calls/s under it; {c['cpu_ms_per_call']:.3f} ms profiled CPU per call, inflated by "
+             "the profiler's own cost per Python call)", "", "   self time by code:", *pct(c["by_code"]),
+             "", "   top functions by self time:", *pct(c["top_self"]), "",
+             "   agentenv.py functions by cumulative time (share of all self time):",
+             *pct(c["agentenv_cumulative"]), "",
+             f"3. py-spy --nonblocking, {spy_total} busy samples of the event loop thread "
+             f"({spy_idle} more in its epoll wait, left out; {sampled['calls_per_s']:.0f} calls/s). "
+             "A sample counts a thread that is runnable but waiting for a core, so on a loaded "
+             "machine the socket calls (whose wake-ups hand the core to the peer) look bigger "
+             "than their CPU:", "", "   innermost frame by code:", *pct(result["py_spy"]["by_code"]),
+             "", "   top innermost frames:", *pct(result["py_spy"]["top_self"]), "",
+             "   agentenv.py functions on the stack:", *pct(result["py_spy"]["agentenv_inclusive"])]
+    summary_path.write_text("\n".join(lines) + "\n")
+    return result
 
 
 # ------------------------------------------------------------------ report
+
+def markdown_new(results: dict) -> list[str]:
+    out: list[str] = []
+    if "episodes" in results:
+        e = results["episodes"]
+        st = e["start_to_health_s"]
+        out += ["### episodes: quiz-v1 (no env, one prompt, a response verifier) over OpenEnv /ws, "
+                "reset + the end_turn that scores it", "",
+                "| clients | ours episodes/s | theirs episodes/s | ratio (target >= 100x) | ours "
+                "episode p50 / p95 ms | theirs episode p50 / p95 ms | ours reset / end_turn p50 ms | "
+                "theirs reset / end_turn p50 ms |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for c, row in e["levels"].items():
+            o, t = row["ours"], row["theirs"]
+            cells = [c, f"{o['episodes_per_s']['p50']:.0f} ({o['episodes_per_round']}/round)"]
+            if o["failed"]:
+                cells[1] += f", {o['failed']} FAILED"
+            if t:
+                cells += [f"{t['episodes_per_s']['p50']:.2f} ({t['episodes_per_round']}/round"
+                          + (f", {t['failed']} failed" if t["failed"] else "") + ")",
+                          (f"{row['ratio_eps']:.0f}x" if row["ratio_eps"] else "(theirs all failed)")
+                          + f" ({'met' if row['meets_target'] else 'NOT met'})"]
+            else:
+                cells += ["(not run)", ""]
+            cells.append(f"{o['episode_ms']['p50']:.2f} / {o['episode_ms']['p95']:.2f}")
+            cells.append(f"{t['episode_ms']['p50']:.0f} / {t['episode_ms']['p95']:.0f}" if t else "")
+            cells.append(f"{o['reset_ms']['p50']:.2f} / {o['end_turn_ms']['p50']:.2f}")
+            cells.append(f"{t['reset_ms']['p50']:.0f} / {t['end_turn_ms']['p50']:.0f}" if t else "")
+            out.append("| " + " | ".join(cells) + " |")
+        rss = e["rss_idle_kib"]
+        for c, row in e["levels"].items():
+            for who in ("ours", "theirs"):
+                if row[who] and row[who]["failed"]:
+                    out += ["", f"{who}, {c} clients: {row[who]['failed']} episodes failed, e.g. "
+                            f"`{row[who]['failures'][0][:300]}`"]
+        out += ["", "theirs = agentenv-framework 0.9.1364 `build_app` under uvicorn (bench venv). "
+                f"Start to /health: ours {st['ours']:.2f}s" + (f", theirs {st['theirs']:.1f}s" if
+                "theirs" in st else "") + f". RSS idle: ours {rss['ours'] / 1024:.1f} MiB" +
+                (f", theirs {rss['theirs'] / 1024:.0f} MiB; after the runs: ours "
+                 f"{e['rss_after_kib']['ours'] / 1024:.1f} MiB, theirs "
+                 f"{e['rss_after_kib']['theirs'] / 1024:.0f} MiB" if "theirs" in rss else ""), ""]
+    if "throughput" in results:
+        tp = results["throughput"]
+        out += [f"### throughput: Gym tool calls/s, K live sessions each calling back to back "
+                f"({tp['window_s']:g}s windows, interleaved rounds)", "",
+                "| K | ours calls/s | theirs calls/s | ratio (target >= 2x) | ours p50 / p95 ms | "
+                "theirs p50 / p95 ms | RSS ours / theirs |", "|---:|---:|---:|---:|---:|---:|---:|"]
+        for k, lv in tp["levels"].items():
+            o, t = lv["ours"], lv["theirs"]
+            out.append(f"| {k} | {o['calls_per_s']['p50']:.0f} | {t['calls_per_s']['p50']:.0f} | "
+                       f"{lv['ratio']:.2f}x ({'met' if lv['meets_target'] else 'NOT met'}) | "
+                       f"{o['latency_ms']['p50']:.1f} / {o['latency_ms']['p95']:.1f} | "
+                       f"{t['latency_ms']['p50']:.1f} / {t['latency_ms']['p95']:.1f} | "
+                       f"{o['rss_kib'] / 1024:.0f} / {t['rss_kib'] / 1024:.0f} MiB |")
+        out += ["", "ours = serve notes-v1 --sandbox local, list_notes (an MCP call to the "
+                "session's own notebook env process); theirs = NeMo Gym 0.7 SimpleResourcesServer "
+                "counter (bench/peers/gym_counter, no env), POST /add. One aiohttp client process "
+                "drives both.", ""]
+    if (results.get("memory") or {}).get("noenv"):
+        m = results["memory"]["noenv"]
+        out += [f"### memory, no env: serve quiz-v1, {m['sessions']} live Gym sessions", "",
+                "| idle RSS | with sessions | per session | after closing | targets |",
+                "|---:|---:|---:|---:|---|",
+                f"| {m['idle_rss'] / 1024:.1f} MiB | {m['rss_with_sessions'] / 1024:.1f} MiB | "
+                f"{m['per_session_kib']:.1f} KiB | {m['rss_after_close'] / 1024:.1f} MiB | idle <= 60 "
+                f"MiB, <= 64 KiB/session: {'met' if m['meets_target'] else 'NOT met'} |", ""]
+    if "deploys" in results:
+        d = results["deploys"]
+        s = d["single_ms"]
+        out += [f"### deploys: Docker, notes-v1 save-groceries, image {d['image']}", "",
+                "| measure | p50 ms | p95 ms | n | vs bare docker run |", "|---|---:|---:|---:|---:|",
+                "| ours, Gym: seed_session to the first list_notes answer | "
+                f"{s['ours_gym']['p50']:.0f} | "
+                f"{s['ours_gym']['p95']:.0f} | {s['ours_gym']['n']} | {d['ratio_gym_vs_bare']:.2f}x "
+                f"(target <= 1.2x: {'met' if d['meets_target'] else 'NOT met'}) |",
+                f"| ours, OpenEnv: /ws reset to its reply (first turn ready) | "
+                f"{s['ours_openenv']['p50']:.0f} | {s['ours_openenv']['p95']:.0f} | "
+                f"{s['ours_openenv']['n']} | {d['ratio_openenv_vs_bare']:.2f}x |",
+                f"| bare: `docker run -d` (CLI) of the same image until it answers HTTP | "
+                f"{s['bare']['p50']:.0f} | {s['bare']['p95']:.0f} | {s['bare']['n']} | 1.00x |",
+                f"| bare, Engine API: containers.run (docker SDK) until it answers HTTP | "
+                f"{s['bare_api']['p50']:.0f} | {s['bare_api']['p95']:.0f} | {s['bare_api']['n']} | "
+                f"{s['bare_api']['p50'] / s['bare']['p50']:.2f}x (ours Gym / this: "
+                f"{d['ratio_gym_vs_bare_api']:.2f}x) |", "",
+                f"Pool at {d['pool']}, k episodes started at once (each: seed, first list_notes, "
+                f"close_session), beside k bare `docker run`s at once (no pool); plot: "
+                f"{d.get('plot')}", "",
+                "| k | n | ours p50 s | p95 s | max s | bare p50 s | max s | p50 ours / bare |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for k, lv in d["pool_levels_ms"].items():
+            b = d["bare_levels_ms"][k]
+            out.append(f"| {k} | {lv['n']} | {lv['p50'] / 1e3:.2f} | {lv['p95'] / 1e3:.2f} | "
+                       f"{lv['max'] / 1e3:.2f} | {b['p50'] / 1e3:.2f} | {b['max'] / 1e3:.2f} | "
+                       f"{lv['p50'] / b['p50']:.2f}x |")
+        out += ["", f"containers serve left behind (removed by the bench): "
+                f"{d['containers_left_by_serve']}", ""]
+    if "writegym" in results:
+        w = results["writegym"]
+        out += [f"### writegym: `python agentenv.py write-gym bundles/gridsim-v1 ROOT --sandbox "
+                f"local`, {w['rows_all']} rows in all.jsonl, {w['runs']} runs", "",
+                "| measure | p50 s | min | max |", "|---|---:|---:|---:|",
+                f"| CLI wall (interpreter start to exit) | {w['cli_wall_s']['p50']:.2f} | "
+                f"{w['cli_wall_s']['min']:.2f} | {w['cli_wall_s']['max']:.2f} |",
+                f"| in-process write_gym() | {w['in_process_s']['p50']:.2f} | "
+                f"{w['in_process_s']['min']:.2f} | {w['in_process_s']['max']:.2f} |",
+                f"| its deploys: Runtime.first_turn_tools x {w['toolsets_deployed']} toolset(s) | "
+                f"{w['deploys_s']['p50']:.2f} | {w['deploys_s']['min']:.2f} | "
+                f"{w['deploys_s']['max']:.2f} |", "",
+                f"Deploy share: {w['deploy_share_in_process'] * 100:.0f}% of write_gym(), "
+                f"{w['deploy_share_of_cli_wall'] * 100:.0f}% of the CLI's wall; Bundle.load "
+                f"{w['bundle_load_s']:.2f}s, Runtime start {w['runtime_start_s']:.2f}s, close "
+                f"{w['runtime_close_s']:.2f}s (medians).", ""]
+    if "profile" in results:
+        p = results["profile"]
+        c, cpu = p["cprofile"], p["cpu_ms_per_call_unprofiled"]
+        out += [f"### profile: serve under {p['sessions']} Gym sessions of list_notes; full summary "
+                f"in {p['files'][0]}", "",
+                f"Unprofiled ({cpu['calls_per_s']:.0f} calls/s): {cpu['user']:.3f} ms user + "
+                f"{cpu['system']:.3f} ms system CPU of serve per call. cProfile (event loop thread "
+                "CPU time), self time by code:", "", "| code | share |", "|---|---:|"]
+        out += [f"| {k} | {v * 100:.1f}% |" for k, v in c["by_code"].items()]
+        out.append("")
+    return out
+
+
 
 def markdown(cmd: str, meta: dict, results: dict) -> str:
     out = [f"Rerun: `{cmd}`", "",
@@ -503,14 +1529,19 @@ def markdown(cmd: str, meta: dict, results: dict) -> str:
                 f"({m['env_processes_rss_sum'] / max(1, m['env_processes']) / 1024:.1f} MiB each); "
                 f"{m['env_processes_left_after_close']} left after close; the first calls (after all seeds) "
                 f"took {m['first_calls_after_seeding_wall_s']:.1f}s", ""]
+    out += markdown_new(results)
     return "\n".join(out)
+
+
+PARTS = {"hop": hop, "startup": startup, "memory": memory, "episodes": episodes,
+         "throughput": throughput, "deploys": deploys, "writegym": writegym, "profile": profile}
 
 
 async def main_async(args) -> int:
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = set(parts) - {"hop", "startup", "memory"}
+    unknown = set(parts) - set(PARTS)
     if unknown:
-        sys.exit(f"unknown parts {sorted(unknown)}; the parts are hop, startup, memory")
+        sys.exit(f"unknown parts {sorted(unknown)}; the parts are {', '.join(PARTS)}")
     git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                          capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "agentenv.py"],
@@ -522,8 +1553,8 @@ async def main_async(args) -> int:
     results: dict = {}
     t = time.perf_counter()
     for part in parts:
-        print(f"[bench] {part} ...", file=sys.stderr, flush=True)
-        results[part] = await {"hop": hop, "startup": startup, "memory": memory}[part](args)
+        say(f"{part} ...")
+        results[part] = await PARTS[part](args)
     meta["loadavg_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     meta["wall_s"] = round(time.perf_counter() - t, 1)
     print(markdown(cmd, meta, results))
@@ -535,13 +1566,42 @@ async def main_async(args) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--parts", default="hop,startup,memory")
+    parser.add_argument("--parts", default="hop,startup,memory,episodes,throughput,deploys,writegym",
+                        help=f"comma-separated, of: {', '.join(PARTS)} (default: all but profile)")
     parser.add_argument("--repeat", type=int, default=5,
-                        help="hop: interleaved rounds; startup: runs per target (default 5)")
+                        help="hop: interleaved rounds; startup: runs per target; episodes, "
+                             "throughput: interleaved rounds; deploys: rounds per level (single "
+                             "deploys get twice as many); writegym: runs (default 5)")
     parser.add_argument("--calls", type=int, default=300, help="hop: calls per target per round")
-    parser.add_argument("--sessions", type=int, default=50, help="memory: K Gym sessions")
+    parser.add_argument("--sessions", type=int, default=50, help="memory: K Gym sessions on notes-v1")
+    parser.add_argument("--noenv-sessions", type=int, default=1000,
+                        help="memory: Gym sessions on the no-env quiz-v1 (0 skips; default 1000)")
     parser.add_argument("--env", default="nodelay,shipped",
                         help="hop: notebook variants, nodelay and/or shipped (default both)")
+    parser.add_argument("--clients", default="1,8,64",
+                        help="episodes: concurrent /ws clients, per level (default 1,8,64)")
+    parser.add_argument("--their-clients", default="1,8",
+                        help="episodes: the levels agentenv-framework also plays ('' for none; "
+                             "default 1,8: its episodes take seconds)")
+    parser.add_argument("--episodes", type=int, default=400,
+                        help="episodes: ours' episodes per level per round (default 400)")
+    parser.add_argument("--their-episodes", type=int, default=5,
+                        help="episodes: theirs' episodes per level per round, at least one per "
+                             "client (default 5)")
+    parser.add_argument("--throughput-sessions", default="32,256",
+                        help="throughput: live Gym sessions, per level (default 32,256)")
+    parser.add_argument("--seconds", type=float, default=3.0,
+                        help="throughput: seconds per measuring window (default 3)")
+    parser.add_argument("--pool", type=int, default=8, help="deploys: serve's --max-concurrent-envs")
+    parser.add_argument("--deploy-levels", default="1,2,4,8,16,32",
+                        help="deploys: episodes started at once, per level (default 1,2,4,8,16,32)")
+    parser.add_argument("--plot", default=str(ROOT / "bench" / "deploys.png"),
+                        help="deploys: the PNG written (default bench/deploys.png)")
+    parser.add_argument("--profile-seconds", type=int, default=10,
+                        help="profile: seconds sampled (default 10)")
+    parser.add_argument("--profile-out", default=str(ROOT / "bench" / "profile.txt"),
+                        help="profile: the summary written (default bench/profile.txt; the raw "
+                             "stacks beside it as .folded)")
     parser.add_argument("--json", help="write the results here as JSON")
     args = parser.parse_args()
     try:
