@@ -85,7 +85,6 @@ import socket
 import subprocess
 import sys
 import time
-import types
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -93,7 +92,7 @@ from typing import Any, Iterator
 
 import aiohttp
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect as ws_connect
