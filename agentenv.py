@@ -1049,12 +1049,20 @@ def listens(pid: int, port: int) -> bool | None:
     """Whether the process ``pid`` or one of its descendants holds the socket listening on
     ``port``; None where /proc can't say (not Linux, or no such listener yet)."""
     inodes = set()
+    # The tables list every socket of the host (thousands under load): search the bytes for the
+    # listener's line rather than split them, so a check leaves no heap of small strings behind.
+    needles = [f":{port:04X} {'0' * width}:0000 0A ".encode() for width in (8, 32)]
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                fields = line.split()
-                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:   # LISTEN
-                    inodes.add(f"socket:[{fields[9]}]")
+        try:
+            data = Path(table).read_bytes()
+        except OSError:
+            continue
+        for needle in needles:
+            at = data.find(needle)
+            while at >= 0:
+                line = data[data.rfind(b"\n", 0, at) + 1:data.find(b"\n", at)].split()
+                inodes.add(f"socket:[{line[9].decode()}]")
+                at = data.find(needle, at + 1)
     if not inodes:
         return None
     family, seen = [pid], set()
