@@ -944,15 +944,26 @@ class LocalSandbox(Sandbox):
         self.ports: set[int] = set()        # handed to envs still running: never handed twice
 
     async def prepare(self, envs: list[EnvSpec]) -> None:
-        killed = await asyncio.to_thread(self._sweep_records) + await asyncio.to_thread(self._sweep_marked)
+        killed = await asyncio.to_thread(self._sweep)
         if killed:
             log.warning("Killed %d env process group(s) that an earlier run of agentenv.py left "
                         "behind when it stopped without tearing down.", killed)
 
-    def _sweep_marked(self) -> int:
-        """Kill the process groups of env processes whose server is gone, found by the owner in
-        their environment (Linux's /proc; elsewhere the records alone)."""
-        killed, groups = 0, set()
+    def _sweep(self) -> int:
+        """Kill, once each, the process groups of env processes whose server is gone: those its
+        records name, and (Linux's /proc) any with a dead owner in their environment, which finds
+        one whose record a crash kept from being written."""
+        groups: set[int] = set()
+        root = self.records.parent
+        for folder in root.iterdir() if root.is_dir() else []:
+            if not folder.is_dir() or folder == self.records or owner_alive(folder.name) is not False:
+                continue
+            for record in folder.iterdir():     # a pid file per env process; scratch folders
+                if record.is_file() and record.name.isdigit():
+                    started = record.read_text().strip()
+                    if started and _process_start(int(record.name)) == started:
+                        groups.add(int(record.name))
+            shutil.rmtree(folder, ignore_errors=True)
         for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
             if not entry.isdigit():
                 continue
@@ -967,29 +978,11 @@ class LocalSandbox(Sandbox):
             if owner_alive(owner) is False:
                 with contextlib.suppress(OSError):
                     groups.add(os.getpgid(int(entry)))
+        killed = 0
         for group in groups - {os.getpgrp()}:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(group, signal.SIGKILL)
                 killed += 1
-        return killed
-
-    def _sweep_records(self) -> int:
-        root = self.records.parent
-        if not root.is_dir():
-            return 0
-        killed = 0
-        for folder in root.iterdir():
-            if not folder.is_dir() or folder == self.records or owner_alive(folder.name) is not False:
-                continue
-            for record in folder.iterdir():     # a pid file per env process; scratch folders
-                if not (record.is_file() and record.name.isdigit()):
-                    continue
-                started = record.read_text().strip()
-                if started and _process_start(int(record.name)) == started:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(int(record.name), signal.SIGKILL)
-                        killed += 1
-            shutil.rmtree(folder, ignore_errors=True)
         return killed
 
     async def launch(self, env: EnvSpec, episode: str, limits: dict[str, Any]) -> Instance:

@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -33,7 +32,7 @@ import types
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -44,6 +43,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import agentenv  # noqa: E402
+from served import free_port, wait_until  # noqa: E402
 
 pytest.importorskip("openenv", reason="these tests drive the server with the real OpenEnv clients: "
                                       "pip install -e '.[test]' (openenv==0.10.0)")
@@ -63,23 +63,6 @@ def oe():
 
 
 # ================================================================ servers and processes
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not so after {timeout:g}s")
-        time.sleep(interval)
-
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
