@@ -53,7 +53,7 @@ import time
 import tomllib
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 
@@ -1909,10 +1909,11 @@ class Episode:
                                                     self.task.id)]
         limits = {k: step.get(k) for k in ("cpu", "memory_mb") if step.get(k)}
         try:
-            instance = await self.runtime.sandbox.launch(env, self.id, limits)
-            self.instances.append(instance)
-            self.envs[step.get("env_id")] = await wait_ready(self.runtime.http, instance, env,
-                                                             self.runtime.deploy_timeout)
+            async with self.runtime.starting.slot():
+                instance = await self.runtime.sandbox.launch(env, self.id, limits)
+                self.instances.append(instance)
+                self.envs[step.get("env_id")] = await wait_ready(
+                    self.runtime.http, instance, env, self.runtime.deploy_timeout)
         except EpisodeFailed as exc:          # the sandbox could not provide the env
             raise EpisodeFailed(str(exc), "provider_unavailable") from None
 
@@ -2052,6 +2053,34 @@ class Pool:
         self._free.release()
 
 
+class StartGate:
+    """The bound on envs starting at once (launched, not yet answering). A booting env is all
+    CPU; hundreds booting together on a few cores starve the server itself (a /health took 11 s
+    with 256 at once) and boot no faster. A start that takes longer than ``hold`` seconds stops
+    counting, so an env that never comes up holds back the others only that long."""
+
+    def __init__(self, size: int = 2 * (os.cpu_count() or 2), hold: float = 10.0):
+        self.size, self.hold = max(size, 2), hold
+        self._free = asyncio.Semaphore(self.size)
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        await self._free.acquire()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._free.release()
+        timer = asyncio.get_running_loop().call_later(self.hold, release)
+        try:
+            yield
+        finally:
+            timer.cancel()
+            release()
+
+
 class Runtime:
     """What every episode of a served bundle shares: the bundle, the sandbox, the pool, one HTTP
     client, the loaded verifiers, and the set of live episodes (so shutdown can end them all)."""
@@ -2069,6 +2098,7 @@ class Runtime:
         self._verifiers: dict[str, asyncio.Future] = {}
         from concurrent.futures import ThreadPoolExecutor
         self._verifier_threads = ThreadPoolExecutor(max_workers=16, thread_name_prefix="verifier")
+        self.starting = StartGate()
 
     async def start(self) -> Runtime:
         """Open the sandbox (sweeping what a crashed run left, building images) and the client."""

@@ -33,7 +33,7 @@ from aiohttp import web
 
 import agentenv
 from agentenv import (AgentEnvError, Bundle, BundleError, EpisodeFailed, McpError, McpSession,
-                      Runtime, ToolResult, ToolTimeout, aggregate_score, parse_dockerfile,
+                      Runtime, StartGate, ToolResult, ToolTimeout, aggregate_score, parse_dockerfile,
                       response_rows, task_id_root)
 
 HERE = Path(__file__).resolve().parent
@@ -1753,6 +1753,70 @@ def test_many_episodes_at_once_are_all_scored_within_the_limit(make_bundle, capl
     assert [r.reward for r in results] == [1.0, 0.0] * 10
     assert peak == 5
     assert len([r for r in caplog.records if "episodes are in use" in r.getMessage()]) == 1
+
+
+def test_envs_start_a_few_at_a_time_and_every_episode_is_scored(make_bundle):
+    """Envs boot at most StartGate.size at once (launched, not yet answering): hundreds booting
+    together would starve the server on a few cores. Every episode still gets its env."""
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+    peak = 0
+
+    async def watch(rt):
+        nonlocal peak
+        while True:
+            peak = max(peak, sum(len(ep.instances) - len(ep.envs) for ep in rt.live))
+            await asyncio.sleep(0.002)
+
+    async def one(rt, n):
+        ep = rt.episode(bundle.tasks["a"])
+        turn = await ep.next_turn()
+        await turn.call("say", {"text": "hello"})
+        turn.end("done")
+        return await ep.result()
+
+    async def go():
+        async with local(bundle, max_concurrent_envs=8) as rt:
+            rt.starting = StartGate(size=2)
+            watcher = asyncio.create_task(watch(rt))
+            results = await asyncio.gather(*(one(rt, n) for n in range(8)))
+            watcher.cancel()
+            return results
+
+    results = run(go(), timeout=60)
+    assert [r.reward for r in results] == [1.0] * 8
+    assert peak == 2
+
+
+def test_a_start_that_takes_too_long_stops_holding_its_slot():
+    """An env that never comes up holds a start slot for ``hold`` seconds only."""
+    async def go():
+        gate = StartGate(size=2, hold=0.2)
+        order: list[str] = []
+        stuck = asyncio.Event()
+
+        async def never_ready(name):
+            async with gate.slot():
+                order.append(name)
+                await stuck.wait()
+
+        async def quick():
+            async with gate.slot():
+                order.append("quick")
+
+        blockers = [asyncio.create_task(never_ready(n)) for n in ("a", "b")]
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        await asyncio.wait_for(quick(), 5)           # waits for a stuck start's hold to end
+        waited = time.monotonic() - started
+        stuck.set()
+        await asyncio.gather(*blockers)
+        async with gate.slot(), gate.slot():          # every slot came back, none twice
+            assert gate._free.locked()
+        return order, waited
+
+    order, waited = run(go())
+    assert order == ["a", "b", "quick"]
+    assert 0.1 <= waited < 2
 
 
 def test_the_pool_limit_is_a_whole_number_of_at_least_1(make_bundle):

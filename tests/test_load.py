@@ -10,7 +10,8 @@ and be scored 1.0 by the bundle's own verifier (``check_notes``, which reads the
 * ``test_*_live_at_once``: AGENTENV_LOAD_LIVE (256) rollouts seeded (Gym) or reset (OpenEnv, with
   openenv 0.10's GenericEnvClient) together, each holding a live env at the same moment (counted
   after every one has written and none has verified: the server's child processes, and the local
-  sandbox's records), then each reads back and is scored, unmasked.
+  sandbox's records), then each reads back and is scored, unmasked. Meanwhile /health is asked
+  every 0.25 s and must answer within 5 s: 256 envs booting at once once starved the server 11 s.
 * ``test_*_episodes_in_waves_*``: AGENTENV_LOAD_EPISODES rollouts with the pool at 64, sent in
   waves of 128 (so half of every wave waits for a slot; OpenEnv over raw /ws, at most 64 sessions
   at once), each scored; at most 64 env processes at any moment (sampled every 0.1 s); afterwards
@@ -32,11 +33,11 @@ What "back at its level" means (the tolerance, and why):
   full scale to catch less.
 
 Measured on this 2-core machine (shared with other test runs, so somewhat slow), full scale,
-agentenv.py as of 0a2c4e2:
+agentenv.py as of 0a2c4e2 (the live rows since envs boot a few at a time):
 
     test                                   wall      episodes/s  RSS MiB                        fds
-    gym, 256 live at once                  19 s      13.6        48.1 idle, 75.4 live           7
-    openenv, 256 live at once (client)     18 s      14.0        48.2 idle, 105.1 live          7
+    gym, 256 live at once                  20 s      12.9        48.1 idle, 74.8 live           7
+    openenv, 256 live at once (client)     17 s      14.7        48.2 idle, 107.0 live          7
     gym, 5,000 in waves (pool 64)          433 s     11.5        65.4 -> 78.4 (mid) -> 79.9     7 -> 7
     openenv, 5,000 in waves (pool 64)      465 s     10.8        62.5 -> 85.0 (mid) -> 87.0     7 -> 7
 
@@ -63,6 +64,7 @@ import os
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -173,6 +175,35 @@ class Peak:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+
+
+class Heartbeat:
+    """Asks the server's /health every 0.25 s in a thread while a run goes on: the slowest answer.
+    A client's connect must not time out (openenv's client gives up after 10 s) while envs boot."""
+
+    BOUND_S = 5.0
+
+    def __init__(self, server: Serve):
+        self.server, self.slowest = server, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.25):
+            started = time.monotonic()
+            with urllib.request.urlopen(self.server.url + "/health", timeout=120) as answer:
+                answer.read()
+            self.slowest = max(self.slowest, time.monotonic() - started)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        assert self.slowest < self.BOUND_S, \
+            f"/health took {self.slowest:.1f}s to answer while envs booted: the server starved"
 
 
 def report(test: str, **figures) -> None:
@@ -399,7 +430,8 @@ def test_gym_rollouts_live_at_once_each_scored(tmp_path):
                 return seeded, called, time.monotonic() - started, written, live, records, \
                     rss_live, verified
 
-        seeded, called, wall, written, live, records, rss_live, verified = run(go(), 600)
+        with Heartbeat(server) as heartbeat:
+            seeded, called, wall, written, live, records, rss_live, verified = run(go(), 600)
         counts = tally(verified)
         check_tally(counts, verified)
         deployed = sum(w == "saved note 'groceries'" for w in written)
@@ -414,7 +446,7 @@ def test_gym_rollouts_live_at_once_each_scored(tmp_path):
                seed_s=f"{seeded:.1f}", all_deployed_and_written_s=f"{called:.1f}",
                wall_s=f"{wall:.1f}", episodes_per_s=f"{LIVE / wall:.1f}",
                rss_mib_idle=f"{rss0 / 1024:.1f}", rss_mib_live=f"{rss_live / 1024:.1f}",
-               fds_idle=fds0)
+               fds_idle=fds0, slowest_health_s=f"{heartbeat.slowest:.2f}")
 
 
 def test_openenv_sessions_live_at_once_each_scored(tmp_path):
@@ -461,7 +493,8 @@ def test_openenv_sessions_live_at_once_each_scored(tmp_path):
             finally:
                 await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
 
-        reset_s, wall, writes, live, records, rss_live, finals = run(go(), 600)
+        with Heartbeat(server) as heartbeat:
+            reset_s, wall, writes, live, records, rss_live, finals = run(go(), 600)
         counts = tally(finals)
         check_tally(counts, finals)
         assert all(w.observation["result"]["data"] == "saved note 'groceries'" for w in writes)
@@ -473,7 +506,8 @@ def test_openenv_sessions_live_at_once_each_scored(tmp_path):
                live_envs_at_once=live,
                all_reset_s=f"{reset_s:.1f}", wall_s=f"{wall:.1f}",
                episodes_per_s=f"{LIVE / wall:.1f}", rss_mib_idle=f"{rss0 / 1024:.1f}",
-               rss_mib_live=f"{rss_live / 1024:.1f}", fds_idle=fds0)
+               rss_mib_live=f"{rss_live / 1024:.1f}", fds_idle=fds0,
+               slowest_health_s=f"{heartbeat.slowest:.2f}")
 
 
 # ================================================================ 2. thousands in a row
