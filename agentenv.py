@@ -3043,7 +3043,8 @@ class GymSession:
         self.failure: tuple[str, str] | None = None          # (failure kind, reason)
         self.tools: list[str] = []
         self.finished = False          # the episode is over (scored)
-        self.resources_id: str | None = None
+        self.resources_id: str | None = None     # the id an environment server gave the session
+        self.seeded_with = ""                    # a digest of that seed, to tell a retry apart
         self.lease = Lease()
         self.opened = asyncio.create_task(self._open())
 
@@ -3148,6 +3149,12 @@ class GymSession:
 
 
 VERDICTS_KEPT = 2048
+SPENT_IDS_KEPT = 65_536      # closed resources_session_ids remembered, so a late seed can't revive one
+
+
+def digest(text: str) -> str:
+    """A short fingerprint of a request's text, to tell a retry from a different request."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 @dataclasses.dataclass
@@ -3158,17 +3165,13 @@ class Verdict:
     fields: dict[str, Any]                  # reward, mask_sample, failure_kind, ... (scored)
     failure: tuple[str, str] | None = None  # (kind, reason) of a masked rollout
 
-    @staticmethod
-    def digest_of(reply: str) -> str:
-        return hashlib.blake2b(reply.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
-
     @classmethod
     def of(cls, reply: str, outcome: Outcome | None, failure: tuple[str, str] | None) -> Verdict:
         if outcome is None:
             assert failure is not None
             gym_log.warning("rollout masked: %s", failure[1])
-            return cls(cls.digest_of(reply), {}, failure)
-        return cls(cls.digest_of(reply), {"reward": float(outcome.reward), "mask_sample": False,
+            return cls(digest(reply), {}, failure)
+        return cls(digest(reply), {"reward": float(outcome.reward), "mask_sample": False,
                                           "failure_kind": None, "failure_reason": None,
                                           "scores": outcome.scores})
 
@@ -3205,6 +3208,9 @@ class GymSurface:
         self.settings, self.runtime, self.url = settings, runtime, url
         self.sessions: dict[str, GymSession] = {}
         self.by_resources_id: dict[str, str] = {}
+        # Ids of sessions that ended (or were closed before any seed): a seed naming one is refused,
+        # so a seed that lost a race with its close never brings the session back.
+        self.spent: collections.OrderedDict[str, None] = collections.OrderedDict()
         # The verdicts of the last rollouts verified, by cookie, so a retried /verify (its reply
         # lost on the way) gets the same answer; bounded, as Gym retries within seconds.
         self.verdicts: collections.OrderedDict[str, Verdict] = collections.OrderedDict()
@@ -3242,7 +3248,14 @@ class GymSurface:
         self.sessions.pop(session.token, None)
         if session.resources_id is not None:
             self.by_resources_id.pop(session.resources_id, None)
+            self._spend(session.resources_id)
         await session.close(reason)
+
+    def _spend(self, resources_id: str) -> None:
+        self.spent[resources_id] = None
+        self.spent.move_to_end(resources_id)
+        while len(self.spent) > SPENT_IDS_KEPT:
+            self.spent.popitem(last=False)
 
     async def _task_of(self, row: dict[str, Any]) -> tuple[str, int, Any]:
         """The row's split and index, checked against its task_id; raises ValueError."""
@@ -3278,16 +3291,32 @@ class GymSurface:
         return _json({"status": "ok"})
 
     async def seed(self, request: Any) -> Any:
-        from aiohttp import web
         body, problem = await _body(request)
         if problem:
             return problem
-        resources_id = body.get("resources_session_id")      # Gym's newer environment servers
+        # Gym's environment servers name the session themselves, and seed again when a reply is lost.
+        resources_id = body.get("resources_session_id")
+        if resources_id is not None and not (isinstance(resources_id, str) and resources_id):
+            return _json({"detail": "resources_session_id names the session: send it as non-empty "
+                                    "text, or leave it out and use the session cookie"}, 400)
         row = body.get("task_data") if isinstance(body.get("task_data"), dict) else body
         try:
             split, index, _ = await self._task_of(row)
         except ValueError as exc:
             return _json({"detail": str(exc)}, 400)
+        # No await from here until the session is registered: a duplicate seed finds it.
+        if resources_id is not None:
+            seeded_with = digest(json.dumps(body, sort_keys=True))
+            earlier = self.sessions.get(self.by_resources_id.get(resources_id, ""))
+            if earlier is not None and earlier.seeded_with == seeded_with:
+                return self._seeded(earlier)                 # a retried seed: the same session
+            if earlier is not None:
+                return _json({"detail": f"resources_session_id {resources_id!r} was seeded already, "
+                                        "with another episode or task; give each session an id of "
+                                        "its own"}, 409)
+            if resources_id in self.spent:
+                return _json({"detail": f"resources_session_id {resources_id!r} was closed; a closed "
+                                        "id stays closed, so seed the new session with a new id"}, 409)
         if self.runtime is not None:
             rollout: Rollout = LocalRollout(self.runtime, self.runtime.bundle.task(split, index))
         else:
@@ -3296,16 +3325,17 @@ class GymSurface:
                                     self.warned)
         token = secrets.token_urlsafe(24)
         session = self.sessions[token] = GymSession(token, row, rollout, self.settings)
-        reply: dict[str, Any] = {}
-        if isinstance(resources_id, str):
-            earlier = self.sessions.get(self.by_resources_id.get(resources_id, ""))
-            if earlier is not None:
-                await self._end(earlier, "seeded again")
-            session.resources_id = resources_id
+        if resources_id is not None:
+            session.resources_id, session.seeded_with = resources_id, seeded_with
             self.by_resources_id[resources_id] = token
-            reply["resources_session_id"] = resources_id
+        return self._seeded(session)
+
+    @staticmethod
+    def _seeded(session: GymSession) -> Any:
+        from aiohttp import web
+        reply = {"resources_session_id": session.resources_id} if session.resources_id else {}
         response = web.json_response(reply)
-        response.set_cookie(GYM_COOKIE, token, httponly=True, samesite="Lax")
+        response.set_cookie(GYM_COOKIE, session.token, httponly=True, samesite="Lax")
         return response
 
     async def tool(self, request: Any) -> Any:
@@ -3356,7 +3386,7 @@ class GymSurface:
         if verdict is None:
             return _json(masked(body, "session_lost", "this server holds no session for the rollout "
                                 "(it was closed, ended after idle_timeout, or the server restarted)"))
-        if verdict.digest != Verdict.digest_of(reply):
+        if verdict.digest != digest(reply):
             return _json({"detail": "this rollout was verified already, with another response; a "
                                     "session scores once: seed a new session for a new rollout"}, 409)
         return _json(verdict.reply(body))
@@ -3367,17 +3397,27 @@ class GymSurface:
             return problem
         token = request.cookies.get(GYM_COOKIE)
         resources_id = body.get("resources_session_id")
-        if isinstance(resources_id, str):
-            token = self.by_resources_id.get(resources_id, token)
+        if isinstance(resources_id, str) and resources_id:
+            # Gym's typed reply (ResourcesCloseSessionResponse) is the id alone; closing an id never
+            # seeded spends it too, so a seed that arrives after its close can't create it.
+            session = self.sessions.get(self.by_resources_id.get(resources_id, ""))
+            if session is None:
+                self._spend(resources_id)
+                return _json({"resources_session_id": resources_id})
+            try:
+                await self._end(session, "close_session")
+            except Exception as exc:                    # noqa: BLE001
+                return _json({"resources_session_id": resources_id,
+                              "detail": f"the session's env could not be released ({exc})"}, 500)
+            return _json({"resources_session_id": resources_id})
         session = self.sessions.get(token) if token else None
-        reply: dict[str, Any] = {"resources_session_id": resources_id} if resources_id else {}
         if session is None:
-            return _json({**reply, "status": "already_closed"})
+            return _json({"status": "already_closed"})
         try:
             await self._end(session, "close_session")
         except Exception as exc:                        # noqa: BLE001
-            return _json({**reply, "status": "release_failed", "detail": str(exc)})
-        return _json({**reply, "status": "closed"})
+            return _json({"status": "release_failed", "detail": str(exc)})
+        return _json({"status": "closed"})
 
     async def aggregate(self, request: Any) -> Any:
         body, problem = await _body(request, allow_empty=True)

@@ -48,6 +48,7 @@ for path in (REPO, GRIDSIM / "envs" / "gridsim"):
 
 import battery  # noqa: E402
 from tests.gym import harness  # noqa: E402
+from tests.served import Server, running  # noqa: E402
 
 BROKEN_CMD = '["python", "-c", "import sys; print(\'no config\'); sys.exit(3)"]'
 TOL = 1e-9
@@ -357,6 +358,23 @@ def test_cli_failure_kinds_are_in_gyms_vocabulary(cli):
     print(f"[cli] failure kinds {kinds}; Gym warned about {warned}")
     assert gym_unregistered(kinds) == []
     assert warned == []
+
+
+def test_gyms_own_session_contract_check_passes(tmp_path):
+    """NeMo Gym 0.7's check_resources_session_contract (keeps_state=True), run in the Gym venv
+    against serve's Gym routes: a repeated seed is the same session, close is idempotent with
+    Gym's typed reply, and no seed after a close creates the session again."""
+    harness.skip_unless_gym_venv()
+    venv = harness.gym_venv()
+    with running(Server.serve(NOTES, tmp_path)) as server:
+        proc = subprocess.run(
+            [str(venv / "bin" / "python"), str(REPO / "tests" / "gym" / "session_contract.py"),
+             server.url, json.dumps({"split": "all", "index": 1})],
+            env=harness.child_env(venv, "session-contract"), capture_output=True, text=True,
+            timeout=300)
+        assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+        assert "contract holds" in proc.stdout
+        server.no_envs()
 
 
 def _processes_with_state(state: Path) -> list[tuple[int, str]]:

@@ -810,14 +810,58 @@ def test_close_session_answers_closed_then_already_closed(notes_app, written):
             assert (second.status, json.loads(second.text)) == (200, {"status": "already_closed"})
             late = await agent.call("list_notes")
             assert late.status == 400 and late.text.startswith("error: no session")
-            # the newer environment servers' path: the row in task_data, resources_session_id echoed
-            seeded = await agent._post("/seed_session", {"task_data": row, "resources_session_id": "r1"})
-            assert json.loads(seeded.text) == {"resources_session_id": "r1"}
-            assert any(c.startswith(f"{COOKIE}=") for c in seeded.set_cookie)
-            closed = await agent._post("/close_session", {"resources_session_id": "r1"})
-            assert json.loads(closed.text) == {"resources_session_id": "r1", "status": "closed"}
-            again = await agent._post("/close_session", {"resources_session_id": "r1"})
-            assert json.loads(again.text) == {"resources_session_id": "r1", "status": "already_closed"}
+    run(go())
+
+
+def test_environment_servers_session_protocol(notes_app, written):
+    """Gym's environment servers name the session (resources_session_id) and retry a seed whose
+    reply was lost: the same seed is the same session (one env), another payload under the id is a
+    409, close is idempotent with Gym's typed reply, and a closed id (or one closed before it was
+    ever seeded, or verified) stays closed."""
+    row = row_of(written.folder, "save-groceries")
+
+    def seed_body(rid: str, attempt: int = 0) -> dict:
+        return {"resources_session_id": rid, "episode_id": {"rollout_id": "r", "attempt": attempt},
+                "task_id": {"taskset": "notes", "task_id": row["task_id"]}, "task_data": row}
+
+    async def go():
+        async with client() as http:
+            agent = Agent(http, notes_app.url, row)
+            before = set(env_records(notes_app.state))
+            first = await agent._post("/seed_session", seed_body("s1"))
+            again = await agent._post("/seed_session", seed_body("s1"))   # its reply was lost
+            assert (first.status, json.loads(first.text)) == (200, {"resources_session_id": "s1"})
+            assert (again.status, json.loads(again.text)) == (200, {"resources_session_id": "s1"})
+            assert first.set_cookie == again.set_cookie and first.set_cookie
+            written_ = await agent.call("write_note", title="groceries", text="eggs and milk")
+            assert written_.status == 200
+            envs = set(env_records(notes_app.state)) - before
+            assert len(envs) == 1                                           # one session, one env
+            other = await agent._post("/seed_session", seed_body("s1", attempt=1))
+            assert other.status == 409 and "seeded already" in json.loads(other.text)["detail"]
+            closes = [await agent._post("/close_session", {"resources_session_id": "s1",
+                                                           "episode_id": {"rollout_id": "r"}})
+                      for _ in range(2)]
+            assert [(c.status, json.loads(c.text)) for c in closes] == \
+                [(200, {"resources_session_id": "s1"})] * 2
+            assert gone(envs.pop(), 5), "close_session left the session's env running"
+            late = await agent._post("/seed_session", seed_body("s1"))
+            assert late.status == 409 and "was closed" in json.loads(late.text)["detail"]
+            # a close that overtook its seed: the seed must not create the session afterwards
+            early = await agent._post("/close_session", {"resources_session_id": "s2"})
+            assert (early.status, json.loads(early.text)) == (200, {"resources_session_id": "s2"})
+            assert (await agent._post("/seed_session", seed_body("s2"))).status == 409
+            # verified, then seeded again: the id is spent too
+            fresh = Agent(http, notes_app.url, row)
+            fresh.row = seed_body("s3")
+            assert (await fresh.seed()).status == 200
+            await fresh.call("write_note", title="groceries", text="eggs and milk")
+            fresh.row = {**row, "_ng_task_index": 0}
+            reply, _ = await fresh.verify("Saved.")
+            assert json.loads(reply.text)["reward"] == 1.0
+            assert (await agent._post("/seed_session", seed_body("s3"))).status == 409
+            bad = await agent._post("/seed_session", {**seed_body("x"), "resources_session_id": ""})
+            assert bad.status == 400 and "non-empty text" in json.loads(bad.text)["detail"]
     run(go())
 
 
