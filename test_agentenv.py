@@ -519,6 +519,9 @@ STEP_REFUSALS = {
         simple() + [{"id": "run", "type": "run_code", "code": "print(1)"}],
         ["step 'run'", "type 'run_code'", "does not run", "deploy_env, apply_server_config, "
          "deploy_agent, prompt_agent, env_outcome_verifier, agent_prompt_response_verifier"]),
+    "a type that is not text": (
+        simple() + [{"id": "run", "type": ["deploy_env"]}, {"id": "run2", "type": {"a": 1}}],
+        ["step 'run'", "type ['deploy_env']", "does not run", "deploy_env, apply_server_config"]),
     "unknown field": (
         [deploy(), agent("main"), prompt(temperature=0.2), outcome()],
         ["step 'turn1'", "has the field 'temperature'", "does not support",
