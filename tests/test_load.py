@@ -11,7 +11,7 @@ and be scored 1.0 by the bundle's own verifier (``check_notes``, which reads the
   openenv 0.10's GenericEnvClient) together, each holding a live env at the same moment (counted
   after every one has written and none has verified: the server's child processes, and the local
   sandbox's records), then each reads back and is scored, unmasked. Meanwhile /health is asked
-  every 0.25 s and must answer within 5 s: 256 envs booting at once once starved the server 11 s.
+  every 0.25 s and must answer within 8 s: 256 envs booting at once once starved the server 11 s.
 * ``test_*_episodes_in_waves_*``: AGENTENV_LOAD_EPISODES rollouts with the pool at 64, sent in
   waves of 128 (so half of every wave waits for a slot; OpenEnv over raw /ws, at most 64 sessions
   at once), each scored; at most 64 env processes at any moment (sampled every 0.1 s); afterwards
@@ -40,6 +40,10 @@ agentenv.py as of 0a2c4e2 (the live rows since envs boot a few at a time):
     openenv, 256 live at once (client)     17 s      14.7        48.2 idle, 107.0 live          7
     gym, 5,000 in waves (pool 64)          433 s     11.5        65.4 -> 78.4 (mid) -> 79.9     7 -> 7
     openenv, 5,000 in waves (pool 64)      465 s     10.8        62.5 -> 85.0 (mid) -> 87.0     7 -> 7
+
+Since then the wave rows changed: see README "Reliability and security" (at 5,000 episodes RSS
+now grows past the bounds above from glibc's per-thread malloc arenas, unless serve runs with
+MALLOC_ARENA_MAX=2; at the default 500 the bounds hold).
 
 The cost is an env process start (a fresh CPython) per episode. So the full scale (16 min) is over
 the CI budget, and the defaults keep the module at about 3 min:
@@ -181,7 +185,7 @@ class Heartbeat:
     """Asks the server's /health every 0.25 s in a thread while a run goes on: the slowest answer.
     A client's connect must not time out (openenv's client gives up after 10 s) while envs boot."""
 
-    BOUND_S = 5.0
+    BOUND_S = 8.0                 # below the 10 s openenv's client waits to connect
 
     def __init__(self, server: Serve):
         self.server, self.slowest = server, 0.0
