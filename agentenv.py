@@ -3245,8 +3245,8 @@ class Verdict:
             gym_log.warning("rollout masked: %s", failure[1])
             return cls(digest(reply), {}, failure)
         return cls(digest(reply), {"reward": float(outcome.reward), "mask_sample": False,
-                                          "failure_kind": None, "failure_reason": None,
-                                          "scores": outcome.scores})
+                                   "failure_kind": None, "failure_reason": None,
+                                   "scores": outcome.scores})
 
     def reply(self, body: dict[str, Any]) -> dict[str, Any]:
         return masked(body, *self.failure, quiet=True) if self.failure else {**body, **self.fields}
