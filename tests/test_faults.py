@@ -82,7 +82,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import agentenv  # noqa: E402
-from served import Server, alive, running, wait_until  # noqa: E402
+from tests.harness import Server, alive, running, wait_until  # noqa: E402
 
 try:
     import docker.errors

@@ -48,7 +48,7 @@ for path in (REPO, GRIDSIM / "envs" / "gridsim"):
 
 import battery  # noqa: E402
 from tests.gym import harness  # noqa: E402
-from tests.served import Server, running  # noqa: E402
+from tests.harness import Server, running  # noqa: E402
 
 BROKEN_CMD = '["python", "-c", "import sys; print(\'no config\'); sys.exit(3)"]'
 TOL = 1e-9

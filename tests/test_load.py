@@ -79,7 +79,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import agentenv  # noqa: E402
-from served import Server, running, wait_until  # noqa: E402
+from tests.harness import Server, running, wait_until  # noqa: E402
 
 NOTES = REPO / "bundles" / "notes-v1"
 COOKIE = "agentenv_session"

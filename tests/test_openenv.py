@@ -43,7 +43,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import agentenv  # noqa: E402
-from served import free_port, wait_until  # noqa: E402
+from tests.harness import free_port, wait_until  # noqa: E402
 
 pytest.importorskip("openenv", reason="these tests drive the server with the real OpenEnv clients: "
                                       "pip install -e '.[test]' (openenv==0.10.0)")

@@ -1,5 +1,8 @@
-"""served.py: servers of ours as subprocesses, for the suites that start, load, break and stop them
-(tests/test_faults.py, tests/test_load.py).
+"""harness.py: the one test harness every suite shares (``from tests.harness import ...``).
+
+What is here: ``run`` (a coroutine to its end, within a deadline), ``free_port``, ``wait_until``,
+and ``Server``: a server of ours as a subprocess, for the suites that start, load, break and stop
+it.
 
 A server runs as ``sys.executable`` (signals to pyenv's ``python`` shim never reach the server),
 with its own AGENTENV_STATE_DIR, so its env processes can be found by that variable in their
@@ -8,6 +11,7 @@ environment (a /proc scan) even after the server is gone.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -22,6 +26,14 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def run(coro, timeout: float = 60):
+    """Run one coroutine to its end on a fresh event loop, within a deadline."""
+    async def bounded():
+        async with asyncio.timeout(timeout):
+            return await coro
+    return asyncio.run(bounded())
 
 
 def free_port() -> int:
