@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -35,6 +36,8 @@ import agentenv
 from agentenv import (AgentEnvError, Bundle, BundleError, EpisodeFailed, McpError, McpSession,
                       Runtime, StartGate, ToolResult, ToolTimeout, aggregate_score, parse_dockerfile,
                       response_rows, task_id_root)
+from tests import harness
+from tests.harness import free_port
 
 HERE = Path(__file__).resolve().parent
 NOTES = HERE / "bundles" / "notes-v1"
@@ -42,161 +45,11 @@ NOTES = HERE / "bundles" / "notes-v1"
 
 # ================================================================ the fake bundle
 
-FAKE_SERVER = r'''
-"""fake: a small AgentEnv MCP env server for agentenv.py's tests (standard library only)."""
-import json, os, sys, threading, time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-NAME = os.environ.get("ENVIRONMENT_NAME", "fake")
-MODE = os.environ.get("FAKE_MODE", "serve")
-PREFIX = os.environ.get("TOOL_PREFIX", "")
-if os.environ.get("FAKE_PIDDIR"):
-    open(os.path.join(os.environ["FAKE_PIDDIR"], str(os.getpid())), "w").close()
-if MODE == "exit":
-    print(f"fake: cannot start env {NAME}: FAKE_MODE=exit", flush=True)
-    sys.exit(4)
-if MODE == "deaf":
-    print("fake: started, but never listening", flush=True)
-    time.sleep(3600)
-
-LOCK = threading.Lock()
-STATE = {"config": {}, "said": [], "roles": []}
-
-
-def tool(name, description, hidden=False, **props):
-    spec = {"name": PREFIX + name, "description": description,
-            "inputSchema": {"type": "object", "properties": props, "required": list(props)}}
-    if hidden:
-        spec["_meta"] = {"agentenv.io/hiddenByDefault": True}
-    return spec
-
-
-TOOLS = [] if MODE == "notools" else [
-    tool("say", "Say something; the verifier hears it.", text={"type": "string"}),
-    tool("whoami", "The AgentEnv-Role the call came with."),
-    tool("get_config", "The config that apply_server_config set."),
-    tool("sleep", "Sleep for a while.", seconds={"type": "number"}),
-    tool("crash", "Crash the env."),
-    tool("dump", "Everything that was said, as JSON. For verifiers.", hidden=True),
-]
-CARD = {"name": os.environ.get("CARD_NAME", NAME),
-        "additionalInterfaces": [{"url": "/mcp", "transport": "mcp"}],
-        "capabilities": {"extensions": [{"uri": "urn:fake:config/v1",
-                                         "params": {"endpoint": "/ext/config"}}]}}
-
-
-def call(name, args, role):
-    base = name[len(PREFIX):] if isinstance(name, str) and name.startswith(PREFIX) else None
-    if base == "say":
-        if not isinstance(args.get("text"), str):
-            return "say: text must be a string", True
-        with LOCK:
-            STATE["said"].append(args["text"])
-            STATE["roles"].append(role)
-        return f"said {args['text']!r}", False
-    if base == "whoami":
-        return role or "(no role)", False
-    if base == "get_config":
-        return json.dumps(STATE["config"], sort_keys=True), False
-    if base == "sleep":
-        time.sleep(float(args.get("seconds", 0)))
-        return "slept", False
-    if base == "crash":
-        print("fake: crashing on purpose", flush=True)
-        os._exit(3)
-    if base == "dump":
-        return json.dumps(STATE, sort_keys=True), False
-    return f"unknown tool {name!r}", True
-
-
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args):
-        pass
-
-    def reply(self, status, body=None, headers=()):
-        data = b"" if body is None else json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        for key, value in headers:
-            self.send_header(key, value)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self):
-        if self.path == "/.well-known/agent-env.json":
-            return self.reply(200, CARD)
-        self.reply(404, {"error": "no route"})
-
-    def do_DELETE(self):
-        self.reply(200, {})
-
-    def do_POST(self):
-        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        if self.path == "/ext/config":
-            args = json.loads(raw or b"{}")
-            if "bad" in args:
-                return self.reply(400, {"error": "bad is not a setting"})
-            with LOCK:
-                STATE["config"].update(args)
-            return self.reply(200, {"ok": True})
-        if self.path != "/mcp":
-            return self.reply(404, {"error": "no route"})
-        msg = json.loads(raw)
-        if "id" not in msg:
-            return self.reply(202)
-        method, params = msg["method"], msg.get("params") or {}
-        if method == "initialize":
-            result = {"protocolVersion": params.get("protocolVersion"), "capabilities": {"tools": {}},
-                      "serverInfo": {"name": NAME, "version": "1"}}
-        elif method == "tools/list":
-            result = {"tools": TOOLS}
-        elif method == "tools/call":
-            text, error = call(params.get("name"), params.get("arguments") or {},
-                               self.headers.get("AgentEnv-Role"))
-            result = {"content": [{"type": "text", "text": text}], "isError": error}
-        else:
-            return self.reply(200, {"jsonrpc": "2.0", "id": msg["id"],
-                                    "error": {"code": -32601, "message": f"no method {method}"}})
-        self.reply(200, {"jsonrpc": "2.0", "id": msg["id"], "result": result},
-                   [("Mcp-Session-Id", "fake-session")])
-
-
-server = ThreadingHTTPServer((os.environ.get("MCP_HOST", "127.0.0.1"), int(os.environ["MCP_PORT"])),
-                            Handler)
-server.daemon_threads = True
-print(f"fake: env {NAME} listening", flush=True)
-server.serve_forever()
-'''
+FAKE_ENV = HERE / "tests" / "fake_env"
+FAKE_SERVER = (FAKE_ENV / "server.py").read_text()          # the env server every fake env runs
 
 # A plain MCP server built with the mcp package: no card, answers with SSE.
-PLAIN_SERVER = r'''
-import os
-from mcp.server.fastmcp import FastMCP
-
-if os.environ.get("FAKE_PIDDIR"):
-    open(os.path.join(os.environ["FAKE_PIDDIR"], str(os.getpid())), "w").close()
-mcp = FastMCP("plain", host=os.environ.get("MCP_HOST", "127.0.0.1"),
-              port=int(os.environ["MCP_PORT"]), log_level="WARNING")
-
-
-@mcp.tool()
-def add(a: int, b: int) -> int:
-    """Add two numbers."""
-    return a + b
-
-
-@mcp.tool()
-def fail(why: str) -> str:
-    """Always fails, saying why."""
-    raise ValueError(why)
-
-
-if __name__ == "__main__":
-    mcp.run(transport="streamable-http")
-'''
+PLAIN_SERVER = (FAKE_ENV / "plain_server.py").read_text()
 
 
 def dockerfile(*env_lines: str) -> str:
@@ -214,26 +67,8 @@ ENVS = {   # name -> (Dockerfile, server source)
     "plain": (dockerfile(), PLAIN_SERVER),
 }
 
-CHECK_VERIFIER = r'''
-import json, urllib.request
-
-
-def rpc(url, method, params):
-    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": params}).encode()
-    request = urllib.request.Request(url, body, {"Content-Type": "application/json",
-                                                 "Accept": "application/json, text/event-stream"})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read())
-
-
-async def verify(mcp_url):
-    rpc(mcp_url, "initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
-                                "clientInfo": {"name": "check", "version": "1"}})
-    reply = rpc(mcp_url, "tools/call", {"name": "dump", "arguments": {}})
-    state = json.loads(reply["result"]["content"][0]["text"])
-    return [{"id": "said_hello", "result": "hello" in state["said"],
-             "description": "the agent said hello"}]
-'''
+# The verifier of the fake env: the agent passes if it said "hello".
+CHECK_VERIFIER = (FAKE_ENV / "check_verifier.py").read_text()
 
 VERIFIERS = {
     "check": CHECK_VERIFIER,
@@ -347,11 +182,9 @@ def make_bundle(tmp_path):
 
 # ================================================================ helpers
 
-def run(coro, timeout: float = 30):
-    """Run one coroutine to its end on a fresh event loop, within a deadline."""
-    async def bounded():
-        return await asyncio.wait_for(coro, timeout)
-    return asyncio.run(bounded())
+# The harness's run, with this suite's deadline: 30 s a coroutine (the harness's default is 60),
+# unless a test gives its own.
+run = functools.partial(harness.run, timeout=30)
 
 
 def local(bundle: Bundle, **options) -> Runtime:
@@ -1847,7 +1680,7 @@ def test_an_unknown_sandbox_is_refused(make_bundle):
 def start_plain_server(tmp_path: Path) -> tuple[subprocess.Popen, str]:
     script = tmp_path / "plain_server.py"
     script.write_text(PLAIN_SERVER)
-    port = agentenv.free_port()
+    port = free_port()
     env = {**os.environ, "MCP_PORT": str(port), "MCP_HOST": "127.0.0.1"}
     env.pop("FAKE_PIDDIR", None)
     proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
