@@ -1995,10 +1995,11 @@ def test_notes_v1_plays_each_task(name, right):
 
 # ================================================================ review fixes
 
-def fake_server_with(marker: str, insert: str) -> str:
-    """FAKE_SERVER with ``insert`` put just before ``marker`` (which it must hold)."""
-    assert marker in FAKE_SERVER
-    return FAKE_SERVER.replace(marker, insert + marker, 1)
+def fake_server_with(marker: str, insert: str, source: str = FAKE_SERVER) -> str:
+    """The fake env server (or ``source``) with ``insert`` put just before ``marker``, which it must
+    hold once."""
+    assert source.count(marker) == 1, f"{marker!r} is not in the source exactly once"
+    return source.replace(marker, insert + marker, 1)
 
 
 def custom_env(name: str, source: str) -> dict[str, str]:
@@ -2187,15 +2188,14 @@ def test_concurrent_calls_on_one_turn_of_a_fastmcp_env_get_their_own_answers(mak
 
 
 # A fake env with one more tool: where its TMPDIR and DATABASE_URL point, and a temp file made there.
-SCRATCH_SERVER = fake_server_with('    tool("dump",', '''    tool("scratch", "Where the env keeps its files."),
-''')
-SCRATCH_SERVER = SCRATCH_SERVER.replace('    if base == "dump":', '''    if base == "scratch":
+SCRATCH_SERVER = fake_server_with('    if base == "dump":', '''    if base == "scratch":
         import tempfile
         fd, made = tempfile.mkstemp()
         os.close(fd)
         return json.dumps({"tmpdir": os.environ.get("TMPDIR"), "made": made,
                            "database_url": os.environ.get("DATABASE_URL")}), False
-    if base == "dump":''', 1)
+''', source=fake_server_with('    tool("dump",', '''    tool("scratch", "Where the env keeps its files."),
+'''))
 
 
 def test_each_local_env_has_its_own_scratch_folder_removed_at_teardown(make_bundle):
