@@ -1,13 +1,39 @@
-"""The main test suite of agentenv.py.
+"""The fast test suite of agentenv.py: a fake bundle, played on the local sandbox.
 
 Every test plays what a user sees: a bundle that loads or is refused (and how the refusal reads),
 episodes played against real env processes on the local sandbox, the MCP client against a real
-FastMCP server, the ``check`` CLI, and the example bundle ``bundles/notes-v1``.
+FastMCP server and a scripted SSE one, the ``check`` CLI, and the example bundle
+``bundles/notes-v1``. No test here needs a Docker daemon; the OpenEnv and Gym surfaces, faults,
+bad input and load have their own suites under tests/.
 
-The fake bundle's env server (FAKE_SERVER below) is a small standard-library MCP server whose
-behaviour is switched by its Dockerfile's ENV lines (FAKE_MODE, TOOL_PREFIX, CARD_NAME). Every
-env process it starts records its pid in $FAKE_PIDDIR, so each test can check that no env
-process outlives it.
+The ``make_bundle`` fixture writes each test's fake bundle from real files under tests/fake_env/:
+``server.py``, a small standard-library MCP env server whose behaviour is switched by its
+Dockerfile's ENV lines (FAKE_MODE, TOOL_PREFIX, CARD_NAME: see ENVS), ``plain_server.py`` (a
+FastMCP server: no card, SSE answers) and ``check_verifier.py``. Every env process records its pid
+in $FAKE_PIDDIR, so each test can check that no env process outlives it (the autouse fixture
+``isolated``).
+
+The file goes: the fake bundle, the helpers every section uses, then one section per component, in
+the order of agentenv.py's sections. A test goes where what it tests lives:
+
+* Bundle: loading a bundle, its splits, task ids, seeds; each refusal of Bundle.load and how it
+  reads; parse_dockerfile.
+* Sandbox: choosing one (auto falls back to local); local env processes: their command,
+  environment, output, port and scratch folder; the sweep of what a crashed run left; Docker calls
+  that need no daemon.
+* Env client: the MCP client (McpSession against FastMCP and SSE, long answers); an env coming up,
+  or failing its deploy (it exits, never listens, shows another card, lists no tools).
+* Verifiers: aggregate_score and response_rows; what a verifier artifact returns or raises, its
+  import, its thread, its timeout.
+* Episode: turns and their tools; the steps graph (depends_on, fail_task_on_error);
+  apply_server_config; failures during a turn (tool timeouts, env crashes, the turn's timeout);
+  abandon and teardown.
+* Pool and runtime: the pool and its limit, the start gate, closing the runtime.
+* CLI: ``check`` and agentenv.main.
+* The example bundle notes-v1.
+
+A helper or source that one test alone uses sits beside that test. Each coroutine runs under
+tests/harness.py's ``run`` with this suite's deadline of 30 s, unless a test gives its own.
 """
 
 from __future__ import annotations
@@ -45,8 +71,10 @@ NOTES = HERE / "bundles" / "notes-v1"
 
 # ================================================================ the fake bundle
 
+# What a fake bundle is made of: real files, each saying what it is in its docstring.
 FAKE_ENV = HERE / "tests" / "fake_env"
-FAKE_SERVER = (FAKE_ENV / "server.py").read_text()          # the env server every fake env runs
+# The standard-library MCP env server of every env below but plain, switched by its ENV lines.
+FAKE_SERVER = (FAKE_ENV / "server.py").read_text()
 
 # A plain MCP server built with the mcp package: no card, answers with SSE.
 PLAIN_SERVER = (FAKE_ENV / "plain_server.py").read_text()
@@ -67,7 +95,7 @@ ENVS = {   # name -> (Dockerfile, server source)
     "plain": (dockerfile(), PLAIN_SERVER),
 }
 
-# The verifier of the fake env: the agent passes if it said "hello".
+# artifacts/check/verify.py: the agent passes if it said "hello" (read through the dump tool).
 CHECK_VERIFIER = (FAKE_ENV / "check_verifier.py").read_text()
 
 VERIFIERS = {
@@ -80,6 +108,18 @@ VERIFIERS = {
                 "    return [{'id': 'a', 'score': 0.5, 'weight': 2}, {'id': 'b', 'result': True}]\n",
     "notalist": "async def verify(mcp_url):\n    return 'yes'\n",
 }
+
+
+def fake_server_with(marker: str, insert: str, source: str = FAKE_SERVER) -> str:
+    """The fake env server (or ``source``) with ``insert`` put just before ``marker``, which it must
+    hold once."""
+    assert source.count(marker) == 1, f"{marker!r} is not in the source exactly once"
+    return source.replace(marker, insert + marker, 1)
+
+
+def custom_env(name: str, source: str) -> dict[str, str]:
+    """The ``files`` of make_bundle for an env of its own: a Dockerfile and a server."""
+    return {f"envs/{name}/Dockerfile": dockerfile(), f"envs/{name}/server.py": source}
 
 
 # -- steps, as a task file writes them
@@ -121,6 +161,8 @@ def replied(*needles):
     """Deploy main, one turn, scored by the reply."""
     return [deploy(), agent("main"), prompt(), contains(*needles)]
 
+
+# -- the fixtures: each test's own folders, and its fake bundles
 
 @pytest.fixture(autouse=True)
 def isolated(tmp_path, monkeypatch):
@@ -243,7 +285,9 @@ def assert_torn_down(ep) -> None:
     assert ep not in ep.runtime.live
 
 
-# ================================================================ Bundle: loading, splits, ids
+# ================================================================ Bundle
+
+# -- loading, splits, ids
 
 def test_a_bundle_loads_with_its_tasks_splits_and_description(make_bundle, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -344,7 +388,7 @@ def test_seeded_fills_placeholders_in_string_leaves(make_bundle):
     assert task.seeded(None) is task and task.seeded({}) is task
 
 
-# ================================================================ Bundle: refusals
+# -- refusals
 
 STEP_REFUSALS = {
     # case: (steps, parts the problem must have)
@@ -493,6 +537,18 @@ def test_a_task_that_cant_be_played_is_refused_with_a_clear_message(make_bundle,
     found = problem_with(problems, *parts)
     assert found.startswith("tasks/t.json: ")
     assert not [p for p in problems if "good.json" in p], "the good task was refused too"
+
+
+def test_two_turns_that_could_be_open_at_once_are_refused(make_bundle):
+    steps = [deploy(), agent("main"), prompt(depends_on=["agent"]),
+             prompt("Again.", id="turn2", depends_on=["agent"]), outcome()]
+    assert refused(make_bundle({"good": simple(), "t": steps})) == [
+        "tasks/t.json: task 't' step 'turn2': may open while turn 'turn1' is still open; the agent "
+        "plays one turn at a time, so add 'turn1' to its depends_on"]
+    ordered = [deploy(), agent("main"), prompt(depends_on=["agent"]),
+               prompt("Again.", id="turn2", depends_on=["turn1"]), outcome()]
+    assert [t.id for t in Bundle.load(make_bundle({"t": ordered})).tasks["t"].turns] == \
+        ["turn1", "turn2"]
 
 
 def test_reward_naming_a_step_a_task_lacks(make_bundle):
@@ -670,7 +726,7 @@ def test_a_step_that_does_not_depend_on_the_deploy_of_its_env_is_refused(make_bu
     problem_with(refused(root), "tasks/a.json", "step 'config'", "depends_on")
 
 
-# ================================================================ parse_dockerfile
+# -- parse_dockerfile
 
 def test_parse_dockerfile_exec_form_and_env():
     command, env = parse_dockerfile(
@@ -711,7 +767,528 @@ def test_parse_dockerfile_keeps_a_cmd_set_before_entrypoint_in_the_same_stage():
         ("python", "server.py")
 
 
-# ================================================================ aggregate_score, response_rows
+# ================================================================ Sandbox
+
+# -- choosing one: local, docker, auto
+
+def test_an_unknown_sandbox_is_refused(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+
+    async def go():
+        async with Runtime(bundle, sandbox="cloud"):
+            pass
+
+    with pytest.raises(AgentEnvError, match="--sandbox 'cloud' is not a sandbox; use auto, docker or "
+                                            "local"):
+        run(go())
+
+
+def test_auto_sandbox_without_docker_falls_back_to_local_and_says_why(make_bundle, monkeypatch,
+                                                                      caplog):
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent")
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+
+    async def go():
+        async with Runtime(bundle, sandbox="auto", deploy_timeout=10) as rt:
+            kind = rt.sandbox.kind
+            result = await play(rt, bundle.tasks["a"], calls=[("say", {"text": "hello"})])
+        return kind, result
+
+    kind, result = run(go())
+    assert kind == "local" and result.reward == 1.0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("Envs run as local processes (--sandbox local), with no "
+                                  "isolation, since no Docker daemon answered"), warnings[0]
+
+
+# -- local env processes: their command, environment and output
+
+def test_an_env_command_that_cannot_start(make_bundle):
+    root = make_bundle({"a": simple()})
+    (root / "envs" / "main" / "Dockerfile").write_text('FROM x\nCMD ["./no-such-program"]\n')
+    bundle = Bundle.load(root)
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            with pytest.raises(EpisodeFailed, match=r"env 'main' could not start: running "
+                                                    r"\./no-such-program in .* failed .*fix the "
+                                                    r"Dockerfile's CMD"):
+                await ep.next_turn()
+            await ep.closed.wait()
+            assert ep.instances == [] and ep.outcome.status == "failed"
+
+    run(go())
+
+
+def test_env_processes_carry_their_owner_and_not_the_servers_token(make_bundle, monkeypatch):
+    monkeypatch.setenv("AGENTENV_TOKEN", "the-servers-secret")
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            await ep.next_turn()
+            [instance] = ep.instances
+            environ = Path(f"/proc/{instance.proc.pid}/environ").read_bytes().split(b"\0")
+            await ep.abandon("seen")
+            return rt.sandbox.owner, environ
+
+    owner, environ = run(go())
+    assert f"AGENTENV_OWNER={owner}".encode() in environ
+    assert not any(item.startswith(b"AGENTENV_TOKEN=") for item in environ)
+
+
+# One line of 200,000 characters, then more output than a pipe holds, then the usual server.
+NOISY_SERVER = fake_server_with("\nserver = ThreadingHTTPServer(", r'''
+print("x" * 200_000, flush=True)
+for n in range(3000):
+    print(f"fake: noise {n} " + "y" * 200, flush=True)
+''')
+
+
+def test_an_env_that_prints_a_line_longer_than_64k_plays_and_is_torn_down(make_bundle):
+    root = make_bundle({"a": simple("noisy")}, envs=(), files=custom_env("noisy", NOISY_SERVER))
+    bundle = Bundle.load(root)
+
+    async def go():
+        async with local(bundle, deploy_timeout=5) as rt:
+            records = rt.sandbox.records
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            await turn.call("say", {"text": "hello"})
+            turn.end("done")
+            result = await ep.result()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            output = await ep.instances[0].output()
+        return result, output, records
+
+    result, output, records = run(go())
+    assert result == agentenv.Outcome("scored", {"check": 1.0}, 1.0)
+    assert "fake: noise 2999" in output and "fake: env noisy listening" in output
+    assert not records.exists() or list(records.iterdir()) == [], "a record outlived the Runtime"
+
+
+# -- ports
+
+def test_an_env_whose_port_another_process_took_fails_and_never_plays_on_the_other(
+        make_bundle, monkeypatch):
+    """Two servers on one machine: the port the second hands its env is found free, then taken
+    by the first's env before it binds. The second env dies on bind; its episode must fail with
+    that reason, never play on the other server's env, which answers on that port meanwhile."""
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+    real_free_port = agentenv.free_port
+
+    async def go():
+        async with local(bundle) as first, local(bundle, deploy_timeout=5) as second:
+            theirs = first.episode(bundle.tasks["a"])
+            turn = await theirs.next_turn()
+            await turn.call("say", {"text": "mine"})
+            [instance] = theirs.instances
+            ports = iter([instance.port])
+            monkeypatch.setattr(agentenv, "free_port", lambda: next(ports, None) or real_free_port())
+            ours = second.episode(bundle.tasks["a"])
+            with pytest.raises(EpisodeFailed) as failed:
+                await ours.next_turn()
+            await turn.call("say", {"text": "still mine"})        # the first plays on, untouched
+            turn.end("done")
+            return str(failed.value), await theirs.result()
+
+    message, outcome = run(go())
+    assert "did not come up: its process exited with code" in message, message
+    assert "another process answers on http://127.0.0.1:" not in message      # the exit says more
+    assert outcome.status == "scored"
+
+
+# -- scratch folders
+
+# A fake env with one more tool: where its TMPDIR and DATABASE_URL point, and a temp file made there.
+SCRATCH_SERVER = fake_server_with('    if base == "dump":', '''    if base == "scratch":
+        import tempfile
+        fd, made = tempfile.mkstemp()
+        os.close(fd)
+        return json.dumps({"tmpdir": os.environ.get("TMPDIR"), "made": made,
+                           "database_url": os.environ.get("DATABASE_URL")}), False
+''', source=fake_server_with('    tool("dump",', '''    tool("scratch", "Where the env keeps its files."),
+'''))
+
+
+def test_each_local_env_has_its_own_scratch_folder_removed_at_teardown(make_bundle):
+    assert 'base == "scratch"' in SCRATCH_SERVER
+    steps = [deploy("scratchy"), agent("scratchy"), prompt(), contains()]
+    bundle = Bundle.load(make_bundle({"a": steps}, envs=(), artifacts=(),
+                                     files=custom_env("scratchy", SCRATCH_SERVER)))
+
+    async def one(rt):
+        ep = rt.episode(bundle.tasks["a"])
+        turn = await ep.next_turn()
+        seen = json.loads((await turn.call("scratch", {})).text)
+        assert seen["tmpdir"], f"the env got no TMPDIR of its own: {seen}"
+        existed = Path(seen["tmpdir"]).is_dir() and Path(seen["made"]).is_file()
+        await asyncio.sleep(0.2)              # both episodes are live at once
+        turn.end("hello")
+        await ep.result()
+        await ep.closed.wait()
+        assert_torn_down(ep)
+        return seen, existed
+
+    async def go():
+        async with local(bundle) as rt:
+            return await asyncio.gather(one(rt), one(rt))
+
+    (first, first_existed), (second, second_existed) = run(go())
+    assert first_existed and second_existed
+    assert first["tmpdir"] != second["tmpdir"]
+    for seen in (first, second):
+        assert Path(seen["made"]).parent == Path(seen["tmpdir"])
+        assert seen["database_url"].startswith(f"sqlite:///{seen['tmpdir']}/")
+        assert not Path(seen["tmpdir"]).exists(), f"{seen['tmpdir']} outlived its env"
+
+
+# -- the sweep of what a crashed run left
+
+def test_processes_left_by_a_crashed_run_are_killed_at_start(make_bundle, tmp_path, caplog):
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+    leftover = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        dead_owner = f"{socket.gethostname()}:999999999:1"
+        records = agentenv.LocalSandbox(dead_owner).records   # where that run kept its records
+        records.mkdir(parents=True)
+        (records / str(leftover.pid)).write_text(agentenv._process_start(leftover.pid))
+
+        async def go():
+            async with local(bundle):
+                pass
+
+        run(go())
+        assert leftover.wait(timeout=5) == -signal.SIGKILL
+        assert not records.exists()
+        assert "Killed 1 env process group(s) that an earlier run of agentenv.py left behind" in \
+            caplog.text
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            leftover.kill()
+        leftover.wait()
+
+
+def test_env_processes_a_crashed_run_had_not_recorded_yet_are_killed_at_start(make_bundle, caplog):
+    """A server killed between starting an env process and writing its record: the owner in the
+    process's environment is enough for the next start to find it, and its children with it."""
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+    dead_owner = f"{socket.gethostname()}:999999999:1"
+    env = {**os.environ, "AGENTENV_OWNER": dead_owner}
+    leftover = subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True, env=env)
+    bystander = subprocess.Popen(["sleep", "60"], start_new_session=True)    # not marked
+    alive = subprocess.Popen(["sleep", "60"], start_new_session=True,        # a live owner's
+                             env={**os.environ, "AGENTENV_OWNER": agentenv.owner_id()})
+    try:
+        async def go():
+            async with local(bundle):
+                pass
+
+        run(go())
+        assert leftover.wait(timeout=5) == -signal.SIGKILL
+        assert bystander.poll() is None and alive.poll() is None
+        assert "Killed 1 env process group(s) that an earlier run of agentenv.py left behind" in \
+            caplog.text
+    finally:
+        for proc in (leftover, bystander, alive):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+# -- Docker calls (no daemon needed)
+
+def test_a_docker_call_past_its_deadline_keeps_its_slot_until_its_thread_ends():
+    """The cap on Docker operations counts calls still running in their thread after their
+    caller gave up: a daemon that is slow to create must not be handed more creations."""
+    release = threading.Event()
+    started: list[str] = []
+
+    def slow(name: str) -> str:
+        started.append(name)
+        release.wait(10)
+        return name
+
+    async def go():
+        sandbox = agentenv.DockerSandbox("test-owner", client=None, ops=2)
+        for name in ("a", "b"):
+            with pytest.raises(asyncio.TimeoutError):
+                await sandbox.call(slow, name, timeout=0.05)
+        third = asyncio.ensure_future(sandbox.call(slow, "c", timeout=10))
+        await asyncio.sleep(0.2)
+        waited = started == ["a", "b"]          # both slots still held by the late threads
+        release.set()
+        result = await third
+        sandbox.threads.shutdown(wait=True)
+        return waited, result, started
+
+    waited, result, started = asyncio.run(go())
+    assert waited, f"a third call started while two timed-out calls still ran: {started}"
+    assert result == "c" and started == ["a", "b", "c"]
+
+
+# ================================================================ Env client
+
+# -- the MCP client
+
+def start_plain_server(tmp_path: Path) -> tuple[subprocess.Popen, str]:
+    script = tmp_path / "plain_server.py"
+    script.write_text(PLAIN_SERVER)
+    port = free_port()
+    env = {**os.environ, "MCP_PORT": str(port), "MCP_HOST": "127.0.0.1"}
+    env.pop("FAKE_PIDDIR", None)
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 20
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return proc, f"http://127.0.0.1:{port}/mcp"
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the FastMCP server did not start: {proc.stdout.read().decode()}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def fastmcp_url(tmp_path_factory):
+    proc, url = start_plain_server(tmp_path_factory.mktemp("fastmcp"))
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def test_mcp_client_against_a_fastmcp_server(fastmcp_url):
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            session = McpSession(http, fastmcp_url)
+            info = await session.open()
+            assert info["serverInfo"]["name"] == "plain"
+            assert session.headers["Mcp-Session-Id"]
+            assert session.headers["MCP-Protocol-Version"] == info["protocolVersion"]
+            tools = {t["name"]: t for t in await session.list_tools()}
+            assert set(tools) == {"add", "fail"}
+            assert tools["add"]["description"] == "Add two numbers."
+            assert set(tools["add"]["inputSchema"]["properties"]) == {"a", "b"}
+            assert await session.call_tool("add", {"a": 2, "b": 3}) == ToolResult("5", False)
+            failed = await session.call_tool("fail", {"why": "boom"})
+            assert failed.is_error and "boom" in failed.text
+            unknown = await session.call_tool("subtract", {})
+            assert unknown.is_error and "subtract" in unknown.text
+            invalid = await session.call_tool("add", {"a": "x"})
+            assert invalid.is_error and "validation error" in invalid.text
+            await session.close()
+            with pytest.raises(McpError, match="tools/list was answered HTTP 404"):
+                await session.list_tools()      # the session was ended on the server
+
+    run(go())
+
+
+async def sse_server(handler) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_post("/mcp", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}/mcp"
+
+
+def test_mcp_client_reads_sse_replies_and_refusals():
+    async def handler(request: web.Request) -> web.StreamResponse:
+        msg = await request.json()
+        method, mid = msg.get("method"), msg.get("id")
+        if mid is None:
+            return web.Response(status=202)
+        name = (msg.get("params") or {}).get("name")
+        if method == "initialize":
+            return web.json_response({"jsonrpc": "2.0", "id": mid, "result": {
+                "protocolVersion": "2025-03-26", "serverInfo": {"name": "sse"}}},
+                headers={"Mcp-Session-Id": "abc"})
+        assert request.headers["Mcp-Session-Id"] == "abc"
+        assert request.headers["MCP-Protocol-Version"] == "2025-03-26"
+        if name == "refuse":
+            return web.json_response({"jsonrpc": "2.0", "id": mid,
+                                      "error": {"code": -32602, "message": "Unknown tool: refuse"}})
+        if name == "http500":
+            return web.Response(status=500, text="the server broke")
+        if name == "notjson":
+            return web.Response(text="<html>", content_type="text/html")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if name == "silent":
+            await resp.write(b"event: message\ndata: {\"jsonrpc\": \"2.0\", \"method\": \"x\"}\n\n")
+            await resp.write_eof()
+            return resp
+        if method == "tools/list":
+            page = {"tools": [{"name": "t1"}, {"nameless": True}], "nextCursor": "2"} \
+                if not (msg.get("params") or {}).get("cursor") else {"tools": [{"name": "t2"}]}
+            await resp.write(f"data: {json.dumps({'jsonrpc': '2.0', 'id': mid, 'result': page})}\n\n"
+                             .encode())
+            await resp.write_eof()
+            return resp
+        # a notification first, then the answer in two data lines split over chunks, with CRLFs
+        await resp.write(b": comment\r\nevent: message\r\ndata: {\"jsonrpc\": \"2.0\", \"method\": "
+                         b"\"notifications/progress\"}\r\n\r\n")
+        await resp.write(b'data: {"jsonrpc": "2.0", "id": %d,\r\ndata: "result": {"content": '
+                         % mid)
+        await resp.write(b'[{"type": "text", "text": "hi"}, {"type": "image", "mimeType": '
+                         b'"image/png"}]}}\r\n\r\n')
+        await resp.write_eof()
+        return resp
+
+    async def go():
+        runner, url = await sse_server(handler)
+        try:
+            async with aiohttp.ClientSession() as http:
+                session = McpSession(http, url, {"AgentEnv-Role": "x"})
+                assert (await session.open())["serverInfo"]["name"] == "sse"
+                assert [t["name"] for t in await session.list_tools()] == ["t1", "t2"]
+                assert await session.call_tool("echo", {}) == \
+                    ToolResult("hi\n[image content: image/png]", False)
+                assert await session.call_tool("refuse", {}) == \
+                    ToolResult("error: Unknown tool: refuse", True)
+                with pytest.raises(McpError, match="tools/call was answered HTTP 500: the server broke"):
+                    await session.call_tool("http500", {})
+                with pytest.raises(McpError, match="answered with something that is not JSON"):
+                    await session.call_tool("notjson", {})
+                with pytest.raises(McpError, match="the server's event stream ended without an answer"):
+                    await session.call_tool("silent", {})
+        finally:
+            await runner.cleanup()
+
+    run(go())
+
+
+def test_a_long_tool_answer_is_cut_and_says_so():
+    text = agentenv.tool_text({"content": [{"type": "text", "text": "x" * 100_050}]})
+    assert text.startswith("x" * 100_000 + "\n[output cut: the tool answered 100050 characters")
+    assert agentenv.tool_text({"content": [], "structuredContent": {"a": 1}}) == '{"a": 1}'
+    assert agentenv.tool_text({"content": [{"type": "resource", "resource": {"text": "r"}}]}) == "r"
+
+
+# -- FastMCP envs (no card, SSE answers)
+
+def test_an_episode_on_a_fastmcp_env_without_a_card(make_bundle):
+    steps = [deploy("plain"), agent("plain"), prompt("Add 2 and 3."), contains("5")]
+    bundle = Bundle.load(make_bundle({"a": steps}, envs=("plain",), artifacts=()))
+
+    async def go():
+        async with local(bundle, deploy_timeout=30) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            assert ep.envs["plain"].card is None
+            assert ep.envs["plain"].mcp_url.endswith("/mcp")
+            assert [t["name"] for t in turn.tools] == ["add", "fail"]
+            assert await turn.call("add", {"a": 2, "b": 3}) == ToolResult("5", False)
+            failed = await turn.call("fail", {"why": "nope"})
+            assert failed.is_error and "nope" in failed.text
+            turn.end("5")
+            result = await ep.result()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            return result
+
+    assert run(go(), timeout=60) == agentenv.Outcome("scored", {"answer": 1.0}, 1.0)
+
+
+def test_concurrent_calls_on_one_turn_of_a_fastmcp_env_get_their_own_answers(make_bundle):
+    steps = [deploy("plain"), agent("plain"), prompt("Add."), contains("done")]
+    bundle = Bundle.load(make_bundle({"a": steps}, envs=("plain",), artifacts=()))
+
+    async def go():
+        async with local(bundle, deploy_timeout=30) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            answers = await asyncio.gather(*(turn.call("add", {"a": n, "b": 1000})
+                                             for n in range(4)))
+            turn.end("done")
+            result = await ep.result()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            return answers, result
+
+    answers, result = run(go(), timeout=60)
+    assert answers == [ToolResult(str(1000 + n), False) for n in range(4)]
+    assert result == agentenv.Outcome("scored", {"answer": 1.0}, 1.0)
+
+
+# -- readiness: envs that fail their deploy
+
+def test_an_env_that_exits_at_start_fails_the_episode_quoting_its_output(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": simple("broken")}, envs=("broken",)))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            with pytest.raises(EpisodeFailed) as caught:
+                await ep.next_turn()
+            result = await ep.result()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            return str(caught.value), result
+
+    message, result = run(go())
+    assert message.startswith("step 'deploy-broken' (deploy_env) failed: env 'broken' did not come "
+                              "up: its process exited with code 4. Its last output:")
+    assert "fake: cannot start env broken: FAKE_MODE=exit" in message
+    assert result.status == "failed" and result.failure == message
+
+
+def test_an_env_that_never_listens_misses_the_deploy_timeout(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": simple("deaf")}, envs=("deaf",)))
+
+    async def go():
+        # 2.5 s: long enough for the env's first line to be printed on a loaded machine
+        async with local(bundle, deploy_timeout=2.5) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            started = time.monotonic()
+            with pytest.raises(EpisodeFailed) as caught:
+                await ep.next_turn()
+            took = time.monotonic() - started
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            return str(caught.value), took
+
+    message, took = run(go())
+    assert "env 'deaf' was not ready within 2.5s (last: ClientConnectorError" in message
+    assert "fake: started, but never listening" in message
+    assert 2.2 < took < 4.5        # it gives up once the next poll would pass the deadline
+
+
+@pytest.mark.parametrize("env, part", [
+    ("imposter", "env 'imposter' answers with the card of 'someone-else', not 'imposter'; set "
+                 "environment_name in envs/imposter/env.toml"),
+    ("empty", "env 'empty' lists no tools; an env offers at least one"),
+])
+def test_an_env_that_answers_wrongly_fails_the_deploy_at_once(make_bundle, env, part):
+    bundle = Bundle.load(make_bundle({"a": [deploy(env), agent(env), prompt(), contains()]},
+                                     envs=(env,)))
+
+    async def go():
+        async with local(bundle, deploy_timeout=20) as rt:
+            started = time.monotonic()
+            ep = rt.episode(bundle.tasks["a"])
+            with pytest.raises(EpisodeFailed, match=re.escape(part)):
+                await ep.next_turn()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            return time.monotonic() - started
+
+    assert run(go()) < 5      # not the deploy timeout
+
+
+# ================================================================ Verifiers
+
+# -- aggregate_score, response_rows
 
 @pytest.mark.parametrize("rows, aggregator, expected", [
     ([{"score": 0.5, "weight": 2}, {"result": True}], "weighted_average", 2 / 3),
@@ -764,7 +1341,171 @@ def test_response_rows_regex_flags():
     assert aggregate_score(rows, "all_pass") == 0.0 and aggregate_score(rows, "any_pass") == 1.0
 
 
-# ================================================================ episodes on the local sandbox
+# -- what a verifier returns or raises
+
+def test_a_verifier_that_raises_fails_the_episode_instead_of_scoring_0(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": simple(artifact="raises")}, artifacts=("raises",)))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            (await ep.next_turn()).end("hello")
+            with pytest.raises(EpisodeFailed, match="the checker broke"):
+                await ep.next_turn()
+            result = await ep.result()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            return result
+
+    result = run(go())
+    assert result.status == "failed" and result.reward is None and result.scores == {}
+    assert result.failure == ("step 'check' (env_outcome_verifier) failed: the verifier "
+                              "artifacts/raises raised RuntimeError: the checker broke")
+
+
+def test_a_verifier_that_returns_no_rows_fails_the_episode(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": simple(artifact="notalist")}, artifacts=("notalist",)))
+
+    async def go():
+        async with local(bundle) as rt:
+            return await play(rt, bundle.tasks["a"])
+
+    result = run(go())
+    assert result.status == "failed"
+    assert "the verifier artifacts/notalist returned str; verify returns a list of {id, result, " \
+           "description} rows" in result.failure
+
+
+def test_a_verifiers_score_aggregator_is_applied(make_bundle):
+    bundle = Bundle.load(make_bundle({
+        "w": simple(artifact="weighted")[:3] + [outcome("weighted", score_aggregator="weighted_average")],
+        "all": simple(artifact="weighted"), "any": simple(artifact="weighted")[:3] + [
+            outcome("weighted", score_aggregator="any_pass")]}, artifacts=("weighted",)))
+
+    async def go():
+        async with local(bundle) as rt:
+            return await asyncio.gather(*(play(rt, bundle.tasks[n]) for n in ("w", "all", "any")))
+
+    weighted, all_pass, any_pass = run(go())
+    assert weighted.reward == pytest.approx(2 / 3) and weighted.scores == {"check": weighted.reward}
+    assert all_pass.reward == 0.0       # row a has no result True
+    assert any_pass.reward == 1.0
+
+
+# -- imports, threads, timeouts
+
+def test_a_verifier_that_hangs_misses_the_verifier_timeout(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": simple(artifact="hangs")}, artifacts=("hangs",)))
+
+    async def go():
+        async with local(bundle, verifier_timeout=0.5) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            (await ep.next_turn()).end("hello")
+            started = time.monotonic()
+            result = await ep.result()
+            took = time.monotonic() - started
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            return result, took
+
+    result, took = run(go())
+    assert result.status == "failed" and result.reward is None
+    assert result.failure == ("step 'check' (env_outcome_verifier) failed: the verifier "
+                              "artifacts/hangs did not finish within 0.5s")
+    assert took < 3
+
+
+SLEEPER_VERIFIER = "import asyncio\n\n\nasync def verify(mcp_url):\n    await asyncio.sleep(3600)\n"
+
+
+def running_verifier(path: Path) -> list[str]:
+    """The live verifier worker threads that are running a verifier (or this file's code)."""
+    frames = sys._current_frames()
+    busy = []
+    for thread in threading.enumerate():
+        if not thread.name.startswith("verifier_") or thread.ident not in frames:
+            continue
+        frame = frames[thread.ident]
+        while frame is not None:
+            if frame.f_code.co_name == "run_verify" or frame.f_code.co_filename == str(path):
+                busy.append(thread.name)
+                break
+            frame = frame.f_back
+    return busy
+
+
+def test_a_hanging_verifier_fails_the_episode_and_frees_its_thread(make_bundle):
+    root = make_bundle({"a": simple(artifact="sleeper")}, artifacts=(),
+                       files={"artifacts/sleeper/verify.py": SLEEPER_VERIFIER})
+    bundle = Bundle.load(root)
+    path = root / "artifacts" / "sleeper" / "verify.py"
+
+    async def go():
+        async with local(bundle, verifier_timeout=1) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            (await ep.next_turn()).end("hello")
+            started = time.monotonic()
+            result = await ep.result()
+            took = time.monotonic() - started
+            deadline = time.monotonic() + 2
+            while running_verifier(path) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            busy = running_verifier(path)
+            await ep.closed.wait()
+            return result, took, busy
+
+    result, took, busy = run(go())
+    assert result.status == "failed" and result.reward is None
+    assert result.kind == "verifier_error"
+    assert result.failure == ("step 'check' (env_outcome_verifier) failed: the verifier "
+                              "artifacts/sleeper did not finish within 1s")
+    assert took < 4
+    assert busy == [], f"the threads {busy} still run the verifier"
+
+
+def test_a_slow_verifier_import_does_not_stall_the_loop_and_happens_once(make_bundle, tmp_path):
+    imports = tmp_path / "imports.txt"
+    source = (f"import time\nwith open({str(imports)!r}, 'a') as f:\n    f.write('imported\\n')\n"
+              "time.sleep(0.5)\n\n\nasync def verify(mcp_url):\n"
+              "    return [{'id': 'ok', 'result': True}]\n")
+    bundle = Bundle.load(make_bundle({"a": simple(artifact="slow")}, artifacts=(),
+                                     files={"artifacts/slow/verify.py": source}))
+
+    async def go():
+        async with local(bundle) as rt:
+            episodes = [rt.episode(bundle.tasks["a"]) for _ in range(2)]
+            turns = [await ep.next_turn() for ep in episodes]
+            gaps: list[float] = []
+            stop = asyncio.Event()
+
+            async def tick():
+                last = time.monotonic()
+                while not stop.is_set():
+                    await asyncio.sleep(0.05)
+                    now = time.monotonic()
+                    gaps.append(now - last)
+                    last = now
+
+            ticker = asyncio.create_task(tick())
+            await asyncio.sleep(0.1)
+            for turn in turns:
+                turn.end("done")
+            results = await asyncio.gather(*(ep.result() for ep in episodes))
+            stop.set()
+            await ticker
+            for ep in episodes:
+                await ep.closed.wait()
+            return results, gaps
+
+    results, gaps = run(go())
+    assert [r.reward for r in results] == [1.0, 1.0]
+    assert max(gaps) < 0.3, f"the loop stalled for {max(gaps):.2f}s"
+    assert imports.read_text() == "imported\n", "the verifier was not imported exactly once"
+
+
+# ================================================================ Episode
+
+# -- turns
 
 def test_a_turn_scored_by_the_env_outcome_verifier(make_bundle):
     bundle = Bundle.load(make_bundle({"a": simple()}))
@@ -893,21 +1634,6 @@ def test_the_agents_role_reaches_the_env(make_bundle):
     assert run(go()) == {"critic": "critic", "plain": "(no role)"}
 
 
-def test_apply_server_config_reaches_the_env(make_bundle):
-    steps = [deploy(), config({"greeting": "ahoy", "level": 3}), agent("main"), prompt(), outcome()]
-    bundle = Bundle.load(make_bundle({"a": steps}))
-
-    async def go():
-        async with local(bundle) as rt:
-            ep = rt.episode(bundle.tasks["a"])
-            turn = await ep.next_turn()
-            text = (await turn.call("get_config", {})).text
-            await ep.abandon("done")
-            return text
-
-    assert json.loads(run(go())) == {"greeting": "ahoy", "level": 3}
-
-
 def test_a_seed_reaches_the_prompt_the_env_and_the_verifier(make_bundle):
     steps = [deploy(), config({"greeting": "<word>"}), agent("main"), prompt("Say <word>."),
              contains("<word>")]
@@ -926,6 +1652,157 @@ def test_a_seed_reaches_the_prompt_the_env_and_the_verifier(make_bundle):
 
     right, wrong = run(go())
     assert right.reward == 1.0 and wrong.reward == 0.0
+
+
+def test_a_turn_offers_the_tools_of_every_env_of_the_agent(make_bundle):
+    steps = [deploy("main"), deploy("other"), agent("main", "other", role="r"), prompt(), outcome()]
+    bundle = Bundle.load(make_bundle({"a": steps}, envs=("main", "other")))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            names = [t["name"] for t in turn.tools]
+            await turn.call("other_say", {"text": "hello"})    # said in the other env only
+            turn.end("done")
+            result = await ep.result()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            assert len(ep.instances) == 2
+            return names, result
+
+    names, result = run(go())
+    assert names == ["say", "whoami", "get_config", "sleep", "crash",
+                     "other_say", "other_whoami", "other_get_config", "other_sleep", "other_crash"]
+    assert result.reward == 0.0        # the verifier reads the main env, where nothing was said
+
+
+def test_two_envs_offering_the_same_tool_fail_the_episode(make_bundle):
+    root = make_bundle({"a": [deploy("main"), deploy("other"), agent("main", "other"), prompt(),
+                              outcome()]}, envs=("main", "other"))
+    (root / "envs" / "other" / "Dockerfile").write_text(dockerfile())    # no prefix: same names
+    bundle = Bundle.load(root)
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            with pytest.raises(EpisodeFailed, match="the tool 'say' is offered by two envs of the turn"):
+                await ep.next_turn()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+
+    run(go())
+
+
+# -- the steps graph
+
+def test_depends_on_graph_with_a_tolerated_failing_verifier(make_bundle, caplog):
+    caplog.set_level(logging.INFO, logger="agentenv")
+    steps = [deploy(), agent("main"), prompt(),
+             outcome("raises", id="flaky", fail_task_on_error=False),
+             contains(id="after", depends_on=["flaky"]),
+             contains(id="answer", depends_on=["turn1"])]
+    root = make_bundle({"a": steps}, artifacts=("raises",))
+
+    async def go(reward):
+        bundle = Bundle.load(root, reward=reward)
+        async with local(bundle) as rt:
+            return await play(rt, bundle.tasks["a"])
+
+    skipped = run(go("after"))
+    assert skipped.status == "failed" and skipped.reward is None
+    assert skipped.failure == "no reward: the run recorded no score at step 'after' (it did not run)"
+    assert skipped.scores == {"answer": 1.0}
+    assert any("skips step 'after'" in r.getMessage() for r in caplog.records)
+    failed = run(go("flaky"))
+    assert failed.status == "failed"
+    assert failed.failure.startswith("no reward: the run recorded no score at step 'flaky' (the "
+                                     "verifier artifacts/raises raised RuntimeError: the checker "
+                                     "broke)")
+    scored = run(go("answer"))
+    assert scored == agentenv.Outcome("scored", {"answer": 1.0}, 1.0)
+
+
+class _LatestFirst(set):
+    """A set that iterates the latest-created task first: one order a set may have."""
+
+    def __iter__(self):
+        def created(task):
+            found = re.fullmatch(r"Task-(\d+)", task.get_name()) if isinstance(task, asyncio.Task) \
+                else None
+            return int(found[1]) if found else -1
+        return iter(sorted(set.__iter__(self), key=created, reverse=True))
+
+
+def test_a_failing_step_with_dependents_fails_with_its_own_reason(make_bundle, monkeypatch):
+    """The steps that depend on a failed step are skipped, and the failure is the step's own,
+    whatever order the finished steps are looked at in."""
+    steps = [agent(), prompt(timeout_seconds=0.05)] + \
+        [contains(id=f"after{n}", depends_on=["turn1"]) for n in range(3)]
+    bundle = Bundle.load(make_bundle({"a": steps}, envs=(), artifacts=()), reward="after0")
+    real_wait = asyncio.wait
+
+    async def wait(fs, **options):      # asyncio.wait, its done set in a legal, adversarial order
+        done, pending = await real_wait(fs, **options)
+        return _LatestFirst(done), pending
+
+    monkeypatch.setattr(asyncio, "wait", wait)
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            await ep.closed.wait()
+            return ep.outcome
+
+    result = run(go())
+    assert result.status == "failed"
+    assert result.failure.startswith("step 'turn1' (prompt_agent) failed: turn 'turn1' was not "
+                                     "ended within 0.05s"), result.failure
+
+
+def test_a_tolerated_turn_timeout_closes_the_turn(make_bundle, tmp_path):
+    steps = [deploy(), agent("main"), prompt(timeout_seconds=1, fail_task_on_error=False),
+             outcome("hangs", depends_on=["agent"])]      # waits for the release file
+    bundle = Bundle.load(make_bundle({"a": steps}, artifacts=("hangs",)))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            await asyncio.sleep(1.5)                    # past the turn's timeout_seconds
+            waiting = asyncio.ensure_future(ep.next_turn())
+            await asyncio.sleep(0.2)
+            handed_back = waiting.done() and waiting.result() is turn
+            with pytest.raises(AgentEnvError, match="turn 'turn1' has ended"):
+                await turn.call("say", {"text": "too late"})
+            (tmp_path / "release").touch()              # the verifier finishes
+            after = await waiting
+            result = await ep.result()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            return handed_back, after, result
+
+    handed_back, after, result = run(go())
+    assert not handed_back, "next_turn() handed back the turn that timed out"
+    assert after is None
+    assert result == agentenv.Outcome("scored", {"check": 1.0}, 1.0)
+
+
+# -- apply_server_config
+
+def test_apply_server_config_reaches_the_env(make_bundle):
+    steps = [deploy(), config({"greeting": "ahoy", "level": 3}), agent("main"), prompt(), outcome()]
+    bundle = Bundle.load(make_bundle({"a": steps}))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            text = (await turn.call("get_config", {})).text
+            await ep.abandon("done")
+            return text
+
+    assert json.loads(run(go())) == {"greeting": "ahoy", "level": 3}
 
 
 @pytest.mark.parametrize("step, parts", [
@@ -972,264 +1849,7 @@ def test_an_unadvertised_extension_is_skipped_with_tolerate_unadvertised(make_bu
     assert applied == "{}" and result.reward == 1.0
 
 
-def test_a_turn_offers_the_tools_of_every_env_of_the_agent(make_bundle):
-    steps = [deploy("main"), deploy("other"), agent("main", "other", role="r"), prompt(), outcome()]
-    bundle = Bundle.load(make_bundle({"a": steps}, envs=("main", "other")))
-
-    async def go():
-        async with local(bundle) as rt:
-            ep = rt.episode(bundle.tasks["a"])
-            turn = await ep.next_turn()
-            names = [t["name"] for t in turn.tools]
-            await turn.call("other_say", {"text": "hello"})    # said in the other env only
-            turn.end("done")
-            result = await ep.result()
-            await ep.closed.wait()
-            assert_torn_down(ep)
-            assert len(ep.instances) == 2
-            return names, result
-
-    names, result = run(go())
-    assert names == ["say", "whoami", "get_config", "sleep", "crash",
-                     "other_say", "other_whoami", "other_get_config", "other_sleep", "other_crash"]
-    assert result.reward == 0.0        # the verifier reads the main env, where nothing was said
-
-
-def test_two_envs_offering_the_same_tool_fail_the_episode(make_bundle):
-    root = make_bundle({"a": [deploy("main"), deploy("other"), agent("main", "other"), prompt(),
-                              outcome()]}, envs=("main", "other"))
-    (root / "envs" / "other" / "Dockerfile").write_text(dockerfile())    # no prefix: same names
-    bundle = Bundle.load(root)
-
-    async def go():
-        async with local(bundle) as rt:
-            ep = rt.episode(bundle.tasks["a"])
-            with pytest.raises(EpisodeFailed, match="the tool 'say' is offered by two envs of the turn"):
-                await ep.next_turn()
-            await ep.closed.wait()
-            assert_torn_down(ep)
-
-    run(go())
-
-
-def test_depends_on_graph_with_a_tolerated_failing_verifier(make_bundle, caplog):
-    caplog.set_level(logging.INFO, logger="agentenv")
-    steps = [deploy(), agent("main"), prompt(),
-             outcome("raises", id="flaky", fail_task_on_error=False),
-             contains(id="after", depends_on=["flaky"]),
-             contains(id="answer", depends_on=["turn1"])]
-    root = make_bundle({"a": steps}, artifacts=("raises",))
-
-    async def go(reward):
-        bundle = Bundle.load(root, reward=reward)
-        async with local(bundle) as rt:
-            return await play(rt, bundle.tasks["a"])
-
-    skipped = run(go("after"))
-    assert skipped.status == "failed" and skipped.reward is None
-    assert skipped.failure == "no reward: the run recorded no score at step 'after' (it did not run)"
-    assert skipped.scores == {"answer": 1.0}
-    assert any("skips step 'after'" in r.getMessage() for r in caplog.records)
-    failed = run(go("flaky"))
-    assert failed.status == "failed"
-    assert failed.failure.startswith("no reward: the run recorded no score at step 'flaky' (the "
-                                     "verifier artifacts/raises raised RuntimeError: the checker "
-                                     "broke)")
-    scored = run(go("answer"))
-    assert scored == agentenv.Outcome("scored", {"answer": 1.0}, 1.0)
-
-
-def test_a_verifier_that_raises_fails_the_episode_instead_of_scoring_0(make_bundle):
-    bundle = Bundle.load(make_bundle({"a": simple(artifact="raises")}, artifacts=("raises",)))
-
-    async def go():
-        async with local(bundle) as rt:
-            ep = rt.episode(bundle.tasks["a"])
-            (await ep.next_turn()).end("hello")
-            with pytest.raises(EpisodeFailed, match="the checker broke"):
-                await ep.next_turn()
-            result = await ep.result()
-            await ep.closed.wait()
-            assert_torn_down(ep)
-            return result
-
-    result = run(go())
-    assert result.status == "failed" and result.reward is None and result.scores == {}
-    assert result.failure == ("step 'check' (env_outcome_verifier) failed: the verifier "
-                              "artifacts/raises raised RuntimeError: the checker broke")
-
-
-def test_a_verifier_that_hangs_misses_the_verifier_timeout(make_bundle):
-    bundle = Bundle.load(make_bundle({"a": simple(artifact="hangs")}, artifacts=("hangs",)))
-
-    async def go():
-        async with local(bundle, verifier_timeout=0.5) as rt:
-            ep = rt.episode(bundle.tasks["a"])
-            (await ep.next_turn()).end("hello")
-            started = time.monotonic()
-            result = await ep.result()
-            took = time.monotonic() - started
-            await ep.closed.wait()
-            assert_torn_down(ep)
-            return result, took
-
-    result, took = run(go())
-    assert result.status == "failed" and result.reward is None
-    assert result.failure == ("step 'check' (env_outcome_verifier) failed: the verifier "
-                              "artifacts/hangs did not finish within 0.5s")
-    assert took < 3
-
-
-def test_a_verifier_that_returns_no_rows_fails_the_episode(make_bundle):
-    bundle = Bundle.load(make_bundle({"a": simple(artifact="notalist")}, artifacts=("notalist",)))
-
-    async def go():
-        async with local(bundle) as rt:
-            return await play(rt, bundle.tasks["a"])
-
-    result = run(go())
-    assert result.status == "failed"
-    assert "the verifier artifacts/notalist returned str; verify returns a list of {id, result, " \
-           "description} rows" in result.failure
-
-
-def test_a_verifiers_score_aggregator_is_applied(make_bundle):
-    bundle = Bundle.load(make_bundle({
-        "w": simple(artifact="weighted")[:3] + [outcome("weighted", score_aggregator="weighted_average")],
-        "all": simple(artifact="weighted"), "any": simple(artifact="weighted")[:3] + [
-            outcome("weighted", score_aggregator="any_pass")]}, artifacts=("weighted",)))
-
-    async def go():
-        async with local(bundle) as rt:
-            return await asyncio.gather(*(play(rt, bundle.tasks[n]) for n in ("w", "all", "any")))
-
-    weighted, all_pass, any_pass = run(go())
-    assert weighted.reward == pytest.approx(2 / 3) and weighted.scores == {"check": weighted.reward}
-    assert all_pass.reward == 0.0       # row a has no result True
-    assert any_pass.reward == 1.0
-
-
-class _LatestFirst(set):
-    """A set that iterates the latest-created task first: one order a set may have."""
-
-    def __iter__(self):
-        def created(task):
-            found = re.fullmatch(r"Task-(\d+)", task.get_name()) if isinstance(task, asyncio.Task) \
-                else None
-            return int(found[1]) if found else -1
-        return iter(sorted(set.__iter__(self), key=created, reverse=True))
-
-
-def test_a_failing_step_with_dependents_fails_with_its_own_reason(make_bundle, monkeypatch):
-    """The steps that depend on a failed step are skipped, and the failure is the step's own,
-    whatever order the finished steps are looked at in."""
-    steps = [agent(), prompt(timeout_seconds=0.05)] + \
-        [contains(id=f"after{n}", depends_on=["turn1"]) for n in range(3)]
-    bundle = Bundle.load(make_bundle({"a": steps}, envs=(), artifacts=()), reward="after0")
-    real_wait = asyncio.wait
-
-    async def wait(fs, **options):      # asyncio.wait, its done set in a legal, adversarial order
-        done, pending = await real_wait(fs, **options)
-        return _LatestFirst(done), pending
-
-    monkeypatch.setattr(asyncio, "wait", wait)
-
-    async def go():
-        async with local(bundle) as rt:
-            ep = rt.episode(bundle.tasks["a"])
-            await ep.closed.wait()
-            return ep.outcome
-
-    result = run(go())
-    assert result.status == "failed"
-    assert result.failure.startswith("step 'turn1' (prompt_agent) failed: turn 'turn1' was not "
-                                     "ended within 0.05s"), result.failure
-
-
-# -- deploy failures
-
-def test_an_env_that_exits_at_start_fails_the_episode_quoting_its_output(make_bundle):
-    bundle = Bundle.load(make_bundle({"a": simple("broken")}, envs=("broken",)))
-
-    async def go():
-        async with local(bundle) as rt:
-            ep = rt.episode(bundle.tasks["a"])
-            with pytest.raises(EpisodeFailed) as caught:
-                await ep.next_turn()
-            result = await ep.result()
-            await ep.closed.wait()
-            assert_torn_down(ep)
-            return str(caught.value), result
-
-    message, result = run(go())
-    assert message.startswith("step 'deploy-broken' (deploy_env) failed: env 'broken' did not come "
-                              "up: its process exited with code 4. Its last output:")
-    assert "fake: cannot start env broken: FAKE_MODE=exit" in message
-    assert result.status == "failed" and result.failure == message
-
-
-def test_an_env_that_never_listens_misses_the_deploy_timeout(make_bundle):
-    bundle = Bundle.load(make_bundle({"a": simple("deaf")}, envs=("deaf",)))
-
-    async def go():
-        # 2.5 s: long enough for the env's first line to be printed on a loaded machine
-        async with local(bundle, deploy_timeout=2.5) as rt:
-            ep = rt.episode(bundle.tasks["a"])
-            started = time.monotonic()
-            with pytest.raises(EpisodeFailed) as caught:
-                await ep.next_turn()
-            took = time.monotonic() - started
-            await ep.closed.wait()
-            assert_torn_down(ep)
-            return str(caught.value), took
-
-    message, took = run(go())
-    assert "env 'deaf' was not ready within 2.5s (last: ClientConnectorError" in message
-    assert "fake: started, but never listening" in message
-    assert 2.2 < took < 4.5        # it gives up once the next poll would pass the deadline
-
-
-@pytest.mark.parametrize("env, part", [
-    ("imposter", "env 'imposter' answers with the card of 'someone-else', not 'imposter'; set "
-                 "environment_name in envs/imposter/env.toml"),
-    ("empty", "env 'empty' lists no tools; an env offers at least one"),
-])
-def test_an_env_that_answers_wrongly_fails_the_deploy_at_once(make_bundle, env, part):
-    bundle = Bundle.load(make_bundle({"a": [deploy(env), agent(env), prompt(), contains()]},
-                                     envs=(env,)))
-
-    async def go():
-        async with local(bundle, deploy_timeout=20) as rt:
-            started = time.monotonic()
-            ep = rt.episode(bundle.tasks["a"])
-            with pytest.raises(EpisodeFailed, match=re.escape(part)):
-                await ep.next_turn()
-            await ep.closed.wait()
-            assert_torn_down(ep)
-            return time.monotonic() - started
-
-    assert run(go()) < 5      # not the deploy timeout
-
-
-def test_an_env_command_that_cannot_start(make_bundle):
-    root = make_bundle({"a": simple()})
-    (root / "envs" / "main" / "Dockerfile").write_text('FROM x\nCMD ["./no-such-program"]\n')
-    bundle = Bundle.load(root)
-
-    async def go():
-        async with local(bundle) as rt:
-            ep = rt.episode(bundle.tasks["a"])
-            with pytest.raises(EpisodeFailed, match=r"env 'main' could not start: running "
-                                                    r"\./no-such-program in .* failed .*fix the "
-                                                    r"Dockerfile's CMD"):
-                await ep.next_turn()
-            await ep.closed.wait()
-            assert ep.instances == [] and ep.outcome.status == "failed"
-
-    run(go())
-
-
-# -- failures during a turn
+# -- failures during a turn: tool timeouts, env crashes, the turn's timeout
 
 def test_a_tool_that_misses_its_timeout_fails_the_episode(make_bundle):
     bundle = Bundle.load(make_bundle({"a": simple()}))
@@ -1409,117 +2029,7 @@ def test_abandon_right_after_the_episode_starts(make_bundle):
     assert run(go()) == (agentenv.Outcome("abandoned", {}, None, "at once"), set())
 
 
-def test_closing_the_runtime_abandons_live_episodes(make_bundle):
-    bundle = Bundle.load(make_bundle({"a": simple()}))
-
-    async def go():
-        async with local(bundle) as rt:
-            ep = rt.episode(bundle.tasks["a"])
-            await ep.next_turn()
-            assert rt.live == {ep}
-        assert_torn_down(ep)
-        return ep.outcome
-
-    assert run(go()) == agentenv.Outcome("abandoned", {}, None, "the server shut down")
-
-
-def test_processes_left_by_a_crashed_run_are_killed_at_start(make_bundle, tmp_path, caplog):
-    bundle = Bundle.load(make_bundle({"a": simple()}))
-    leftover = subprocess.Popen(["sleep", "60"], start_new_session=True)
-    try:
-        dead_owner = f"{socket.gethostname()}:999999999:1"
-        records = agentenv.LocalSandbox(dead_owner).records   # where that run kept its records
-        records.mkdir(parents=True)
-        (records / str(leftover.pid)).write_text(agentenv._process_start(leftover.pid))
-
-        async def go():
-            async with local(bundle):
-                pass
-
-        run(go())
-        assert leftover.wait(timeout=5) == -signal.SIGKILL
-        assert not records.exists()
-        assert "Killed 1 env process group(s) that an earlier run of agentenv.py left behind" in \
-            caplog.text
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            leftover.kill()
-        leftover.wait()
-
-
-def test_env_processes_a_crashed_run_had_not_recorded_yet_are_killed_at_start(make_bundle, caplog):
-    """A server killed between starting an env process and writing its record: the owner in the
-    process's environment is enough for the next start to find it, and its children with it."""
-    bundle = Bundle.load(make_bundle({"a": simple()}))
-    dead_owner = f"{socket.gethostname()}:999999999:1"
-    env = {**os.environ, "AGENTENV_OWNER": dead_owner}
-    leftover = subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True, env=env)
-    bystander = subprocess.Popen(["sleep", "60"], start_new_session=True)    # not marked
-    alive = subprocess.Popen(["sleep", "60"], start_new_session=True,        # a live owner's
-                             env={**os.environ, "AGENTENV_OWNER": agentenv.owner_id()})
-    try:
-        async def go():
-            async with local(bundle):
-                pass
-
-        run(go())
-        assert leftover.wait(timeout=5) == -signal.SIGKILL
-        assert bystander.poll() is None and alive.poll() is None
-        assert "Killed 1 env process group(s) that an earlier run of agentenv.py left behind" in \
-            caplog.text
-    finally:
-        for proc in (leftover, bystander, alive):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def test_an_env_whose_port_another_process_took_fails_and_never_plays_on_the_other(
-        make_bundle, monkeypatch):
-    """Two servers on one machine: the port the second hands its env is found free, then taken
-    by the first's env before it binds. The second env dies on bind; its episode must fail with
-    that reason, never play on the other server's env, which answers on that port meanwhile."""
-    bundle = Bundle.load(make_bundle({"a": simple()}))
-    real_free_port = agentenv.free_port
-
-    async def go():
-        async with local(bundle) as first, local(bundle, deploy_timeout=5) as second:
-            theirs = first.episode(bundle.tasks["a"])
-            turn = await theirs.next_turn()
-            await turn.call("say", {"text": "mine"})
-            [instance] = theirs.instances
-            ports = iter([instance.port])
-            monkeypatch.setattr(agentenv, "free_port", lambda: next(ports, None) or real_free_port())
-            ours = second.episode(bundle.tasks["a"])
-            with pytest.raises(EpisodeFailed) as failed:
-                await ours.next_turn()
-            await turn.call("say", {"text": "still mine"})        # the first plays on, untouched
-            turn.end("done")
-            return str(failed.value), await theirs.result()
-
-    message, outcome = run(go())
-    assert "did not come up: its process exited with code" in message, message
-    assert "another process answers on http://127.0.0.1:" not in message      # the exit says more
-    assert outcome.status == "scored"
-
-
-def test_env_processes_carry_their_owner_and_not_the_servers_token(make_bundle, monkeypatch):
-    monkeypatch.setenv("AGENTENV_TOKEN", "the-servers-secret")
-    bundle = Bundle.load(make_bundle({"a": simple()}))
-
-    async def go():
-        async with local(bundle) as rt:
-            ep = rt.episode(bundle.tasks["a"])
-            await ep.next_turn()
-            [instance] = ep.instances
-            environ = Path(f"/proc/{instance.proc.pid}/environ").read_bytes().split(b"\0")
-            await ep.abandon("seen")
-            return rt.sandbox.owner, environ
-
-    owner, environ = run(go())
-    assert f"AGENTENV_OWNER={owner}".encode() in environ
-    assert not any(item.startswith(b"AGENTENV_TOKEN=") for item in environ)
-
+# ================================================================ Pool and runtime
 
 # -- the pool
 
@@ -1591,6 +2101,16 @@ def test_many_episodes_at_once_are_all_scored_within_the_limit(make_bundle, capl
     assert len([r for r in caplog.records if "episodes are in use" in r.getMessage()]) == 1
 
 
+def test_the_pool_limit_is_a_whole_number_of_at_least_1(make_bundle):
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+    for bad in (0, -1, 2.5):
+        with pytest.raises(AgentEnvError, match="--max-concurrent-envs must be a whole number of at "
+                                                "least 1"):
+            Runtime(bundle, sandbox="local", max_concurrent_envs=bad)
+
+
+# -- the start gate
+
 def test_envs_start_a_few_at_a_time_and_every_episode_is_scored(make_bundle):
     """Envs boot at most StartGate.size at once (launched, not yet answering): hundreds booting
     together would starve the server on a few cores. Every episode still gets its env."""
@@ -1655,192 +2175,23 @@ def test_a_start_that_takes_too_long_stops_holding_its_slot():
     assert 0.1 <= waited < 2
 
 
-def test_the_pool_limit_is_a_whole_number_of_at_least_1(make_bundle):
-    bundle = Bundle.load(make_bundle({"a": simple()}))
-    for bad in (0, -1, 2.5):
-        with pytest.raises(AgentEnvError, match="--max-concurrent-envs must be a whole number of at "
-                                                "least 1"):
-            Runtime(bundle, sandbox="local", max_concurrent_envs=bad)
+# -- closing the runtime
 
-
-def test_an_unknown_sandbox_is_refused(make_bundle):
+def test_closing_the_runtime_abandons_live_episodes(make_bundle):
     bundle = Bundle.load(make_bundle({"a": simple()}))
 
     async def go():
-        async with Runtime(bundle, sandbox="cloud"):
-            pass
-
-    with pytest.raises(AgentEnvError, match="--sandbox 'cloud' is not a sandbox; use auto, docker or "
-                                            "local"):
-        run(go())
-
-
-# ================================================================ the MCP client
-
-def start_plain_server(tmp_path: Path) -> tuple[subprocess.Popen, str]:
-    script = tmp_path / "plain_server.py"
-    script.write_text(PLAIN_SERVER)
-    port = free_port()
-    env = {**os.environ, "MCP_PORT": str(port), "MCP_HOST": "127.0.0.1"}
-    env.pop("FAKE_PIDDIR", None)
-    proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 20
-    while True:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return proc, f"http://127.0.0.1:{port}/mcp"
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"the FastMCP server did not start: {proc.stdout.read().decode()}")
-        time.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def fastmcp_url(tmp_path_factory):
-    proc, url = start_plain_server(tmp_path_factory.mktemp("fastmcp"))
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def test_mcp_client_against_a_fastmcp_server(fastmcp_url):
-    async def go():
-        async with aiohttp.ClientSession() as http:
-            session = McpSession(http, fastmcp_url)
-            info = await session.open()
-            assert info["serverInfo"]["name"] == "plain"
-            assert session.headers["Mcp-Session-Id"]
-            assert session.headers["MCP-Protocol-Version"] == info["protocolVersion"]
-            tools = {t["name"]: t for t in await session.list_tools()}
-            assert set(tools) == {"add", "fail"}
-            assert tools["add"]["description"] == "Add two numbers."
-            assert set(tools["add"]["inputSchema"]["properties"]) == {"a", "b"}
-            assert await session.call_tool("add", {"a": 2, "b": 3}) == ToolResult("5", False)
-            failed = await session.call_tool("fail", {"why": "boom"})
-            assert failed.is_error and "boom" in failed.text
-            unknown = await session.call_tool("subtract", {})
-            assert unknown.is_error and "subtract" in unknown.text
-            invalid = await session.call_tool("add", {"a": "x"})
-            assert invalid.is_error and "validation error" in invalid.text
-            await session.close()
-            with pytest.raises(McpError, match="tools/list was answered HTTP 404"):
-                await session.list_tools()      # the session was ended on the server
-
-    run(go())
-
-
-async def sse_server(handler) -> tuple[web.AppRunner, str]:
-    app = web.Application()
-    app.router.add_post("/mcp", handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    return runner, f"http://127.0.0.1:{port}/mcp"
-
-
-def test_mcp_client_reads_sse_replies_and_refusals():
-    async def handler(request: web.Request) -> web.StreamResponse:
-        msg = await request.json()
-        method, mid = msg.get("method"), msg.get("id")
-        if mid is None:
-            return web.Response(status=202)
-        name = (msg.get("params") or {}).get("name")
-        if method == "initialize":
-            return web.json_response({"jsonrpc": "2.0", "id": mid, "result": {
-                "protocolVersion": "2025-03-26", "serverInfo": {"name": "sse"}}},
-                headers={"Mcp-Session-Id": "abc"})
-        assert request.headers["Mcp-Session-Id"] == "abc"
-        assert request.headers["MCP-Protocol-Version"] == "2025-03-26"
-        if name == "refuse":
-            return web.json_response({"jsonrpc": "2.0", "id": mid,
-                                      "error": {"code": -32602, "message": "Unknown tool: refuse"}})
-        if name == "http500":
-            return web.Response(status=500, text="the server broke")
-        if name == "notjson":
-            return web.Response(text="<html>", content_type="text/html")
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        if name == "silent":
-            await resp.write(b"event: message\ndata: {\"jsonrpc\": \"2.0\", \"method\": \"x\"}\n\n")
-            await resp.write_eof()
-            return resp
-        if method == "tools/list":
-            page = {"tools": [{"name": "t1"}, {"nameless": True}], "nextCursor": "2"} \
-                if not (msg.get("params") or {}).get("cursor") else {"tools": [{"name": "t2"}]}
-            await resp.write(f"data: {json.dumps({'jsonrpc': '2.0', 'id': mid, 'result': page})}\n\n"
-                             .encode())
-            await resp.write_eof()
-            return resp
-        # a notification first, then the answer in two data lines split over chunks, with CRLFs
-        await resp.write(b": comment\r\nevent: message\r\ndata: {\"jsonrpc\": \"2.0\", \"method\": "
-                         b"\"notifications/progress\"}\r\n\r\n")
-        await resp.write(b'data: {"jsonrpc": "2.0", "id": %d,\r\ndata: "result": {"content": '
-                         % mid)
-        await resp.write(b'[{"type": "text", "text": "hi"}, {"type": "image", "mimeType": '
-                         b'"image/png"}]}}\r\n\r\n')
-        await resp.write_eof()
-        return resp
-
-    async def go():
-        runner, url = await sse_server(handler)
-        try:
-            async with aiohttp.ClientSession() as http:
-                session = McpSession(http, url, {"AgentEnv-Role": "x"})
-                assert (await session.open())["serverInfo"]["name"] == "sse"
-                assert [t["name"] for t in await session.list_tools()] == ["t1", "t2"]
-                assert await session.call_tool("echo", {}) == \
-                    ToolResult("hi\n[image content: image/png]", False)
-                assert await session.call_tool("refuse", {}) == \
-                    ToolResult("error: Unknown tool: refuse", True)
-                with pytest.raises(McpError, match="tools/call was answered HTTP 500: the server broke"):
-                    await session.call_tool("http500", {})
-                with pytest.raises(McpError, match="answered with something that is not JSON"):
-                    await session.call_tool("notjson", {})
-                with pytest.raises(McpError, match="the server's event stream ended without an answer"):
-                    await session.call_tool("silent", {})
-        finally:
-            await runner.cleanup()
-
-    run(go())
-
-
-def test_a_long_tool_answer_is_cut_and_says_so():
-    text = agentenv.tool_text({"content": [{"type": "text", "text": "x" * 100_050}]})
-    assert text.startswith("x" * 100_000 + "\n[output cut: the tool answered 100050 characters")
-    assert agentenv.tool_text({"content": [], "structuredContent": {"a": 1}}) == '{"a": 1}'
-    assert agentenv.tool_text({"content": [{"type": "resource", "resource": {"text": "r"}}]}) == "r"
-
-
-def test_an_episode_on_a_fastmcp_env_without_a_card(make_bundle):
-    steps = [deploy("plain"), agent("plain"), prompt("Add 2 and 3."), contains("5")]
-    bundle = Bundle.load(make_bundle({"a": steps}, envs=("plain",), artifacts=()))
-
-    async def go():
-        async with local(bundle, deploy_timeout=30) as rt:
+        async with local(bundle) as rt:
             ep = rt.episode(bundle.tasks["a"])
-            turn = await ep.next_turn()
-            assert ep.envs["plain"].card is None
-            assert ep.envs["plain"].mcp_url.endswith("/mcp")
-            assert [t["name"] for t in turn.tools] == ["add", "fail"]
-            assert await turn.call("add", {"a": 2, "b": 3}) == ToolResult("5", False)
-            failed = await turn.call("fail", {"why": "nope"})
-            assert failed.is_error and "nope" in failed.text
-            turn.end("5")
-            result = await ep.result()
-            await ep.closed.wait()
-            assert_torn_down(ep)
-            return result
+            await ep.next_turn()
+            assert rt.live == {ep}
+        assert_torn_down(ep)
+        return ep.outcome
 
-    assert run(go(), timeout=60) == agentenv.Outcome("scored", {"answer": 1.0}, 1.0)
+    assert run(go()) == agentenv.Outcome("abandoned", {}, None, "the server shut down")
 
 
-# ================================================================ check and the CLI
+# ================================================================ CLI: check
 
 def test_check_prints_the_bundle_and_each_toolsets_tools(make_bundle, isolated):
     root = make_bundle({"a": simple(), "b": replied(),
@@ -1991,290 +2342,3 @@ def test_notes_v1_plays_each_task(name, right):
     assert result.scores == {task.reward_step: result.reward}
     if right and name != "recall-recipe":       # the writer's role reached the env
         assert "notebook: role 'writer' wrote 'groceries'" in output
-
-
-# ================================================================ review fixes
-
-def fake_server_with(marker: str, insert: str, source: str = FAKE_SERVER) -> str:
-    """The fake env server (or ``source``) with ``insert`` put just before ``marker``, which it must
-    hold once."""
-    assert source.count(marker) == 1, f"{marker!r} is not in the source exactly once"
-    return source.replace(marker, insert + marker, 1)
-
-
-def custom_env(name: str, source: str) -> dict[str, str]:
-    """The ``files`` of make_bundle for an env of its own: a Dockerfile and a server."""
-    return {f"envs/{name}/Dockerfile": dockerfile(), f"envs/{name}/server.py": source}
-
-
-# One line of 200,000 characters, then more output than a pipe holds, then the usual server.
-NOISY_SERVER = fake_server_with("\nserver = ThreadingHTTPServer(", r'''
-print("x" * 200_000, flush=True)
-for n in range(3000):
-    print(f"fake: noise {n} " + "y" * 200, flush=True)
-''')
-
-
-def test_an_env_that_prints_a_line_longer_than_64k_plays_and_is_torn_down(make_bundle):
-    root = make_bundle({"a": simple("noisy")}, envs=(), files=custom_env("noisy", NOISY_SERVER))
-    bundle = Bundle.load(root)
-
-    async def go():
-        async with local(bundle, deploy_timeout=5) as rt:
-            records = rt.sandbox.records
-            ep = rt.episode(bundle.tasks["a"])
-            turn = await ep.next_turn()
-            await turn.call("say", {"text": "hello"})
-            turn.end("done")
-            result = await ep.result()
-            await ep.closed.wait()
-            assert_torn_down(ep)
-            output = await ep.instances[0].output()
-        return result, output, records
-
-    result, output, records = run(go())
-    assert result == agentenv.Outcome("scored", {"check": 1.0}, 1.0)
-    assert "fake: noise 2999" in output and "fake: env noisy listening" in output
-    assert not records.exists() or list(records.iterdir()) == [], "a record outlived the Runtime"
-
-
-def test_two_turns_that_could_be_open_at_once_are_refused(make_bundle):
-    steps = [deploy(), agent("main"), prompt(depends_on=["agent"]),
-             prompt("Again.", id="turn2", depends_on=["agent"]), outcome()]
-    assert refused(make_bundle({"good": simple(), "t": steps})) == [
-        "tasks/t.json: task 't' step 'turn2': may open while turn 'turn1' is still open; the agent "
-        "plays one turn at a time, so add 'turn1' to its depends_on"]
-    ordered = [deploy(), agent("main"), prompt(depends_on=["agent"]),
-               prompt("Again.", id="turn2", depends_on=["turn1"]), outcome()]
-    assert [t.id for t in Bundle.load(make_bundle({"t": ordered})).tasks["t"].turns] == \
-        ["turn1", "turn2"]
-
-
-def test_a_tolerated_turn_timeout_closes_the_turn(make_bundle, tmp_path):
-    steps = [deploy(), agent("main"), prompt(timeout_seconds=1, fail_task_on_error=False),
-             outcome("hangs", depends_on=["agent"])]      # waits for the release file
-    bundle = Bundle.load(make_bundle({"a": steps}, artifacts=("hangs",)))
-
-    async def go():
-        async with local(bundle) as rt:
-            ep = rt.episode(bundle.tasks["a"])
-            turn = await ep.next_turn()
-            await asyncio.sleep(1.5)                    # past the turn's timeout_seconds
-            waiting = asyncio.ensure_future(ep.next_turn())
-            await asyncio.sleep(0.2)
-            handed_back = waiting.done() and waiting.result() is turn
-            with pytest.raises(AgentEnvError, match="turn 'turn1' has ended"):
-                await turn.call("say", {"text": "too late"})
-            (tmp_path / "release").touch()              # the verifier finishes
-            after = await waiting
-            result = await ep.result()
-            await ep.closed.wait()
-            assert_torn_down(ep)
-            return handed_back, after, result
-
-    handed_back, after, result = run(go())
-    assert not handed_back, "next_turn() handed back the turn that timed out"
-    assert after is None
-    assert result == agentenv.Outcome("scored", {"check": 1.0}, 1.0)
-
-
-SLEEPER_VERIFIER = "import asyncio\n\n\nasync def verify(mcp_url):\n    await asyncio.sleep(3600)\n"
-
-
-def running_verifier(path: Path) -> list[str]:
-    """The live verifier worker threads that are running a verifier (or this file's code)."""
-    frames = sys._current_frames()
-    busy = []
-    for thread in threading.enumerate():
-        if not thread.name.startswith("verifier_") or thread.ident not in frames:
-            continue
-        frame = frames[thread.ident]
-        while frame is not None:
-            if frame.f_code.co_name == "run_verify" or frame.f_code.co_filename == str(path):
-                busy.append(thread.name)
-                break
-            frame = frame.f_back
-    return busy
-
-
-def test_a_hanging_verifier_fails_the_episode_and_frees_its_thread(make_bundle):
-    root = make_bundle({"a": simple(artifact="sleeper")}, artifacts=(),
-                       files={"artifacts/sleeper/verify.py": SLEEPER_VERIFIER})
-    bundle = Bundle.load(root)
-    path = root / "artifacts" / "sleeper" / "verify.py"
-
-    async def go():
-        async with local(bundle, verifier_timeout=1) as rt:
-            ep = rt.episode(bundle.tasks["a"])
-            (await ep.next_turn()).end("hello")
-            started = time.monotonic()
-            result = await ep.result()
-            took = time.monotonic() - started
-            deadline = time.monotonic() + 2
-            while running_verifier(path) and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            busy = running_verifier(path)
-            await ep.closed.wait()
-            return result, took, busy
-
-    result, took, busy = run(go())
-    assert result.status == "failed" and result.reward is None
-    assert result.kind == "verifier_error"
-    assert result.failure == ("step 'check' (env_outcome_verifier) failed: the verifier "
-                              "artifacts/sleeper did not finish within 1s")
-    assert took < 4
-    assert busy == [], f"the threads {busy} still run the verifier"
-
-
-def test_a_slow_verifier_import_does_not_stall_the_loop_and_happens_once(make_bundle, tmp_path):
-    imports = tmp_path / "imports.txt"
-    source = (f"import time\nwith open({str(imports)!r}, 'a') as f:\n    f.write('imported\\n')\n"
-              "time.sleep(0.5)\n\n\nasync def verify(mcp_url):\n"
-              "    return [{'id': 'ok', 'result': True}]\n")
-    bundle = Bundle.load(make_bundle({"a": simple(artifact="slow")}, artifacts=(),
-                                     files={"artifacts/slow/verify.py": source}))
-
-    async def go():
-        async with local(bundle) as rt:
-            episodes = [rt.episode(bundle.tasks["a"]) for _ in range(2)]
-            turns = [await ep.next_turn() for ep in episodes]
-            gaps: list[float] = []
-            stop = asyncio.Event()
-
-            async def tick():
-                last = time.monotonic()
-                while not stop.is_set():
-                    await asyncio.sleep(0.05)
-                    now = time.monotonic()
-                    gaps.append(now - last)
-                    last = now
-
-            ticker = asyncio.create_task(tick())
-            await asyncio.sleep(0.1)
-            for turn in turns:
-                turn.end("done")
-            results = await asyncio.gather(*(ep.result() for ep in episodes))
-            stop.set()
-            await ticker
-            for ep in episodes:
-                await ep.closed.wait()
-            return results, gaps
-
-    results, gaps = run(go())
-    assert [r.reward for r in results] == [1.0, 1.0]
-    assert max(gaps) < 0.3, f"the loop stalled for {max(gaps):.2f}s"
-    assert imports.read_text() == "imported\n", "the verifier was not imported exactly once"
-
-
-def test_concurrent_calls_on_one_turn_of_a_fastmcp_env_get_their_own_answers(make_bundle):
-    steps = [deploy("plain"), agent("plain"), prompt("Add."), contains("done")]
-    bundle = Bundle.load(make_bundle({"a": steps}, envs=("plain",), artifacts=()))
-
-    async def go():
-        async with local(bundle, deploy_timeout=30) as rt:
-            ep = rt.episode(bundle.tasks["a"])
-            turn = await ep.next_turn()
-            answers = await asyncio.gather(*(turn.call("add", {"a": n, "b": 1000})
-                                             for n in range(4)))
-            turn.end("done")
-            result = await ep.result()
-            await ep.closed.wait()
-            assert_torn_down(ep)
-            return answers, result
-
-    answers, result = run(go(), timeout=60)
-    assert answers == [ToolResult(str(1000 + n), False) for n in range(4)]
-    assert result == agentenv.Outcome("scored", {"answer": 1.0}, 1.0)
-
-
-# A fake env with one more tool: where its TMPDIR and DATABASE_URL point, and a temp file made there.
-SCRATCH_SERVER = fake_server_with('    if base == "dump":', '''    if base == "scratch":
-        import tempfile
-        fd, made = tempfile.mkstemp()
-        os.close(fd)
-        return json.dumps({"tmpdir": os.environ.get("TMPDIR"), "made": made,
-                           "database_url": os.environ.get("DATABASE_URL")}), False
-''', source=fake_server_with('    tool("dump",', '''    tool("scratch", "Where the env keeps its files."),
-'''))
-
-
-def test_each_local_env_has_its_own_scratch_folder_removed_at_teardown(make_bundle):
-    assert 'base == "scratch"' in SCRATCH_SERVER
-    steps = [deploy("scratchy"), agent("scratchy"), prompt(), contains()]
-    bundle = Bundle.load(make_bundle({"a": steps}, envs=(), artifacts=(),
-                                     files=custom_env("scratchy", SCRATCH_SERVER)))
-
-    async def one(rt):
-        ep = rt.episode(bundle.tasks["a"])
-        turn = await ep.next_turn()
-        seen = json.loads((await turn.call("scratch", {})).text)
-        assert seen["tmpdir"], f"the env got no TMPDIR of its own: {seen}"
-        existed = Path(seen["tmpdir"]).is_dir() and Path(seen["made"]).is_file()
-        await asyncio.sleep(0.2)              # both episodes are live at once
-        turn.end("hello")
-        await ep.result()
-        await ep.closed.wait()
-        assert_torn_down(ep)
-        return seen, existed
-
-    async def go():
-        async with local(bundle) as rt:
-            return await asyncio.gather(one(rt), one(rt))
-
-    (first, first_existed), (second, second_existed) = run(go())
-    assert first_existed and second_existed
-    assert first["tmpdir"] != second["tmpdir"]
-    for seen in (first, second):
-        assert Path(seen["made"]).parent == Path(seen["tmpdir"])
-        assert seen["database_url"].startswith(f"sqlite:///{seen['tmpdir']}/")
-        assert not Path(seen["tmpdir"]).exists(), f"{seen['tmpdir']} outlived its env"
-
-
-def test_auto_sandbox_without_docker_falls_back_to_local_and_says_why(make_bundle, monkeypatch,
-                                                                      caplog):
-    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent")
-    bundle = Bundle.load(make_bundle({"a": simple()}))
-
-    async def go():
-        async with Runtime(bundle, sandbox="auto", deploy_timeout=10) as rt:
-            kind = rt.sandbox.kind
-            result = await play(rt, bundle.tasks["a"], calls=[("say", {"text": "hello"})])
-        return kind, result
-
-    kind, result = run(go())
-    assert kind == "local" and result.reward == 1.0
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1, warnings
-    assert warnings[0].startswith("Envs run as local processes (--sandbox local), with no "
-                                  "isolation, since no Docker daemon answered"), warnings[0]
-
-
-# ================================================================ Docker calls (no daemon needed)
-
-def test_a_docker_call_past_its_deadline_keeps_its_slot_until_its_thread_ends():
-    """The cap on Docker operations counts calls still running in their thread after their
-    caller gave up: a daemon that is slow to create must not be handed more creations."""
-    release = threading.Event()
-    started: list[str] = []
-
-    def slow(name: str) -> str:
-        started.append(name)
-        release.wait(10)
-        return name
-
-    async def go():
-        sandbox = agentenv.DockerSandbox("test-owner", client=None, ops=2)
-        for name in ("a", "b"):
-            with pytest.raises(asyncio.TimeoutError):
-                await sandbox.call(slow, name, timeout=0.05)
-        third = asyncio.ensure_future(sandbox.call(slow, "c", timeout=10))
-        await asyncio.sleep(0.2)
-        waited = started == ["a", "b"]          # both slots still held by the late threads
-        release.set()
-        result = await third
-        sandbox.threads.shutdown(wait=True)
-        return waited, result, started
-
-    waited, result, started = asyncio.run(go())
-    assert waited, f"a third call started while two timed-out calls still ran: {started}"
-    assert result == "c" and started == ["a", "b", "c"]
