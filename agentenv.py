@@ -6,19 +6,30 @@ steps) and ``evals/<name>.toml`` (``tasks = [...]``). A trainer plays a task as 
 task's envs are deployed fresh in a *sandbox*, the task's agent is played from outside (the model
 takes its *turns*, calling the env's tools), and the task's own *verifier* scores what it did.
 
-The file reads top to bottom in the order data flows:
+The file reads top to bottom in the order data flows; a section uses only the sections above it:
 
-1. Errors and logging   what every failure looks like: what happened, why, and the fix.
+1. Values, errors      the shapes every layer passes on: a Failure (kind, reason), a ToolResult
+                        with its status, the Settings with every default, errors that say the fix.
 2. Bundle               loading and checking a bundle: envs, tasks, steps, splits, toolsets, reward.
 3. Sandbox              where an env runs: a Docker container, or a local process.
 4. Env client           an MCP client on aiohttp, readiness, and the env's card and extensions.
 5. Verifiers            the two verifier kinds and AgentEnv's score aggregators.
-6. Episode              one play of a task: its steps as a graph, its turns, its outcome.
-7. Pool                 the semaphore that bounds live episodes, and the runtime that owns them.
-8. OpenEnv surface      sessions over /ws and /mcp, the stateless routes, the task API.
-9. Gym surface          NeMo Gym's resources-server routes, masked rollouts, the app itself.
-10. Writer              ``write-gym``: a resources server and its rows, written into a Gym root.
-11. CLI                 ``python agentenv.py check|serve|write-gym ...``.
+6. Episode              one play of a task: its steps as a graph (a handler per step type), its
+                        turns, its outcome.
+7. Pool and runtime     the semaphore that bounds live episodes, the boot gate, the runtime.
+8. Plumbing             what both wires share: HTTP helpers, the JSON reader, the bearer token,
+                        the sessions table both wires count against the pool, the idle sweep.
+9. OpenEnv surface      sessions over /ws and /mcp, the stateless routes, the task API: each
+                        renders the play's values as observations or JSON-RPC.
+10. Gym surface         NeMo Gym's resources-server routes, rendering the same values as the text
+                        a model reads and as masked verifies; url: mode through an OpenEnv client.
+11. The app             the one aiohttp application of both surfaces, and Gym's entry point.
+12. Writer              ``write-gym``: a resources server and its rows, written into a Gym root.
+13. CLI                 ``python agentenv.py check|serve|write-gym ...``.
+
+A Gym tool call, for instance, goes: the route (10) → the session → its rollout → the episode's
+open turn (6) → the env's MCP session (4) → the env; the ToolResult it gives comes back up
+unchanged, and only the route renders it.
 
 Only the standard library, aiohttp, the docker SDK (for the Docker sandbox) and PyYAML (for Gym's
 YAML) are used at run time, the last two imported only where needed. Blocking calls (the docker
@@ -63,7 +74,7 @@ __version__ = "0.1.0"
 log = logging.getLogger("agentenv")
 
 
-# ================================================================ 1. Errors and logging
+# ================================================================ 1. Values, errors and defaults
 
 class AgentEnvError(Exception):
     """A failure a user can act on. Its message says what happened, why, and what to do."""
@@ -79,24 +90,127 @@ class BundleError(AgentEnvError):
         super().__init__("\n  - ".join([head, *self.problems]))
 
 
+# The kinds of failure, in NeMo Gym's registered vocabulary where it has a word for one, else as
+# agentenv:<kind>. Both wires carry them, and a trainer masks the rollout instead of scoring it 0.
+PROVIDER_UNAVAILABLE = "provider_unavailable"   # the sandbox could not provide an env
+TRANSPORT_TIMEOUT = "transport_timeout"         # a deploy, a call or a turn missed its deadline
+PEER_DROP = "transport_peer_drop"               # the env died under a call
+VERIFIER_ERROR = "verifier_error"               # the verifier raised, hung or gave no score
+SESSION_LOST = "session_lost"                   # the episode was ended from outside, or is gone
+ENV_FAILED = "agentenv:env_failed"              # the env failed in a way with no word of its own
+TOOLS_MISMATCH = "agentenv:tools_mismatch"      # a row offers other tools than its task
+INTERNAL_ERROR = "agentenv:internal_error"      # a bug of agentenv.py's own
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """Why an episode was not scored: its kind (above) and a reason that says what to do.
+
+    The one shape of a failure: an episode's outcome holds it, EpisodeFailed carries it, and each
+    wire renders it (Gym as a masked verify, OpenEnv as an error observation)."""
+
+    kind: str
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+    def told(self, preface: str) -> Failure:
+        """The same failure, its reason introduced as a surface tells it."""
+        return Failure(self.kind, preface + self.reason)
+
+
 class EpisodeFailed(AgentEnvError):
-    """The environment failed the episode (a deploy, an env, a verifier), not the model.
+    """The environment failed the episode (a deploy, an env, a verifier), not the model."""
 
-    A trainer masks such a rollout instead of scoring it 0. ``kind`` names the failure in NeMo
-    Gym's registered vocabulary (provider_unavailable, transport_timeout, transport_peer_drop,
-    verifier_error, session_lost, ...), or as ``agentenv:<kind>`` where it has no word for it.
-    """
-
-    def __init__(self, message: str, kind: str = "agentenv:env_failed"):
-        super().__init__(message)
-        self.kind = kind
+    def __init__(self, reason: str | Failure, kind: str = ENV_FAILED):
+        self.failure = reason if isinstance(reason, Failure) else Failure(kind, reason)
+        super().__init__(self.failure.reason)
 
 
-class ToolTimeout(EpisodeFailed):
-    """A tool call missed its deadline; the episode ends, since the call may still be under way."""
+# A tool call's status. The model's own mistakes and the tool's own errors are answers it reads
+# and learns from, and the episode goes on; a timeout ends the episode (what the call does may
+# still be under way), so it fails the rollout.
+OK = "ok"
+TOOL_ERROR = "tool_error"            # the tool answered with an error, or its server refused the call
+UNKNOWN_TOOL = "unknown_tool"        # the turn offers no tool of that name
+BAD_ARGUMENTS = "bad_arguments"      # the arguments are not a JSON object
+NO_TURN = "no_turn"                  # the episode has no open turn to call tools in
+TIMEOUT = "timeout"                  # the call missed its deadline, and the episode ended
 
-    def __init__(self, message: str):
-        super().__init__(message, "transport_timeout")
+
+@dataclasses.dataclass(frozen=True)
+class ToolResult:
+    """A tool call's answer: its text and its status. Each wire only renders it."""
+
+    text: str
+    status: str = OK
+
+    @property
+    def is_error(self) -> bool:
+        return self.status != OK
+
+    @property
+    def failure(self) -> Failure | None:
+        """The episode's failure, when the call ended it."""
+        return Failure(TRANSPORT_TIMEOUT, self.text) if self.status == TIMEOUT else None
+
+
+def missed(name: str, timeout: float) -> str:
+    """The reason a tool call that missed its deadline gives, in the trainer's page's words."""
+    return (f"{name} didn't answer within {timeout:g}s, and the episode ended, since what the call "
+            "does may still be under way")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Every deadline and size a user sets, each with its one default: ``serve``'s flags show
+    these, the Gym resources server reads them from its config, and ``write-gym`` writes them."""
+
+    max_concurrent_envs: int = 8      # episodes live at once; past it, new ones wait
+    deploy_timeout: float = 180.0     # an env's launch until it answers
+    tool_timeout: float = 60.0        # one Gym tool call
+    reset_timeout: float = 600.0      # Gym: deploy + first turn, each end_turn, the wait for a slot
+    idle_timeout: float = 600.0       # a session with no request is ended, freeing its slot
+    client_timeout: float = 60.0      # how long OpenEnv clients wait for a reply
+    reply_margin: float = 5.0         # every OpenEnv reply comes this long before that
+    verifier_timeout: float = 300.0   # a verifier's run
+
+    # The keys a Gym config carries, with the resources server serving the bundle (bundle:) or
+    # playing on a running serve (url:).
+    GYM_KEYS = ("tool_timeout", "reset_timeout", "idle_timeout")
+    BUNDLE_KEYS = ("max_concurrent_envs", "deploy_timeout")
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], where: str) -> Settings:
+        """The settings a Gym config gives, the others at their defaults; a bad value says so."""
+        given = {}
+        for key in (*cls.GYM_KEYS, *cls.BUNDLE_KEYS):
+            if config.get(key) is None:
+                continue
+            value, whole = config[key], key == "max_concurrent_envs"
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not math.isfinite(value) or value <= 0 or (whole and not float(value).is_integer()):
+                what = "whole number of at least 1" if whole else "positive number of seconds"
+                raise AgentEnvError(f"{key}: {value!r} in {where} is not a {what}; set it to one, "
+                                    f"such as {getattr(cls, key):g}")
+            given[key] = int(value) if whole else float(value)
+        return cls(**given)
+
+    def gym_config(self, bundle: bool) -> dict[str, Any]:
+        """The settings as a Gym config writes them."""
+        keys = self.GYM_KEYS + (self.BUNDLE_KEYS if bundle else ())
+        return {key: _plain(getattr(self, key)) for key in keys}
+
+
+def _plain(value: float) -> float | int:
+    """A whole number of seconds as an int, so a written config reads 600, not 600.0."""
+    return int(value) if float(value).is_integer() else value
+
+
+def at_its_limit(who: str, limit: int, what: str, then: str, knob: str) -> str:
+    """The one sentence every part says the first time it is full."""
+    return (f"{who} is at its limit of {limit} {what} at once, so {then}: {knob} to run more at once")
 
 
 def short(text: str, limit: int = 2000) -> str:
@@ -1082,7 +1196,8 @@ class LocalSandbox(Sandbox):
         except OSError as exc:
             shutil.rmtree(scratch, ignore_errors=True)
             raise EpisodeFailed(f"env {env.name!r} could not start: running {shlex.join(command)} in "
-                                f"{env.folder} failed ({exc}); fix the Dockerfile's CMD") from None
+                                f"{env.folder} failed ({exc}); fix the Dockerfile's CMD",
+                                PROVIDER_UNAVAILABLE) from None
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
@@ -1336,9 +1451,10 @@ class DockerSandbox(Sandbox):
         except asyncio.TimeoutError:
             raise EpisodeFailed(f"env {env.name!r}: the Docker daemon did not create and start "
                                 "its container within 120s; it may be overloaded (lower "
-                                "--max-concurrent-envs)") from None
+                                "--max-concurrent-envs)", PROVIDER_UNAVAILABLE) from None
         except Exception as exc:                    # noqa: BLE001 - docker raises many kinds
-            raise EpisodeFailed(f"env {env.name!r} did not come up: {short(str(exc), 2500)}") from None
+            raise EpisodeFailed(f"env {env.name!r} did not come up: {short(str(exc), 2500)}",
+                                PROVIDER_UNAVAILABLE) from None
         return DockerInstance(self, container, port)
 
     async def remove(self, container: Any) -> None:
@@ -1398,14 +1514,6 @@ class McpRefusal(McpError):
     """A JSON-RPC error the server answered on purpose (unknown tool, bad params)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class ToolResult:
-    """A tool's answer as the model sees it: its text, and whether it is an error."""
-
-    text: str
-    is_error: bool = False
-
-
 class McpSession:
     """One MCP session with an env server over streamable HTTP, written on aiohttp.
 
@@ -1442,8 +1550,8 @@ class McpSession:
         try:
             result = await self.request("tools/call", {"name": name, "arguments": arguments}, timeout)
         except McpRefusal as exc:       # the server refused the call itself: the model sees why
-            return ToolResult(f"error: {exc}", True)
-        return ToolResult(tool_text(result), bool(result.get("isError")))
+            return ToolResult(str(exc), TOOL_ERROR)
+        return ToolResult(tool_text(result), TOOL_ERROR if result.get("isError") else OK)
 
     async def close(self) -> None:
         """End the session on the server; best effort, since the env may already be gone."""
@@ -1585,21 +1693,22 @@ async def wait_ready(http: aiohttp.ClientSession, instance: Instance, env: EnvSp
     """Wait until a launched env answers: its card with its name (or, with no card, MCP
     ``initialize``), and a tools list with at least one tool and no name twice.
 
-    It fails at once when the env stops, and on every failure quotes the env's last output.
+    It fails at once when the env stops, and on every failure quotes the env's last output: the
+    sandbox could not provide the env (provider_unavailable), or it missed ``timeout``.
     """
     deadline = time.monotonic() + timeout
     delay, last = 0.01, "it did not answer"
     while True:
         if why := await instance.exited():
             raise EpisodeFailed(f"env {env.name!r} did not come up: {why}. Its last output:\n"
-                                f"{short(await instance.output())}")
+                                f"{short(await instance.output())}", PROVIDER_UNAVAILABLE)
         try:
             card = await _read_card(http, instance.base_url)
             if card is not None and card.get("name") != env.environment_name:
                 raise EpisodeFailed(
                     f"env {env.name!r} answers with the card of {card.get('name')!r}, not "
                     f"{env.environment_name!r}; set environment_name in envs/{env.name}/env.toml, or "
-                    "make the server take its name from ENVIRONMENT_NAME")
+                    "make the server take its name from ENVIRONMENT_NAME", PROVIDER_UNAVAILABLE)
             mcp_url = instance.base_url + "/" + _mcp_path(card).lstrip("/")
             session = McpSession(http, mcp_url)
             await session.open(timeout=5)
@@ -1607,10 +1716,11 @@ async def wait_ready(http: aiohttp.ClientSession, instance: Instance, env: EnvSp
             await session.close()
             names = [t["name"] for t in tools]
             if not tools:
-                raise EpisodeFailed(f"env {env.name!r} lists no tools; an env offers at least one")
+                raise EpisodeFailed(f"env {env.name!r} lists no tools; an env offers at least one",
+                                    PROVIDER_UNAVAILABLE)
             if dupes := sorted({n for n in names if names.count(n) > 1}):
                 raise EpisodeFailed(f"env {env.name!r} lists the tools {dupes} twice; tool names are "
-                                    "unique")
+                                    "unique", PROVIDER_UNAVAILABLE)
             if not await instance.answers_itself():
                 raise McpError(f"another process answers on {instance.base_url}, which the env "
                                "was to listen on; the env is expected to fail to bind it")
@@ -1618,8 +1728,10 @@ async def wait_ready(http: aiohttp.ClientSession, instance: Instance, env: EnvSp
         except (aiohttp.ClientError, asyncio.TimeoutError, McpError, ValueError) as exc:
             last = f"{type(exc).__name__}: {exc}"
         if time.monotonic() >= deadline:
-            raise EpisodeFailed(f"env {env.name!r} was not ready within {timeout:g}s (last: {last}). "
-                                f"Its last output:\n{short(await instance.output())}")
+            raise EpisodeFailed(f"env {env.name!r} was not ready within {timeout:g}s (last: {last}), "
+                                "the deploy deadline; if it is only slow, raise --deploy-timeout "
+                                "(deploy_timeout in a Gym config). Its last output:\n"
+                                f"{short(await instance.output())}", TRANSPORT_TIMEOUT)
         # polling: a server that isn't listening yet sends no event to wait for
         await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
         delay = min(delay * 2, 0.25)
@@ -1704,7 +1816,7 @@ def run_verify(verify: Callable, mcp_url: str, timeout: float) -> Any:
 def check_rows(rows: Any, where: str) -> list[dict[str, Any]]:
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise EpisodeFailed(f"{where} returned {type(rows).__name__}; verify returns a list of "
-                            "{id, result, description} rows")
+                            "{id, result, description} rows", VERIFIER_ERROR)
     return rows
 
 
@@ -1712,16 +1824,13 @@ def check_rows(rows: Any, where: str) -> list[dict[str, Any]]:
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    """How an episode ended: scored (its scores and reward), or failed or abandoned, and why.
-
-    ``failure`` is set when the environment failed the episode: a trainer masks that rollout.
-    """
+    """How an episode ended: ``scored`` (its scores and reward), or ``failed`` (the environment
+    failed it: a trainer masks the rollout) or ``abandoned`` (its caller ended it), with why."""
 
     status: str                          # "scored", "failed" or "abandoned"
     scores: dict[str, float]
-    reward: float | None
-    failure: str | None = None
-    kind: str | None = None              # the failure in NeMo Gym's vocabulary
+    reward: float | None = None
+    failure: Failure | None = None
 
 
 class Turn:
@@ -1739,6 +1848,10 @@ class Turn:
         return self.step.id
 
     @property
+    def is_open(self) -> bool:
+        return not self.ended.done() and self.episode.stopped is None
+
+    @property
     def tool_specs(self) -> list[dict[str, Any]]:
         """The turn's tools as a model is shown them: name, description, input schema."""
         return [{"name": t["name"], "description": t.get("description") or "",
@@ -1746,33 +1859,33 @@ class Turn:
                 for t in self.tools]
 
     async def call(self, name: str, arguments: Any, timeout: float | None = None) -> ToolResult:
-        """Call a tool of this turn. A mistake the model made comes back as an error result it can
-        learn from; an env that fails or misses ``timeout`` fails the episode (EpisodeFailed)."""
-        if self.ended.done() or self.episode._stop is not None:
+        """Call a tool of this turn. The model's mistakes and the tool's errors come back as results
+        it can learn from; past ``timeout`` the episode ends and the result says so (TIMEOUT); an
+        env that fails fails the episode (EpisodeFailed)."""
+        if not self.is_open:
             raise AgentEnvError(f"turn {self.id!r} has ended; call the tools of the current turn")
         session = self.route.get(name)
         if session is None:
             offered = ", ".join(self.route) or "none"
-            return ToolResult(f"error: there is no tool {name!r}; the tools are: {offered}", True)
+            return ToolResult(f"there is no tool {name!r}; the tools are: {offered}", UNKNOWN_TOOL)
         if not isinstance(arguments, dict):
-            return ToolResult(f"error: the arguments of {name} must be a JSON object, not "
-                              f"{type(arguments).__name__}", True)
+            return ToolResult(f"the arguments of {name} must be a JSON object, not "
+                              f"{type(arguments).__name__}", BAD_ARGUMENTS)
         try:
             async with asyncio.timeout(timeout):
                 return await session.call_tool(name, arguments)
         except asyncio.TimeoutError:
-            reason = (f"{name} didn't answer within {timeout:g}s, and the episode ended, since what "
-                      "the call does may still be under way")
-            self.episode.fail(reason, "transport_timeout")
-            raise ToolTimeout(reason) from None
+            result = ToolResult(missed(name, timeout or 0), TIMEOUT)
+            self.episode.end(result.failure)
+            return result
         except (aiohttp.ClientError, McpError) as exc:
-            if self.episode._stop is not None:      # ended from outside, its env torn down
+            if stopped := self.episode.stopped:      # ended from outside, its env torn down
                 raise EpisodeFailed(f"{name} was cut short: the episode was ended, since "
-                                    f"{self.episode._stop[1]}", "session_lost") from None
-            why = await self.episode.env_trouble(exc)
-            reason = f"{name} failed because the env failed: {why}"
-            self.episode.fail(reason, "transport_peer_drop")
-            raise EpisodeFailed(reason, "transport_peer_drop") from None
+                                    f"{stopped.reason}", SESSION_LOST) from None
+            failure = Failure(PEER_DROP, f"{name} failed because the env failed: "
+                                         f"{await self.episode.env_trouble(exc)}")
+            self.episode.end(failure)
+            raise EpisodeFailed(failure) from None
 
     def end(self, response: str | None) -> None:
         """End the turn with the agent's reply; the episode goes on to its next step."""
@@ -1782,17 +1895,17 @@ class Turn:
 
 class Episode:
     """One play of a task: it waits for a slot, runs the task's steps, hands each turn to the
-    caller, scores, and tears everything down. Abandoning it at any point tears it down too.
+    caller, scores, and tears everything down. Ending it at any point tears it down too.
 
     Steps run as AgentEnv runs them: each after the steps it depends on (by default every step
-    before it), several at once where the graph allows. The caller drives it with
-    ``next_turn`` → ``turn.call`` / ``turn.end`` → ... → ``result``.
+    before it), several at once where the graph allows, each by its handler in ``HANDLERS``. The
+    caller drives it with ``next_turn`` → ``turn.call`` / ``turn.end`` → ... → ``result``, and
+    ``end`` (or ``abandon``, which waits for the teardown) is the one way to stop it early.
     """
 
     def __init__(self, runtime: Runtime, task: Task, seed: dict[str, Any] | None = None):
         self.runtime, self.task = runtime, task.seeded(seed)
         self.id = uuid.uuid4().hex
-        self.phase = "waiting"                    # waiting, deploying, playing, scoring, closed
         self.envs: dict[str, DeployedEnv] = {}    # by env_id as the task writes it
         self.instances: list[Instance] = []       # every env launched, ready or not
         self.agent: Step | None = None
@@ -1803,62 +1916,70 @@ class Episode:
         self.outcome: Outcome | None = None
         self.closed = asyncio.Event()
         self._changed = asyncio.Event()
-        self._stop: tuple[str, str, str | None] | None = None  # (status, reason, kind) from outside
+        self._ending: Outcome | None = None        # how it was ended from outside, if it was
+        self._holds_slot = False
         self._driver: asyncio.Task | None = None
 
     # -- the caller's side
 
+    @property
+    def phase(self) -> str:
+        """Where the episode is: waiting (for a slot), deploying, playing, scoring, closed."""
+        if self.closed.is_set():
+            return "closed"
+        if not self._holds_slot:
+            return "waiting"
+        if self.turn is None:
+            return "deploying"
+        return "playing" if self.turn.is_open else "scoring"
+
+    @property
+    def stopped(self) -> Failure | None:
+        """Why the episode was ended from outside, once it was."""
+        return self._ending.failure if self._ending else None
+
     def start(self) -> Episode:
         self._driver = asyncio.create_task(self._drive(), name=f"episode {self.id}")
-        self._driver.add_done_callback(self._driver_done)
+        self._driver.add_done_callback(self._closed)
         self.runtime.live.add(self)
         return self
 
-    def _driver_done(self, driver: asyncio.Task) -> None:
-        # A driver cancelled before its first step never ran its own cleanup: nothing was
-        # deployed and no slot taken, so closing the episode is all there is to do.
-        if not self.closed.is_set():
-            status, reason, kind = self._stop or ("abandoned", "the episode was cancelled", None)
-            self._settle(Outcome(status, dict(self.scores), None, reason, kind))
-            self.phase = "closed"
-            self.runtime.live.discard(self)
-            self.closed.set()
-            self._signal()
-
     async def next_turn(self) -> Turn | None:
         """The open turn, once the steps before it have run; None once the episode is scored.
-        Raises EpisodeFailed if the environment failed it, or it was abandoned."""
+        Raises EpisodeFailed if the environment failed it, or it was ended."""
         while True:
-            if self.turn is not None and not self.turn.ended.done() and self._stop is None:
+            if self.turn is not None and self.turn.is_open:
                 return self.turn
             if self.outcome is not None:
-                if self.outcome.status == "scored":
+                if self.outcome.failure is None:
                     return None
-                raise EpisodeFailed(self.outcome.failure or "the episode ended",
-                                    self.outcome.kind or "agentenv:env_failed")
+                raise EpisodeFailed(self.outcome.failure)
             await self._wait_change()
 
     async def result(self) -> Outcome:
         """The outcome, once the steps after the last turn (the verifiers) have run."""
         while self.outcome is None:
-            if self.turn is not None and not self.turn.ended.done() and self._stop is None:
+            if self.turn is not None and self.turn.is_open:
                 raise AgentEnvError(f"turn {self.turn.id!r} isn't ended, so the episode can't be "
                                     "scored yet; end it first")
             await self._wait_change()
         return self.outcome
 
+    def end(self, why: str | Failure) -> None:
+        """Stop the episode wherever it is, unscored; its teardown follows in the background. A
+        Failure says the environment failed it (``failed``); a reason, that its caller ended it
+        (``abandoned``)."""
+        if self.outcome is None and self._ending is None and self._driver is not None:
+            if isinstance(why, Failure):
+                self._ending = Outcome("failed", {}, None, why)
+            else:
+                self._ending = Outcome("abandoned", {}, None, Failure(SESSION_LOST, why))
+            self._driver.cancel()
+
     async def abandon(self, reason: str) -> None:
-        """Stop the episode wherever it is, unscored, and wait until it is torn down."""
-        self._halt("abandoned", reason, None)
+        """End the episode (as ``end``) and wait until it is torn down."""
+        self.end(reason)
         await self.closed.wait()
-
-    def stop(self, reason: str) -> None:
-        """Abandon the episode without waiting for its teardown."""
-        self._halt("abandoned", reason, None)
-
-    def fail(self, reason: str, kind: str = "agentenv:env_failed") -> None:
-        """End the episode as failed by the environment; teardown follows in the background."""
-        self._halt("failed", reason, kind)
 
     async def env_trouble(self, exc: BaseException) -> str:
         """Why a call to an env failed: an env that stopped says so, with its last output."""
@@ -1867,11 +1988,6 @@ class Episode:
                 return f"env {env.spec.name!r} stopped: {why}. Its last output:\n" \
                        f"{short(await env.instance.output(), 1000)}"
         return f"{type(exc).__name__}: {exc}"
-
-    def _halt(self, status: str, reason: str, kind: str | None) -> None:
-        if self.outcome is None and self._stop is None and self._driver is not None:
-            self._stop = (status, reason, kind)
-            self._driver.cancel()
 
     async def _wait_change(self) -> None:
         changed = self._changed
@@ -1884,50 +2000,50 @@ class Episode:
     def _settle(self, outcome: Outcome) -> None:
         if self.outcome is None:
             self.outcome = outcome
-            if outcome.failure and outcome.status == "failed":
+            if outcome.status == "failed":
                 log.warning("Episode %s of task %r failed: %s", self.id[:8], self.task.name,
                             outcome.failure)
             self._signal()
 
+    def _closed(self, driver: asyncio.Task) -> None:
+        # The one place an episode closes: after its driver ran its teardown, or was cancelled
+        # before its first step, when there was nothing to tear down and no slot taken.
+        self._settle(self._ended_outcome("the episode was cancelled"))
+        self.runtime.live.discard(self)
+        self.closed.set()
+        self._signal()
+
+    def _ended_outcome(self, reason: str) -> Outcome:
+        ending = self._ending or Outcome("abandoned", {}, None, Failure(SESSION_LOST, reason))
+        return dataclasses.replace(ending, scores=dict(self.scores))
+
     # -- the driver
 
     async def _drive(self) -> None:
-        pool = self.runtime.pool
-        holding = False
         try:
-            await pool.acquire()
-            holding = True
-            self.phase = "deploying"
+            await self.runtime.pool.acquire()
+            self._holds_slot = True
             await self._run_steps()
-            self.phase = "scoring"
             self._settle(self._score())
         except asyncio.CancelledError:
-            status, reason, kind = self._stop or ("abandoned", "the episode was cancelled", None)
-            self._settle(Outcome(status, dict(self.scores), None, reason, kind))
+            self._settle(self._ended_outcome("the episode was cancelled"))
         except EpisodeFailed as exc:
-            self._settle(Outcome("failed", dict(self.scores), None, str(exc), exc.kind))
+            self._settle(Outcome("failed", dict(self.scores), None, exc.failure))
         except Exception as exc:                        # noqa: BLE001 - a bug must not leak an env
             log.exception("Episode %s of task %r hit an unexpected error.", self.id[:8], self.task.name)
-            self._settle(Outcome("failed", dict(self.scores), None,
-                                 f"agentenv.py failed: {type(exc).__name__}: {exc}",
-                                 "agentenv:internal_error"))
+            self._settle(Outcome("failed", dict(self.scores), None, Failure(
+                INTERNAL_ERROR, f"agentenv.py failed: {type(exc).__name__}: {exc}")))
         finally:
             # Teardown runs to its end even if the episode is cancelled again meanwhile.
-            teardown = asyncio.ensure_future(self._teardown())
+            if self.turn is not None:
+                self.turn.end(None)
+            teardown = asyncio.ensure_future(asyncio.gather(
+                *(i.remove() for i in self.instances), return_exceptions=True))
             while not teardown.done():
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.shield(teardown)
-            if holding:
-                pool.release()
-            self.phase = "closed"
-            self.runtime.live.discard(self)
-            self.closed.set()
-            self._signal()
-
-    async def _teardown(self) -> None:
-        if self.turn is not None:
-            self.turn.end(None)
-        await asyncio.gather(*(i.remove() for i in self.instances), return_exceptions=True)
+            if self._holds_slot:
+                self.runtime.pool.release()
 
     async def _run_steps(self) -> None:
         """Run the steps as a graph: each once the steps it depends on are done."""
@@ -1947,14 +2063,13 @@ class Episode:
                     await self._run_step(step)
                     status[step.id] = "ok"
                 except EpisodeFailed as exc:
-                    reason = f"step {step.id!r} ({step.type}) failed: {exc}"
                     status[step.id] = "failed"
                     if step.fail_task_on_error:
-                        verifier = step.type.endswith("verifier") and exc.kind != "transport_peer_drop"
-                        raise EpisodeFailed(reason, "verifier_error" if verifier else exc.kind) from None
+                        raise EpisodeFailed(exc.failure.told(
+                            f"step {step.id!r} ({step.type}) failed: ")) from None
                     self.errors[step.id] = str(exc)
-                    log.info("Episode %s: %s; going on (fail_task_on_error is false).",
-                             self.id[:8], reason)
+                    log.info("Episode %s: step %r (%s) failed: %s; going on (fail_task_on_error is "
+                             "false).", self.id[:8], step.id, step.type, exc)
             finally:
                 done[step.id].set()
 
@@ -1967,28 +2082,26 @@ class Episode:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _run_step(self, step: Step) -> None:
-        handler = getattr(self, "_" + step.type)
         try:
-            await handler(step)
+            await self.HANDLERS[step.type](self, step)
         except asyncio.TimeoutError:        # before OSError, of which it is a kind
             raise EpisodeFailed("a call to its env got no answer within its deadline; the env may "
                                 "be stuck or overloaded (its output may say which)",
-                                "transport_timeout") from None
+                                TRANSPORT_TIMEOUT) from None
         except (aiohttp.ClientError, McpError, OSError) as exc:
-            raise EpisodeFailed(await self.env_trouble(exc), "transport_peer_drop") from None
+            raise EpisodeFailed(await self.env_trouble(exc), PEER_DROP) from None
+
+    # -- the step handlers, one per step type (HANDLERS, below)
 
     async def _deploy_env(self, step: Step) -> None:
         env = self.runtime.bundle.envs[_resolve_env(step.get("env_id"), self.runtime.bundle.envs,
                                                     self.task.id)]
         limits = {k: step.get(k) for k in ("cpu", "memory_mb") if step.get(k)}
-        try:
-            async with self.runtime.starting.slot():
-                instance = await self.runtime.sandbox.launch(env, self.id, limits)
-                self.instances.append(instance)
-                self.envs[step.get("env_id")] = await wait_ready(
-                    self.runtime.http, instance, env, self.runtime.deploy_timeout)
-        except EpisodeFailed as exc:          # the sandbox could not provide the env
-            raise EpisodeFailed(str(exc), "provider_unavailable") from None
+        async with self.runtime.starting.slot():
+            instance = await self.runtime.sandbox.launch(env, self.id, limits)
+            self.instances.append(instance)
+            self.envs[step.get("env_id")] = await wait_ready(
+                self.runtime.http, instance, env, self.runtime.deploy_timeout)
 
     async def _apply_server_config(self, step: Step) -> None:
         env = self.envs[step.get("env_id")]
@@ -2026,7 +2139,6 @@ class Episode:
                                             "the turn; tool names are unique within a turn")
                     route[tool["name"]] = session
                     tools.append(tool)
-            self.phase = "playing"
             turn = Turn(self, step, step.get("prompt"), step.get("system_prompt") or
                         agent.get("system_prompt"), tools, route)
             self.turn = turn
@@ -2039,45 +2151,54 @@ class Episode:
                 raise EpisodeFailed(f"turn {step.id!r} was not ended within {timeout:g}s (its "
                                     "prompt_agent step's timeout_seconds)") from None
             self.replies[step.get("prompt_id") or step.id] = reply
-            self.phase = "scoring"
         finally:
             await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
 
     async def _env_outcome_verifier(self, step: Step) -> None:
         env = self.envs[step.get("env_id")]
-        artifact = step.get("file_artifact_id")
         try:
-            rows = await self.runtime.verify(artifact, env.mcp_url)
-        except EpisodeFailed as exc:
+            rows = await self.runtime.verify(step.get("file_artifact_id"), env.mcp_url)
+        except EpisodeFailed:
             # A verifier fails when the env it reads has died: the env's fault, not the verifier's.
             if why := await env.instance.exited(settle=0.5):
                 raise EpisodeFailed(f"env {env.spec.name!r} stopped: {why}. "
                                     f"Its last output:\n{short(await env.instance.output(), 1000)}",
-                                    "transport_peer_drop") from None
-            raise exc
+                                    PEER_DROP) from None
+            raise
         self._record(step, rows)
 
     async def _agent_prompt_response_verifier(self, step: Step) -> None:
         reply = self.replies.get(step.get("prompt_id"), "")
         self._record(step, response_rows(step.get("criteria"), reply))
 
+    HANDLERS: dict[str, Callable[[Episode, Step], Any]] = {
+        "deploy_env": _deploy_env,
+        "apply_server_config": _apply_server_config,
+        "deploy_agent": _deploy_agent,
+        "prompt_agent": _prompt_agent,
+        "env_outcome_verifier": _env_outcome_verifier,
+        "agent_prompt_response_verifier": _agent_prompt_response_verifier,
+    }
+
+    # -- scoring
+
     def _record(self, step: Step, rows: list[dict[str, Any]]) -> None:
         try:
             score = aggregate_score(rows, step.get("score_aggregator", "all_pass"))
         except (TypeError, ValueError) as exc:
             raise EpisodeFailed(f"its rows can't be scored ({exc}); a row's score and weight are "
-                                "numbers") from None
+                                "numbers", VERIFIER_ERROR) from None
         if score != score:
-            raise EpisodeFailed("its score is not a number (NaN); check the rows' scores")
+            raise EpisodeFailed("its score is not a number (NaN); check the rows' scores",
+                                VERIFIER_ERROR)
         self.scores[step.id] = score
 
     def _score(self) -> Outcome:
         step = self.task.reward_step
         if step not in self.scores:
             why = self.errors.get(step, "it did not run")
-            return Outcome("failed", dict(self.scores), None,
-                           f"no reward: the run recorded no score at step {step!r} ({why})",
-                           "verifier_error")
+            return Outcome("failed", dict(self.scores), None, Failure(
+                VERIFIER_ERROR, f"no reward: the run recorded no score at step {step!r} ({why})"))
         return Outcome("scored", dict(self.scores), self.scores[step])
 
 
@@ -2094,35 +2215,37 @@ async def _first_error(tasks: list[asyncio.Task]) -> None:
 
 # ================================================================ 7. Pool and runtime
 
+SERVE_KNOB = "--max-concurrent-envs (or MAX_CONCURRENT_ENVS)"
+SERVE_FIX = "serve the bundle with a higher MAX_CONCURRENT_ENVS (or --max-concurrent-envs)"
+
+
 class Pool:
     """The bound on live episodes: one semaphore. Past it, an episode waits its turn, and the
     first time that happens the server says so once, with how to raise the limit."""
 
-    def __init__(self, limit: int, knob: str = "--max-concurrent-envs (or MAX_CONCURRENT_ENVS)"):
-        if not isinstance(limit, int) or limit < 1:
-            raise AgentEnvError(f"--max-concurrent-envs must be a whole number of at least 1, not "
+    def __init__(self, limit: int, knob: str = SERVE_KNOB):
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise AgentEnvError(f"{knob.split(' ')[0]} must be a whole number of at least 1, not "
                                 f"{limit!r}")
         self.limit, self.knob = limit, knob
-        self.waiting = 0
+        self.in_use = self.waiting = 0
         self._free = asyncio.Semaphore(limit)
         self._warned = False
-
-    @property
-    def in_use(self) -> int:
-        return self.limit - self._free._value
 
     async def acquire(self) -> None:
         if self._free.locked() and not self._warned:
             self._warned = True
-            log.warning("All %d episodes are in use, so new episodes wait their turn: raise %s to "
-                        "run more at once.", self.limit, self.knob)
+            log.warning(at_its_limit("The server", self.limit, "episodes",
+                                     "new episodes wait their turn", f"raise {self.knob}") + ".")
         self.waiting += 1
         try:
             await self._free.acquire()
         finally:
             self.waiting -= 1
+        self.in_use += 1
 
     def release(self) -> None:
+        self.in_use -= 1
         self._free.release()
 
 
@@ -2158,9 +2281,10 @@ class Runtime:
     """What every episode of a served bundle shares: the bundle, the sandbox, the pool, one HTTP
     client, the loaded verifiers, and the set of live episodes (so shutdown can end them all)."""
 
-    def __init__(self, bundle: Bundle, sandbox: str = "auto", max_concurrent_envs: int = 8,
-                 deploy_timeout: float = 180.0, verifier_timeout: float = 300.0,
-                 knob: str = "--max-concurrent-envs (or MAX_CONCURRENT_ENVS)"):
+    def __init__(self, bundle: Bundle, sandbox: str = "auto",
+                 max_concurrent_envs: int = Settings.max_concurrent_envs,
+                 deploy_timeout: float = Settings.deploy_timeout,
+                 verifier_timeout: float = Settings.verifier_timeout, knob: str = SERVE_KNOB):
         self.bundle, self.sandbox_kind = bundle, sandbox
         self.pool = Pool(max_concurrent_envs, knob)
         self.deploy_timeout, self.verifier_timeout = deploy_timeout, verifier_timeout
@@ -2215,18 +2339,18 @@ class Runtime:
         try:
             verify = await asyncio.shield(self._verifiers[artifact])
         except Exception as exc:                        # noqa: BLE001 - bundle code may raise anything
-            raise EpisodeFailed(f"{where} did not import: {type(exc).__name__}: {exc}") from None
+            raise EpisodeFailed(f"{where} did not import: {type(exc).__name__}: {exc}",
+                                VERIFIER_ERROR) from None
         job = loop.run_in_executor(self._verifier_threads, run_verify, verify, mcp_url,
                                    self.verifier_timeout)
         try:
             # the thread's own deadline comes first; this one is for a verifier that blocks
             rows = await asyncio.wait_for(job, self.verifier_timeout + 5)
         except asyncio.TimeoutError:
-            raise EpisodeFailed(f"{where} did not finish within {self.verifier_timeout:g}s") from None
-        except EpisodeFailed:
-            raise
-        except Exception as exc:                        # noqa: BLE001
-            raise EpisodeFailed(f"{where} raised {type(exc).__name__}: {exc}") from None
+            raise EpisodeFailed(f"{where} did not finish within {self.verifier_timeout:g}s",
+                                VERIFIER_ERROR) from None
+        except Exception as exc:                        # noqa: BLE001 - bundle code may raise anything
+            raise EpisodeFailed(f"{where} raised {type(exc).__name__}: {exc}", VERIFIER_ERROR) from None
         return check_rows(rows, where)
 
     async def close(self, reason: str = "the server shut down") -> None:
@@ -2238,34 +2362,101 @@ class Runtime:
         self._verifier_threads.shutdown(wait=False)
 
 
-# ================================================================ 8. OpenEnv surface
+# ================================================================ 8. Plumbing
 
-END_TURN = {"name": "end_turn",
-            "description": "End your turn with your reply. The episode goes on to your next turn, "
-                           "or ends and is scored.",
-            "input_schema": {"type": "object", "properties": {
-                "response": {"type": "string", "description": "Your reply."}}}}
-RESERVED_TOOLS = {"reset", "step", "state", "close", "end_turn"}
-ENDED = "the episode has ended; call reset"
-SPLIT_TYPES = {"train", "validation", "test"}
+# What both wires share: the HTTP helpers and the JSON reader, the bearer token, the sessions
+# table that counts both wires against the one pool, and the idle sweep.
+
 MAX_BODY = 16 * 2**20          # a request body or WebSocket frame past this is refused (413 / close)
 BINARY_FRAME = "a binary frame was sent; this socket reads JSON text frames only"
 
 
-def envelope(observation: dict[str, Any], reward: float | None = None, done: bool = False,
-             ) -> dict[str, Any]:
-    """An OpenEnv observation as the wire carries it: reward and done at the top, metadata twice."""
-    body: dict[str, Any] = {"observation": observation, "reward": reward, "done": done}
-    if observation.get("metadata"):
-        body["metadata"] = observation["metadata"]
-    return body
+def json_reply(body: Any, status: int = 200) -> Any:
+    from aiohttp import web
+    return web.json_response(body, status=status)
 
 
-def rpc_error(rid: Any, code: int, message: str, data: Any = None) -> dict[str, Any]:
-    error: dict[str, Any] = {"code": code, "message": message}
-    if data is not None:
-        error["data"] = data
-    return {"jsonrpc": "2.0", "id": rid, "error": error}
+def loads(raw: bytes | str) -> Any:
+    """JSON a client sent; a ValueError saying why for anything else, nesting too deep to read
+    included (json raises RecursionError for that, which must not become a 500)."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("it nests arrays or objects deeper than this server reads") from None
+
+
+async def read_body(request: Any) -> bytes:
+    """A request's body; past MAX_BODY, a 413 that says what to do."""
+    from aiohttp import web
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise web.HTTPRequestEntityTooLarge(
+            max_size=MAX_BODY, actual_size=request.content_length or MAX_BODY + 1,
+            text=json.dumps({"detail": f"the body is larger than this server reads "
+                                       f"({MAX_BODY // 2**20} MiB); send less, such as a tool's "
+                                       "arguments without the data it can read itself"}),
+            content_type="application/json") from None
+
+
+async def json_body(request: Any, allow_empty: bool = False) -> tuple[dict[str, Any], Any]:
+    """A request's JSON object body, or the 422 that says what is wrong with it."""
+    raw = await read_body(request)
+    if not raw.strip() and allow_empty:
+        return {}, None
+    try:
+        data = loads(raw)
+    except ValueError as exc:
+        return {}, json_reply({"detail": [{"type": "json_invalid", "loc": ["body"],
+                                           "msg": f"the body is not JSON: {exc}"}]}, 422)
+    if not isinstance(data, dict):
+        return {}, json_reply({"detail": [{"type": "model_attributes_type", "loc": ["body"],
+                                           "msg": "the body must be a JSON object"}]}, 422)
+    return data, None
+
+
+async def accept_socket(request: Any) -> Any:
+    from aiohttp import web
+    # Pings every 20 s find a socket whose far end has gone without closing it.
+    socket_ = web.WebSocketResponse(heartbeat=20, max_msg_size=MAX_BODY)
+    await socket_.prepare(request)
+    return socket_
+
+
+def bearer_token(token: str) -> Any:
+    """Middleware that asks every request, WebSocket upgrades included, for the bearer token."""
+    from aiohttp import web
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def require_token(request: Any, handler: Callable) -> Any:
+        # compare_digest: the time taken says nothing about how much of a guess was right
+        if not secrets.compare_digest(request.headers.get("Authorization", "").encode(), expected):
+            return web.json_response(
+                {"detail": "this server asks for a bearer token: send the header Authorization: "
+                           "Bearer <token>, with the token serve was given (--token or "
+                           "AGENTENV_TOKEN)"},
+                status=401, headers={"WWW-Authenticate": 'Bearer realm="agentenv.py"'})
+        return await handler(request)
+    return require_token
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the server reachable from this machine only."""
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False                    # a name or "" (every interface): assume it reaches out
+
+
+def client_headers() -> dict[str, str]:
+    """The headers a client of a running ``serve`` sends: its bearer token, if AGENTENV_TOKEN
+    holds one."""
+    token = os.environ.get("AGENTENV_TOKEN")
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 class Lease:
@@ -2305,6 +2496,48 @@ async def sweep_idle(what: str, knob: str, sessions: dict[str, Any], idle_timeou
                     log.exception("Ending %s session that was idle failed.", what)
 
 
+class Sessions:
+    """The live sessions of both wires, by wire, counted against the one pool: each surface is
+    handed this table, so what one opens the other sees."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.openenv: dict[str, OpenEnvSession] = {}
+        self.gym: dict[str, GymSession] = {}
+
+    @property
+    def active(self) -> int:
+        return len(self.openenv) + len(self.gym)
+
+
+# ================================================================ 9. OpenEnv surface
+
+END_TURN = {"name": "end_turn",
+            "description": "End your turn with your reply. The episode goes on to your next turn, "
+                           "or ends and is scored.",
+            "input_schema": {"type": "object", "properties": {
+                "response": {"type": "string", "description": "Your reply."}}}}
+RESERVED_TOOLS = {"reset", "step", "state", "close", "end_turn"}
+ENDED = "the episode has ended; call reset"
+SPLIT_TYPES = {"train", "validation", "test"}
+
+
+def envelope(observation: dict[str, Any], reward: float | None = None, done: bool = False,
+             ) -> dict[str, Any]:
+    """An OpenEnv observation as the wire carries it: reward and done at the top, metadata twice."""
+    body: dict[str, Any] = {"observation": observation, "reward": reward, "done": done}
+    if observation.get("metadata"):
+        body["metadata"] = observation["metadata"]
+    return body
+
+
+def rpc_error(rid: Any, code: int, message: str, data: Any = None) -> dict[str, Any]:
+    error: dict[str, Any] = {"code": code, "message": message}
+    if data is not None:
+        error["data"] = data
+    return {"jsonrpc": "2.0", "id": rid, "error": error}
+
+
 class Capacity(AgentEnvError):
     """Every session slot is taken: a temporary refusal, with how to raise the limit."""
 
@@ -2324,8 +2557,10 @@ class OpenEnvSession:
 
     It maps a bundle onto OpenEnv as AgentEnv does: ``reset`` plays a task, ``list_tools`` and
     ``call_tool`` play its turn, and the added ``end_turn`` tool hands over the next prompt or,
-    after the last turn, the reward and the scores. A failure is an observation, never a crash.
-    Every reply comes within ``deadline`` seconds, inside the clients' own timeout.
+    after the last turn, the reward and the scores. Every reply comes within ``deadline`` seconds,
+    inside the clients' own timeout. The play gives values (a ToolResult, the next Turn, the
+    Outcome, a Failure, or a refusal's text); ``step`` renders them as observations and ``mcp``
+    as JSON-RPC, and a failure is always a reply, never a crash.
     """
 
     def __init__(self, runtime: Runtime, deadline: float, sid: str | None = None):
@@ -2340,62 +2575,46 @@ class OpenEnvSession:
         self.socket: Any = None                    # the WebSocket it is played over, if any
         self.close_asked = False
 
+    @property
+    def live(self) -> bool:
+        """Whether a turn is there to play: an episode not yet over, past its deploy."""
+        episode = self.episode
+        return episode is not None and episode.outcome is None and episode.turn is not None
+
+    # -- the wire
+
     async def reset(self, data: dict[str, Any]) -> dict[str, Any]:
-        await self.close("reset")
-        split, index = data.get("split"), data.get("index")
-        self.step_count, self.where = 0, None
-        self.episode_id = data.get("episode_id") if isinstance(data.get("episode_id"), str) else None
-        if (split is None) != (index is None):
-            return self._error("split and index go together: give both, or neither for the first "
-                               "task served")
-        try:
-            if split is None:
-                split, index = "all", 0
-            task = self.runtime.bundle.task(split, index)
-        except LookupError as exc:
-            return self._error(str(exc))
-        self.where = {"id": task.id, "name": task.name, "split": split, "index": index}
-        self.episode = self.runtime.episode(task)
-        return await self._advance()
+        return self._observation(await self._reset(data))
 
     async def step(self, action: Any) -> dict[str, Any]:
-        episode = self.episode
-        live = episode is not None and episode.outcome is None and episode.turn is not None
         if not isinstance(action, dict):      # a malformed step leaves a live episode as it was
             return self._error('a step\'s data is an action such as {"type": "list_tools"}',
-                               done=not live)
-        if episode is None or episode.outcome is not None or episode.turn is None:
+                               done=not self.live)
+        if not self.live:
             return self._error(ENDED)
-        turn = episode.turn
         self.step_count += 1
         kind = action.get("type")
         if kind == "list_tools":
-            return envelope({"tools": [*turn.tool_specs, END_TURN], "metadata": {}}, 0.0)
+            return envelope({"tools": self._tools(), "metadata": {}}, 0.0)
         if kind != "call_tool":
             return self._error(f"unknown action type {kind!r}; use list_tools or call_tool",
                                done=False)
-        name, arguments = action.get("tool_name"), action.get("arguments") or {}
-        if name == "end_turn":
-            response = arguments.get("response", "") if isinstance(arguments, dict) else ""
-            turn.end(response if isinstance(response, str) else json.dumps(response))
-            return await self._advance(tool_name="end_turn")
-        try:
-            result = await turn.call(name, arguments, self.deadline)
-        except ToolTimeout as exc:
-            timed_out = self._error(str(exc), name, exc.kind)
-            timed_out["observation"]["error"] = {"error_type": "timeout", "message": str(exc)}
-            return timed_out
-        except EpisodeFailed as exc:
-            return self._error(str(exc), name, exc.kind)
-        except AgentEnvError as exc:
-            return self._error(str(exc), name)
-        if name not in turn.route:
-            return envelope({"tool_name": name, "result": None, "metadata": {},
-                             "error": {"error_type": "tool_not_found",
-                                       "message": result.text.removeprefix("error: ")}}, 0.0)
-        return envelope({"tool_name": name, "error": None, "metadata": {}, "result": {
-            "content": [{"type": "text", "text": result.text}], "structured_content": None,
-            "meta": None, "data": result.text, "is_error": result.is_error}}, 0.0)
+        name = action.get("tool_name")
+        return self._observation(await self._call(name, action.get("arguments") or {}), name)
+
+    async def mcp(self, method: str, params: dict[str, Any], rid: Any) -> dict[str, Any]:
+        """tools/list and tools/call on this session's episode, as JSON-RPC."""
+        if method == "tools/list":
+            tools = [{"name": t["name"], "description": t["description"],
+                      "inputSchema": t["input_schema"]} for t in self._tools()] if self.live else []
+            return {"jsonrpc": "2.0", "id": rid, "result": {"tools": tools}}
+        name = params.get("name")
+        if not isinstance(name, str) or not name:
+            return rpc_error(rid, -32602, "tools/call needs params.name, the tool to call")
+        if not self.live:
+            return rpc_error(rid, -32603, ENDED)
+        self.step_count += 1
+        return self._rpc(rid, await self._call(name, params.get("arguments") or {}))
 
     def state(self) -> dict[str, Any]:
         episode, where = self.episode, self.where or {}
@@ -2406,131 +2625,166 @@ class OpenEnvSession:
                 "turn": episode.turn.id if episode and episode.turn else None,
                 "done": episode is None or episode.outcome is not None}
 
-    async def mcp(self, method: str, params: dict[str, Any], rid: Any) -> dict[str, Any]:
-        """tools/list and tools/call on this session's episode, as JSON-RPC."""
-        if method == "tools/list":
-            episode = self.episode
-            if episode is None or episode.turn is None or episode.outcome is not None:
-                return {"jsonrpc": "2.0", "id": rid, "result": {"tools": []}}
-            tools = [{"name": t["name"], "description": t["description"], "inputSchema": t["input_schema"]}
-                     for t in [*episode.turn.tool_specs, END_TURN]]
-            return {"jsonrpc": "2.0", "id": rid, "result": {"tools": tools}}
-        name = params.get("name")
-        if not isinstance(name, str) or not name:
-            return rpc_error(rid, -32602, "tools/call needs params.name, the tool to call")
-        reply = await self.step({"type": "call_tool", "tool_name": name,
-                                 "arguments": params.get("arguments") or {}})
-        observation = reply["observation"]
-        meta = observation.get("metadata") or {}
-        if observation.get("error"):
-            return rpc_error(rid, -32603, observation["error"]["message"], observation["error"])
-        if meta.get("status") == "error":
-            return rpc_error(rid, -32603, meta.get("error", "the episode failed"))
-        if name == "end_turn":
-            data = observation.get("result") if not reply["done"] else \
-                {"done": True, "reward": reply["reward"], "scores": meta.get("scores")}
-            return {"jsonrpc": "2.0", "id": rid, "result": {"data": data}}
-        return {"jsonrpc": "2.0", "id": rid, "result": observation["result"]}
-
     async def close(self, reason: str = "the session closed") -> None:
         if self.episode is not None:
             episode, self.episode = self.episode, None
             await episode.abandon(reason)
 
-    async def _advance(self, tool_name: str | None = None) -> dict[str, Any]:
-        """Wait (within the deadline) for the next turn or the outcome, and say it."""
+    # -- the play, as values
+
+    async def _reset(self, data: dict[str, Any]) -> Played:
+        await self.close("reset")
+        split, index = data.get("split"), data.get("index")
+        self.step_count, self.where = 0, None
+        self.episode_id = data.get("episode_id") if isinstance(data.get("episode_id"), str) else None
+        if (split is None) != (index is None):
+            return ("split and index go together: give both, or neither for the first task "
+                    "served")
+        try:
+            if split is None:
+                split, index = "all", 0
+            task = self.runtime.bundle.task(split, index)
+        except LookupError as exc:
+            return str(exc)
+        self.where = {"id": task.id, "name": task.name, "split": split, "index": index}
+        self.episode = self.runtime.episode(task)
+        return await self._advance("the deploy and the opening of the turn")
+
+    async def _call(self, name: Any, arguments: Any) -> Played:
+        assert self.episode is not None and self.episode.turn is not None
+        turn = self.episode.turn
+        if name == "end_turn":
+            response = arguments.get("response", "") if isinstance(arguments, dict) else ""
+            turn.end(response if isinstance(response, str) else json.dumps(response))
+            return await self._advance("the next turn or the score")
+        try:
+            return await turn.call(name, arguments, self.deadline)
+        except EpisodeFailed as exc:
+            return exc.failure
+        except AgentEnvError as exc:
+            return str(exc)
+
+    async def _advance(self, what: str) -> Played:
+        """Wait (within the deadline) for the next turn or the outcome."""
         episode = self.episode
         assert episode is not None
         try:
             async with asyncio.timeout(self.deadline):
                 turn = await episode.next_turn()
-                outcome = None if turn is not None else await episode.result()
+                if turn is None:
+                    return await episode.result()
         except EpisodeFailed as exc:
-            return self._error(str(exc), tool_name, exc.kind)
+            return exc.failure
         except asyncio.TimeoutError:
-            what = "the deploy and the opening of the turn" if tool_name is None else \
-                "the next turn or the score"
-            reason = (f"{what} took longer than {self.deadline:g}s, so the episode was ended to "
-                      "answer inside the client's timeout; raise the client's message_timeout_s "
-                      "and serve with a higher --client-timeout")
-            episode.stop(reason)       # teardown goes on in the background, holding the slot
-            return self._error(reason, tool_name, "transport_timeout")
-        extra = {"tool_name": tool_name, "error": None} if tool_name else {}
-        if turn is not None:
-            if reserved := sorted(RESERVED_TOOLS & set(turn.route)):
-                await episode.abandon("the env offers reserved tool names")
-                return self._error(f"the env offers tools OpenEnv reserves: {', '.join(reserved)}; "
-                                   "rename them in the env", tool_name)
-            prompt = {"prompt": turn.prompt, "system_prompt": turn.system_prompt}
-            if tool_name:
-                return envelope({**extra, "result": prompt, "metadata": {}}, 0.0)
-            return envelope({"metadata": {**prompt, "task": self.where}})
-        assert outcome is not None
-        if outcome.status != "scored":
-            return self._error(outcome.failure or "the episode failed", tool_name, outcome.kind)
-        # The score in the result too: a client that reads only call_tool's result sees it.
-        result = {"done": True, "reward": outcome.reward, "scores": outcome.scores} if tool_name else None
-        return envelope({**extra, "result": result,
-                         "metadata": {"scores": outcome.scores, "task": self.where}},
-                        outcome.reward, True)
+            failure = Failure(TRANSPORT_TIMEOUT, (
+                f"{what} took longer than {self.deadline:g}s, so the episode was ended to answer "
+                "inside the client's timeout; raise the client's message_timeout_s and serve with a "
+                "higher --client-timeout"))
+            episode.end(failure)       # teardown goes on in the background, holding the slot
+            return failure
+        if reserved := sorted(RESERVED_TOOLS & set(turn.route)):
+            await episode.abandon("the env offers reserved tool names")
+            return f"the env offers tools OpenEnv reserves: {', '.join(reserved)}; rename them in the env"
+        return turn
 
-    def _error(self, message: str, tool_name: str | None = None, kind: str | None = None,
+    def _tools(self) -> list[dict[str, Any]]:
+        assert self.episode is not None and self.episode.turn is not None
+        return [*self.episode.turn.tool_specs, END_TURN]
+
+    # -- rendering
+
+    def _observation(self, played: Played, tool_name: str | None = None) -> dict[str, Any]:
+        """What the play gave, as an OpenEnv observation: a reset's or a step's."""
+        called = {"tool_name": tool_name, "error": None} if tool_name else {}
+        if isinstance(played, ToolResult):
+            if played.status == UNKNOWN_TOOL:
+                return envelope({**called, "result": None, "metadata": {}, "error": {
+                    "error_type": "tool_not_found", "message": played.text}}, 0.0)
+            if played.failure:
+                timed_out = self._error(played.failure, tool_name)
+                timed_out["observation"]["error"] = {"error_type": "timeout", "message": played.text}
+                return timed_out
+            return envelope({**called, "metadata": {}, "result": tool_content(played)}, 0.0)
+        if isinstance(played, Turn):
+            prompt = {"prompt": played.prompt, "system_prompt": played.system_prompt}
+            if tool_name:
+                return envelope({**called, "result": prompt, "metadata": {}}, 0.0)
+            return envelope({"metadata": {**prompt, "task": self.where}})
+        if isinstance(played, Outcome) and played.failure is None:
+            # The score in the result too: a client that reads only call_tool's result sees it.
+            result = {"done": True, "reward": played.reward, "scores": played.scores} \
+                if tool_name else None
+            return envelope({**called, "result": result,
+                             "metadata": {"scores": played.scores, "task": self.where}},
+                            played.reward, True)
+        return self._error(played.failure if isinstance(played, Outcome) else played, tool_name)
+
+    def _rpc(self, rid: Any, played: Played) -> dict[str, Any]:
+        """What the play gave, as the JSON-RPC reply to tools/call."""
+        if isinstance(played, ToolResult):
+            if played.status == UNKNOWN_TOOL or played.failure:
+                error = {"error_type": "tool_not_found" if played.status == UNKNOWN_TOOL else "timeout",
+                         "message": played.text}
+                return rpc_error(rid, -32603, played.text, error)
+            return {"jsonrpc": "2.0", "id": rid, "result": tool_content(played)}
+        if isinstance(played, Turn):
+            data = {"prompt": played.prompt, "system_prompt": played.system_prompt}
+            return {"jsonrpc": "2.0", "id": rid, "result": {"data": data}}
+        if isinstance(played, Outcome) and played.failure is None:
+            data = {"done": True, "reward": played.reward, "scores": played.scores}
+            return {"jsonrpc": "2.0", "id": rid, "result": {"data": data}}
+        return rpc_error(rid, -32603, str(played.failure if isinstance(played, Outcome) else played))
+
+    def _error(self, why: str | Failure | None, tool_name: str | None = None,
                done: bool = True) -> dict[str, Any]:
-        observation: dict[str, Any] = {"metadata": {"status": "error", "error": message,
+        """An error observation: the episode's failure (with its kind, for a resources server
+        playing over /ws), or a refusal of what was asked."""
+        observation: dict[str, Any] = {"metadata": {"status": "error", "error": str(why),
                                                     "task": self.where}}
-        if kind:      # what failed, in NeMo Gym's words, for a resources server playing over /ws
-            observation["metadata"]["failure_kind"] = kind
+        if isinstance(why, Failure):
+            observation["metadata"]["failure_kind"] = why.kind
         if tool_name:
             observation.update(tool_name=tool_name, result=None, error=None)
         return envelope(observation, None, done)
 
 
-class OpenEnvSurface:
-    """OpenEnv's routes on the app: /ws, /mcp, the stateless HTTP routes, schema and task API.
+# What a play of an OpenEnv session gives: a tool's result, the next turn, the scored outcome, the
+# environment's failure, or a refusal of what was asked (a caller's mistake, in words).
+Played = ToolResult | Turn | Outcome | Failure | str
 
-    Sessions live in one table, capped at the pool's limit (past it a new one is refused, as
-    OpenEnv's clients expect, and the server says once how to raise it). WebSocket pings find
-    half-open sockets, and one sweep ends sessions idle past ``idle_timeout``, so capacity never
-    silts up with sessions whose client has gone.
+
+def tool_content(result: ToolResult) -> dict[str, Any]:
+    """A tool's result as OpenEnv's CallToolObservation carries it."""
+    return {"content": [{"type": "text", "text": result.text}], "structured_content": None,
+            "meta": None, "data": result.text, "is_error": result.is_error}
+
+
+class OpenEnvSurface:
+    """OpenEnv's routes: /ws, /mcp, the stateless HTTP routes, schema and task API.
+
+    Its sessions count with the other wire's in the shared table, capped at the pool's limit: past
+    it a new one is refused, as OpenEnv's clients expect, and the server says once how to raise
+    it. WebSocket pings find half-open sockets, and one sweep ends sessions idle past
+    ``idle_timeout``, so capacity never silts up with sessions whose client has gone.
     """
 
-    def __init__(self, runtime: Runtime, app: Any, client_timeout: float = 60.0,
-                 margin: float = 5.0, idle_timeout: float = 600.0):
-        self.runtime, self.idle_timeout = runtime, idle_timeout
-        self.deadline = max(1.0, client_timeout - margin)
-        self.sessions: dict[str, OpenEnvSession] = {}
+    def __init__(self, runtime: Runtime, sessions: Sessions, settings: Settings):
+        self.runtime, self.shared, self.idle_timeout = runtime, sessions, settings.idle_timeout
+        self.deadline = max(1.0, settings.client_timeout - settings.reply_margin)
+        self.sessions = sessions.openenv
         self.env_name = runtime.bundle.name.replace(".", "-")
-        self.others: Callable[[], int] = lambda: 0      # sessions of other surfaces on the pool
         self._warned = False
         self._sweeper: asyncio.Task | None = None
-        add = app.router
-        add.add_get("/health", self.health)
-        add.add_get("/metadata", self.metadata)
-        add.add_get("/schema", self.schema)
-        add.add_get("/openapi.json", self.openapi)
-        add.add_get("/ws", self.ws)
-        add.add_get("/mcp", self.mcp_ws)
-        add.add_post("/mcp", self.mcp_http)
-        add.add_post("/reset", self.http_reset)
-        add.add_post("/step", self.http_step)
-        add.add_get("/state", self.http_state)
-        add.add_get("/list_environments", self.list_environments)
-        add.add_get("/{env}/splits", self.splits)
-        for route in ("tasks", "num_tasks", "task", "task_range"):
-            add.add_post("/{env}/" + route, self.task_api)
 
     # -- sessions
 
     def open_session(self) -> OpenEnvSession:
-        limit = self.runtime.pool.limit
-        active = len(self.sessions) + self.others()
+        limit, active = self.shared.limit, self.shared.active
         if active >= limit:
             if not self._warned:
                 self._warned = True
-                log.warning("The server is at its limit of %d sessions at once, so new sessions are "
-                            "refused until one closes: serve the bundle with a higher "
-                            "MAX_CONCURRENT_ENVS (or --max-concurrent-envs) to run more at once.",
-                            limit)
+                log.warning(at_its_limit("The server", limit, "sessions",
+                                         "new sessions are refused until one closes", SERVE_FIX) + ".")
             raise Capacity(active, limit)
         session = OpenEnvSession(self.runtime, self.deadline)
         self.sessions[session.id] = session
@@ -2560,105 +2814,105 @@ class OpenEnvSurface:
     # -- HTTP routes
 
     async def health(self, request: Any) -> Any:
-        return _json({"status": "healthy"})
+        return json_reply({"status": "healthy"})
 
     async def metadata(self, request: Any) -> Any:
         bundle = self.runtime.bundle
         readme = bundle.root / "README.md"
-        return _json({"name": self.env_name, "description": bundle.description or bundle.name,
-                      "readme_content": readme.read_text() if readme.is_file() else None,
-                      "version": __version__, "author": None, "documentation_url": None})
+        return json_reply({"name": self.env_name, "description": bundle.description or bundle.name,
+                           "readme_content": readme.read_text() if readme.is_file() else None,
+                           "version": __version__, "author": None, "documentation_url": None})
 
     async def schema(self, request: Any) -> Any:
-        return _json(OPENENV_SCHEMA)
+        return json_reply(OPENENV_SCHEMA)
 
     async def openapi(self, request: Any) -> Any:
-        return _json(openapi_document())
+        return json_reply(openapi_document())
 
     async def http_reset(self, request: Any) -> Any:
         """Stateless, as OpenEnv has it: a fresh session, reset (a full deploy), then closed."""
-        data, problem = await _body(request, allow_empty=True)
+        data, problem = await json_body(request, allow_empty=True)
         if problem:
             return problem
         session = OpenEnvSession(self.runtime, self.deadline)
         try:
-            return _json(await session.reset(data or {}))
+            return json_reply(await session.reset(data or {}))
         finally:
             await session.close("a stateless /reset ends its episode")
 
     async def http_step(self, request: Any) -> Any:
-        data, problem = await _body(request)
+        data, problem = await json_body(request)
         if problem:
             return problem
         if "action" not in data:
-            return _json({"detail": [{"type": "missing", "loc": ["body", "action"],
-                                      "msg": "Field required: the action to take"}]}, 422)
+            return json_reply({"detail": [{"type": "missing", "loc": ["body", "action"],
+                                           "msg": "Field required: the action to take"}]}, 422)
         if not isinstance(data["action"], dict):
-            return _json({"detail": [{"type": "model_attributes_type", "loc": ["body", "action"],
-                                      "msg": 'the action is an object, such as {"type": '
-                                             '"list_tools"}'}]}, 422)
-        return _json(OpenEnvSession(self.runtime, self.deadline)._error(ENDED))
+            return json_reply({"detail": [{"type": "model_attributes_type", "loc": ["body", "action"],
+                                           "msg": 'the action is an object, such as {"type": '
+                                                  '"list_tools"}'}]}, 422)
+        return json_reply(await OpenEnvSession(self.runtime, self.deadline).step(data["action"]))
 
     async def http_state(self, request: Any) -> Any:
-        return _json(OpenEnvSession(self.runtime, self.deadline).state())
+        return json_reply(OpenEnvSession(self.runtime, self.deadline).state())
 
     # -- the task API
 
     async def list_environments(self, request: Any) -> Any:
-        return _json([self.env_name])
+        return json_reply([self.env_name])
 
     def _not_ours(self, request: Any) -> Any:
         """The 404 for a task-API path naming another environment, or None when it names ours."""
         if request.match_info["env"] == self.env_name:
             return None
-        return _json({"detail": f"no environment {request.match_info['env']!r}; this server "
-                                f"serves {self.env_name!r}"}, 404)
+        return json_reply({"detail": f"no environment {request.match_info['env']!r}; this server "
+                                     f"serves {self.env_name!r}"}, 404)
 
     async def splits(self, request: Any) -> Any:
         if wrong := self._not_ours(request):
             return wrong
-        return _json([{"name": s, "type": s if s in SPLIT_TYPES else "validation"}
-                      for s in self.runtime.bundle.splits])
+        return json_reply([{"name": s, "type": s if s in SPLIT_TYPES else "validation"}
+                           for s in self.runtime.bundle.splits])
 
     async def task_api(self, request: Any) -> Any:
         if wrong := self._not_ours(request):
             return wrong
-        data, problem = await _body(request)
+        data, problem = await json_body(request)
         if problem:
             return problem
         route = request.path.rsplit("/", 1)[1]
         bundle, split = self.runtime.bundle, data.get("split")
         if not isinstance(split, str) or split not in bundle.splits:
-            return _json({"detail": f"Invalid task index: there is no split {split!r}; the "
-                                    f"splits are {', '.join(bundle.splits)}"}, 400)
+            return json_reply({"detail": f"Invalid task index: there is no split {split!r}; the "
+                                         f"splits are {', '.join(bundle.splits)}"}, 400)
         tasks = bundle.splits[split]
         if route == "num_tasks":
-            return _json({"num_tasks": len(tasks)})
+            return json_reply({"num_tasks": len(tasks)})
         if route == "tasks":
-            return _json({"tasks": [task_row(t, i) for i, t in enumerate(tasks)],
-                          "env_name": self.env_name})
+            return json_reply({"tasks": [task_row(t, i) for i, t in enumerate(tasks)],
+                               "env_name": self.env_name})
         if route == "task":
             try:
-                return _json({"task": task_row(bundle.task(split, data.get("index")),
-                                               data.get("index"))})
+                return json_reply({"task": task_row(bundle.task(split, data.get("index")),
+                                                    data.get("index"))})
             except LookupError as exc:
-                return _json({"detail": f"Invalid task index: {exc}"}, 400)
+                return json_reply({"detail": f"Invalid task index: {exc}"}, 400)
         start, stop = data.get("start"), data.get("stop")
         start = 0 if start is None else start
         if not isinstance(start, int) or isinstance(start, bool) or start < 0 or \
                 (stop is not None and (not isinstance(stop, int) or isinstance(stop, bool))):
-            return _json({"detail": "start is a whole number from 0, and stop a whole number or "
-                                    "null"}, 400)
-        return _json({"tasks": [task_row(t, start + i) for i, t in enumerate(tasks[start:stop])]})
+            return json_reply({"detail": "start is a whole number from 0, and stop a whole number or "
+                                         "null"}, 400)
+        return json_reply({"tasks": [task_row(t, start + i) for i, t in enumerate(tasks[start:stop])]})
 
     # -- JSON-RPC on POST /mcp and WebSocket /mcp
 
     async def mcp_http(self, request: Any) -> Any:
         try:
-            message = loads(await _read(request))
+            message = loads(await read_body(request))
         except ValueError as exc:
-            return _json(rpc_error(None, -32700, f"Parse error: {exc}"))
-        return _json(await self.rpc(message, None))
+            return json_reply(rpc_error(None, -32700, f"Parse error: {exc}"))
+        return json_reply(await self.rpc(message, None))
 
     async def rpc(self, message: Any, owned: OpenEnvSession | None, held: bool = False,
                   ) -> dict[str, Any]:
@@ -2705,7 +2959,7 @@ class OpenEnvSurface:
             return await session.mcp(method, params, rid)
 
     async def mcp_ws(self, request: Any) -> Any:
-        socket_ = await _accept(request)
+        socket_ = await accept_socket(request)
         try:
             session = self.open_session()
         except Capacity as exc:
@@ -2735,7 +2989,7 @@ class OpenEnvSurface:
     # -- the WebSocket session /ws
 
     async def ws(self, request: Any) -> Any:
-        socket_ = await _accept(request)
+        socket_ = await accept_socket(request)
         attach = request.query.get("session_id")
         owns = attach is None
         if attach is not None:
@@ -2810,64 +3064,20 @@ class OpenEnvSurface:
         return {"type": "error", "data": {"message": f"Unknown message type: {kind}",
                                           "code": "UNKNOWN_TYPE"}}
 
+    ROUTES = [("GET", "/health", health), ("GET", "/metadata", metadata), ("GET", "/schema", schema),
+              ("GET", "/openapi.json", openapi), ("GET", "/ws", ws), ("GET", "/mcp", mcp_ws),
+              ("POST", "/mcp", mcp_http), ("POST", "/reset", http_reset), ("POST", "/step", http_step),
+              ("GET", "/state", http_state), ("GET", "/list_environments", list_environments),
+              ("GET", "/{env}/splits", splits), ("POST", "/{env}/tasks", task_api),
+              ("POST", "/{env}/num_tasks", task_api), ("POST", "/{env}/task", task_api),
+              ("POST", "/{env}/task_range", task_api)]
+
 
 def task_row(task: Task, index: int) -> dict[str, Any]:
     """A task as OpenEnv's task API describes it."""
     prompt, system_prompt = task.first_prompt
     return {"id": task.id, "name": task.name, "index": index, "prompt": prompt,
             "system_prompt": system_prompt, "agent": task.agent, "toolset": task.toolset.name}
-
-
-def _json(body: Any, status: int = 200) -> Any:
-    from aiohttp import web
-    return web.json_response(body, status=status)
-
-
-def loads(raw: bytes | str) -> Any:
-    """JSON a client sent; a ValueError saying why for anything else, nesting too deep to read
-    included (json raises RecursionError for that, which must not become a 500)."""
-    try:
-        return json.loads(raw)
-    except RecursionError:
-        raise ValueError("it nests arrays or objects deeper than this server reads") from None
-
-
-async def _read(request: Any) -> bytes:
-    """A request's body; past MAX_BODY, a 413 that says what to do."""
-    from aiohttp import web
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise web.HTTPRequestEntityTooLarge(
-            max_size=MAX_BODY, actual_size=request.content_length or MAX_BODY + 1,
-            text=json.dumps({"detail": f"the body is larger than this server reads "
-                                       f"({MAX_BODY // 2**20} MiB); send less, such as a tool's "
-                                       "arguments without the data it can read itself"}),
-            content_type="application/json") from None
-
-
-async def _body(request: Any, allow_empty: bool = False) -> tuple[dict[str, Any], Any]:
-    """A request's JSON object body, or the 422 that says what is wrong with it."""
-    raw = await _read(request)
-    if not raw.strip() and allow_empty:
-        return {}, None
-    try:
-        data = loads(raw)
-    except ValueError as exc:
-        return {}, _json({"detail": [{"type": "json_invalid", "loc": ["body"],
-                                      "msg": f"the body is not JSON: {exc}"}]}, 422)
-    if not isinstance(data, dict):
-        return {}, _json({"detail": [{"type": "model_attributes_type", "loc": ["body"],
-                                      "msg": "the body must be a JSON object"}]}, 422)
-    return data, None
-
-
-async def _accept(request: Any) -> Any:
-    from aiohttp import web
-    # Pings every 20 s find a socket whose far end has gone without closing it.
-    socket_ = web.WebSocketResponse(heartbeat=20, max_msg_size=MAX_BODY)
-    await socket_.prepare(request)
-    return socket_
 
 
 _OPEN_OBJECT = {"type": "object", "additionalProperties": True}
@@ -2923,23 +3133,111 @@ def openapi_document() -> dict[str, Any]:
             "paths": paths}
 
 
-# ================================================================ 9. Gym surface
+# ================================================================ 10. Gym surface
 
 gym_log = logging.getLogger("agentenv.gym")
 GYM_COOKIE = "agentenv_session"
-# Routes of the app that a tool must not shadow: Gym's own, and the OpenEnv surface's.
-GYM_ROUTES = {"seed_session", "verify", "close_session", "aggregate_metrics", "reverify_mode",
-              "docs", "redoc", "openapi.json", "health", "healthz", "livez", "readyz", "ng-rollout",
-              "metadata", "schema", "reset", "step", "state", "mcp", "ws", "list_environments"}
 
 
-@dataclasses.dataclass
-class GymSettings:
-    """The resources server's deadlines (the page's defaults), from its Gym config."""
+class OpenEnvClient:
+    """One OpenEnv session on a running ``serve``, over its /ws, as a client plays it: the Gym
+    resources server in ``url:`` mode, and ``write-gym`` listing a running server's tools. The
+    replies come back as this file's values: a prompt, a ToolResult, an Outcome, or EpisodeFailed
+    carrying the server's Failure. At the server's capacity ``reset`` waits, and says so once."""
 
-    tool_timeout: float = 60.0      # one tool call
-    reset_timeout: float = 600.0    # deploy + first turn, each end_turn, the wait for a free episode
-    idle_timeout: float = 600.0     # a session with no request is ended, freeing its slot
+    def __init__(self, http: aiohttp.ClientSession, url: str, deadline: float,
+                 warned: set[str] | None = None):
+        self.http, self.url, self.deadline = http, url, deadline
+        self.warned = warned if warned is not None else set()   # servers said to be at their limit
+        self.socket: aiohttp.ClientWebSocketResponse | None = None
+
+    async def reset(self, split: str, index: int) -> str:
+        """Start the task at ``split[index]``; its first prompt, once its first turn is open."""
+        delay = 0.1
+        while True:
+            try:
+                self.socket = await self.http.ws_connect(self.url.rstrip("/") + "/ws", heartbeat=20,
+                                                         max_msg_size=MAX_BODY)
+            except (aiohttp.ClientError, OSError) as exc:
+                raise EpisodeFailed(f"the server at {self.url} did not answer ({exc}); start it with "
+                                    "python agentenv.py serve BUNDLE", SESSION_LOST) from None
+            reply = await self._ask({"type": "reset", "data": {"split": split, "index": index}})
+            data = reply.get("data") or {}
+            if reply.get("type") != "error" or data.get("code") != "CAPACITY_REACHED":
+                break
+            await self.socket.close()
+            if self.url not in self.warned:
+                self.warned.add(self.url)
+                gym_log.warning(at_its_limit(f"the server at {self.url}", data.get("max_sessions"),
+                                             "sessions", "rollouts wait their turn", SERVE_FIX))
+            await asyncio.sleep(delay)        # no event tells a client that a slot has freed
+            delay = min(delay * 2, 2.0)
+        if reply.get("type") == "error":
+            raise EpisodeFailed(f"the server at {self.url} refused the session: {data.get('message')}")
+        self._raise_failure(data)
+        return str(((data.get("observation") or {}).get("metadata") or {}).get("prompt", ""))
+
+    async def list_tools(self) -> list[dict[str, Any]]:
+        """The open turn's tools (without end_turn), as the model is shown them."""
+        data = (await self._ask({"type": "step", "data": {"type": "list_tools"}})).get("data") or {}
+        self._raise_failure(data)
+        tools = (data.get("observation") or {}).get("tools") or []
+        return [t for t in tools if isinstance(t, dict) and t.get("name") != "end_turn"]
+
+    async def call(self, name: str, arguments: dict[str, Any]) -> ToolResult:
+        data = (await self._ask({"type": "step", "data": {
+            "type": "call_tool", "tool_name": name, "arguments": arguments}})).get("data") or {}
+        observation = data.get("observation") or {}
+        error = observation.get("error") or {}
+        if error.get("error_type") == "timeout":
+            return ToolResult(str(error.get("message", missed(name, self.deadline))), TIMEOUT)
+        if error:
+            return ToolResult(str(error.get("message")), UNKNOWN_TOOL
+                              if error.get("error_type") == "tool_not_found" else TOOL_ERROR)
+        self._raise_failure(data)
+        if data.get("done"):
+            raise EpisodeFailed("the episode ended on the server")
+        result = observation.get("result") or {}
+        return ToolResult(str(result.get("data", "")), TOOL_ERROR if result.get("is_error") else OK)
+
+    async def end_turn(self, reply: str) -> str | Outcome:
+        """End the turn: the next turn's prompt, or the scored outcome."""
+        data = (await self._ask({"type": "step", "data": {
+            "type": "call_tool", "tool_name": "end_turn", "arguments": {"response": reply}}})
+                ).get("data") or {}
+        self._raise_failure(data)
+        observation = data.get("observation") or {}
+        if data.get("done"):
+            return Outcome("scored", (observation.get("metadata") or {}).get("scores") or {},
+                           data.get("reward"))
+        return str((observation.get("result") or {}).get("prompt", ""))
+
+    async def close(self) -> None:
+        if self.socket is not None and not self.socket.closed:
+            with contextlib.suppress(Exception):
+                await self.socket.send_json({"type": "close"})
+            await self.socket.close()
+
+    async def _ask(self, message: dict[str, Any]) -> dict[str, Any]:
+        assert self.socket is not None
+        try:
+            await self.socket.send_json(message)
+            frame = await self.socket.receive(timeout=self.deadline + 30)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+            raise EpisodeFailed(f"the server at {self.url} went away ({type(exc).__name__}: {exc}); "
+                                "check that it still runs", SESSION_LOST) from None
+        if frame.type != aiohttp.WSMsgType.TEXT:
+            raise EpisodeFailed(f"the server at {self.url} closed the session; check that it still "
+                                "runs", SESSION_LOST)
+        reply = json.loads(frame.data)
+        return reply if isinstance(reply, dict) else {}
+
+    @staticmethod
+    def _raise_failure(data: dict[str, Any]) -> None:
+        """An error observation, read back into the server's Failure (its kind on the wire)."""
+        meta = (data.get("observation") or {}).get("metadata") or {}
+        if meta.get("status") == "error":
+            raise EpisodeFailed(str(meta.get("error")), meta.get("failure_kind") or ENV_FAILED)
 
 
 class Rollout(abc.ABC):
@@ -2951,7 +3249,7 @@ class Rollout(abc.ABC):
 
     @abc.abstractmethod
     async def call(self, name: str, arguments: dict[str, Any], timeout: float) -> ToolResult:
-        """Call a tool of the open turn (ToolTimeout past ``timeout``)."""
+        """Call a tool of the open turn; a TIMEOUT result past ``timeout``."""
 
     @abc.abstractmethod
     async def end_turn(self, reply: str) -> str | None:
@@ -2981,7 +3279,7 @@ class LocalRollout(Rollout):
     async def call(self, name: str, arguments: dict[str, Any], timeout: float) -> ToolResult:
         turn = await self.episode.next_turn()
         if turn is None:
-            return ToolResult("error: the episode has ended; there is no turn to call tools in", True)
+            return ToolResult("the episode has ended; there is no turn to call tools in", NO_TURN)
         return await turn.call(name, arguments, timeout)
 
     async def end_turn(self, reply: str) -> str | None:
@@ -2999,100 +3297,31 @@ class LocalRollout(Rollout):
 
 
 class RemoteRollout(Rollout):
-    """A rollout played on a running ``serve`` over OpenEnv's /ws: the resources server is then a
-    client. At that server's capacity it waits and retries, and says so once."""
+    """A rollout played on a running ``serve`` over OpenEnv's /ws (``url:``): the resources server
+    is then one of its clients."""
 
-    def __init__(self, http: aiohttp.ClientSession, url: str, split: str, index: int,
-                 deadline: float, warned: set[str]):
-        self.http, self.url, self.split, self.index, self.deadline = http, url, split, index, deadline
-        self.warned = warned            # the servers already said to be at their limit
-        self.socket: aiohttp.ClientWebSocketResponse | None = None
-        self.tools: list[str] = []
+    def __init__(self, client: OpenEnvClient, split: str, index: int):
+        self.client, self.split, self.index = client, split, index
         self.result: Outcome | None = None
 
-    async def _ask(self, message: dict[str, Any]) -> dict[str, Any]:
-        assert self.socket is not None
-        try:
-            await self.socket.send_json(message)
-            frame = await self.socket.receive(timeout=self.deadline + 30)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
-            raise EpisodeFailed(f"the server at {self.url} went away ({type(exc).__name__}: {exc}); "
-                                "check that it still runs", "session_lost") from None
-        if frame.type != aiohttp.WSMsgType.TEXT:
-            raise EpisodeFailed(f"the server at {self.url} closed the session; check that it still "
-                                "runs", "session_lost")
-        return json.loads(frame.data)
-
     async def open(self) -> tuple[str, list[str]]:
-        delay = 0.1
-        while True:
-            try:
-                self.socket = await self.http.ws_connect(self.url.rstrip("/") + "/ws", heartbeat=20,
-                                                         max_msg_size=MAX_BODY)
-            except (aiohttp.ClientError, OSError) as exc:
-                raise EpisodeFailed(f"the server at {self.url} did not answer ({exc}); start it with "
-                                    "python agentenv.py serve BUNDLE", "session_lost") from None
-            reply = await self._ask({"type": "reset", "data": {"split": self.split,
-                                                                "index": self.index}})
-            data = reply.get("data") or {}
-            if reply.get("type") != "error" or data.get("code") != "CAPACITY_REACHED":
-                break
-            await self.socket.close()
-            if self.url not in self.warned:
-                self.warned.add(self.url)
-                gym_log.warning("the server at %s is at its limit of %s sessions at once, so rollouts "
-                                "wait their turn: serve the bundle with a higher MAX_CONCURRENT_ENVS "
-                                "(or --max-concurrent-envs) to run more at once",
-                                self.url, data.get("max_sessions"))
-            await asyncio.sleep(delay)        # no event tells a client that a slot has freed
-            delay = min(delay * 2, 2.0)
-        if reply.get("type") == "error":
-            raise EpisodeFailed(f"the server at {self.url} refused the session: "
-                                f"{data.get('message')}")
-        meta = data.get("metadata") or {}
-        if meta.get("status") == "error":
-            raise EpisodeFailed(str(meta.get("error")), meta.get("failure_kind") or "agentenv:env_failed")
-        listed = await self._ask({"type": "step", "data": {"type": "list_tools"}})
-        tools = ((listed.get("data") or {}).get("observation") or {}).get("tools") or []
-        self.tools = [t["name"] for t in tools if t.get("name") != "end_turn"]
-        return str(meta.get("prompt", "")), self.tools
+        prompt = await self.client.reset(self.split, self.index)
+        return prompt, [t["name"] for t in await self.client.list_tools()]
 
     async def call(self, name: str, arguments: dict[str, Any], timeout: float) -> ToolResult:
         try:
             async with asyncio.timeout(timeout):
-                reply = await self._ask({"type": "step", "data": {
-                    "type": "call_tool", "tool_name": name, "arguments": arguments}})
+                return await self.client.call(name, arguments)
         except asyncio.TimeoutError:
-            await self.close("the tool call missed its deadline")   # the server ends the episode
-            raise ToolTimeout(f"{name} didn't answer within {timeout:g}s") from None
-        data = reply.get("data") or {}
-        observation = data.get("observation") or {}
-        error = observation.get("error") or {}
-        if error.get("error_type") == "timeout":
-            raise ToolTimeout(error.get("message", f"{name} timed out"))
-        if error:
-            message = str(error.get("message"))
-            return ToolResult(message if message.startswith("error") else f"error: {message}", True)
-        meta = observation.get("metadata") or {}
-        if data.get("done") or meta.get("status") == "error":
-            raise EpisodeFailed(str(meta.get("error", "the episode ended on the server")),
-                                meta.get("failure_kind") or "agentenv:env_failed")
-        result = observation.get("result") or {}
-        return ToolResult(str(result.get("data", "")), bool(result.get("is_error")))
+            await self.client.close()       # the server ends the episode with its socket
+            return ToolResult(missed(name, timeout), TIMEOUT)
 
     async def end_turn(self, reply: str) -> str | None:
-        answer = await self._ask({"type": "step", "data": {"type": "call_tool",
-                                                           "tool_name": "end_turn",
-                                                           "arguments": {"response": reply}}})
-        data = answer.get("data") or {}
-        observation = data.get("observation") or {}
-        meta = observation.get("metadata") or {}
-        if meta.get("status") == "error":
-            raise EpisodeFailed(str(meta.get("error")), meta.get("failure_kind") or "agentenv:env_failed")
-        if data.get("done"):
-            self.result = Outcome("scored", meta.get("scores") or {}, data.get("reward"))
+        answer = await self.client.end_turn(reply)
+        if isinstance(answer, Outcome):
+            self.result = answer
             return None
-        return str((observation.get("result") or {}).get("prompt", ""))
+        return answer
 
     async def outcome(self) -> Outcome:
         if self.result is None:
@@ -3100,20 +3329,81 @@ class RemoteRollout(Rollout):
         return self.result
 
     async def close(self, reason: str) -> None:
-        if self.socket is not None and not self.socket.closed:
-            with contextlib.suppress(Exception):
-                await self.socket.send_json({"type": "close"})
-            await self.socket.close()
+        await self.client.close()
+
+
+class Rollouts(abc.ABC):
+    """Where the Gym surface plays its rollouts: this server's runtime, or a running serve."""
+
+    async def start(self) -> None:
+        """Get ready to play (a url: source finds the server)."""
+
+    async def stop(self) -> None:
+        """Let go of what playing holds."""
+
+    @abc.abstractmethod
+    async def task_id(self, split: str, index: int) -> str:
+        """The id of the task at ``split[index]``; LookupError, saying what exists, otherwise."""
+
+    @abc.abstractmethod
+    def rollout(self, split: str, index: int) -> Rollout:
+        """Start playing the task at ``split[index]``."""
+
+
+class LocalRollouts(Rollouts):
+    """Rollouts played on this server's own runtime and pool."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+
+    async def task_id(self, split: str, index: int) -> str:
+        return self.runtime.bundle.task(split, index).id
+
+    def rollout(self, split: str, index: int) -> Rollout:
+        return LocalRollout(self.runtime, self.runtime.bundle.task(split, index))
+
+
+class RemoteRollouts(Rollouts):
+    """Rollouts played on a running ``serve`` at ``url``, each over a socket of its own."""
+
+    def __init__(self, url: str, settings: Settings):
+        self.url, self.settings = url, settings
+        self.warned: set[str] = set()      # the servers already said to be at their limit
+        self.http: aiohttp.ClientSession | None = None
+        self.env_name = ""
+
+    async def start(self) -> None:
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                          headers=client_headers())
+        self.env_name = await environment_at(self.http, self.url)
+
+    async def stop(self) -> None:
+        if self.http:
+            await self.http.close()
+
+    async def task_id(self, split: str, index: int) -> str:
+        assert self.http is not None
+        async with self.http.post(f"{self.url.rstrip('/')}/{self.env_name}/task",
+                                  json={"split": split, "index": index}) as resp:
+            body = await resp.json()
+            if resp.status != 200:
+                raise LookupError(str(body.get("detail")))
+            return body["task"]["id"]
+
+    def rollout(self, split: str, index: int) -> Rollout:
+        assert self.http is not None
+        client = OpenEnvClient(self.http, self.url, self.settings.reset_timeout, self.warned)
+        return RemoteRollout(client, split, index)
 
 
 class GymSession:
     """One Gym rollout, by cookie: the row's task as an episode, the model's tool calls, and the
     verify that scores it. The deploy starts at seed and the first tool call waits for it; a
-    rollout the environment failed is answered masked, with its kind and reason."""
+    rollout the environment failed is answered masked, with its Failure."""
 
-    def __init__(self, token: str, row: dict[str, Any], rollout: Rollout, settings: GymSettings):
+    def __init__(self, token: str, row: dict[str, Any], rollout: Rollout, settings: Settings):
         self.token, self.row, self.rollout, self.settings = token, row, rollout, settings
-        self.failure: tuple[str, str] | None = None          # (failure kind, reason)
+        self.failure: Failure | None = None
         self.tools: list[str] = []
         self.finished = False          # the episode is over (scored)
         self.resources_id: str | None = None     # the id an environment server gave the session
@@ -3121,39 +3411,40 @@ class GymSession:
         self.lease = Lease()
         self.opened = asyncio.create_task(self._open())
 
-    def fail(self, kind: str, reason: str) -> None:
+    def fail(self, failure: Failure) -> None:
         if self.failure is None:
-            self.failure = (kind, reason)
+            self.failure = failure
 
     async def _open(self) -> None:
         try:
             async with asyncio.timeout(self.settings.reset_timeout):
                 _, self.tools = await self.rollout.open()
         except asyncio.TimeoutError:
-            self.fail("transport_timeout", f"the episode was not deployed and at its first turn "
-                      f"within reset_timeout ({self.settings.reset_timeout:g}s): a deploy that slow, "
-                      "or a wait for a free episode that long; raise reset_timeout or "
-                      "max_concurrent_envs in the resources server's config")
+            self.fail(Failure(TRANSPORT_TIMEOUT, (
+                f"the episode was not deployed and at its first turn within reset_timeout "
+                f"({self.settings.reset_timeout:g}s): a deploy that slow, or a wait for a free "
+                "episode that long; raise reset_timeout or max_concurrent_envs in the resources "
+                "server's config")))
             return
         except EpisodeFailed as exc:
-            self.fail(exc.kind, f"the environment failed: {exc}")
+            self.fail(exc.failure.told("the environment failed: "))
             return
         except Exception as exc:                        # noqa: BLE001 - e.g. a garbled url: reply
             gym_log.exception("Opening a rollout failed unexpectedly.")
-            self.fail("agentenv:internal_error", f"agentenv.py failed: {type(exc).__name__}: {exc}")
+            self.fail(Failure(INTERNAL_ERROR, f"agentenv.py failed: {type(exc).__name__}: {exc}"))
             return
         offered = row_tools(self.row)
         if offered is not None and set(offered) != {*self.tools, "end_turn"}:
-            self.fail("agentenv:tools_mismatch",
-                      f"the row offers the tools {sorted(offered)}, but its task offers "
-                      f"{sorted({*self.tools, 'end_turn'})}; write the rows again with write-gym")
+            self.fail(Failure(TOOLS_MISMATCH, (
+                f"the row offers the tools {sorted(offered)}, but its task offers "
+                f"{sorted({*self.tools, 'end_turn'})}; write the rows again with write-gym")))
 
     async def call(self, name: str, arguments: dict[str, Any]) -> str:
         """A tool call, answered with the text the model reads."""
         await asyncio.shield(self.opened)
         if self.failure:
             return (f"error: the environment of this rollout failed, so {name} did not run "
-                    f"({self.failure[1]}); the rollout will be masked")
+                    f"({self.failure}); the rollout will be masked")
         if self.finished:
             return "error: the episode has ended; there are no more turns to play"
         try:
@@ -3167,21 +3458,16 @@ class GymSession:
                     return "Your turn is over, and so is the episode: it is being scored."
                 return prompt
             result = await self.rollout.call(name, arguments, self.settings.tool_timeout)
-        except ToolTimeout:
-            self.fail("transport_timeout", f"{name} didn't answer within "
-                      f"{self.settings.tool_timeout:g}s, and the episode ended, since what the call "
-                      "does may still be under way")
-            return f"error: {self.failure[1]}"
         except asyncio.TimeoutError:
-            self.fail("transport_timeout", f"end_turn did not hand over the next turn within "
-                      f"reset_timeout ({self.settings.reset_timeout:g}s)")
-            return f"error: {self.failure[1]}"
+            self.fail(Failure(TRANSPORT_TIMEOUT, f"end_turn did not hand over the next turn within "
+                                                 f"reset_timeout ({self.settings.reset_timeout:g}s)"))
+            return f"error: {self.failure}"
         except EpisodeFailed as exc:
-            self.fail(exc.kind, f"the environment failed: {exc}")
-            return f"error: {self.failure[1]}; the rollout will be masked"
-        if result.is_error and not result.text.startswith("error"):
-            return "error: " + result.text
-        return result.text
+            self.fail(exc.failure.told("the environment failed: "))
+            return f"error: {self.failure}; the rollout will be masked"
+        if result.failure:
+            self.fail(result.failure)
+        return gym_text(result)
 
     async def verify(self, last_reply: str) -> Outcome | None:
         """End the turns the model left open (its last reply ends the first), and score."""
@@ -3197,20 +3483,20 @@ class GymSession:
                 reply = ""
             outcome = await self.rollout.outcome()
         except asyncio.TimeoutError:
-            self.fail("transport_timeout", f"ending the turns and scoring took longer than "
-                      f"reset_timeout ({self.settings.reset_timeout:g}s)")
+            self.fail(Failure(TRANSPORT_TIMEOUT, f"ending the turns and scoring took longer than "
+                                                 f"reset_timeout ({self.settings.reset_timeout:g}s)"))
             return None
         except EpisodeFailed as exc:
-            self.fail(exc.kind, f"the environment failed: {exc}")
+            self.fail(exc.failure.told("the environment failed: "))
             return None
-        if outcome.status != "scored":
-            self.fail(outcome.kind or "agentenv:env_failed", outcome.failure or "not scored")
+        if outcome.failure is not None:
+            self.fail(outcome.failure)
             return None
         reward = outcome.reward
         if not isinstance(reward, (int, float)) or isinstance(reward, bool) or \
                 not math.isfinite(reward) or not 0.0 <= reward <= 1.0:
-            self.fail("verifier_error", f"the verifier's reward {reward!r} is not a finite number "
-                                        "from 0 to 1")
+            self.fail(Failure(VERIFIER_ERROR, f"the verifier's reward {reward!r} is not a finite "
+                                              "number from 0 to 1"))
             return None
         return outcome
 
@@ -3219,6 +3505,13 @@ class GymSession:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self.opened
         await self.rollout.close(reason)
+
+
+def gym_text(result: ToolResult) -> str:
+    """A tool's result as the model reads it on Gym: its text, and an error said to be one."""
+    if result.status == OK or result.text.startswith("error"):   # an env's text may say so itself
+        return result.text
+    return f"error: {result.text}"
 
 
 VERDICTS_KEPT = 2048
@@ -3236,20 +3529,20 @@ class Verdict:
 
     digest: str                             # of the model's last reply, to tell a retry apart
     fields: dict[str, Any]                  # reward, mask_sample, failure_kind, ... (scored)
-    failure: tuple[str, str] | None = None  # (kind, reason) of a masked rollout
+    failure: Failure | None = None          # of a masked rollout
 
     @classmethod
-    def of(cls, reply: str, outcome: Outcome | None, failure: tuple[str, str] | None) -> Verdict:
+    def of(cls, reply: str, outcome: Outcome | None, failure: Failure | None) -> Verdict:
         if outcome is None:
             assert failure is not None
-            gym_log.warning("rollout masked: %s", failure[1])
+            gym_log.warning("rollout masked: %s", failure)
             return cls(digest(reply), {}, failure)
         return cls(digest(reply), {"reward": float(outcome.reward), "mask_sample": False,
                                    "failure_kind": None, "failure_reason": None,
                                    "scores": outcome.scores})
 
     def reply(self, body: dict[str, Any]) -> dict[str, Any]:
-        return masked(body, *self.failure, quiet=True) if self.failure else {**body, **self.fields}
+        return masked(body, self.failure, quiet=True) if self.failure else {**body, **self.fields}
 
 
 def row_tools(row: dict[str, Any]) -> list[str] | None:
@@ -3273,13 +3566,13 @@ def last_reply(response: Any) -> str:
 
 
 class GymSurface:
-    """NeMo Gym's resources-server routes on the app: /seed_session, a route per tool, /verify,
-    /close_session and /aggregate_metrics, by a session cookie, each answering within its bound."""
+    """NeMo Gym's resources-server routes: /seed_session, a route per tool, /verify,
+    /close_session and /aggregate_metrics, by a session cookie, each answering within its bound.
+    Its rollouts are played where ``rollouts`` plays them; its sessions count in ``sessions``."""
 
-    def __init__(self, app: Any, settings: GymSettings, runtime: Runtime | None = None,
-                 url: str | None = None):
-        self.settings, self.runtime, self.url = settings, runtime, url
-        self.sessions: dict[str, GymSession] = {}
+    def __init__(self, rollouts: Rollouts, sessions: Sessions, settings: Settings):
+        self.rollouts, self.settings = rollouts, settings
+        self.sessions = sessions.gym
         self.by_resources_id: dict[str, str] = {}
         # Ids of sessions that ended (or were closed before any seed): a seed naming one is refused,
         # so a seed that lost a race with its close never brings the session back.
@@ -3287,23 +3580,10 @@ class GymSurface:
         # The verdicts of the last rollouts verified, by cookie, so a retried /verify (its reply
         # lost on the way) gets the same answer; bounded, as Gym retries within seconds.
         self.verdicts: collections.OrderedDict[str, Verdict] = collections.OrderedDict()
-        self.warned: set[str] = set()      # url: servers already said to be at their limit
-        self.http: aiohttp.ClientSession | None = None
-        self.env_name: str | None = None
         self._sweeper: asyncio.Task | None = None
-        for prefix in ("", "/ng-rollout/{rollout_id}"):   # Gym may prefix a rollout's routes
-            app.router.add_get(prefix + "/", self.alive)
-            app.router.add_post(prefix + "/seed_session", self.seed)
-            app.router.add_post(prefix + "/verify", self.verify)
-            app.router.add_post(prefix + "/close_session", self.close)
-            app.router.add_post(prefix + "/aggregate_metrics", self.aggregate)
-            app.router.add_post(prefix + "/{tool}", self.tool)
 
     async def start(self) -> None:
-        if self.url:
-            self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
-                                              headers=client_headers())
-            self.env_name = await environment_at(self.http, self.url)
+        await self.rollouts.start()
         # Gym never verifies a rollout whose run failed or was cancelled: the sweep frees it.
         self._sweeper = asyncio.create_task(
             sweep_idle("a NeMo Gym", "idle_timeout", self.sessions, self.settings.idle_timeout,
@@ -3314,8 +3594,7 @@ class GymSurface:
             self._sweeper.cancel()
         await asyncio.gather(*(self._end(s, "the server shut down") for s in list(self.sessions.values())),
                              return_exceptions=True)
-        if self.http:
-            await self.http.close()
+        await self.rollouts.stop()
 
     async def _end(self, session: GymSession, reason: str) -> None:
         self.sessions.pop(session.token, None)
@@ -3336,19 +3615,10 @@ class GymSurface:
         if not isinstance(split, str) or not isinstance(index, int) or isinstance(index, bool):
             raise ValueError("the row needs split (text) and index (a whole number) naming the task "
                              "to play; write the rows with python agentenv.py write-gym")
-        if self.runtime is not None:
-            try:
-                task_id_here = self.runtime.bundle.task(split, index).id
-            except LookupError as exc:
-                raise ValueError(str(exc)) from None
-        else:
-            assert self.http is not None
-            async with self.http.post(f"{self.url.rstrip('/')}/{self.env_name}/task",
-                                      json={"split": split, "index": index}) as resp:
-                body = await resp.json()
-                if resp.status != 200:
-                    raise ValueError(str(body.get("detail")))
-                task_id_here = body["task"]["id"]
+        try:
+            task_id_here = await self.rollouts.task_id(split, index)
+        except LookupError as exc:
+            raise ValueError(str(exc)) from None
         if task_id is not None and not same_task(str(task_id), task_id_here):
             raise ValueError(f"the row's task_id {task_id!r} is not the task at {split}[{index}], "
                              f"which is {task_id_here!r}; write the rows again with write-gym")
@@ -3361,22 +3631,22 @@ class GymSurface:
     # -- routes
 
     async def alive(self, request: Any) -> Any:
-        return _json({"status": "ok"})
+        return json_reply({"status": "ok"})
 
     async def seed(self, request: Any) -> Any:
-        body, problem = await _body(request)
+        body, problem = await json_body(request)
         if problem:
             return problem
         # Gym's environment servers name the session themselves, and seed again when a reply is lost.
         resources_id = body.get("resources_session_id")
         if resources_id is not None and not (isinstance(resources_id, str) and resources_id):
-            return _json({"detail": "resources_session_id names the session: send it as non-empty "
-                                    "text, or leave it out and use the session cookie"}, 400)
+            return json_reply({"detail": "resources_session_id names the session: send it as non-empty "
+                                         "text, or leave it out and use the session cookie"}, 400)
         row = body.get("task_data") if isinstance(body.get("task_data"), dict) else body
         try:
             split, index, _ = await self._task_of(row)
         except ValueError as exc:
-            return _json({"detail": str(exc)}, 400)
+            return json_reply({"detail": str(exc)}, 400)
         # No await from here until the session is registered: a duplicate seed finds it.
         if resources_id is not None:
             seeded_with = digest(json.dumps(body, sort_keys=True))
@@ -3384,20 +3654,15 @@ class GymSurface:
             if earlier is not None and earlier.seeded_with == seeded_with:
                 return self._seeded(earlier)                 # a retried seed: the same session
             if earlier is not None:
-                return _json({"detail": f"resources_session_id {resources_id!r} was seeded already, "
-                                        "with another episode or task; give each session an id of "
-                                        "its own"}, 409)
+                return json_reply({"detail": f"resources_session_id {resources_id!r} was seeded already, "
+                                             "with another episode or task; give each session an id of "
+                                             "its own"}, 409)
             if resources_id in self.spent:
-                return _json({"detail": f"resources_session_id {resources_id!r} was closed; a closed "
-                                        "id stays closed, so seed the new session with a new id"}, 409)
-        if self.runtime is not None:
-            rollout: Rollout = LocalRollout(self.runtime, self.runtime.bundle.task(split, index))
-        else:
-            assert self.http is not None and self.url is not None
-            rollout = RemoteRollout(self.http, self.url, split, index, self.settings.reset_timeout,
-                                    self.warned)
+                return json_reply({"detail": f"resources_session_id {resources_id!r} was closed; a closed "
+                                             "id stays closed, so seed the new session with a new id"}, 409)
         token = secrets.token_urlsafe(24)
-        session = self.sessions[token] = GymSession(token, row, rollout, self.settings)
+        session = self.sessions[token] = GymSession(token, row, self.rollouts.rollout(split, index),
+                                                    self.settings)
         if resources_id is not None:
             session.resources_id, session.seeded_with = resources_id, seeded_with
             self.by_resources_id[resources_id] = token
@@ -3423,7 +3688,7 @@ class GymSurface:
             return web.Response(status=400, text=f"error: no session: POST /seed_session with the "
                                                  f"row first, then call {name} with its cookie")
         try:
-            arguments = loads(await _read(request) or b"{}")
+            arguments = loads(await read_body(request) or b"{}")
         except ValueError as exc:
             return web.Response(status=400, text=f"error: the arguments of {name} are not JSON ({exc})")
         if not isinstance(arguments, dict):
@@ -3436,16 +3701,16 @@ class GymSurface:
                             charset="utf-8")
 
     async def verify(self, request: Any) -> Any:
-        body, problem = await _body(request)
+        body, problem = await json_body(request)
         if problem:
             return problem
         if not isinstance(body.get("responses_create_params"), dict) or "response" not in body:
-            return _json({"detail": "verify takes the row with responses_create_params and the "
-                                    "model's response"}, 422)
+            return json_reply({"detail": "verify takes the row with responses_create_params and the "
+                                         "model's response"}, 422)
         token = request.cookies.get(GYM_COOKIE)
         if token is None:
-            return _json({"detail": "no session cookie: POST /seed_session with the row first, and "
-                                    "send its cookie with /verify"}, 400)
+            return json_reply({"detail": "no session cookie: POST /seed_session with the row first, and "
+                                         "send its cookie with /verify"}, 400)
         reply, session = last_reply(body.get("response")), self.sessions.get(token)
         if session is not None:
             async with session.lease.using():        # a second verify waits for the first's verdict
@@ -3457,15 +3722,16 @@ class GymSurface:
                     await self._end(session, "verified")
         verdict = self.verdicts.get(token)
         if verdict is None:
-            return _json(masked(body, "session_lost", "this server holds no session for the rollout "
-                                "(it was closed, ended after idle_timeout, or the server restarted)"))
+            return json_reply(masked(body, Failure(SESSION_LOST, (
+                "this server holds no session for the rollout (it was closed, ended after "
+                "idle_timeout, or the server restarted)"))))
         if verdict.digest != digest(reply):
-            return _json({"detail": "this rollout was verified already, with another response; a "
-                                    "session scores once: seed a new session for a new rollout"}, 409)
-        return _json(verdict.reply(body))
+            return json_reply({"detail": "this rollout was verified already, with another response; a "
+                                         "session scores once: seed a new session for a new rollout"}, 409)
+        return json_reply(verdict.reply(body))
 
     async def close(self, request: Any) -> Any:
-        body, problem = await _body(request, allow_empty=True)
+        body, problem = await json_body(request, allow_empty=True)
         if problem:
             return problem
         token = request.cookies.get(GYM_COOKIE)
@@ -3476,24 +3742,24 @@ class GymSurface:
             session = self.sessions.get(self.by_resources_id.get(resources_id, ""))
             if session is None:
                 self._spend(resources_id)
-                return _json({"resources_session_id": resources_id})
+                return json_reply({"resources_session_id": resources_id})
             try:
                 await self._end(session, "close_session")
             except Exception as exc:                    # noqa: BLE001
-                return _json({"resources_session_id": resources_id,
-                              "detail": f"the session's env could not be released ({exc})"}, 500)
-            return _json({"resources_session_id": resources_id})
+                return json_reply({"resources_session_id": resources_id,
+                                   "detail": f"the session's env could not be released ({exc})"}, 500)
+            return json_reply({"resources_session_id": resources_id})
         session = self.sessions.get(token) if token else None
         if session is None:
-            return _json({"status": "already_closed"})
+            return json_reply({"status": "already_closed"})
         try:
             await self._end(session, "close_session")
         except Exception as exc:                        # noqa: BLE001
-            return _json({"status": "release_failed", "detail": str(exc)})
-        return _json({"status": "closed"})
+            return json_reply({"status": "release_failed", "detail": str(exc)})
+        return json_reply({"status": "closed"})
 
     async def aggregate(self, request: Any) -> Any:
-        body, problem = await _body(request, allow_empty=True)
+        body, problem = await json_body(request, allow_empty=True)
         if problem:
             return problem
         given = body.get("verify_responses")
@@ -3502,8 +3768,13 @@ class GymSurface:
                   and isinstance(r.get("reward"), (int, float))]
         metrics = {"mean/reward": sum(scored) / len(scored) if scored else None,
                    "rollouts": len(results), "masked": len(results) - len(scored)}
-        return _json({"group_level_metrics": [], "agent_metrics": metrics, "key_metrics": metrics,
-                      "perf_summary": None, "repeat_level_metrics": []})
+        return json_reply({"group_level_metrics": [], "agent_metrics": metrics, "key_metrics": metrics,
+                           "perf_summary": None, "repeat_level_metrics": []})
+
+    ROUTES = [("GET", "/", alive), ("POST", "/seed_session", seed), ("POST", "/verify", verify),
+              ("POST", "/close_session", close), ("POST", "/aggregate_metrics", aggregate)]
+    # Gym calls a tool at the route of its name: a catch-all, matched after every fixed route.
+    TOOL_ROUTE = ("POST", "/{tool}", tool)
 
 
 async def environment_at(http: aiohttp.ClientSession, url: str) -> str:
@@ -3529,95 +3800,86 @@ def same_task(given: str, here: str) -> bool:
     return given == here or given.split("/")[-2:] == here.split("/")[-2:]
 
 
-def masked(body: dict[str, Any], kind: str, reason: str, quiet: bool = False) -> dict[str, Any]:
+def masked(body: dict[str, Any], failure: Failure, quiet: bool = False) -> dict[str, Any]:
     """A complete verify reply for a rollout the environment failed: NeMo RL leaves it out."""
     if not quiet:
-        gym_log.warning("rollout masked: %s", reason)
+        gym_log.warning("rollout masked: %s", failure)
     config = body.get("instance_config") if isinstance(body.get("instance_config"), dict) else {}
-    return {**body, "reward": 0.0, "mask_sample": True, "failure_kind": kind,
-            "failure_reason": reason, "instance_config": {**config, "mask_sample": True}}
+    return {**body, "reward": 0.0, "mask_sample": True, "failure_kind": failure.kind,
+            "failure_reason": failure.reason, "instance_config": {**config, "mask_sample": True}}
 
 
-def bearer_token(token: str) -> Any:
-    """Middleware that asks every request, WebSocket upgrades included, for the bearer token."""
-    from aiohttp import web
-    expected = f"Bearer {token}".encode()
+# ================================================================ 11. The app
 
-    @web.middleware
-    async def require_token(request: Any, handler: Callable) -> Any:
-        # compare_digest: the time taken says nothing about how much of a guess was right
-        if not secrets.compare_digest(request.headers.get("Authorization", "").encode(), expected):
-            return web.json_response(
-                {"detail": "this server asks for a bearer token: send the header Authorization: "
-                           "Bearer <token>, with the token serve was given (--token or "
-                           "AGENTENV_TOKEN)"},
-                status=401, headers={"WWW-Authenticate": 'Bearer realm="agentenv.py"'})
-        return await handler(request)
-    return require_token
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding ``host`` keeps the server reachable from this machine only."""
-    import ipaddress
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False                    # a name or "" (every interface): assume it reaches out
-
-
-def client_headers() -> dict[str, str]:
-    """The headers a client of a running ``serve`` sends: its bearer token, if AGENTENV_TOKEN
-    holds one."""
-    token = os.environ.get("AGENTENV_TOKEN")
-    return {"Authorization": f"Bearer {token}"} if token else {}
+# Names a tool can't take, since Gym would call a route of the app instead: the first segment of
+# every fixed route of both surfaces, and the routes NeMo Gym's own servers answer.
+GYM_OWN_ROUTES = {"docs", "redoc", "openapi.json", "health", "healthz", "livez", "readyz", "stats",
+                  "reverify_mode", "mcp", "ng-rollout"}
+RESERVED_NAMES = frozenset({path.split("/")[1] for _, path, _ in
+                            (*OpenEnvSurface.ROUTES, *GymSurface.ROUTES)
+                            if path != "/" and not path.startswith("/{")} | GYM_OWN_ROUTES)
 
 
 class Server:
-    """The aiohttp app that serves a bundle over one runtime and its pool: OpenEnv's routes and
-    NeMo Gym's side by side, so both kinds of trainer share one pool of episodes."""
+    """The one aiohttp application: OpenEnv's and NeMo Gym's routes side by side on one runtime
+    and its pool, so both kinds of trainer share one pool of episodes (or, for a Gym resources
+    server in url: mode, Gym's routes alone, playing on a running serve). The app's start-up
+    starts the runtime and the surfaces; its shutdown ends every session and tears down."""
 
-    def __init__(self, runtime: Runtime, host: str = "127.0.0.1", port: int = 8000,
-                 client_timeout: float = 60.0, margin: float = 5.0, idle_timeout: float = 600.0,
-                 gym: GymSettings | None = None, token: str | None = None):
+    def __init__(self, runtime: Runtime | None, settings: Settings = Settings(), *,
+                 url: str | None = None, host: str = "127.0.0.1", port: int = 8000,
+                 token: str | None = None):
         from aiohttp import web
-        self.runtime, self.host, self.port = runtime, host, port
+        self.runtime, self.settings, self.host, self.port = runtime, settings, host, port
         self.app = web.Application(client_max_size=MAX_BODY,
                                    middlewares=[bearer_token(token)] if token else [])
-        self.openenv = OpenEnvSurface(runtime, self.app, client_timeout, margin, idle_timeout)
-        self.gym = GymSurface(self.app, gym or GymSettings(idle_timeout=idle_timeout), runtime=runtime)
-        self.openenv.others = lambda: len(self.gym.sessions)
+        sessions = Sessions(runtime.pool.limit if runtime else settings.max_concurrent_envs)
+        self.openenv = OpenEnvSurface(runtime, sessions, settings) if runtime else None
+        rollouts: Rollouts = LocalRollouts(runtime) if runtime else RemoteRollouts(str(url), settings)
+        self.gym = GymSurface(rollouts, sessions, settings)
+        self.surfaces = [s for s in (self.openenv, self.gym) if s is not None]
+        router = self.app.router
+        for surface in self.surfaces:
+            for method, path, handler in surface.ROUTES:
+                _add_route(router, method, path, handler.__get__(surface))
+        # Gym may prefix a rollout's routes; aiohttp matches routes in the order they were added,
+        # so the tool catch-all comes after every fixed route of both surfaces.
+        for method, path, handler in self.gym.ROUTES:
+            _add_route(router, method, "/ng-rollout/{rollout_id}" + path, handler.__get__(self.gym))
+        for prefix in ("", "/ng-rollout/{rollout_id}"):
+            method, path, handler = self.gym.TOOL_ROUTE
+            _add_route(router, method, prefix + path, handler.__get__(self.gym))
         self.app.on_startup.append(self._start)
         self.app.on_shutdown.append(self._shutdown)
 
     async def _start(self, app: Any) -> None:
-        await self.runtime.start()
-        await self.openenv.start()
-        await self.gym.start()
-        bundle, url = self.runtime.bundle, f"http://{self.host}:{self.port}"
-        log.info("Serving %s: %d tasks in the splits %s, up to %d episodes at once, envs in the %s "
-                 "sandbox, at %s (OpenEnv: %s/ws; NeMo Gym: %s/seed_session).", bundle.name,
-                 len(bundle.tasks), ", ".join(bundle.splits), self.runtime.pool.limit,
-                 self.runtime.sandbox.kind, url, url, url)
+        if self.runtime is not None:
+            await self.runtime.start()
+        for surface in self.surfaces:
+            await surface.start()
+        if self.runtime is not None:
+            bundle, url = self.runtime.bundle, f"http://{self.host}:{self.port}"
+            log.info("Serving %s: %d tasks in the splits %s, up to %d episodes at once, envs in the "
+                     "%s sandbox, at %s (OpenEnv: %s/ws; NeMo Gym: %s/seed_session).", bundle.name,
+                     len(bundle.tasks), ", ".join(bundle.splits), self.runtime.pool.limit,
+                     self.runtime.sandbox.kind, url, url, url)
 
     async def _shutdown(self, app: Any) -> None:
-        log.info("Shutting down: ending %d live episode(s) and tearing their envs down.",
-                 len(self.runtime.live))
-        await self.gym.stop()
-        await self.openenv.stop()
-        await self.runtime.close()
+        if self.runtime is not None:
+            log.info("Shutting down: ending %d live episode(s) and tearing their envs down.",
+                     len(self.runtime.live))
+        for surface in reversed(self.surfaces):
+            await surface.stop()
+        if self.runtime is not None:
+            await self.runtime.close()
 
 
-class RemoteServer:
-    """A Gym resources server that plays its rollouts on a running ``serve`` (``url:``)."""
-
-    def __init__(self, url: str, settings: GymSettings):
-        from aiohttp import web
-        self.app = web.Application(client_max_size=MAX_BODY)
-        self.gym = GymSurface(self.app, settings, url=url)
-        self.app.on_startup.append(lambda app: self.gym.start())
-        self.app.on_shutdown.append(lambda app: self.gym.stop())
+def _add_route(router: Any, method: str, path: str, handler: Callable) -> None:
+    # add_get answers HEAD too, as a GET route should
+    if method == "GET":
+        router.add_get(path, handler)
+    else:
+        router.add_route(method, path, handler)
 
 
 def run_gym_server() -> None:
@@ -3640,20 +3902,20 @@ def run_gym_server() -> None:
         sys.exit(f"agentenv.py: num_workers is {config['num_workers']}, but a rollout's session lives "
                  "in its server's process, so the resources server runs with one worker; remove "
                  "num_workers from its config")
-    settings = GymSettings(float(config.get("tool_timeout", 60)), float(config.get("reset_timeout", 600)),
-                           float(config.get("idle_timeout", 600)))
     host = config.get("host") or full.get("default_host") or "127.0.0.1"
     port = int(config.get("port") or 8000)
+    where = f"the resources server's config (configs/{instance}.yaml)"
     try:
+        settings = Settings.from_config(config, where)
         if config.get("url"):
-            app = RemoteServer(str(config["url"]), settings).app
+            server = Server(None, settings, url=str(config["url"]), host=host, port=port)
         elif config.get("bundle"):
             bundle = Bundle.load(Path(str(config["bundle"])).expanduser(), config.get("reward"))
             runtime = Runtime(bundle, sandbox=str(config.get("sandbox", "auto")),
-                              max_concurrent_envs=int(config.get("max_concurrent_envs", 8)),
-                              knob=f"max_concurrent_envs in the resources server's config "
-                                   f"(configs/{instance}.yaml)")
-            app = Server(runtime, host, port, idle_timeout=settings.idle_timeout, gym=settings).app
+                              max_concurrent_envs=settings.max_concurrent_envs,
+                              deploy_timeout=settings.deploy_timeout,
+                              knob=f"max_concurrent_envs in {where}")
+            server = Server(runtime, settings, host=host, port=port)
         else:
             sys.exit("agentenv.py: the resources server's config names neither url: (a running "
                      "python agentenv.py serve) nor bundle: (a bundle folder); add one")
@@ -3661,12 +3923,12 @@ def run_gym_server() -> None:
         sys.exit(f"agentenv.py: {exc}")
     wait_for_children_by_pidfd()
     try:
-        web.run_app(app, host=host, port=port, print=None, access_log=None, shutdown_timeout=30)
+        web.run_app(server.app, host=host, port=port, print=None, access_log=None, shutdown_timeout=30)
     except AgentEnvError as exc:
         sys.exit(f"agentenv.py: {exc}")
 
 
-# ================================================================ 10. Writer
+# ================================================================ 12. Writer
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.~-]+")
 WRITTEN_BY = "written by agentenv.py write-gym"
@@ -3687,7 +3949,7 @@ def check_tool_names(toolsets: dict[str, list[dict[str, Any]]]) -> None:
                 problems.append(f"toolset {toolset}: the tool {name!r} is not one path segment, and "
                                 "Gym calls a tool at the route of its name; rename it in the env "
                                 "(letters, digits, _ . ~ -)")
-            elif name in GYM_ROUTES or name == "end_turn":
+            elif name in RESERVED_NAMES or name == "end_turn":
                 problems.append(f"toolset {toolset}: the tool {name!r} has the name of one of the "
                                 "resources server's own routes, which Gym would call instead; rename "
                                 "it in the env")
@@ -3726,19 +3988,14 @@ async def _catalog_there(url: str) -> tuple[str, dict[str, list[dict[str, Any]]]
             key = row.get("toolset", "(all)")
             if key in toolsets:
                 continue
-            async with http.ws_connect(base + "/ws") as socket_:
-                await socket_.send_json({"type": "reset", "data": {"split": "all",
-                                                                   "index": row["index"]}})
-                reset = json.loads((await socket_.receive()).data)
-                meta = ((reset.get("data") or {}).get("observation") or {}).get("metadata") or {}
-                if reset.get("type") == "error" or meta.get("status") == "error":
-                    raise AgentEnvError(f"the server at {url} could not play {row['name']}: "
-                                        f"{meta.get('error') or reset.get('data')}")
-                await socket_.send_json({"type": "step", "data": {"type": "list_tools"}})
-                listed = json.loads((await socket_.receive()).data)
-                toolsets[key] = [t for t in listed["data"]["observation"]["tools"]
-                                 if t["name"] != "end_turn"]
-                await socket_.send_json({"type": "close"})
+            client = OpenEnvClient(http, url, Settings.reset_timeout)
+            try:
+                await client.reset("all", row["index"])
+                toolsets[key] = await client.list_tools()
+            except EpisodeFailed as exc:
+                raise AgentEnvError(f"the server at {url} could not play {row['name']}: {exc}") from None
+            finally:
+                await client.close()
     return env, rows, toolsets
 
 
@@ -3747,7 +4004,8 @@ def _bundle_rows(bundle: Bundle) -> dict[str, list[dict[str, Any]]]:
             for split, tasks in bundle.splits.items()}
 
 
-async def write_gym(source: str, gym_root: str, max_concurrent_envs: int = 8, sandbox: str = "auto",
+async def write_gym(source: str, gym_root: str,
+                    max_concurrent_envs: int = Settings.max_concurrent_envs, sandbox: str = "auto",
                     reward: str | None = None, keep_prompts: bool = False,
                     out: Callable[[str], None] = print) -> Path:
     """Write ``GYM_ROOT/resources_servers/<name>/``: app.py, a copy of agentenv.py, the venv's
@@ -3755,27 +4013,46 @@ async def write_gym(source: str, gym_root: str, max_concurrent_envs: int = 8, sa
     remote = source.startswith(("http://", "https://"))
     if remote:
         bundle_name, rows, toolsets = await _catalog_there(source)
+        where: dict[str, Any] = {"url": source}
     else:
         bundle = Bundle.load(source, reward)
         bundle_name, rows = bundle.name, _bundle_rows(bundle)
         toolsets = await _toolsets_here(bundle, sandbox)
+        where = {"bundle": str(bundle.root), "sandbox": sandbox, **({"reward": reward} if reward else {})}
     check_tool_names(toolsets)
     name = gym_name(bundle_name)
-    root = Path(gym_root).expanduser().resolve()
-    target = root / "resources_servers" / name
+    target = Path(gym_root).expanduser().resolve() / "resources_servers" / name
     if (target / "app.py").exists() and WRITTEN_BY not in (target / "app.py").read_text():
         raise AgentEnvError(f"{target} holds a resources server that write-gym did not write; move "
                             "it away or write into another Gym root")
     kept = _prompts_in(target / "data") if keep_prompts else {}
-    settings: dict[str, Any] = {"tool_timeout": 60, "reset_timeout": 600, "idle_timeout": 600}
-    where: dict[str, Any] = {"url": source} if remote else {
-        "bundle": str(bundle.root), "max_concurrent_envs": max_concurrent_envs, "sandbox": sandbox}
-    if reward and not remote:
-        where["reward"] = reward
+    settings = Settings(max_concurrent_envs=max_concurrent_envs).gym_config(bundle=not remote)
+    files = _server_files(name, bundle_name, {**where, **settings})
+    for split, split_rows in rows.items():
+        if not plain_name(split):
+            raise AgentEnvError(f"the split {split!r} cannot name a file of rows (data/<split>.jsonl) "
+                                "inside the server's folder; a split is named after its eval file, "
+                                "so rename the eval")
+        lines = [json.dumps(_gym_row(name, split, row, toolsets, kept), ensure_ascii=False)
+                 for row in split_rows]
+        files[f"data/{split}.jsonl"] = "\n".join(lines) + "\n"
+    for rel, text in files.items():
+        path = target / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(text)
+        partial.replace(path)      # a file is replaced whole, never left half written
+    out(f"wrote {Path(gym_root) / 'resources_servers' / name}")
+    return target
+
+
+def _server_files(name: str, bundle_name: str, server: dict[str, Any]) -> dict[str, str]:
+    """The resources server's files but its rows: app.py, agentenv.py, pyproject.toml and its Gym
+    config (the server with ``server``'s keys, its simple_agent and its environment server)."""
     config = {
         name: {"resources_servers": {name: {
             "entrypoint": "app.py", "domain": "agent",
-            "description": f"{bundle_name}'s tasks, served by agentenv.py", **where, **settings}}},
+            "description": f"{bundle_name}'s tasks, served by agentenv.py", **server}}},
         f"{name}_simple_agent": {"responses_api_agents": {"simple_agent": {
             "entrypoint": "app.py",
             "resources_server": {"type": "resources_servers", "name": name},
@@ -3784,7 +4061,7 @@ async def write_gym(source: str, gym_root: str, max_concurrent_envs: int = 8, sa
             "entrypoint": "app.py",
             "agent_server": {"type": "responses_api_agents", "name": f"{name}_simple_agent"}}}},
     }
-    files = {
+    return {
         "app.py": f'"""NeMo Gym resources server for the bundle {bundle_name}, {WRITTEN_BY}.\n\n'
                   f"Gym runs it as `python app.py` in this folder; its settings are in "
                   f"configs/{name}.yaml.\n\"\"\"\n\nimport agentenv\n\n"
@@ -3798,32 +4075,19 @@ async def write_gym(source: str, gym_root: str, max_concurrent_envs: int = 8, sa
                           '[tool.setuptools]\npy-modules = ["agentenv", "app"]\n',
         f"configs/{name}.yaml": _yaml(config),
     }
-    for split, split_rows in rows.items():
-        if not plain_name(split):
-            raise AgentEnvError(f"the split {split!r} cannot name a file of rows (data/<split>.jsonl) "
-                                "inside the server's folder; a split is named after its eval file, "
-                                "so rename the eval")
-        lines = []
-        for row in split_rows:
-            tools = [function_tool(t) for t in toolsets.get(row.get("toolset", "(all)"), [])]
-            messages = [{"role": "user", "content": row["prompt"]}]
-            if row.get("system_prompt"):
-                messages.insert(0, {"role": "system", "content": row["system_prompt"]})
-            line = {"responses_create_params": {
-                        "input": kept.get((split, row["id"]), messages),
-                        "tools": [*tools, function_tool(END_TURN)]},
-                    "agent_ref": {"type": "responses_api_agents", "name": f"{name}_simple_agent"},
-                    "split": split, "index": row["index"], "task_id": row["id"]}
-            lines.append(json.dumps(line, ensure_ascii=False))
-        files[f"data/{split}.jsonl"] = "\n".join(lines) + "\n"
-    for rel, text in files.items():
-        path = target / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.name + ".partial")
-        partial.write_text(text)
-        partial.replace(path)      # a file is replaced whole, never left half written
-    out(f"wrote {Path(gym_root) / 'resources_servers' / name}")
-    return target
+
+
+def _gym_row(name: str, split: str, row: dict[str, Any], toolsets: dict[str, list[dict[str, Any]]],
+             kept: dict[tuple[str, str], Any]) -> dict[str, Any]:
+    """A task's row of data/<split>.jsonl: its prompt (or the one kept) and its tools."""
+    tools = [function_tool(t) for t in toolsets.get(row.get("toolset", "(all)"), [])]
+    messages = [{"role": "user", "content": row["prompt"]}]
+    if row.get("system_prompt"):
+        messages.insert(0, {"role": "system", "content": row["system_prompt"]})
+    return {"responses_create_params": {"input": kept.get((split, row["id"]), messages),
+                                        "tools": [*tools, function_tool(END_TURN)]},
+            "agent_ref": {"type": "responses_api_agents", "name": f"{name}_simple_agent"},
+            "split": split, "index": row["index"], "task_id": row["id"]}
 
 
 def _prompts_in(data: Path) -> dict[tuple[str, str], Any]:
@@ -3843,7 +4107,7 @@ def _yaml(data: dict[str, Any]) -> str:
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 
-# ================================================================ 11. CLI
+# ================================================================ 13. CLI
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
@@ -3856,6 +4120,19 @@ def _env_int(name: str, default: int) -> int:
 
 
 CHECK_TASKS_SHOWN = 20
+# serve's flags for the settings in seconds, with what each bounds; the defaults come from Settings.
+SERVE_SETTINGS = {
+    "deploy_timeout": "how long an env may take from its launch until it answers; past it the "
+                      "episode fails, masked transport_timeout",
+    "tool_timeout": "NeMo Gym: one tool call; past it the episode ends, masked",
+    "reset_timeout": "NeMo Gym: the deploy and first turn, each end_turn, and a rollout's wait for "
+                     "a free episode",
+    "idle_timeout": "end a session with no request for this long, to free its slot",
+    "client_timeout": "how long OpenEnv clients wait for a reply (their message_timeout_s); every "
+                      "reply comes --reply-margin before it",
+    "reply_margin": "how long before the client's timeout a call still running is ended with a "
+                    "timeout error",
+}
 
 
 async def check(folder: str, sandbox: str, reward: str | None, out: Callable[[str], None] = print) -> None:
@@ -3894,22 +4171,57 @@ async def check(folder: str, sandbox: str, reward: str | None, out: Callable[[st
 
 def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
-    limit = args.max_concurrent_envs or _env_int("MAX_CONCURRENT_ENVS", 8)
+    settings = Settings(
+        max_concurrent_envs=args.max_concurrent_envs or _env_int(
+            "MAX_CONCURRENT_ENVS", Settings.max_concurrent_envs),
+        **{key: getattr(args, key) for key in SERVE_SETTINGS})
+    for key in SERVE_SETTINGS:
+        if not getattr(settings, key) > 0:
+            raise AgentEnvError(f"--{key.replace('_', '-')} must be a positive number of seconds, not "
+                                f"{getattr(settings, key)!r}")
     bundle = Bundle.load(args.bundle, args.reward)
     token = args.token or os.environ.get("AGENTENV_TOKEN") or None
     if not is_loopback(args.host) and not token:
         log.warning("Serving on %s with no token: anyone who can reach this port can run the "
                     "bundle's envs and tools. Pass --token (or set AGENTENV_TOKEN) so every request "
                     "must carry it, or bind 127.0.0.1.", args.host or "every interface")
-    runtime = Runtime(bundle, sandbox=args.sandbox, max_concurrent_envs=limit)
-    server = Server(runtime, host=args.host, port=args.port, client_timeout=args.client_timeout,
-                    margin=args.reply_margin, idle_timeout=args.idle_timeout, token=token)
+    runtime = Runtime(bundle, sandbox=args.sandbox, max_concurrent_envs=settings.max_concurrent_envs,
+                      deploy_timeout=settings.deploy_timeout)
+    server = Server(runtime, settings, host=args.host, port=args.port, token=token)
     wait_for_children_by_pidfd()
     web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None,
                 shutdown_timeout=30)
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = command_line().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    # serve narrates what it does; check prints its own report and logs only trouble
+    logging.getLogger("agentenv").setLevel(
+        logging.INFO if args.verbose or args.command == "serve" else logging.WARNING)
+    if args.verbose:
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    try:
+        if args.command == "check":
+            asyncio.run(check(args.bundle, args.sandbox, args.reward))
+        elif args.command == "serve":
+            serve(args)
+        elif args.command == "write-gym":
+            asyncio.run(write_gym(args.source, args.gym_root,
+                                  args.max_concurrent_envs or _env_int("MAX_CONCURRENT_ENVS",
+                                                                       Settings.max_concurrent_envs),
+                                  args.sandbox, args.reward, args.keep_prompts))
+    except AgentEnvError as exc:
+        print(f"agentenv.py {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def command_line() -> argparse.ArgumentParser:
+    """The commands, their flags, and what each says in --help."""
     parser = argparse.ArgumentParser(
         prog="agentenv.py", description="Serve a bundle of agent tasks as training environments.")
     parser.add_argument("--version", action="version", version=f"agentenv.py {__version__}")
@@ -3939,19 +4251,14 @@ def main(argv: list[str] | None = None) -> int:
     serve_cmd.add_argument("--port", type=int, default=8000, help="the port (8000)")
     serve_cmd.add_argument("--max-concurrent-envs", type=int, default=None, metavar="N",
                            help="episodes live at once; past it, new ones wait (default: "
-                                "MAX_CONCURRENT_ENVS, else 8)")
-    serve_cmd.add_argument("--client-timeout", type=float, default=60.0, metavar="SECONDS",
-                           help="how long OpenEnv clients wait for a reply (their message_timeout_s, "
-                                "60 by default); every reply comes --reply-margin before it")
-    serve_cmd.add_argument("--reply-margin", type=float, default=5.0, metavar="SECONDS",
-                           help="how long before the client's timeout a call still running is "
-                                "ended with a timeout error (5)")
+                                f"MAX_CONCURRENT_ENVS, else {Settings.max_concurrent_envs})")
+    for key, help_ in SERVE_SETTINGS.items():
+        serve_cmd.add_argument("--" + key.replace("_", "-"), type=float, default=getattr(Settings, key),
+                               metavar="SECONDS", help=f"{help_} ({getattr(Settings, key):g})")
     serve_cmd.add_argument("--token", default=None, metavar="TOKEN",
                            help="ask every request for the header Authorization: Bearer TOKEN "
                                 "(default: AGENTENV_TOKEN, else none); clients of a served URL "
                                 "(write-gym, a Gym server with url:) send AGENTENV_TOKEN")
-    serve_cmd.add_argument("--idle-timeout", type=float, default=600.0, metavar="SECONDS",
-                           help="end a session with no request for this long, to free its slot (600)")
     writer = commands.add_parser(
         "write-gym", help="write a NeMo Gym resources server for a bundle into a Gym root",
         description="Write GYM_ROOT/resources_servers/<name>/: app.py, a copy of agentenv.py, the "
@@ -3963,7 +4270,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a running server's URL (http://127.0.0.1:8000) or a bundle's folder")
     writer.add_argument("gym_root", metavar="GYM_ROOT", help="the Gym checkout (or extra root)")
     writer.add_argument("--max-concurrent-envs", type=int, default=None, metavar="N",
-                        help="with a bundle: episodes the resources server runs at once (8)")
+                        help="with a bundle: episodes the resources server runs at once "
+                             f"({Settings.max_concurrent_envs})")
     writer.add_argument("--sandbox", choices=("auto", "docker", "local"), default="auto",
                         help="with a bundle: where its envs run")
     writer.add_argument("--reward", metavar="STEP", default=None,
@@ -3971,29 +4279,7 @@ def main(argv: list[str] | None = None) -> int:
     writer.add_argument("--keep-prompts", action="store_true",
                         help="keep the prompts of rows already written (your edits) when writing "
                              "the server again; without it every file is written anew")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    # serve narrates what it does; check prints its own report and logs only trouble
-    logging.getLogger("agentenv").setLevel(
-        logging.INFO if args.verbose or args.command == "serve" else logging.WARNING)
-    if args.verbose:
-        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    try:
-        if args.command == "check":
-            asyncio.run(check(args.bundle, args.sandbox, args.reward))
-        elif args.command == "serve":
-            serve(args)
-        elif args.command == "write-gym":
-            asyncio.run(write_gym(args.source, args.gym_root,
-                                  args.max_concurrent_envs or _env_int("MAX_CONCURRENT_ENVS", 8),
-                                  args.sandbox, args.reward, args.keep_prompts))
-    except AgentEnvError as exc:
-        print(f"agentenv.py {args.command}: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    return parser
 
 
 if __name__ == "__main__":

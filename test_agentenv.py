@@ -60,7 +60,7 @@ from aiohttp import web
 
 import agentenv
 from agentenv import (AgentEnvError, Bundle, BundleError, EpisodeFailed, McpError, McpSession,
-                      Runtime, StartGate, ToolResult, ToolTimeout, aggregate_score, parse_dockerfile,
+                      Runtime, StartGate, ToolResult, aggregate_score, parse_dockerfile,
                       response_rows, task_id_root)
 from tests import harness
 from tests.harness import free_port
@@ -269,7 +269,7 @@ async def play(rt: Runtime, task, reply="hello", calls=(), seed=None):
     if result.status == "scored":
         assert await ep.next_turn() is None
     else:
-        with pytest.raises(EpisodeFailed, match=re.escape(result.failure)):
+        with pytest.raises(EpisodeFailed, match=re.escape(result.failure.reason)):
             await ep.next_turn()
     await ep.closed.wait()
     return result
@@ -283,6 +283,54 @@ def assert_torn_down(ep) -> None:
         assert gone(instance.proc.pid), f"env process {instance.proc.pid} still exists"
         assert not instance.record.exists(), "the env's record was left in the state folder"
     assert ep not in ep.runtime.live
+
+
+# ================================================================ Values and settings
+
+def test_every_step_type_a_bundle_may_hold_has_a_handler():
+    assert set(agentenv.Episode.HANDLERS) == set(agentenv.STEP_FIELDS)
+
+
+def test_a_gym_config_sets_the_settings_and_the_rest_keep_their_defaults():
+    settings = agentenv.Settings.from_config({"tool_timeout": 5, "deploy_timeout": 30.5,
+                                              "max_concurrent_envs": 16, "other": "x"}, "here")
+    assert settings == agentenv.Settings(tool_timeout=5, deploy_timeout=30.5, max_concurrent_envs=16)
+    assert settings.gym_config(bundle=True) == {
+        "tool_timeout": 5, "reset_timeout": 600, "idle_timeout": 600, "max_concurrent_envs": 16,
+        "deploy_timeout": 30.5}
+    assert agentenv.Settings().gym_config(bundle=False) == {
+        "tool_timeout": 60, "reset_timeout": 600, "idle_timeout": 600}
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("tool_timeout", 0, "tool_timeout: 0 in configs/x.yaml is not a positive number of seconds; "
+                        "set it to one, such as 60"),
+    ("deploy_timeout", "soon", "deploy_timeout: 'soon' in configs/x.yaml is not a positive number"),
+    ("reset_timeout", float("nan"), "reset_timeout: nan in configs/x.yaml is not a positive number"),
+    ("max_concurrent_envs", 2.5, "max_concurrent_envs: 2.5 in configs/x.yaml is not a whole number "
+                                 "of at least 1; set it to one, such as 8"),
+    ("max_concurrent_envs", True, "max_concurrent_envs: True in configs/x.yaml is not a whole number"),
+])
+def test_a_bad_setting_in_a_gym_config_says_which_and_the_fix(key, value, says):
+    with pytest.raises(AgentEnvError) as caught:
+        agentenv.Settings.from_config({key: value}, "configs/x.yaml")
+    assert str(caught.value).startswith(says), str(caught.value)
+
+
+def test_serve_shows_the_settings_defaults_in_its_help(capsys):
+    with pytest.raises(SystemExit):
+        agentenv.main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    defaults = agentenv.Settings()
+    for flag, value in [("--deploy-timeout", defaults.deploy_timeout),
+                        ("--tool-timeout", defaults.tool_timeout),
+                        ("--reset-timeout", defaults.reset_timeout),
+                        ("--idle-timeout", defaults.idle_timeout),
+                        ("--client-timeout", defaults.client_timeout),
+                        ("--reply-margin", defaults.reply_margin)]:
+        after = text.rsplit(flag + " SECONDS", 1)[1]        # the help, not the usage line
+        assert f"({value:g}) --" in after.split(" SECONDS", 1)[0] + " --", (flag, after[:200])
+    assert f"MAX_CONCURRENT_ENVS, else {defaults.max_concurrent_envs})" in text
 
 
 # ================================================================ Bundle
@@ -1077,7 +1125,7 @@ def test_mcp_client_against_a_fastmcp_server(fastmcp_url):
             assert set(tools) == {"add", "fail"}
             assert tools["add"]["description"] == "Add two numbers."
             assert set(tools["add"]["inputSchema"]["properties"]) == {"a", "b"}
-            assert await session.call_tool("add", {"a": 2, "b": 3}) == ToolResult("5", False)
+            assert await session.call_tool("add", {"a": 2, "b": 3}) == ToolResult("5")
             failed = await session.call_tool("fail", {"why": "boom"})
             assert failed.is_error and "boom" in failed.text
             unknown = await session.call_tool("subtract", {})
@@ -1153,9 +1201,9 @@ def test_mcp_client_reads_sse_replies_and_refusals():
                 assert (await session.open())["serverInfo"]["name"] == "sse"
                 assert [t["name"] for t in await session.list_tools()] == ["t1", "t2"]
                 assert await session.call_tool("echo", {}) == \
-                    ToolResult("hi\n[image content: image/png]", False)
+                    ToolResult("hi\n[image content: image/png]")
                 assert await session.call_tool("refuse", {}) == \
-                    ToolResult("error: Unknown tool: refuse", True)
+                    ToolResult("Unknown tool: refuse", agentenv.TOOL_ERROR)
                 with pytest.raises(McpError, match="tools/call was answered HTTP 500: the server broke"):
                     await session.call_tool("http500", {})
                 with pytest.raises(McpError, match="answered with something that is not JSON"):
@@ -1188,7 +1236,7 @@ def test_an_episode_on_a_fastmcp_env_without_a_card(make_bundle):
             assert ep.envs["plain"].card is None
             assert ep.envs["plain"].mcp_url.endswith("/mcp")
             assert [t["name"] for t in turn.tools] == ["add", "fail"]
-            assert await turn.call("add", {"a": 2, "b": 3}) == ToolResult("5", False)
+            assert await turn.call("add", {"a": 2, "b": 3}) == ToolResult("5")
             failed = await turn.call("fail", {"why": "nope"})
             assert failed.is_error and "nope" in failed.text
             turn.end("5")
@@ -1217,7 +1265,7 @@ def test_concurrent_calls_on_one_turn_of_a_fastmcp_env_get_their_own_answers(mak
             return answers, result
 
     answers, result = run(go(), timeout=60)
-    assert answers == [ToolResult(str(1000 + n), False) for n in range(4)]
+    assert answers == [ToolResult(str(1000 + n)) for n in range(4)]
     assert result == agentenv.Outcome("scored", {"answer": 1.0}, 1.0)
 
 
@@ -1240,7 +1288,8 @@ def test_an_env_that_exits_at_start_fails_the_episode_quoting_its_output(make_bu
     assert message.startswith("step 'deploy-broken' (deploy_env) failed: env 'broken' did not come "
                               "up: its process exited with code 4. Its last output:")
     assert "fake: cannot start env broken: FAKE_MODE=exit" in message
-    assert result.status == "failed" and result.failure == message
+    assert result.status == "failed" and result.failure.reason == message
+    assert result.failure.kind == "provider_unavailable"     # the README's fault table
 
 
 def test_an_env_that_never_listens_misses_the_deploy_timeout(make_bundle):
@@ -1256,12 +1305,24 @@ def test_an_env_that_never_listens_misses_the_deploy_timeout(make_bundle):
             took = time.monotonic() - started
             await ep.closed.wait()
             assert_torn_down(ep)
-            return str(caught.value), took
+            return str(caught.value), took, caught.value.failure.kind
 
-    message, took = run(go())
+    message, took, kind = run(go())
     assert "env 'deaf' was not ready within 2.5s (last: ClientConnectorError" in message
     assert "fake: started, but never listening" in message
     assert 2.2 < took < 4.5        # it gives up once the next poll would pass the deadline
+    # The README's fault table: an env never ready is a timeout, and the message names the knob.
+    assert kind == "transport_timeout"
+    assert "the deploy deadline; if it is only slow, raise --deploy-timeout" in message
+
+
+def test_the_deploy_deadline_fires_before_gyms_reset_timeout_by_default(make_bundle):
+    """On Gym's default path a never-ready env meets the deploy deadline (transport_timeout, the
+    env's last output quoted) before reset_timeout (the same kind, with no output to quote)."""
+    defaults = agentenv.Settings()
+    assert defaults.deploy_timeout < defaults.reset_timeout
+    runtime = Runtime(Bundle.load(make_bundle({"a": simple()})))
+    assert runtime.deploy_timeout == defaults.deploy_timeout
 
 
 @pytest.mark.parametrize("env, part", [
@@ -1284,6 +1345,7 @@ def test_an_env_that_answers_wrongly_fails_the_deploy_at_once(make_bundle, env, 
             return time.monotonic() - started
 
     assert run(go()) < 5      # not the deploy timeout
+
 
 
 # ================================================================ Verifiers
@@ -1359,7 +1421,7 @@ def test_a_verifier_that_raises_fails_the_episode_instead_of_scoring_0(make_bund
 
     result = run(go())
     assert result.status == "failed" and result.reward is None and result.scores == {}
-    assert result.failure == ("step 'check' (env_outcome_verifier) failed: the verifier "
+    assert result.failure.reason == ("step 'check' (env_outcome_verifier) failed: the verifier "
                               "artifacts/raises raised RuntimeError: the checker broke")
 
 
@@ -1373,7 +1435,7 @@ def test_a_verifier_that_returns_no_rows_fails_the_episode(make_bundle):
     result = run(go())
     assert result.status == "failed"
     assert "the verifier artifacts/notalist returned str; verify returns a list of {id, result, " \
-           "description} rows" in result.failure
+           "description} rows" in result.failure.reason
 
 
 def test_a_verifiers_score_aggregator_is_applied(make_bundle):
@@ -1410,7 +1472,7 @@ def test_a_verifier_that_hangs_misses_the_verifier_timeout(make_bundle):
 
     result, took = run(go())
     assert result.status == "failed" and result.reward is None
-    assert result.failure == ("step 'check' (env_outcome_verifier) failed: the verifier "
+    assert result.failure.reason == ("step 'check' (env_outcome_verifier) failed: the verifier "
                               "artifacts/hangs did not finish within 0.5s")
     assert took < 3
 
@@ -1456,8 +1518,8 @@ def test_a_hanging_verifier_fails_the_episode_and_frees_its_thread(make_bundle):
 
     result, took, busy = run(go())
     assert result.status == "failed" and result.reward is None
-    assert result.kind == "verifier_error"
-    assert result.failure == ("step 'check' (env_outcome_verifier) failed: the verifier "
+    assert result.failure.kind == "verifier_error"
+    assert result.failure.reason == ("step 'check' (env_outcome_verifier) failed: the verifier "
                               "artifacts/sleeper did not finish within 1s")
     assert took < 4
     assert busy == [], f"the threads {busy} still run the verifier"
@@ -1519,7 +1581,7 @@ def test_a_turn_scored_by_the_env_outcome_verifier(make_bundle):
             assert turn.prompt == "Say hello." and turn.system_prompt is None
             assert turn.id == "turn1"
             result = await turn.call("say", {"text": "hello"})
-            assert result == ToolResult("said 'hello'", False)
+            assert result == ToolResult("said 'hello'")
             turn.end("I said hello.")
             assert await ep.next_turn() is None
             good = await ep.result()
@@ -1603,14 +1665,14 @@ def test_a_hidden_tool_is_not_offered_but_the_verifier_uses_it(make_bundle):
                            "input_schema": {"type": "object", "properties": {"text": {"type": "string"}},
                                             "required": ["text"]}}
             refused_call = await turn.call("dump", {})
-            assert refused_call.is_error
-            assert refused_call.text == ("error: there is no tool 'dump'; the tools are: say, whoami, "
+            assert refused_call.is_error and refused_call.status == agentenv.UNKNOWN_TOOL
+            assert refused_call.text == ("there is no tool 'dump'; the tools are: say, whoami, "
                                          "get_config, sleep, crash")
             bad_args = await turn.call("say", ["hello"])
-            assert bad_args == ToolResult("error: the arguments of say must be a JSON object, not list",
-                                          True)
+            assert bad_args == ToolResult("the arguments of say must be a JSON object, not list",
+                                          agentenv.BAD_ARGUMENTS)
             env_error = await turn.call("say", {})
-            assert env_error == ToolResult("say: text must be a string", True)
+            assert env_error == ToolResult("say: text must be a string", agentenv.TOOL_ERROR)
             await turn.call("say", {"text": "hello"})
             turn.end("done")
             return await ep.result()
@@ -1711,12 +1773,12 @@ def test_depends_on_graph_with_a_tolerated_failing_verifier(make_bundle, caplog)
 
     skipped = run(go("after"))
     assert skipped.status == "failed" and skipped.reward is None
-    assert skipped.failure == "no reward: the run recorded no score at step 'after' (it did not run)"
+    assert skipped.failure.reason == "no reward: the run recorded no score at step 'after' (it did not run)"
     assert skipped.scores == {"answer": 1.0}
     assert any("skips step 'after'" in r.getMessage() for r in caplog.records)
     failed = run(go("flaky"))
     assert failed.status == "failed"
-    assert failed.failure.startswith("no reward: the run recorded no score at step 'flaky' (the "
+    assert failed.failure.reason.startswith("no reward: the run recorded no score at step 'flaky' (the "
                                      "verifier artifacts/raises raised RuntimeError: the checker "
                                      "broke)")
     scored = run(go("answer"))
@@ -1756,7 +1818,7 @@ def test_a_failing_step_with_dependents_fails_with_its_own_reason(make_bundle, m
 
     result = run(go())
     assert result.status == "failed"
-    assert result.failure.startswith("step 'turn1' (prompt_agent) failed: turn 'turn1' was not "
+    assert result.failure.reason.startswith("step 'turn1' (prompt_agent) failed: turn 'turn1' was not "
                                      "ended within 0.05s"), result.failure
 
 
@@ -1829,7 +1891,7 @@ def test_apply_server_config_failures_fail_the_episode(make_bundle, step, parts)
     message, result = run(go())
     for part in parts:
         assert part in message
-    assert result.status == "failed" and result.reward is None and result.failure == message
+    assert result.status == "failed" and result.reward is None and result.failure.reason == message
 
 
 def test_an_unadvertised_extension_is_skipped_with_tolerate_unadvertised(make_bundle):
@@ -1860,20 +1922,19 @@ def test_a_tool_that_misses_its_timeout_fails_the_episode(make_bundle):
             turn = await ep.next_turn()
             assert (await turn.call("sleep", {"seconds": 0.05}, timeout=5)).text == "slept"
             started = time.monotonic()
-            with pytest.raises(ToolTimeout) as caught:
-                await turn.call("sleep", {"seconds": 10}, timeout=0.3)
+            timed_out = await turn.call("sleep", {"seconds": 10}, timeout=0.3)
             assert time.monotonic() - started < 2
-            assert isinstance(caught.value, EpisodeFailed)
+            assert timed_out.status == agentenv.TIMEOUT and timed_out.is_error
             await ep.closed.wait()
             assert_torn_down(ep)
             with pytest.raises(EpisodeFailed):
                 await ep.next_turn()
-            return str(caught.value), await ep.result()
+            return timed_out.text, await ep.result()
 
     message, result = run(go())
     assert message == ("sleep didn't answer within 0.3s, and the episode ended, since what the call "
                        "does may still be under way")
-    assert result == agentenv.Outcome("failed", {}, None, message, "transport_timeout")
+    assert result == agentenv.Outcome("failed", {}, None, agentenv.Failure("transport_timeout", message))
 
 
 def test_the_outcome_is_ready_as_soon_as_a_tool_timeout_is_raised(make_bundle):
@@ -1883,8 +1944,7 @@ def test_the_outcome_is_ready_as_soon_as_a_tool_timeout_is_raised(make_bundle):
         async with local(bundle) as rt:
             ep = rt.episode(bundle.tasks["a"])
             turn = await ep.next_turn()
-            with pytest.raises(ToolTimeout):
-                await turn.call("sleep", {"seconds": 10}, timeout=0.2)
+            assert (await turn.call("sleep", {"seconds": 10}, timeout=0.2)).status == agentenv.TIMEOUT
             with pytest.raises(EpisodeFailed, match="didn't answer within"):
                 await ep.next_turn()
             return await ep.result()
@@ -1908,7 +1968,7 @@ def test_an_env_that_crashes_mid_turn_fails_the_episode(make_bundle):
 
     message, result = run(go())
     assert message.startswith("crash failed because the env failed: ")
-    assert result.status == "failed" and result.reward is None and result.failure == message
+    assert result.status == "failed" and result.reward is None and result.failure.reason == message
 
 
 def test_an_env_that_crashes_mid_turn_says_how_it_stopped(make_bundle):
@@ -1948,7 +2008,7 @@ def test_a_turn_not_ended_within_its_timeout_fails_the_episode(make_bundle):
 
     result = run(go())
     assert result.status == "failed"
-    assert result.failure == ("step 'turn1' (prompt_agent) failed: turn 'turn1' was not ended "
+    assert result.failure.reason == ("step 'turn1' (prompt_agent) failed: turn 'turn1' was not ended "
                               "within 0.3s (its prompt_agent step's timeout_seconds)")
 
 
@@ -1970,7 +2030,7 @@ def test_abandon_during_a_turn_tears_everything_down(make_bundle):
             await ep.abandon("again")           # a second abandon changes nothing
             return await ep.result()
 
-    assert run(go()) == agentenv.Outcome("abandoned", {}, None, "the trainer moved on")
+    assert run(go()) == agentenv.Outcome("abandoned", {}, None, agentenv.Failure("session_lost", "the trainer moved on"))
 
 
 def test_abandon_while_deploying(make_bundle, isolated):
@@ -1988,7 +2048,7 @@ def test_abandon_while_deploying(make_bundle, isolated):
             assert_torn_down(ep)
             return await ep.result()
 
-    assert run(go()) == agentenv.Outcome("abandoned", {}, None, "no time")
+    assert run(go()) == agentenv.Outcome("abandoned", {}, None, agentenv.Failure("session_lost", "no time"))
 
 
 def test_abandon_at_any_moment_of_the_launch_leaves_no_process(make_bundle, isolated):
@@ -2026,7 +2086,7 @@ def test_abandon_right_after_the_episode_starts(make_bundle):
             rt.live.clear()         # an episode whose abandon hung would hang close() too
             await rt.close()
 
-    assert run(go()) == (agentenv.Outcome("abandoned", {}, None, "at once"), set())
+    assert run(go()) == (agentenv.Outcome("abandoned", {}, None, agentenv.Failure("session_lost", "at once")), set())
 
 
 # ================================================================ Pool and runtime
@@ -2065,12 +2125,12 @@ def test_an_episode_waits_for_a_free_slot_and_the_warning_is_said_once(make_bund
             assert rt.pool.in_use == 0 and rt.pool.waiting == 0 and rt.live == set()
 
     run(go())
-    warnings = [r for r in caplog.records if "episodes are in use" in r.getMessage()]
+    warnings = [r for r in caplog.records if "episodes at once, so new episodes wait" in r.getMessage()]
     assert len(warnings) == 1
     assert warnings[0].levelno == logging.WARNING
     assert warnings[0].getMessage() == (
-        "All 1 episodes are in use, so new episodes wait their turn: raise --max-concurrent-envs "
-        "(or MAX_CONCURRENT_ENVS) to run more at once.")
+        "The server is at its limit of 1 episodes at once, so new episodes wait their turn: raise "
+        "--max-concurrent-envs (or MAX_CONCURRENT_ENVS) to run more at once.")
 
 
 def test_many_episodes_at_once_are_all_scored_within_the_limit(make_bundle, caplog):
@@ -2098,7 +2158,7 @@ def test_many_episodes_at_once_are_all_scored_within_the_limit(make_bundle, capl
     assert [r.status for r in results] == ["scored"] * 20
     assert [r.reward for r in results] == [1.0, 0.0] * 10
     assert peak == 5
-    assert len([r for r in caplog.records if "episodes are in use" in r.getMessage()]) == 1
+    assert len([r for r in caplog.records if "episodes at once, so new episodes wait" in r.getMessage()]) == 1
 
 
 def test_the_pool_limit_is_a_whole_number_of_at_least_1(make_bundle):
@@ -2188,7 +2248,7 @@ def test_closing_the_runtime_abandons_live_episodes(make_bundle):
         assert_torn_down(ep)
         return ep.outcome
 
-    assert run(go()) == agentenv.Outcome("abandoned", {}, None, "the server shut down")
+    assert run(go()) == agentenv.Outcome("abandoned", {}, None, agentenv.Failure("session_lost", "the server shut down"))
 
 
 # ================================================================ CLI: check
@@ -2310,7 +2370,8 @@ async def _two_step(turns, right):
         await turn.call("write_note", {"title": "groceries", "text": recipe})
     else:
         missing = await turn.call("read_note", {"title": "groceries"})
-        assert missing == ToolResult("no note titled 'groceries'; the notes are: pancakes", True)
+        assert missing == ToolResult("no note titled 'groceries'; the notes are: pancakes",
+                                     agentenv.TOOL_ERROR)
     turn.end("Done.")
 
 

@@ -134,21 +134,21 @@ async def play(ep, task: str, correct: bool, client) -> agentenv.Outcome:
         assert "groceries" in turn.prompt
         text = "eggs, milk" if correct else "bread, butter"
         assert await turn.call("write_note", {"title": "groceries", "text": text}) == \
-            ToolResult("saved note 'groceries'", False)
+            ToolResult("saved note 'groceries'")
         turn.end("Saved your groceries note.")
     elif task == "recall-recipe":
         # the preload (apply_server_config) reached the env in the container
         assert await turn.call("read_note", {"title": "pancakes"}) == \
-            ToolResult("2 eggs, 1 cup milk, 1 cup flour", False)
+            ToolResult("2 eggs, 1 cup milk, 1 cup flour")
         turn.end("2" if correct else "3")
     elif task == "two-step":
-        assert await turn.call("list_notes", {}) == ToolResult("pancakes", False)
+        assert await turn.call("list_notes", {}) == ToolResult("pancakes")
         turn.end("You have one note: pancakes.")
         turn2 = await ep.next_turn()
         assert turn2 is not turn and "groceries" in turn2.prompt
         text = "2 eggs, 1 cup milk, 1 cup flour" if correct else "1 cup flour"
         assert await turn2.call("write_note", {"title": "groceries", "text": text}) == \
-            ToolResult("saved note 'groceries'", False)
+            ToolResult("saved note 'groceries'")
         turn2.end("Saved.")
     else:
         raise AssertionError(f"no play for task {task}")
@@ -212,7 +212,7 @@ def test_container_settings_and_limits(docker_client, tmp_path):
             instance.container.exec_run,
             ["python", "-c", "print(*[l for l in open('/proc/1/status') if l.startswith('CapEff')])"])
         assert await turn.call("write_note", {"title": "groceries", "text": "eggs and milk"}) == \
-            ToolResult("saved note 'groceries'", False)
+            ToolResult("saved note 'groceries'")
         turn.end("done")
         assert (await ep.result()).reward == 1.0
         return {"attrs": attrs, "uid": uid, "caps": caps, "base_url": instance.base_url}
@@ -283,7 +283,7 @@ def test_image_built_once_per_content(docker_client, tmp_path, monkeypatch, buil
             turn = await ep.next_turn()
             image = ep.instances[0].container.attrs["Config"]["Image"]
             result = await turn.call("write_note", {"title": "groceries", "text": "eggs, milk"})
-            assert result == ToolResult(f"{expect_saved} note 'groceries'", False)
+            assert result == ToolResult(f"{expect_saved} note 'groceries'")
             turn.end("ok")
             assert (await ep.result()).reward == 1.0
         return tag, image
@@ -348,7 +348,7 @@ def test_failed_deploy_fails_fast_and_leaves_nothing(docker_client, tmp_path, bu
     results = run(fail_deploys(docker_client, bundle, built_images, ["save-groceries"]))
     [(raised, outcome, elapsed, left)] = results
     assert outcome.status == "failed" and outcome.reward is None and outcome.scores == {}
-    assert outcome.failure == raised, "next_turn raises the outcome's reason"
+    assert outcome.failure.reason == raised, "next_turn raises the outcome's reason"
     assert elapsed < 30, f"the failure took {elapsed:.1f}s though the container exited at once " \
                          "(the deploy deadline is 180s)"
     assert left == [], "the failed env's container is removed"
@@ -358,7 +358,7 @@ def test_failed_deploy_reason_quotes_output_and_exit_code(docker_client, tmp_pat
     bundle = broken_notes(tmp_path, BOOM)
     tasks = ["save-groceries", "recall-recipe", "two-step"] * 2   # each must say why, every time
     results = run(fail_deploys(docker_client, bundle, built_images, tasks))
-    reasons = [outcome.failure for _, outcome, _, _ in results]
+    reasons = [outcome.failure.reason for _, outcome, _, _ in results]
     for reason in reasons:
         assert "agentenv.py failed" not in reason, reasons
         assert "step 'env' (deploy_env) failed: env 'notebook'" in reason, reasons
@@ -433,7 +433,7 @@ def test_abandon_right_after_episode_starts(docker_client):
                 raise AssertionError("abandon() right after rt.episode() did not return within 3s "
                                      f"(outcome {ep.outcome}, driver {ep._driver})") from None
             assert ep.outcome.status == "abandoned"
-            assert ep.outcome.failure == "the trainer dropped this rollout"
+            assert ep.outcome.failure.reason == "the trainer dropped this rollout"
             return ep.id, rt.owner
 
     episode, owner = run(go(), timeout=30)
@@ -528,7 +528,7 @@ def test_abandon_while_deploying_leaves_no_container(docker_client, create_spy, 
             took = time.monotonic() - started
             assert ep.closed.is_set() and ep not in rt.live
             assert ep.outcome.status == "abandoned" and ep.outcome.reward is None
-            assert ep.outcome.failure == "the trainer dropped this rollout"
+            assert ep.outcome.failure.reason == "the trainer dropped this rollout"
             with pytest.raises(EpisodeFailed, match="the trainer dropped this rollout"):
                 await ep.next_turn()
             # a create the episode gave up on may still be running: once it returns, its
@@ -579,7 +579,7 @@ def test_close_while_create_in_flight_leaves_no_container(docker_client, create_
             await create_spy.wait_in_flight()
         # the runtime closed while the create was in flight, as a server shutting down mid-deploy
         assert ep.outcome.status == "abandoned"
-        assert ep.outcome.failure == "the server shut down"
+        assert ep.outcome.failure.reason == "the server shut down"
 
     try:
         run(go(), timeout=60)
@@ -657,7 +657,7 @@ def test_second_runtime_spares_live_episodes(docker_client):
             async with Runtime(bundle, sandbox="docker"):
                 pass
             assert await turn.call("write_note", {"title": "groceries", "text": "eggs, milk"}) == \
-                ToolResult("saved note 'groceries'", False)
+                ToolResult("saved note 'groceries'")
             turn.end("ok")
             return await ep.result()
 

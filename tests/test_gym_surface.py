@@ -485,7 +485,8 @@ def test_the_config_has_the_pages_shape_with_the_bundle_and_the_default_settings
     assert server["description"].startswith("notes-v1's tasks, served by ")
     assert {k: v for k, v in server.items() if k != "description"} == {
         "entrypoint": "app.py", "domain": "agent", "bundle": str(NOTES), "max_concurrent_envs": 8,
-        "sandbox": "local", "tool_timeout": 60, "reset_timeout": 600, "idle_timeout": 600}
+        "sandbox": "local", "tool_timeout": 60, "reset_timeout": 600, "idle_timeout": 600,
+        "deploy_timeout": 180}
     assert Path(server["bundle"]).is_absolute()
     assert config["notes_v1_simple_agent"] == {"responses_api_agents": {"simple_agent": {
         "entrypoint": "app.py", "resources_server": {"type": "resources_servers", "name": name},
@@ -493,7 +494,7 @@ def test_the_config_has_the_pages_shape_with_the_bundle_and_the_default_settings
     assert config["notes_v1_environment_server"] == {"environment_servers": {"legacy_agent": {
         "entrypoint": "app.py",
         "agent_server": {"type": "responses_api_agents", "name": "notes_v1_simple_agent"}}}}
-    defaults = agentenv.GymSettings()
+    defaults = agentenv.Settings()
     assert (defaults.tool_timeout, defaults.reset_timeout, defaults.idle_timeout) == (60, 600, 600)
 
 
@@ -1227,7 +1228,7 @@ def test_the_wait_warning_of_a_bundle_mode_server_names_its_config_setting(writt
                 await waiter.close()
                 await holder.close()
         run(go())
-        warning = [line for line in app.log().splitlines() if "episodes are in use" in line]
+        warning = [line for line in app.log().splitlines() if "episodes at once, so new episodes wait" in line]
         assert len(warning) == 1, app.log()
         assert "max_concurrent_envs" in warning[0] and "MAX_CONCURRENT_ENVS" not in warning[0], warning
     finally:
