@@ -94,8 +94,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import agentenv  # noqa: E402
-from tests.harness import COOKIE, Reply, Server, Socket, SyncGym, free_port, request, responses, \
-    running  # noqa: E402
+from tests.harness import (COOKIE, Reply, Server, Socket, SyncGym, free_port,  # noqa: E402
+                           request, responses, running)
 from tests.harness import gym_row as harness_row  # noqa: E402
 
 NOTES = REPO / "bundles" / "notes-v1"
