@@ -361,6 +361,13 @@ def running(server: Server):
     assert code == 0, f"the server exited with {code}:\n{server.log()[-3000:]}"
 
 
+@contextlib.contextmanager
+def serving(bundle: Path, folder: Path, *flags: str, **kwargs: Any):
+    """``running(Server.serve(bundle, folder, *flags, ...))``."""
+    with running(Server.serve(bundle, folder, *flags, **kwargs)) as server:
+        yield server
+
+
 # ================================================================ NeMo Gym: rows, Responses, the client
 
 def gym_row(bundle: Any, index: int, split: str = "all", tools: Iterable[str] | None = None) -> dict:

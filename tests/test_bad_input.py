@@ -95,7 +95,7 @@ if str(REPO) not in sys.path:
 
 import agentenv  # noqa: E402
 from tests.harness import (COOKIE, Reply, Server, Socket, SyncGym, free_port,  # noqa: E402
-                           request, responses, running)
+                           request, responses, serving)
 from tests.harness import gym_row as harness_row  # noqa: E402
 
 NOTES = REPO / "bundles" / "notes-v1"
@@ -110,17 +110,10 @@ ENDED = "the episode has ended; call reset"
 
 # ================================================================ the server and its clients
 
-@contextlib.contextmanager
-def serving(folder: Path, *flags: str, **kwargs: Any) -> Iterator[Server]:
-    """``python agentenv.py serve bundles/notes-v1 --sandbox local`` in a subprocess of its own."""
-    with running(Server.serve(NOTES, folder, *flags, **kwargs)) as served:
-        yield served
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """The one server of this module (fuzzers included), with room for many sessions at once."""
-    with serving(tmp_path_factory.mktemp("bad-input"), "--max-concurrent-envs", "32") as served:
+    with serving(NOTES, tmp_path_factory.mktemp("bad-input"), "--max-concurrent-envs", "32") as served:
         yield served
 
 
@@ -1352,7 +1345,7 @@ LOCKED_ROUTES = [("GET", "/health"), ("GET", "/metadata"), ("GET", "/schema"), (
 
 @pytest.fixture(scope="module")
 def locked(tmp_path_factory):
-    with serving(tmp_path_factory.mktemp("locked"), "--token", TOKEN, headers=AUTH) as served:
+    with serving(NOTES, tmp_path_factory.mktemp("locked"), "--token", TOKEN, headers=AUTH) as served:
         yield served
 
 
@@ -1400,7 +1393,7 @@ def test_token_websockets_are_401_without_it(locked, path):
 
 
 def test_token_from_agentenv_token(tmp_path):
-    with serving(tmp_path, env={"AGENTENV_TOKEN": TOKEN}, headers=AUTH) as served:
+    with serving(NOTES, tmp_path, env={"AGENTENV_TOKEN": TOKEN}, headers=AUTH) as served:
         assert_401(request(served.url + "/health", "GET"), "/health")
         assert request(served.url + "/health", "GET", headers=AUTH).status == 200
 
