@@ -634,15 +634,20 @@ def test_a_container_removed_during_the_start_up_sweep_does_not_stop_the_start(d
 
 # ================================================================ 7. sandbox races met under load
 
-def test_two_episodes_given_the_same_port_one_after_the_other_never_share_an_env(monkeypatch):
-    """free_port() hands the port of a live env out again (the kernel does, once the probe socket
-    is closed): the second episode must not be played on the first one's env (seen under load in
-    tests/test_load.py before 0a2c4e2: its writes landed in the first's notebook). The first, which
-    wrote nothing, scores 0."""
+@pytest.fixture
+def same_port_twice(monkeypatch):
+    """agentenv.free_port() answers one port twice (as the kernel may), then as it would."""
     port = agentenv.free_port()
     picks = iter([port, port])
     real = agentenv.free_port
     monkeypatch.setattr(agentenv, "free_port", lambda: next(picks, None) or real())
+
+
+def test_two_episodes_given_the_same_port_one_after_the_other_never_share_an_env(same_port_twice):
+    """free_port() hands the port of a live env out again (the kernel does, once the probe socket
+    is closed): the second episode must not be played on the first one's env (seen under load in
+    tests/test_load.py before 0a2c4e2: its writes landed in the first's notebook). The first, which
+    wrote nothing, scores 0."""
     bundle = agentenv.Bundle.load(NOTES)
     task = bundle.tasks["save-groceries"]
 
@@ -667,14 +672,10 @@ def test_two_episodes_given_the_same_port_one_after_the_other_never_share_an_env
     assert (status, reward) == ("scored", 0.0), (status, reward)
 
 
-def test_two_launches_at_once_are_never_handed_the_same_port(monkeypatch):
+def test_two_launches_at_once_are_never_handed_the_same_port(same_port_twice):
     """Two episodes started together, both launches under way when free_port() gives the same port
     twice (as the kernel does for two probes a moment apart): both must deploy, each on its own
     env, and each see only its own note."""
-    port = agentenv.free_port()
-    picks = iter([port, port])
-    real = agentenv.free_port
-    monkeypatch.setattr(agentenv, "free_port", lambda: next(picks, None) or real())
     bundle = agentenv.Bundle.load(NOTES)
     task = bundle.tasks["save-groceries"]
 
