@@ -77,7 +77,6 @@ import dataclasses
 import http.cookies
 import json
 import re
-import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -94,8 +93,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import agentenv  # noqa: E402
-from tests.harness import (COOKIE, Reply, Server, Socket, SyncGym, free_port,  # noqa: E402
-                           request, responses, serving)
+from tests.harness import (COOKIE, Reply, Server, Socket, SyncGym, copy_bundle,  # noqa: E402
+                           free_port, request, responses, serving)
 from tests.harness import gym_row as harness_row  # noqa: E402
 
 NOTES = REPO / "bundles" / "notes-v1"
@@ -830,9 +829,7 @@ def test_oversized_tool_output_is_cut_and_says_so(server):
 
 @pytest.fixture
 def bundle_copy(tmp_path) -> Path:
-    root = tmp_path / "bundles" / "hostile-v1"
-    shutil.copytree(NOTES, root, ignore=shutil.ignore_patterns("__pycache__"))
-    return root
+    return copy_bundle(tmp_path / "bundles" / "hostile-v1")
 
 
 def load_or_refusal(root: Path) -> agentenv.Bundle | str:
@@ -923,8 +920,7 @@ def test_odd_characters_in_file_names_load_and_play(tmp_path):
     """Spaces, quotes, $( ), ;, a leading dash and non-ASCII in the bundle's, an env's, an
     artifact's, a task's and an eval's names: the bundle loads, the task plays and scores, and
     write-gym keeps every file in its folder."""
-    root = tmp_path / "bundles" / "odd ü;$(x)'-v1"
-    shutil.copytree(NOTES, root, ignore=shutil.ignore_patterns("__pycache__"))
+    root = copy_bundle(tmp_path / "bundles" / "odd ü;$(x)'-v1")
     env, artifact, task_name, eval_name = "-note book ü", "check 'notes' $(x)", "sa ve;ü'\"$(x)", "smo ke ü"
     (root / "envs" / "notebook").rename(root / "envs" / env)
     (root / "artifacts" / "check_notes").rename(root / "artifacts" / artifact)
