@@ -1,9 +1,10 @@
 """OpenEnv conformance of ``python agentenv.py serve``: the real OpenEnv clients against a real server.
 
 Every server here is started as a user starts it: ``python agentenv.py serve BUNDLE --sandbox local
---port P [flags]`` in a subprocess with its own ``AGENTENV_STATE_DIR``, ready once ``GET /health``
-answers, and stopped with SIGTERM, after which it must have exited 0 and left no env process behind.
-An env process of a server is found by its environment (it inherits the server's state dir).
+--port P [flags]`` in a subprocess with its own ``AGENTENV_STATE_DIR`` (tests/harness.py's
+``Server``), ready once it answers, and stopped with SIGTERM, after which it must have exited 0 and
+left no env process (nor record of one) behind. An env process of a server is found by its
+environment (it inherits the server's state dir).
 
 * the clients of ``openenv`` 0.10 (``pip install -e '.[test]'``): ``GenericEnvClient`` (sync and
   async), ``MCPToolClient`` (POST /mcp + /ws?session_id=), the ``openenv validate --url`` CLI and
