@@ -1,34 +1,84 @@
-"""harness.py: the one test harness every suite shares (``from tests.harness import ...``).
+"""harness.py: the one test harness the suites under tests/ share (``from tests.harness import
+...``; each suite puts the repository root on ``sys.path`` first).
 
-What is here: ``run`` (a coroutine to its end, within a deadline), ``free_port``, ``wait_until``,
-and ``Server``: a server of ours as a subprocess, for the suites that start, load, break and stop
-it.
+What is here, and which suite uses it:
 
-A server runs as ``sys.executable`` (signals to pyenv's ``python`` shim never reach the server),
-with its own AGENTENV_STATE_DIR, so its env processes can be found by that variable in their
-environment (a /proc scan) even after the server is gone.
+* Running things: ``run(coro, timeout)`` (a coroutine to its end on a fresh loop, within a
+  deadline: test_docker, test_faults, test_gridsim, test_gym_surface, test_load), ``free_port()``
+  (test_bad_input, test_gym_surface) and ``free_ports(n)`` (tests/gym), ``wait_until`` (test_faults,
+  test_load, test_openenv), ``alive(pid)`` (test_faults, test_load), ``gone(pid, within)``
+  (test_gym_surface), ``processes_with_env`` (a /proc scan: test_gym_real, tests/gym) and
+  ``environ(state)`` (a child's environment: test_gym_surface, test_gym_real).
+* ``Server``: a server of ours as a subprocess, to start, break and stop (test_bad_input,
+  test_faults, test_gym_surface, test_load, test_openenv, test_gym_real). ``Server.serve(bundle,
+  folder, *flags)`` is ``agentenv.py serve``; ``Server.gym(folder, config)`` the resources server as
+  NeMo Gym starts it (``python app.py`` in a folder write-gym wrote, or this repository's
+  ``run_gym_server()``); both take extra env vars (``env=``), the headers every request of ours
+  carries (``headers=``: a bearer token) and a state dir to share (``serve``). A Server has
+  ``url``/``ws_url``, ``log()`` (stdout and stderr), ``healthy()``, its env processes
+  (``env_pids()``, by /proc, and ``records()``, the local sandbox's), ``wait_envs``/``no_envs``,
+  ``signal``/``terminate`` (SIGTERM, once)/``kill`` (and its envs), and ``stop()``: SIGTERM, the
+  exit code, no env process nor record left. ``running(server)`` stops it at the end of a block,
+  having exited 0 (killed if the block fails); ``serving(bundle, folder, *flags)`` is
+  ``running(Server.serve(...))``. test_load subclasses it for its memory and fd figures.
+* HTTP: ``request()``, one request on a fresh connection with bytes as they are (a body, a
+  chunked body, a cookie that isn't text), and its ``Reply`` (status, headers, body, text,
+  json(), elapsed): test_bad_input, test_gym_surface, test_openenv, tests/gym.
+* ``Gym``: the one NeMo Gym client, a rollout as simple_agent plays it (seed; tools with the
+  session cookie, recorded as Responses items; verify; close), async over aiohttp (test_faults,
+  test_gym_surface, test_load); ``SyncGym`` is the same client for code with no event loop
+  (test_bad_input). ``client()`` its aiohttp session; ``gym_row``/``gym_rows`` the rows of a bundle
+  as write-gym writes them (test_bad_input, test_load / test_faults, test_gym_surface);
+  ``responses(text)`` a Responses object (test_bad_input, test_gym_surface).
+* ``Socket``: the one OpenEnv socket client, a raw WebSocket on /ws or WebSocket /mcp: send,
+  recv, ask, closed_with, close, drop (test_bad_input, test_openenv, test_faults).
+* Bundles and files: ``copy_bundle`` (a private copy to change: test_bad_input, test_docker,
+  test_faults, test_gym_real, test_gym_surface, test_openenv), ``patch`` (test_gym_surface),
+  ``with_sleep_tool`` (notes-v1's notebook with a ``sleep`` tool: test_faults, test_openenv),
+  ``one_turn_task`` and ``resources_config`` (test_faults, test_gym_surface), ``read_jsonl`` /
+  ``write_jsonl`` (test_gym_real, test_gym_surface, tests/gym), and ``labelled`` /
+  ``remove_quietly`` for Docker containers (test_docker, test_faults).
+
+A server runs as ``sys.executable`` (signals to pyenv's ``python`` shim never reach the server), in
+a session of its own, with its own AGENTENV_STATE_DIR, so its env processes can be found by that
+variable in their environment (a /proc scan) even after the server is gone. The Gym venv's own
+launching (a process group per run, SIGINT, Ray's leftovers) is tests/gym/harness.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import dataclasses
+import http.client
+import http.cookies
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Any, Iterable
 
+import aiohttp
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+NOTES = REPO / "bundles" / "notes-v1"
+COOKIE = "agentenv_session"                  # the Gym session's cookie
+HOST = "127.0.0.1"
 
 
-def run(coro, timeout: float = 60):
+# ================================================================ running things
+
+def run(coro, timeout: float = 120):
     """Run one coroutine to its end on a fresh event loop, within a deadline."""
     async def bounded():
         async with asyncio.timeout(timeout):
@@ -37,9 +87,18 @@ def run(coro, timeout: float = 60):
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on 127.0.0.1 (held open together while choosing)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(n):
+            sock = stack.enter_context(socket.socket())
+            sock.bind((HOST, 0))
+            ports.append(sock.getsockname()[1])
+        return ports
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
@@ -61,26 +120,133 @@ def alive(pid: int) -> bool:
         return False
 
 
-class Server:
-    """A server of ours as a subprocess: ``serve`` or the Gym resources server (run_gym_server);
-    its log, its state dir, its env processes."""
+def gone(pid: int, within: float) -> bool:
+    """Whether the process is gone altogether (reaped too) within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while os.path.exists(f"/proc/{pid}"):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
-    def __init__(self, argv: list[str], folder: Path, state: Path | None = None, **extra_env: str):
+
+def processes_with_env(name: str, value: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process but this one whose environment has name=value."""
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            if not alive(int(entry.name)):
+                continue                                    # a zombie: already dead
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        found.append((int(entry.name), cmd))
+    return found
+
+
+def environ(state: Path, **extra: str) -> dict[str, str]:
+    """This process's environment for a child of ours: its own AGENTENV_STATE_DIR, and no Gym or
+    agentenv settings (a token, a pool size) leaking in from the caller's shell."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("NEMO_GYM_", "MAX_CONCURRENT_ENVS", "AGENTENV_TOKEN"))}
+    env.update(AGENTENV_STATE_DIR=str(state), PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+# ================================================================ HTTP
+
+@dataclasses.dataclass
+class Reply:
+    """An HTTP answer: status, headers (an http.client.HTTPMessage), the body as bytes, how long it
+    took, and (from Gym.verify) the body that was sent."""
+    status: int
+    headers: Any
+    body: bytes
+    elapsed: float = 0.0
+    sent: Any = None
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", "replace")
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get_content_type()
+
+    @property
+    def set_cookie(self) -> list[str]:
+        return self.headers.get_all("Set-Cookie") or []
+
+
+def request(url: str, method: str = "POST", body: Any = None, headers: dict | None = None,
+            cookie: str | bytes | None = None, timeout: float = 60) -> Reply:
+    """One HTTP request on a fresh connection: bytes as they are, an iterator of chunks sent
+    chunked, anything else as JSON; ``cookie`` the Gym session's (bytes as they are, too)."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    target = parts.path + (f"?{parts.query}" if parts.query else "")
+    sent: dict[str, Any] = {}
+    chunked = hasattr(body, "__next__")            # an iterator of chunks: sent chunked
+    if body is not None:
+        if not chunked and not isinstance(body, (bytes, bytearray)):
+            body = json.dumps(body).encode()
+        sent["Content-Type"] = "application/json"
+    if cookie is not None:
+        sent["Cookie"] = (COOKIE.encode() + b"=" + cookie) if isinstance(cookie, bytes) \
+            else f"{COOKIE}={cookie}"
+    sent.update(headers or {})
+    started = time.monotonic()
+    try:
+        conn.request(method, target, body=body, headers=sent, encode_chunked=chunked)
+        resp = conn.getresponse()
+        return Reply(resp.status, resp.headers, resp.read(), time.monotonic() - started)
+    finally:
+        conn.close()
+
+
+def _message_of(headers: Any) -> http.client.HTTPMessage:
+    """aiohttp's headers as an http.client.HTTPMessage (what request() answers), repeats kept."""
+    message = http.client.HTTPMessage()
+    for key, value in headers.items():
+        message[key] = value
+    return message
+
+
+# ================================================================ the server, as a process
+
+class Server:
+    """A server of ours as a subprocess: ``serve`` or the Gym resources server; its log (stdout and
+    stderr), its state dir, its env processes. Ready once it answers ``GET /`` at all."""
+
+    def __init__(self, argv: list[str], folder: Path, *, state: Path | None = None,
+                 cwd: Path = REPO, env: dict[str, str] | None = None,
+                 headers: dict[str, str] | None = None, port: int | None = None,
+                 ready_within: float = 90):
         folder.mkdir(parents=True, exist_ok=True)
         self.folder = folder
         self.state = state or folder / "state"
-        self.port = int(extra_env.pop("PORT", 0)) or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = port or free_port()
+        self.url, self.ws_url = f"http://{HOST}:{self.port}", f"ws://{HOST}:{self.port}"
+        self.headers = headers or {}           # what every request of ours carries (a token)
         self.log_path = folder / f"server-{self.port}.log"
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("NEMO_GYM_", "MAX_CONCURRENT_ENVS", "AGENTENV_TOKEN"))}
-        env.update(AGENTENV_STATE_DIR=str(self.state), PYTHONUNBUFFERED="1", **extra_env)
+        self.terminated = False                # SIGTERM sent: never twice
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([arg.replace("{port}", str(self.port)) for arg in argv],
-                                     cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT)
+                                     cwd=cwd, env=environ(self.state, **(env or {})),
+                                     stdin=subprocess.DEVNULL, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
         self.pid = self.proc.pid
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + ready_within
         while True:
             if self.proc.poll() is not None:
                 raise AssertionError(f"the server exited with {self.proc.returncode}:\n{self.log()}")
@@ -88,49 +254,54 @@ class Server:
                 with urllib.request.urlopen(self.url + "/", timeout=2):
                     break
             except urllib.error.HTTPError:
-                break
+                break                          # any answer (Gym counts a 404 or a 401 as ready)
             except OSError:
                 pass
             if time.monotonic() > deadline:
                 self.kill()
-                raise AssertionError(f"the server did not answer in 90s:\n{self.log()}")
+                raise AssertionError(f"the server did not answer in {ready_within:g}s:\n{self.log()}")
             time.sleep(0.05)
 
     @classmethod
     def serve(cls, bundle: Path, folder: Path, *flags: str, sandbox: str = "local",
-              state: Path | None = None) -> Server:
+              state: Path | None = None, env: dict[str, str] | None = None,
+              headers: dict[str, str] | None = None) -> Server:
+        """``python agentenv.py serve BUNDLE --sandbox SANDBOX --port P FLAGS``."""
         return cls([sys.executable, str(REPO / "agentenv.py"), "serve", str(bundle), "--sandbox",
-                    sandbox, "--port", "{port}", *flags], folder, state)
+                    sandbox, "--port", "{port}", *flags], folder, state=state, env=env,
+                   headers=headers)
 
     @classmethod
-    def gym(cls, bundle: Path, folder: Path, **settings) -> Server:
-        """The resources server as NeMo Gym runs it, its settings in NEMO_GYM_CONFIG_DICT."""
+    def gym(cls, folder: Path, config: dict, instance: str | None = None, *,
+            app: Path | None = None, env: dict[str, str] | None = None, **settings: Any) -> Server:
+        """The resources server as NeMo Gym starts it: ``config`` as YAML in NEMO_GYM_CONFIG_DICT,
+        with host and port (and ``settings``) added under the resources server of ``instance``
+        (the config's first by default), that name in NEMO_GYM_CONFIG_PATH; ``python app.py`` in
+        ``app`` (a folder write-gym wrote) with PYTHONPATH set to it, or with no ``app``
+        ``agentenv.run_gym_server()`` of this repository."""
         port = free_port()
-        config = {"faults": {"resources_servers": {"faults": {
-            "entrypoint": "app.py", "domain": "agent", "bundle": str(bundle), "sandbox": "local",
-            "host": "127.0.0.1", "port": port, **settings}}}}
-        return cls([sys.executable, "-c", "import agentenv; agentenv.run_gym_server()"], folder,
-                   PORT=str(port), NEMO_GYM_CONFIG_DICT=yaml.safe_dump(config),
-                   NEMO_GYM_CONFIG_PATH="faults", PYTHONPATH=str(REPO))
+        config = copy.deepcopy(config)
+        instance = instance or next(iter(config))
+        server = next(iter(config[instance]["resources_servers"].values()))
+        server.update(host=HOST, port=port, **settings)
+        argv = [sys.executable, "app.py"] if app else \
+            [sys.executable, "-c", "import agentenv; agentenv.run_gym_server()"]
+        return cls(argv, folder, cwd=app or REPO, port=port, env={
+            "NEMO_GYM_CONFIG_DICT": yaml.safe_dump(config), "NEMO_GYM_CONFIG_PATH": instance,
+            "PYTHONPATH": str(app or REPO), **(env or {})})
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def healthy(self) -> bool:
+        return self.proc.poll() is None and request(self.url + "/health", "GET",
+                                                    headers=self.headers, timeout=10).status == 200
+
     def env_pids(self) -> set[int]:
         """Live processes with this server's state dir in their environment: its env processes,
         found even once the server is gone."""
-        marker = f"AGENTENV_STATE_DIR={self.state}".encode()
-        found = set()
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) in (self.pid, os.getpid()):
-                continue
-            try:
-                if marker in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0") and \
-                        alive(int(entry)):
-                    found.add(int(entry))
-            except OSError:
-                continue
-        return found
+        return {pid for pid, _ in processes_with_env("AGENTENV_STATE_DIR", str(self.state))
+                if pid != self.pid}
 
     def records(self) -> dict[int, Path]:
         """The local sandbox's records of the env processes it started: pid -> record file."""
@@ -138,6 +309,7 @@ class Server:
         return {int(p.name): p for p in root.glob("*/*") if p.name.isdigit()} if root.is_dir() else {}
 
     def wait_envs(self, count: int, timeout: float = 20) -> set[int]:
+        """The server's env processes, once there are ``count`` of them."""
         def counted() -> set[int] | None:
             pids = self.env_pids()
             return pids if len(pids) == count else None
@@ -150,22 +322,30 @@ class Server:
     def signal(self, signum: int) -> None:
         self.proc.send_signal(signum)
 
-    def stop(self, timeout: float = 45) -> int:
-        """SIGTERM (once), the exit code; nothing of the server may be left running."""
-        if self.proc.poll() is None:
+    def terminate(self) -> None:
+        """SIGTERM, once: a second one is never sent."""
+        if self.proc.poll() is None and not self.terminated:
+            self.terminated = True
             self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 45) -> int:
+        """SIGTERM (once), the exit code; nothing of the server may be left running, nor recorded."""
+        self.terminate()
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             raise AssertionError(f"the server did not exit within {timeout:g}s:\n{self.log()}")
-        self._log.close()
+        finally:
+            self._log.close()
         leftover = self.env_pids()
-        self.reap()
+        self.reap()                              # ours: never left running, whatever happens
         assert not leftover, f"env processes {leftover} outlived the server"
+        assert not self.records(), f"records left in the state dir: {self.records()}"
         return code
 
     def kill(self) -> None:
+        """SIGKILL, and then its env processes (their records stay, as a crash leaves them)."""
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
         self.proc.wait(10)
@@ -180,9 +360,314 @@ class Server:
 
 @contextlib.contextmanager
 def running(server: Server):
+    """The server for a block: killed if the block fails, else stopped, having exited 0."""
     try:
         yield server
     except BaseException:
         server.kill()
         raise
-    assert server.stop() == 0, server.log()[-3000:]
+    code = server.stop()
+    assert code == 0, f"the server exited with {code}:\n{server.log()[-3000:]}"
+
+
+@contextlib.contextmanager
+def serving(bundle: Path, folder: Path, *flags: str, **kwargs: Any):
+    """``running(Server.serve(bundle, folder, *flags, ...))``."""
+    with running(Server.serve(bundle, folder, *flags, **kwargs)) as server:
+        yield server
+
+
+# ================================================================ NeMo Gym: rows, Responses, the client
+
+def gym_row(bundle: Any, index: int, split: str = "all", tools: Iterable[str] | None = None) -> dict:
+    """The row of the task at ``split[index]`` as write-gym writes it, in short: its first prompt
+    as the user's message, ``tools`` (names) as Responses function tools (with none, the server
+    checks no tools), agent_ref, split, index and task_id. ``bundle``: a folder or a Bundle."""
+    import agentenv
+
+    loaded = bundle if isinstance(bundle, agentenv.Bundle) else agentenv.Bundle.load(bundle)
+    task = loaded.splits[split][index]
+    params: dict[str, Any] = {"input": [{"role": "user", "content": task.first_prompt[0]}]}
+    if tools:
+        params["tools"] = [{"type": "function", "name": n, "description": "", "strict": False,
+                            "parameters": {"type": "object", "properties": {}}} for n in tools]
+    return {"responses_create_params": params,
+            "agent_ref": {"type": "responses_api_agents",
+                          "name": f"{agentenv.gym_name(loaded.name)}_simple_agent"},
+            "split": split, "index": index, "task_id": task.id}
+
+
+def gym_rows(bundle: Any, split: str = "all", tools: Iterable[str] | None = None) -> dict[str, dict]:
+    """A row (gym_row) per task of the split, by task name."""
+    import agentenv
+
+    loaded = bundle if isinstance(bundle, agentenv.Bundle) else agentenv.Bundle.load(bundle)
+    return {task.name: gym_row(loaded, i, split, tools) for i, task in enumerate(loaded.splits[split])}
+
+
+def message(text: str) -> dict:
+    """The assistant's message in a Responses object's output."""
+    return {"type": "message", "id": "msg_final", "role": "assistant", "status": "completed",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def tool_items(n: int, name: str, arguments: dict, output: str) -> list[dict]:
+    """A tool call and its answer, as items of a Responses object's output."""
+    return [{"type": "function_call", "id": f"fc_{n}", "call_id": f"call_{n}", "name": name,
+             "arguments": json.dumps(arguments), "status": "completed"},
+            {"type": "function_call_output", "call_id": f"call_{n}", "output": output}]
+
+
+def responses(text: str | None = None, output: Iterable[dict] = ()) -> dict:
+    """A Responses object as Gym's simple_agent sends it to /verify: the items of the rollout, then
+    the model's final message ``text`` (none when None)."""
+    return {"id": "resp_1", "object": "response", "created_at": 0, "model": "policy_model",
+            "status": "completed",
+            "output": [*output, *([message(text)] if text is not None else [])],
+            "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+            "usage": {"input_tokens": 10, "output_tokens": 5, "total_tokens": 15,
+                      "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": 0}}}
+
+
+def client(timeout: float = 120, limit: int = 100) -> aiohttp.ClientSession:
+    """An aiohttp session as Gym's own client is: no cookie jar (cookies travel by hand)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit),
+                                 cookie_jar=aiohttp.DummyCookieJar(),
+                                 timeout=aiohttp.ClientTimeout(total=timeout))
+
+
+MINE = object()                                  # Gym.post's cookie: the rollout's own
+
+
+class Gym:
+    """One rollout on a Gym surface, as Gym's simple_agent plays it: the row to /seed_session with
+    no cookie; the cookies it sets with every tool call (a POST of the JSON arguments to the tool's
+    route, answered with the text the model reads), with /verify (the row and the Responses object
+    of the rollout: its calls and the final message) and /close_session. Every method answers a
+    Reply (``strict``: every reply must be a 200); ``seed`` must be a 200.
+
+    ``http``: the aiohttp session to use (``client()``); without one, each request opens its own.
+    ``base``: a URL, or a Server (whose headers every request then carries)."""
+
+    def __init__(self, base: str | Server, row: dict, http: aiohttp.ClientSession | None = None, *,
+                 headers: dict | None = None, prefix: str = "", strict: bool = False,
+                 verify_cookies: dict[str, str] | None = None):
+        if isinstance(base, Server):
+            headers, base = {**base.headers, **(headers or {})}, base.url
+        self.base, self.row, self.http = base.rstrip("/") + prefix, row, http
+        self.headers, self.strict = dict(headers or {}), strict
+        self.verify_cookies = verify_cookies or {}     # more cookies on /verify (Gym's agent's)
+        self.cookies: dict[str, str] = {}
+        self.output: list[dict] = []                   # the rollout's tool calls, as Responses items
+
+    @property
+    def cookie(self) -> str | None:
+        return self.cookies.get(COOKIE)
+
+    async def post(self, route: str, body: Any = None, cookie: Any = MINE) -> Reply:
+        """POST ``body`` (bytes as they are, else as JSON) with ``cookie``: the rollout's own, none,
+        a value of the session cookie, or a dict of cookies."""
+        headers = dict(self.headers)
+        data = None
+        if body is not None:
+            data = bytes(body) if isinstance(body, (bytes, bytearray)) else json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        jar = self.cookies if cookie is MINE else {COOKIE: cookie} if isinstance(cookie, str) \
+            else cookie or {}
+        if jar:
+            headers["Cookie"] = "; ".join(f"{k}={v}" for k, v in jar.items())
+        async with contextlib.AsyncExitStack() as stack:
+            http_ = self.http or await stack.enter_async_context(client(60))
+            started = time.monotonic()
+            async with http_.post(self.base + route, data=data, headers=headers) as resp:
+                reply = Reply(resp.status, _message_of(resp.headers), await resp.read(),
+                              time.monotonic() - started)
+                self.cookies.update({k: m.value for k, m in resp.cookies.items()})
+        return reply
+
+    def _checked(self, reply: Reply) -> Reply:
+        if self.strict:
+            assert reply.status == 200, (reply.status, reply.text)
+        return reply
+
+    async def seed(self) -> Reply:
+        reply = await self.post("/seed_session", self.row, cookie=None)
+        assert reply.status == 200, reply.text
+        return reply
+
+    async def call(self, name: str, **arguments: Any) -> Reply:
+        reply = await self.post(f"/{name}", arguments)
+        self.output += tool_items(len(self.output) // 2, name, arguments, reply.text)
+        return self._checked(reply)
+
+    async def verify(self, final: str | None = "Saved.", response: Any = None) -> Reply:
+        body = {**self.row, "response": response or responses(final, self.output)}
+        reply = await self.post("/verify", body, cookie={**self.cookies, **self.verify_cookies})
+        reply.sent = body
+        return self._checked(reply)
+
+    async def close(self) -> Reply:
+        return self._checked(await self.post("/close_session", {}))
+
+
+class SyncGym:
+    """Gym for code with no event loop (a thread of its own will do): each method runs Gym's on a
+    loop of its own, a request on a connection of its own. Takes Gym's arguments."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.aio = Gym(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self.aio, name)
+        if asyncio.iscoroutinefunction(found):
+            return lambda *args, **kwargs: run(found(*args, **kwargs), 90)
+        return found
+
+
+# ================================================================ OpenEnv: the socket client
+
+class Socket:
+    """A raw WebSocket (/ws or /mcp): frames out, JSON frames back."""
+
+    def __init__(self, url: str, headers: dict | None = None):
+        from websockets.sync.client import connect
+
+        self.ws = connect(url, proxy=None, open_timeout=10, close_timeout=2, max_size=2**25,
+                          additional_headers=headers or {}).__enter__()  # (websockets warns otherwise)
+
+    def send(self, message: Any) -> None:
+        self.ws.send(message if isinstance(message, (str, bytes)) else json.dumps(message))
+
+    def recv(self, timeout: float = 60) -> dict:
+        return json.loads(self.ws.recv(timeout=timeout))
+
+    def ask(self, message: Any, timeout: float = 60) -> dict:
+        self.send(message)
+        return self.recv(timeout)
+
+    def closed_with(self, timeout: float = 10) -> int | None:
+        """The code of the close frame the server sent (None: dropped without one)."""
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            while True:
+                self.ws.recv(timeout=timeout)
+        except ConnectionClosed as exc:
+            return exc.rcvd.code if exc.rcvd is not None else None
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.ws.close()
+
+    def drop(self) -> None:
+        """Go away as a client that vanished: the connection shut, no close frame."""
+        with contextlib.suppress(OSError):
+            self.ws.socket.shutdown(socket.SHUT_RDWR)
+        self.ws.socket.close()
+
+    def __enter__(self) -> Socket:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ================================================================ bundles and files
+
+def copy_bundle(dest: Path, source: Path = NOTES) -> Path:
+    """A private copy of a bundle to change, at ``dest`` (its folder name is the bundle's name)."""
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__", ".*"))
+    return dest
+
+
+def patch(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert text.count(old) == 1, f"{old!r} is not in {path} once"
+    path.write_text(text.replace(old, new))
+
+
+SLEEPY = '''\
+"""The notebook env of notes-v1 with a sleep tool; with NEVER_READY set, it never listens."""
+import os
+import sys
+import time
+
+if os.environ.get("NEVER_READY"):
+    print("sleepy: started, but waiting for a database that never comes", file=sys.stderr, flush=True)
+    time.sleep(3600)
+    sys.exit(1)
+
+import server as notebook
+
+notebook.TOOLS.append({"name": "sleep", "description": "Sleep for some seconds.",
+                       "inputSchema": notebook._schema("seconds")})
+notebook.SCHEMAS["sleep"] = notebook.TOOLS[-1]["inputSchema"]
+_call_tool = notebook.call_tool
+
+
+def call_tool(name, args, role):
+    if name == "sleep" and isinstance(args, dict) and isinstance(args.get("seconds"), str):
+        time.sleep(float(args["seconds"]))
+        return "slept", False
+    return _call_tool(name, args, role)
+
+
+notebook.call_tool = call_tool
+notebook.main()
+'''
+
+
+def with_sleep_tool(root: Path) -> Path:
+    """Give the notebook env of a copy of notes-v1 a ``sleep`` tool (seconds, as text); with
+    NEVER_READY in its environment the env never listens."""
+    import agentenv
+
+    notebook = root / "envs" / "notebook"
+    (notebook / "sleepy.py").write_text(SLEEPY)
+    patch(notebook / "Dockerfile", "COPY server.py .", "COPY server.py sleepy.py .")
+    patch(notebook / "Dockerfile", 'CMD ["python", "server.py"]', 'CMD ["python", "sleepy.py"]')
+    assert "sleepy.py" in agentenv.Bundle.load(root).envs["notebook"].command[-1]
+    return root
+
+
+def one_turn_task(env: str, prompt: str, artifact: str = "check_notes", **agent: Any) -> list[dict]:
+    """A task of one turn on ``env``, scored by ``artifact``; ``agent``: more keys of its
+    deploy_agent step (system_prompt), and ``timeout_seconds`` / ``verifier_id`` of its steps."""
+    timeout = agent.pop("timeout_seconds", None)
+    verifier = agent.pop("verifier_id", None)
+    return [{"id": "env", "type": "deploy_env", "env_id": env},
+            {"id": "agent", "type": "deploy_agent", "agent_name": "writer", "env_ids": [env],
+             "role": "writer", **agent},
+            {"id": "turn1", "type": "prompt_agent", "agent_name": "writer", "prompt_id": "turn1",
+             "prompt": prompt, **({"timeout_seconds": timeout} if timeout is not None else {})},
+            {"id": "check", "type": "env_outcome_verifier", "env_id": env,
+             "file_artifact_id": artifact, **({"verifier_id": verifier} if verifier else {}),
+             "score_aggregator": "all_pass"}]
+
+
+def resources_config(name: str, **server: Any) -> dict:
+    """A Gym config of one resources server ``name`` (entrypoint app.py, domain agent, ``server``)."""
+    return {name: {"resources_servers": {name: {"entrypoint": "app.py", "domain": "agent", **server}}}}
+
+
+def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def labelled(docker_client: Any, label: str) -> list:
+    """The containers (running or not) that carry a label (``key`` or ``key=value``)."""
+    return docker_client.containers.list(all=True, filters={"label": label}, ignore_removed=True)
+
+
+def remove_quietly(containers: Iterable[Any]) -> None:
+    for container in containers:
+        with contextlib.suppress(Exception):
+            container.remove(force=True)

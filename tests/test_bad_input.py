@@ -74,18 +74,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import http.client
 import http.cookies
 import json
-import os
 import re
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
@@ -95,236 +87,43 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed, InvalidStatus
-from websockets.sync.client import connect as ws_connect
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import agentenv  # noqa: E402
+from tests.harness import (COOKIE, Reply, Server, Socket, SyncGym, copy_bundle,  # noqa: E402
+                           free_port, request, responses, serving)
+from tests.harness import gym_row as harness_row  # noqa: E402
 
 NOTES = REPO / "bundles" / "notes-v1"
 BUNDLE = agentenv.Bundle.load(NOTES)
 ENV = "notes-v1"
 RECALL, SAVE, TWO_STEP = 0, 1, 2
 NOTES_TOOLS = ["write_note", "read_note", "list_notes", "end_turn"]
-COOKIE = "agentenv_session"
 MAX_BODY = 16 * 2**20               # the server's client_max_size and WebSocket max_msg_size
 TOOL_CAP = 100_000                  # characters of a tool's text passed on (agentenv.MAX_TOOL_OUTPUT)
 TOKEN = "s3cret"
 ENDED = "the episode has ended; call reset"
 
-# ================================================================ the server
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclasses.dataclass
-class Reply:
-    status: int
-    headers: Any
-    body: bytes
-
-    @property
-    def text(self) -> str:
-        return self.body.decode("utf-8", "replace")
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-def request(url: str, method: str = "POST", body: Any = None, headers: dict | None = None,
-            cookie: str | bytes | None = None, timeout: float = 60) -> Reply:
-    """One HTTP request on a fresh connection: bytes as they are, anything else as JSON."""
-    parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
-    target = parts.path + (f"?{parts.query}" if parts.query else "")
-    sent: dict[str, Any] = {}
-    chunked = hasattr(body, "__next__")            # an iterator of chunks: sent chunked
-    if body is not None:
-        if not chunked and not isinstance(body, (bytes, bytearray)):
-            body = json.dumps(body).encode()
-        sent["Content-Type"] = "application/json"
-    if cookie is not None:
-        sent["Cookie"] = (COOKIE.encode() + b"=" + cookie) if isinstance(cookie, bytes) \
-            else f"{COOKIE}={cookie}"
-    sent.update(headers or {})
-    try:
-        conn.request(method, target, body=body, headers=sent, encode_chunked=chunked)
-        resp = conn.getresponse()
-        return Reply(resp.status, resp.headers, resp.read())
-    finally:
-        conn.close()
-
-
-class Served:
-    """``python agentenv.py serve bundles/notes-v1 --sandbox local`` in a subprocess of its own."""
-
-    def __init__(self, folder: Path, *flags: str, env: dict[str, str] | None = None,
-                 headers: dict[str, str] | None = None):
-        folder.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.url, self.ws_url = f"http://127.0.0.1:{self.port}", f"ws://127.0.0.1:{self.port}"
-        self.state, self.log_path = folder / "state", folder / "server.log"
-        self.headers = headers or {}           # what every request of ours carries (a token)
-        environ = {k: v for k, v in os.environ.items()
-                   if k not in ("AGENTENV_TOKEN", "MAX_CONCURRENT_ENVS")}
-        environ.update(AGENTENV_STATE_DIR=str(self.state), PYTHONUNBUFFERED="1", **(env or {}))
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(REPO / "agentenv.py"), "serve", str(NOTES), "--sandbox", "local",
-             "--port", str(self.port), *flags],
-            cwd=folder, env=environ, stdin=subprocess.DEVNULL, stdout=self._log,
-            stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 30
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"serve exited with {self.proc.returncode}:\n{self.log()}")
-            with contextlib.suppress(OSError):
-                if request(self.url + "/health", "GET", headers=self.headers, timeout=2).status:
-                    break
-            if time.monotonic() > deadline:
-                self.kill()
-                raise AssertionError(f"serve did not answer /health within 30s:\n{self.log()}")
-            time.sleep(0.05)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def healthy(self) -> bool:
-        return self.proc.poll() is None and request(self.url + "/health", "GET",
-                                                    headers=self.headers, timeout=10).status == 200
-
-    def env_records(self) -> list[int]:
-        local = self.state / "local"
-        return [int(p.name) for p in local.glob("*/*") if p.name.isdigit()] if local.is_dir() else []
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._log.close()
-        self.reap()
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
-        self.proc.wait(10)
-        self.reap()
-
-    def reap(self) -> None:
-        for pid in self.env_records():              # env process groups a crash left: ours
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-
-
-@contextlib.contextmanager
-def serving(folder: Path, *flags: str, **kwargs: Any) -> Iterator[Served]:
-    server = Served(folder, *flags, **kwargs)
-    try:
-        yield server
-    except BaseException:
-        server.kill()
-        raise
-    code = server.stop()
-    assert code == 0, f"serve exited with {code}:\n{server.log()[-3000:]}"
-    assert not server.env_records(), "serve left env processes behind"
-
+# ================================================================ the server and its clients
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """The one server of this module (fuzzers included), with room for many sessions at once."""
-    with serving(tmp_path_factory.mktemp("bad-input"), "--max-concurrent-envs", "32") as served:
+    with serving(NOTES, tmp_path_factory.mktemp("bad-input"), "--max-concurrent-envs", "32") as served:
         yield served
 
 
-# ================================================================ Gym and OpenEnv clients
-
 def gym_row(index: int) -> dict:
     """The row write-gym writes for the task at all[index] (its tools as Responses tools)."""
-    task = BUNDLE.splits["all"][index]
-    return {"responses_create_params": {
-                "input": [{"role": "user", "content": task.first_prompt[0]}],
-                "tools": [{"type": "function", "name": n, "description": "", "strict": False,
-                           "parameters": {"type": "object", "properties": {}}} for n in NOTES_TOOLS]},
-            "agent_ref": {"type": "responses_api_agents", "name": "notes_v1_simple_agent"},
-            "split": "all", "index": index, "task_id": task.id}
+    return harness_row(BUNDLE, index, tools=NOTES_TOOLS)
 
 
-def responses_object(final: str) -> dict:
-    return {"id": "resp_1", "object": "response", "status": "completed", "output": [
-        {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
-         "content": [{"type": "output_text", "text": final, "annotations": []}]}]}
-
-
-class Rollout:
-    """One Gym rollout, as simple_agent plays it: seed, tools and verify, by the seed's cookie."""
-
-    def __init__(self, server: Served, index: int = SAVE):
-        self.server, self.row = server, gym_row(index)
-        self.cookie: str | None = None
-
-    def post(self, route: str, body: Any, cookie: Any = "mine") -> Reply:
-        return request(self.server.url + route, body=body, headers=self.server.headers,
-                       cookie=self.cookie if cookie == "mine" else cookie)
-
-    def seed(self) -> Reply:
-        reply = self.post("/seed_session", self.row, cookie=None)
-        assert reply.status == 200, reply.text
-        self.cookie = http.cookies.SimpleCookie(reply.headers["Set-Cookie"])[COOKIE].value
-        return reply
-
-    def call(self, name: str, **arguments: Any) -> Reply:
-        return self.post(f"/{name}", arguments)
-
-    def verify(self, final: str = "Saved.", response: Any = None) -> Reply:
-        return self.post("/verify", {**self.row, "response": response or responses_object(final)})
-
-    def close(self) -> Reply:
-        return self.post("/close_session", {})
-
-
-class Socket:
-    """A raw WebSocket (/ws or /mcp): frames out, JSON frames back."""
-
-    def __init__(self, url: str, headers: dict | None = None):
-        self.ws = ws_connect(url, proxy=None, open_timeout=10, close_timeout=2, max_size=2**25,
-                             additional_headers=headers or {}).__enter__()
-
-    def send(self, message: Any) -> None:
-        self.ws.send(message if isinstance(message, (str, bytes)) else json.dumps(message))
-
-    def recv(self, timeout: float = 60) -> dict:
-        return json.loads(self.ws.recv(timeout=timeout))
-
-    def ask(self, message: Any, timeout: float = 60) -> dict:
-        self.send(message)
-        return self.recv(timeout)
-
-    def closed_with(self, timeout: float = 10) -> int | None:
-        """The code of the close frame the server sent (None: dropped without one)."""
-        try:
-            while True:
-                self.ws.recv(timeout=timeout)
-        except ConnectionClosed as exc:
-            return exc.rcvd.code if exc.rcvd is not None else None
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.ws.close()
-
-    def __enter__(self) -> Socket:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+def gym_rollout(server: Server, index: int = SAVE) -> SyncGym:
+    """One Gym rollout of the task at all[index], as simple_agent plays it."""
+    return SyncGym(server, gym_row(index))
 
 
 def step_call(name: str, **arguments: Any) -> dict:
@@ -347,12 +146,12 @@ def server_errors(text: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def survivor(server: Served) -> Iterator[Any]:
+def survivor(server: Server) -> Iterator[Any]:
     """Another user of the same server, started before the bad request: a Gym rollout and an
     OpenEnv /ws episode of save-groceries, each with a note written. After the block both play
     on to the end and score 1.0, /health answers, and the server logged no error meanwhile."""
     mark = len(server.log())
-    gym = Rollout(server, SAVE)
+    gym = gym_rollout(server, SAVE)
     gym.seed()                          # answers at once; its env deploys beside the /ws one
     oe = Socket(server.ws_url + "/ws", server.headers)
     try:
@@ -416,7 +215,7 @@ def test_non_object_json_bodies(server):
                 message = assert_422(request(server.url + route, body=raw, cookie="whatever"),
                                      "model_attributes_type")
                 assert message == "the body must be a JSON object", (route, raw)
-        rollout = Rollout(server, RECALL)
+        rollout = gym_rollout(server, RECALL)
         rollout.seed()
         for raw in (b"null", b'"title"', b"7", b"false"):
             reply = rollout.post("/read_note", raw)
@@ -438,7 +237,7 @@ NON_UTF8 = [b'{"split": "\xff\xfe", "index": 0}', b'{"title": "caf\xe9"}', b"\xc
 
 def test_non_utf8_bytes_in_json_bodies(server):
     with survivor(server):
-        rollout = Rollout(server, SAVE)
+        rollout = gym_rollout(server, SAVE)
         rollout.seed()
         for route in JSON_BODY_ROUTES + ["/mcp", "/write_note"]:
             for raw in NON_UTF8:
@@ -461,7 +260,7 @@ DEEP = b"[" * 100_000
 
 def test_deeply_nested_json_is_refused_not_500(server):
     with survivor(server):
-        rollout = Rollout(server, SAVE)
+        rollout = gym_rollout(server, SAVE)
         rollout.seed()
         answers = {route: request(server.url + route, body=DEEP, cookie=rollout.cookie)
                    for route in JSON_BODY_ROUTES + ["/mcp", "/write_note"]}
@@ -509,11 +308,11 @@ def test_seed_wrong_types(server):
 
 def test_verify_wrong_types(server):
     with survivor(server):
-        rollout = Rollout(server, SAVE)
+        rollout = gym_rollout(server, SAVE)
         rollout.seed()
         for params in ([], "input", None, 5):
             body = {**rollout.row, "responses_create_params": params,
-                    "response": responses_object("hi")}
+                    "response": responses("hi")}
             reply = rollout.post("/verify", body)
             assert reply.status == 422
             assert reply.json() == {"detail": "verify takes the row with responses_create_params "
@@ -523,14 +322,14 @@ def test_verify_wrong_types(server):
         assert rollout.verify().json()["reward"] == 1.0
 
 
-def test_verify_a_malformed_responses_object(server):
+def test_verify_a_malformed_responses(server):
     """A Responses object Gym would never send: refused (422 naming the response) or read as no
     final message; never a 500."""
     with survivor(server):
         for response in ({"output": 5}, {"output": [{"type": "message", "content": 5}]},
                          {"output": [{"type": "message",
                                       "content": [{"type": "output_text", "text": 5}]}]}):
-            rollout = Rollout(server, SAVE)
+            rollout = gym_rollout(server, SAVE)
             rollout.seed()
             reply = rollout.verify(response=response)
             rollout.close()
@@ -578,7 +377,7 @@ def reset_refused(reply: Reply, *words: str) -> str:
 
 def test_reset_wrong_types(server):
     with survivor(server):
-        before = set(server.env_records())
+        before = set(server.records())
         for data, words in (({"split": "all", "index": "0"}, ("no task '0'", "from 0 to 2")),
                             ({"split": "all", "index": True}, ("no task True", "from 0 to 2")),
                             ({"split": "all", "index": 1.5}, ("no task 1.5", "from 0 to 2")),
@@ -587,10 +386,10 @@ def test_reset_wrong_types(server):
                             ({"split": "all"}, ("split and index go together",)),
                             ({"index": 0}, ("split and index go together",))):
             reset_refused(request(server.url + "/reset", body=data), *words)
-        assert set(server.env_records()) <= before, "a refused reset deployed an env"
+        assert set(server.records()) <= before, "a refused reset deployed an env"
 
 
-def refuse_reset_everywhere(server: Served, splits: list[Any]) -> None:
+def refuse_reset_everywhere(server: Server, splits: list[Any]) -> None:
     """A reset naming each split (with index 0) is refused, naming the splits, over HTTP and /ws."""
     for split in splits:
         data = {"split": split, "index": 0}
@@ -705,7 +504,7 @@ def test_unknown_tools(server):
         assert tool_data(sock.ask(step_call("read_note", title="pancakes"))) == \
             "2 eggs, 1 cup milk, 1 cup flour"                                # the episode goes on
         # a Gym tool named after one of the server's GET routes is still a tool call: text
-        rollout = Rollout(server, RECALL)
+        rollout = gym_rollout(server, RECALL)
         rollout.seed()
         for name in ("health", "metadata", "state", "ws", "schema", "list_environments", "%FF"):
             reply = rollout.post(f"/{name}", {})
@@ -723,10 +522,10 @@ def forged_cookies(real: str) -> list[Any]:
 
 def test_forged_cookies(server):
     with survivor(server):
-        rollout = Rollout(server, SAVE)
+        rollout = gym_rollout(server, SAVE)
         rollout.seed()
         for cookie in forged_cookies(rollout.cookie):
-            reply = rollout.post("/write_note", {"title": "x", "text": "y"}, cookie=cookie)
+            reply = request(server.url + "/write_note", body={"title": "x", "text": "y"}, cookie=cookie)
             assert reply.status == 400, (cookie, reply.text)
             assert reply.text == ("error: no session: POST /seed_session with the row first, then "
                                   "call write_note with its cookie")
@@ -738,8 +537,8 @@ def test_forged_cookies(server):
         # on verify, a cookie the server doesn't hold is a rollout it lost: masked, session_lost
         rollout.call("write_note", title="groceries", text="eggs and milk")
         for cookie in forged_cookies(rollout.cookie):
-            body = {**rollout.row, "response": responses_object("Saved.")}
-            reply = rollout.post("/verify", body, cookie=cookie)
+            body = {**rollout.row, "response": responses("Saved.")}
+            reply = request(server.url + "/verify", body=body, cookie=cookie)
             assert reply.status == 200, reply.text
             got = reply.json()
             assert (got["reward"], got["mask_sample"], got["failure_kind"]) == (0.0, True,
@@ -797,7 +596,7 @@ def test_a_17_mib_body_is_413(server):
     big = b'{"title": "' + b"a" * (17 * 2**20) + b'"}'
     under = b'{"x": "' + b"a" * (MAX_BODY - 100) + b'"}'
     with survivor(server):
-        rollout = Rollout(server, SAVE)
+        rollout = gym_rollout(server, SAVE)
         rollout.seed()
         for route in JSON_BODY_ROUTES + ["/mcp", "/write_note", "/ng-rollout/r1/seed_session"]:
             reply = request(server.url + route, body=big, cookie=rollout.cookie)
@@ -842,7 +641,7 @@ def test_huge_frames_close_1009(server):
 
 def test_non_utf8_bytes_in_tool_arguments(server):
     with survivor(server):
-        rollout = Rollout(server, SAVE)
+        rollout = gym_rollout(server, SAVE)
         rollout.seed()
         for raw in (b'{"title": "groceries", "text": "eggs \xff milk"}', b'{"title": "\xc0\xaf"}'):
             reply = rollout.post("/write_note", raw)
@@ -860,7 +659,7 @@ def test_a_lone_surrogate_in_tool_arguments_over_gym(server):
     """JSON lets a model write "\\ud800" (a lone surrogate); the env keeps it and echoes it. The
     model must read an answer (the surrogate replaced or escaped), never a 500."""
     with survivor(server):
-        rollout = Rollout(server, SAVE)
+        rollout = gym_rollout(server, SAVE)
         rollout.seed()
         try:
             saved = rollout.post("/write_note", b'{"title": "groceries", "text": "eggs \\ud800 milk"}')
@@ -964,7 +763,7 @@ def test_mcp_ws_bad_messages(server):
             {"jsonrpc": "2.0", "id": 9, "result": {"tools": []}}        # still answering
 
 
-def binary_frame_answer(server: Served, path: str) -> Any:
+def binary_frame_answer(server: Server, path: str) -> Any:
     """What a binary frame on ``path`` is answered with within 1.5 s: a frame, a close code, or
     None (a reply to {"type": "state"} takes milliseconds)."""
     with Socket(server.ws_url + path) as sock:
@@ -1004,7 +803,7 @@ def test_oversized_tool_output_is_cut_and_says_so(server):
         assert len(answer) < TOOL_CAP + 200
 
     with survivor(server):
-        rollout = Rollout(server, SAVE)
+        rollout = gym_rollout(server, SAVE)
         rollout.seed()
         assert rollout.call("write_note", title="groceries", text=text).text == "saved note 'groceries'"
         read = rollout.call("read_note", title="groceries")
@@ -1030,9 +829,7 @@ def test_oversized_tool_output_is_cut_and_says_so(server):
 
 @pytest.fixture
 def bundle_copy(tmp_path) -> Path:
-    root = tmp_path / "bundles" / "hostile-v1"
-    shutil.copytree(NOTES, root, ignore=shutil.ignore_patterns("__pycache__"))
-    return root
+    return copy_bundle(tmp_path / "bundles" / "hostile-v1")
 
 
 def load_or_refusal(root: Path) -> agentenv.Bundle | str:
@@ -1062,7 +859,11 @@ def test_eval_entries_that_leave_tasks_are_refused(bundle_copy, entry, task):
 
 
 @pytest.mark.parametrize("kind", ["env_id", "file_artifact_id", "eval"])
-@pytest.mark.parametrize("name", ["..", "../notebook", "/etc", "notebook/..", "~", ""])
+@pytest.mark.parametrize("name", ["..", "../notebook", "/etc", "notebook/..", "~", "",
+                                  # paths that reach a real file of the bundle: still no name
+                                  "../tasks/save-groceries", "./save-groceries",
+                                  "../evals/../tasks/two-step", "./notebook",
+                                  "../artifacts/check_notes"])
 def test_references_with_dot_dot_name_nothing(bundle_copy, kind, name):
     """A task's env_id or file_artifact_id, or an eval's entry, is a name, never a path."""
     if kind == "eval":
@@ -1119,8 +920,7 @@ def test_odd_characters_in_file_names_load_and_play(tmp_path):
     """Spaces, quotes, $( ), ;, a leading dash and non-ASCII in the bundle's, an env's, an
     artifact's, a task's and an eval's names: the bundle loads, the task plays and scores, and
     write-gym keeps every file in its folder."""
-    root = tmp_path / "bundles" / "odd ü;$(x)'-v1"
-    shutil.copytree(NOTES, root, ignore=shutil.ignore_patterns("__pycache__"))
+    root = copy_bundle(tmp_path / "bundles" / "odd ü;$(x)'-v1")
     env, artifact, task_name, eval_name = "-note book ü", "check 'notes' $(x)", "sa ve;ü'\"$(x)", "smo ke ü"
     (root / "envs" / "notebook").rename(root / "envs" / env)
     (root / "artifacts" / "check_notes").rename(root / "artifacts" / artifact)
@@ -1297,7 +1097,7 @@ bodies = st.one_of(
 RELEASING = ThreadPoolExecutor(4)     # closes run beside the fuzzing (a teardown takes ~0.5 s)
 
 
-def release(server: Served, reply: Any, cookie_header: str | None = None) -> None:
+def release(server: Server, reply: Any, cookie_header: str | None = None) -> None:
     """Close what a fuzzed request opened, so the fuzzers never fill the server: a Gym session
     (its Set-Cookie) and any MCP session a JSON-RPC result names."""
     if cookie_header and COOKIE in cookie_header:
@@ -1340,7 +1140,7 @@ GYM_FUZZ_ROUTES = ["/seed_session", "/verify", "/close_session", "/aggregate_met
 OPENENV_FUZZ_ROUTES = ["/reset", "/step", "/mcp", *TASK_API, "/notes-v2/task"]
 
 
-def check_http(server: Served, route: str, reply: Reply, body: bytes) -> None:
+def check_http(server: Server, route: str, reply: Reply, body: bytes) -> None:
     assert server.proc.poll() is None, f"the server died:\n{server.log()[-3000:]}"
     assert reply.status < 500, f"{route} answered {reply.status} to {body[:300]!r}:\n" \
                                f"{server.log()[-2000:]}"
@@ -1354,7 +1154,7 @@ def check_http(server: Served, route: str, reply: Reply, body: bytes) -> None:
 @QUIET_RANDOM
 def test_fuzz_gym_routes(server):
     """Any body, any cookie (none, garbage, or a live rollout's) on every Gym route: never a 5xx, never a dropped connection, the server alive, and the survivor scores."""
-    victim = Rollout(server, SAVE)
+    victim = gym_rollout(server, SAVE)
 
     @FUZZ
     @given(route=st.sampled_from(GYM_FUZZ_ROUTES), body=bodies,
@@ -1419,7 +1219,7 @@ def closes(path: str, frame: Any) -> bool:
     return False
 
 
-def fuzz_socket(server: Served, path: str, sent: list[Any], sentinel: dict,
+def fuzz_socket(server: Server, path: str, sent: list[Any], sentinel: dict,
                 is_sentinel_reply: Any, check_reply: Any) -> None:
     """Send the frames and then the sentinel; read until the sentinel's reply or a close."""
     with Socket(server.ws_url + path) as sock:
@@ -1490,7 +1290,7 @@ def test_fuzz_mcp_frames(server):
 
 def test_verify_twice_with_the_same_body_replays_the_reply(server):
     with survivor(server):
-        rollout = Rollout(server, SAVE)
+        rollout = gym_rollout(server, SAVE)
         rollout.seed()
         rollout.call("write_note", title="groceries", text="eggs and milk")
         first, again = rollout.verify("Saved."), rollout.verify("Saved.")
@@ -1500,7 +1300,7 @@ def test_verify_twice_with_the_same_body_replays_the_reply(server):
 
 def test_verify_twice_with_another_response_is_409(server):
     with survivor(server):
-        rollout = Rollout(server, SAVE)
+        rollout = gym_rollout(server, SAVE)
         rollout.seed()
         rollout.call("write_note", title="groceries", text="eggs and milk")
         assert rollout.verify("Saved.").json()["reward"] == 1.0
@@ -1513,7 +1313,7 @@ def test_verify_twice_with_another_response_is_409(server):
 
 def test_a_tool_after_verify_is_409(server):
     with survivor(server):
-        rollout = Rollout(server, SAVE)
+        rollout = gym_rollout(server, SAVE)
         rollout.seed()
         rollout.call("write_note", title="groceries", text="eggs and milk")
         assert rollout.verify().status == 200
@@ -1541,7 +1341,7 @@ LOCKED_ROUTES = [("GET", "/health"), ("GET", "/metadata"), ("GET", "/schema"), (
 
 @pytest.fixture(scope="module")
 def locked(tmp_path_factory):
-    with serving(tmp_path_factory.mktemp("locked"), "--token", TOKEN, headers=AUTH) as served:
+    with serving(NOTES, tmp_path_factory.mktemp("locked"), "--token", TOKEN, headers=AUTH) as served:
         yield served
 
 
@@ -1589,7 +1389,7 @@ def test_token_websockets_are_401_without_it(locked, path):
 
 
 def test_token_from_agentenv_token(tmp_path):
-    with serving(tmp_path, env={"AGENTENV_TOKEN": TOKEN}, headers=AUTH) as served:
+    with serving(NOTES, tmp_path, env={"AGENTENV_TOKEN": TOKEN}, headers=AUTH) as served:
         assert_401(request(served.url + "/health", "GET"), "/health")
         assert request(served.url + "/health", "GET", headers=AUTH).status == 200
 

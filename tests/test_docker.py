@@ -15,7 +15,6 @@ import concurrent.futures
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -33,6 +32,7 @@ if str(REPO) not in sys.path:
 
 import agentenv  # noqa: E402
 from agentenv import Bundle, EpisodeFailed, Runtime, ToolResult, owner_id  # noqa: E402
+from tests.harness import copy_bundle, labelled, remove_quietly, run  # noqa: E402
 
 NOTES = REPO / "bundles" / "notes-v1"
 ENV_PORT = f"{agentenv.ENV_PORT}/tcp"
@@ -45,18 +45,6 @@ OTHER_OWNERS: set[str] = set()
 
 
 # ---------------------------------------------------------------- helpers
-
-def run(coro, timeout: float = 90):
-    """Run a test's coroutine in a fresh event loop, within a deadline."""
-    async def bounded():
-        async with asyncio.timeout(timeout):
-            return await coro
-    return asyncio.run(bounded())
-
-
-def labelled(client, label: str) -> list:
-    return client.containers.list(all=True, filters={"label": label}, ignore_removed=True)
-
 
 def episode_containers(client, episode_id: str) -> list:
     return labelled(client, f"agentenv.episode={episode_id}")
@@ -78,20 +66,12 @@ async def wait_no_episode_container(client, episode_id: str, timeout: float = 10
 
 def copy_notes(tmp_path: Path) -> Path:
     """A private copy of notes-v1 to change (same folder name, so the same bundle name)."""
-    root = tmp_path / "bundle" / "notes-v1"
-    shutil.copytree(NOTES, root, ignore=shutil.ignore_patterns("__pycache__", ".*"))
-    return root
+    return copy_bundle(tmp_path / "bundle" / "notes-v1")
 
 
 def notes_tag() -> str:
     """The image tag of the example bundle's env, as DockerSandbox names it."""
     return f"agentenv/notebook:{Bundle.load(NOTES).envs['notebook'].digest}"
-
-
-def remove_quietly(client, containers) -> None:
-    for c in containers:
-        with contextlib.suppress(Exception):
-            c.remove(force=True)
 
 
 @pytest.fixture
@@ -114,7 +94,7 @@ def no_container_left_behind(docker_client):
     mine = {owner_id()} | OTHER_OWNERS
     left = [c for c in labelled(docker_client, "agentenv.owner")
             if c.labels.get("agentenv.owner") in mine or c.labels.get(SESSION_LABEL) == SESSION]
-    remove_quietly(docker_client, left)
+    remove_quietly(left)
     assert not left, (f"the Docker tests left {len(left)} container(s) behind (now removed): "
                       f"{[(c.short_id, c.labels) for c in left]}")
 
@@ -391,7 +371,7 @@ def test_launch_of_env_exiting_at_once_reports_code_and_output(docker_client, tm
         said = run(go())
         assert "exited with code 4" in said and "boom: no config" in said, said
     finally:
-        remove_quietly(docker_client, episode_containers(docker_client, episode))
+        remove_quietly(episode_containers(docker_client, episode))
     assert episode_containers(docker_client, episode) == []
 
 
@@ -590,7 +570,7 @@ def test_close_while_create_in_flight_leaves_no_container(docker_client, create_
                             f"{[(c.short_id, c.status) for c in left]}")
     finally:
         create_spy.wait_settled()
-        remove_quietly(docker_client, episode_containers(docker_client, episode) if episode else [])
+        remove_quietly(episode_containers(docker_client, episode) if episode else [])
 
 
 # ---------------------------------------------------------------- 6. the crash sweep
@@ -637,7 +617,7 @@ def test_startup_sweep_removes_only_dead_owners_containers(docker_client):
     finally:
         sleeper.kill()
         sleeper.wait()
-        remove_quietly(docker_client, made)
+        remove_quietly(made)
 
 
 async def _ensure_image(bundle):
@@ -782,4 +762,4 @@ def test_killed_server_container_swept_at_next_start(docker_client):
             child.wait()
         child.stdout.close()
         if episode:
-            remove_quietly(docker_client, episode_containers(docker_client, episode))
+            remove_quietly(episode_containers(docker_client, episode))

@@ -69,7 +69,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -82,7 +81,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import agentenv  # noqa: E402
-from tests.harness import Server, alive, running, wait_until  # noqa: E402
+from tests.harness import (Gym, Reply, Server, Socket, alive, client, copy_bundle,  # noqa: E402
+                           gym_rows, labelled, one_turn_task, remove_quietly, resources_config,
+                           run, running, wait_until, with_sleep_tool)
 
 try:
     import docker.errors
@@ -91,62 +92,16 @@ except ImportError:                                  # the Docker tests skip, sa
     DOCKER_NOT_FOUND = Exception
 
 NOTES = REPO / "bundles" / "notes-v1"
-COOKIE = "agentenv_session"
 GROCERIES = {"title": "groceries", "text": "eggs and milk"}
 
 
 # ================================================================ the faulty bundle
 
-FAULTY = '''\
-"""The notebook env of notes-v1 with a sleep tool; with NEVER_READY set, it never listens."""
-import os
-import sys
-import time
-
-if os.environ.get("NEVER_READY"):
-    print("faulty: started, but waiting for a database that never comes", file=sys.stderr, flush=True)
-    time.sleep(3600)
-    sys.exit(1)
-
-import server as notebook
-
-notebook.TOOLS.append({"name": "sleep", "description": "Sleep for some seconds.",
-                       "inputSchema": notebook._schema("seconds")})
-_call_tool = notebook.call_tool
-
-
-def call_tool(name, args, role):
-    if name == "sleep" and isinstance(args, dict) and isinstance(args.get("seconds"), str):
-        time.sleep(float(args["seconds"]))
-        return "slept", False
-    return _call_tool(name, args, role)
-
-
-notebook.call_tool = call_tool
-notebook.main()
-'''
-
-
-def one_turn(env: str, prompt: str) -> list[dict]:
-    return [{"id": "env", "type": "deploy_env", "env_id": env},
-            {"id": "agent", "type": "deploy_agent", "agent_name": "writer", "env_ids": [env],
-             "role": "writer"},
-            {"id": "turn1", "type": "prompt_agent", "agent_name": "writer", "prompt_id": "turn1",
-             "prompt": prompt},
-            {"id": "check", "type": "env_outcome_verifier", "env_id": env,
-             "file_artifact_id": "check_notes", "score_aggregator": "all_pass"}]
-
-
 def make_faults_bundle(dest: Path) -> Path:
     """notes-v1 whose notebook also has a ``sleep`` tool; plus an env ``deaf`` that never listens
     and an env ``broken`` that prints why and exits at once, with a one-turn task each."""
-    root = dest / "faults-v1"
-    shutil.copytree(NOTES, root, ignore=shutil.ignore_patterns("__pycache__"))
+    root = with_sleep_tool(copy_bundle(dest / "faults-v1"))
     notebook = root / "envs" / "notebook"
-    (notebook / "faulty.py").write_text(FAULTY)
-    dockerfile = notebook / "Dockerfile"
-    dockerfile.write_text(dockerfile.read_text().replace("COPY server.py .", "COPY server.py faulty.py .")
-                          .replace('CMD ["python", "server.py"]', 'CMD ["python", "faulty.py"]'))
     shutil.copytree(notebook, root / "envs" / "deaf")
     deaf = root / "envs" / "deaf" / "Dockerfile"
     deaf.write_text(deaf.read_text().replace("USER 10001\n", "USER 10001\nENV NEVER_READY=1\n"))
@@ -156,12 +111,11 @@ def make_faults_bundle(dest: Path) -> Path:
                                        'CMD ["python", "broken.py"]\n')
     (broken / "broken.py").write_text("import sys\nprint('broken: no config at /etc/broken.toml', "
                                       "flush=True)\nsys.exit(3)\n")
-    tasks = {"hang": one_turn("notebook", "Save a note, slowly."),
-             "never-ready": one_turn("deaf", "Save a note titled 'groceries' with eggs and milk."),
-             "broken": one_turn("broken", "Say hello.")}
+    tasks = {"hang": one_turn_task("notebook", "Save a note, slowly."),
+             "never-ready": one_turn_task("deaf", "Save a note titled 'groceries' with eggs and milk."),
+             "broken": one_turn_task("broken", "Say hello.")}
     for name, steps in tasks.items():
         (root / "tasks" / f"{name}.json").write_text(json.dumps(steps, indent=2))
-    assert "faulty.py" in agentenv.Bundle.load(root).envs["notebook"].command[-1]
     return root
 
 
@@ -170,65 +124,22 @@ def faults(tmp_path_factory) -> Path:
     return make_faults_bundle(tmp_path_factory.mktemp("bundle"))
 
 
-def rows(bundle: Path) -> dict[str, dict]:
-    """A Gym row per task, by name (no tools in them, so no tools check)."""
-    loaded = agentenv.Bundle.load(bundle)
-    return {task.name: {"responses_create_params": {"input": [{"role": "user",
-                                                               "content": task.first_prompt[0]}]},
-                        "split": "all", "index": i, "task_id": task.id}
-            for i, task in enumerate(loaded.splits["all"])}
-
-
 def index_of(bundle: Path, name: str) -> int:
     return [t.name for t in agentenv.Bundle.load(bundle).splits["all"]].index(name)
 
 
 # ================================================================ helpers
 
-def run(coro, timeout: float = 120):
-    async def bounded():
-        async with asyncio.timeout(timeout):
-            return await coro
-    return asyncio.run(bounded())
+async def seeded(http: aiohttp.ClientSession, base: str, row: dict) -> Gym:
+    """One Gym rollout as simple_agent plays it, seeded; every reply of it must be a 200."""
+    rollout = Gym(base, row, http, strict=True)
+    await rollout.seed()
+    return rollout
 
 
-def client() -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(),
-                                 timeout=aiohttp.ClientTimeout(total=120))
-
-
-def responses(text: str) -> dict:
-    return {"id": "resp", "object": "response", "created_at": 0, "model": "policy", "status": "completed",
-            "output": [{"type": "message", "id": "msg", "role": "assistant", "status": "completed",
-                        "content": [{"type": "output_text", "text": text, "annotations": []}]}],
-            "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
-
-
-class Rollout:
-    """One Gym rollout as simple_agent plays it: seed, tool calls with the cookie, verify."""
-
-    def __init__(self, http: aiohttp.ClientSession, base: str, row: dict):
-        self.http, self.base, self.row = http, base, row
-        self.cookies: dict[str, str] = {}
-
-    async def seed(self) -> Rollout:
-        async with self.http.post(self.base + "/seed_session", json=self.row) as resp:
-            assert resp.status == 200, await resp.text()
-            self.cookies = {COOKIE: resp.cookies[COOKIE].value}
-        return self
-
-    async def call(self, name: str, **arguments) -> tuple[str, float]:
-        """The text the model reads, and how long it took."""
-        started = time.monotonic()
-        async with self.http.post(f"{self.base}/{name}", json=arguments, cookies=self.cookies) as resp:
-            assert resp.status == 200, (resp.status, await resp.text())
-            return await resp.text(), time.monotonic() - started
-
-    async def verify(self, final: str = "Saved.") -> dict:
-        body = {**self.row, "response": responses(final)}
-        async with self.http.post(self.base + "/verify", json=body, cookies=self.cookies) as resp:
-            assert resp.status == 200, await resp.text()
-            return await resp.json()
+def answer(reply: Reply) -> tuple[str, float]:
+    """The text the model reads, and how long it took."""
+    return reply.text, reply.elapsed
 
 
 def assert_scored(body: dict, reward: float = 1.0) -> None:
@@ -252,21 +163,22 @@ def test_an_env_process_killed_mid_episode_masks_its_rollout_and_a_sibling_score
     Its rollout is masked transport_peer_drop, saying the env stopped and how; the sibling,
     deployed beside it, is scored 1.0; both envs are gone afterwards."""
     with running(Server.serve(NOTES, tmp_path, "--max-concurrent-envs", "4")) as server:
-        row = rows(NOTES)["save-groceries"]
+        row = gym_rows(NOTES)["save-groceries"]
 
         async def go():
             async with client() as http:
-                victim = await Rollout(http, server.url, row).seed()
-                assert (await victim.call("list_notes"))[0] == "(no notes)"
+                victim = await seeded(http, server.url, row)
+                assert (await victim.call("list_notes")).text == "(no notes)"
                 [pid] = server.wait_envs(1)
-                sibling = await Rollout(http, server.url, row).seed()
-                assert (await sibling.call("list_notes"))[0] == "(no notes)"
+                sibling = await seeded(http, server.url, row)
+                assert (await sibling.call("list_notes")).text == "(no notes)"
                 server.wait_envs(2)
                 os.kill(pid, signal.SIGKILL)
                 wait_until(lambda: not alive(pid), 5, "the killed env is dead")
-                after = (await victim.call("write_note", **GROCERIES))[0] if then == "tool call" else None
-                sib = (await sibling.call("write_note", **GROCERIES))[0]
-                return after, sib, await victim.verify(), await sibling.verify()
+                after = (await victim.call("write_note", **GROCERIES)).text if then == "tool call" \
+                    else None
+                sib = (await sibling.call("write_note", **GROCERIES)).text
+                return after, sib, (await victim.verify()).json(), (await sibling.verify()).json()
 
         after, sib, masked, scored = run(go())
         stopped = "env 'notebook' stopped: its process exited with code -9"
@@ -288,25 +200,26 @@ def test_a_hanging_tool_and_an_env_never_ready_cost_only_their_rollouts_on_gym(t
     rollout's tool hangs, one rollout's env never becomes ready, and a sibling plays. The first
     two are masked transport_timeout with the setting to raise; the sibling scores 1.0 before the
     never-ready one has even given up; no env process is left."""
-    with running(Server.gym(faults, tmp_path, max_concurrent_envs=4, tool_timeout=1,
+    config = resources_config("faults", bundle=str(faults), sandbox="local")
+    with running(Server.gym(tmp_path, config, max_concurrent_envs=4, tool_timeout=1,
                             reset_timeout=3, idle_timeout=600)) as server:
-        table = rows(faults)
+        table = gym_rows(faults)
 
         async def hang(http):
-            rollout = await Rollout(http, server.url, table["hang"]).seed()
-            assert (await rollout.call("list_notes"))[0] == "(no notes)"
-            text, took = await rollout.call("sleep", seconds="60")
-            return text, took, await rollout.verify(), time.monotonic()
+            rollout = await seeded(http, server.url, table["hang"])
+            assert (await rollout.call("list_notes")).text == "(no notes)"
+            text, took = answer(await rollout.call("sleep", seconds="60"))
+            return text, took, (await rollout.verify()).json(), time.monotonic()
 
         async def never(http):
-            rollout = await Rollout(http, server.url, table["never-ready"]).seed()
-            text, took = await rollout.call("write_note", **GROCERIES)
-            return text, took, await rollout.verify(), time.monotonic()
+            rollout = await seeded(http, server.url, table["never-ready"])
+            text, took = answer(await rollout.call("write_note", **GROCERIES))
+            return text, took, (await rollout.verify()).json(), time.monotonic()
 
         async def sibling(http):
-            rollout = await Rollout(http, server.url, table["save-groceries"]).seed()
-            text, _ = await rollout.call("write_note", **GROCERIES)
-            return text, await rollout.verify(), time.monotonic()
+            rollout = await seeded(http, server.url, table["save-groceries"])
+            text, _ = answer(await rollout.call("write_note", **GROCERIES))
+            return text, (await rollout.verify()).json(), time.monotonic()
 
         async def go():
             async with client() as http:
@@ -339,7 +252,7 @@ def test_a_hanging_tool_and_an_env_never_ready_cost_only_their_sessions_on_opene
     with reward 1.0; no env process is left."""
     with running(Server.serve(faults, tmp_path, "--max-concurrent-envs", "4", "--client-timeout", "4",
                               "--reply-margin", "1")) as server:
-        ws_url = server.url.replace("http://", "ws://") + "/ws"
+        ws_url = server.ws_url + "/ws"
         hang_at, never_at, save_at = (index_of(faults, n) for n in ("hang", "never-ready", "save-groceries"))
 
         async def session(http, index, calls):
@@ -388,12 +301,12 @@ def test_a_gym_client_gone_mid_call_leaves_a_usable_session_reclaimed_after_idle
     masked session_lost. The server logs no traceback."""
     with running(Server.serve(faults, tmp_path, "--max-concurrent-envs", "1",
                               "--idle-timeout", "2")) as server:
-        table = rows(faults)
+        table = gym_rows(faults)
 
         async def go():
             async with client() as http:
-                first = await Rollout(http, server.url, table["save-groceries"]).seed()
-                assert (await first.call("list_notes"))[0] == "(no notes)"
+                first = await seeded(http, server.url, table["save-groceries"])
+                assert (await first.call("list_notes")).text == "(no notes)"
                 # a client of its own, closed with the request still under way
                 async with aiohttp.ClientSession(
                         connector=aiohttp.TCPConnector(force_close=True),
@@ -404,14 +317,14 @@ def test_a_gym_client_gone_mid_call_leaves_a_usable_session_reclaimed_after_idle
                     request.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await request
-                usable, usable_took = await first.call("write_note", **GROCERIES)
+                usable, usable_took = answer(await first.call("write_note", **GROCERIES))
                 [pid] = server.env_pids()
                 # silent from now on; a second rollout waits for the one slot
-                second = await Rollout(http, server.url, table["save-groceries"]).seed()
-                waited_text, waited = await second.call("write_note", **GROCERIES)
+                second = await seeded(http, server.url, table["save-groceries"])
+                waited_text, waited = answer(await second.call("write_note", **GROCERIES))
                 gone_by = not alive(pid)
-                return usable, usable_took, waited_text, waited, gone_by, await second.verify(), \
-                    await first.verify()
+                return usable, usable_took, waited_text, waited, gone_by, \
+                    (await second.verify()).json(), (await first.verify()).json()
 
         usable, usable_took, waited_text, waited, gone_by, second, late = run(go())
         assert usable == "saved note 'groceries'"          # after the abandoned sleep, in turn
@@ -432,23 +345,20 @@ def gone_mid_step(tmp_path_factory, faults):
     """serve --max-concurrent-envs 1: a /ws client drops its connection (no close frame) while a
     tool call runs (a 2 s sleep). What follows: whether its env was torn down, the final reply of a
     new session that waited for the one slot, and the server's log."""
-    from websockets.sync.client import connect
-
     with running(Server.serve(faults, tmp_path_factory.mktemp("gone"), "--max-concurrent-envs",
                               "1")) as server:
-        ws_url = server.url.replace("http://", "ws://") + "/ws"
+        ws_url = server.ws_url + "/ws"
         save_at = index_of(faults, "save-groceries")
-        ws = connect(ws_url, proxy=None, open_timeout=10).__enter__()  # (websockets warns otherwise)
+        ws = Socket(ws_url)
         try:
-            ws.send(json.dumps({"type": "reset", "data": {"split": "all", "index": save_at}}))
-            assert json.loads(ws.recv(timeout=30))["data"]["done"] is False
+            assert ws.ask({"type": "reset", "data": {"split": "all", "index": save_at}},
+                          timeout=30)["data"]["done"] is False
             server.wait_envs(1)
-            ws.send(json.dumps({"type": "step", "data": {"type": "call_tool", "tool_name": "sleep",
-                                                         "arguments": {"seconds": "2"}}}))
+            ws.send({"type": "step", "data": {"type": "call_tool", "tool_name": "sleep",
+                                              "arguments": {"seconds": "2"}}})
             time.sleep(0.5)
         finally:
-            ws.socket.shutdown(socket.SHUT_RDWR)        # gone: no close frame
-            ws.socket.close()
+            ws.drop()                                   # gone: no close frame
         started = time.monotonic()
         server.no_envs(timeout=10)
         torn_down_in = time.monotonic() - started
@@ -498,14 +408,14 @@ def test_serve_killed_with_sigkill_its_env_processes_are_gone_after_the_next_sta
     serves a new rollout, and masks a rollout of the killed run session_lost."""
     state = tmp_path / "state"
     first = Server.serve(NOTES, tmp_path / "first", state=state)
-    row = rows(NOTES)["save-groceries"]
+    row = gym_rows(NOTES)["save-groceries"]
     try:
         async def live():
             async with client() as http:
-                rollouts = [await Rollout(http, first.url, row).seed() for _ in range(2)]
+                rollouts = [await seeded(http, first.url, row) for _ in range(2)]
                 for rollout in rollouts:
-                    assert (await rollout.call("list_notes"))[0] == "(no notes)"
-                ws = await http.ws_connect(first.url.replace("http://", "ws://") + "/ws")
+                    assert (await rollout.call("list_notes")).text == "(no notes)"
+                ws = await http.ws_connect(first.ws_url + "/ws")
                 await ws.send_json({"type": "reset", "data": {"split": "all", "index": 0}})
                 assert (await ws.receive_json(timeout=30))["data"]["done"] is False
                 first.wait_envs(3)
@@ -529,11 +439,11 @@ def test_serve_killed_with_sigkill_its_env_processes_are_gone_after_the_next_sta
 
             async def after():
                 async with client() as http:
-                    fresh = await Rollout(http, second.url, row).seed()
-                    assert (await fresh.call("write_note", **GROCERIES))[0] == "saved note 'groceries'"
-                    orphan = Rollout(http, second.url, row)
+                    fresh = await seeded(http, second.url, row)
+                    assert (await fresh.call("write_note", **GROCERIES)).text == "saved note 'groceries'"
+                    orphan = Gym(second.url, row, http, strict=True)
                     orphan.cookies = cookies
-                    return await fresh.verify(), await orphan.verify()
+                    return (await fresh.verify()).json(), (await orphan.verify()).json()
 
             fresh, orphan = run(after())
             assert_scored(fresh)
@@ -554,8 +464,8 @@ def sigint_busy(tmp_path_factory, faults):
     sleep), and another of each holds a live env. What the clients got, the exit code, how long
     the server took to exit, what it left, and its log."""
     server = Server.serve(faults, tmp_path_factory.mktemp("sigint"), "--max-concurrent-envs", "8")
-    table = rows(faults)
-    ws_url = server.url.replace("http://", "ws://") + "/ws"
+    table = gym_rows(faults)
+    ws_url = server.ws_url + "/ws"
     save_at = index_of(faults, "save-groceries")
 
     async def until_closed(ws) -> list:
@@ -566,10 +476,10 @@ def sigint_busy(tmp_path_factory, faults):
 
     async def go():
         async with client() as http:
-            idle_gym = await Rollout(http, server.url, table["save-groceries"]).seed()
-            busy_gym = await Rollout(http, server.url, table["save-groceries"]).seed()
+            idle_gym = await seeded(http, server.url, table["save-groceries"])
+            busy_gym = await seeded(http, server.url, table["save-groceries"])
             for rollout in (idle_gym, busy_gym):
-                assert (await rollout.call("list_notes"))[0] == "(no notes)"
+                assert (await rollout.call("list_notes")).text == "(no notes)"
             sockets = [await http.ws_connect(ws_url) for _ in range(2)]
             for ws in sockets:
                 await ws.send_json({"type": "reset", "data": {"split": "all", "index": save_at}})
@@ -582,6 +492,8 @@ def sigint_busy(tmp_path_factory, faults):
             server.signal(signal.SIGINT)
             started = time.monotonic()
             [gym_answer] = await asyncio.gather(in_flight, return_exceptions=True)
+            if isinstance(gym_answer, Reply):
+                gym_answer = answer(gym_answer)
             frames = [await until_closed(ws) for ws in sockets]
             code = await asyncio.to_thread(server.proc.wait, 20)
             took = time.monotonic() - started
@@ -625,15 +537,8 @@ def test_a_call_in_flight_at_sigint_says_the_server_shut_down(sigint_busy):
 
 def owned_containers(docker_client, server: Server) -> list:
     """The containers of a serve process, by their agentenv.owner label (host:pid:start)."""
-    found = docker_client.containers.list(all=True, filters={"label": "agentenv.owner"},
-                                          ignore_removed=True)
+    found = labelled(docker_client, "agentenv.owner")
     return [c for c in found if c.labels["agentenv.owner"].split(":")[1] == str(server.pid)]
-
-
-def remove(containers) -> None:
-    for container in containers:
-        with contextlib.suppress(Exception):
-            container.remove(force=True)
 
 
 def test_a_container_killed_mid_episode_masks_its_rollout_and_a_sibling_scores(docker_client, tmp_path):
@@ -644,22 +549,22 @@ def test_a_container_killed_mid_episode_masks_its_rollout_and_a_sibling_scores(d
     server = Server.serve(NOTES, tmp_path, "--max-concurrent-envs", "4", sandbox="docker")
     try:
         with running(server):
-            row = rows(NOTES)["save-groceries"]
+            row = gym_rows(NOTES)["save-groceries"]
 
             async def go():
                 async with client() as http:
-                    victim = await Rollout(http, server.url, row).seed()
-                    assert (await victim.call("list_notes"))[0] == "(no notes)"
+                    victim = await seeded(http, server.url, row)
+                    assert (await victim.call("list_notes")).text == "(no notes)"
                     [container] = await asyncio.to_thread(owned_containers, docker_client, server)
                     episode = container.labels["agentenv.episode"]
-                    sibling = await Rollout(http, server.url, row).seed()
-                    assert (await sibling.call("list_notes"))[0] == "(no notes)"
+                    sibling = await seeded(http, server.url, row)
+                    assert (await sibling.call("list_notes")).text == "(no notes)"
                     [target] = docker_client.containers.list(
                         filters={"label": f"agentenv.episode={episode}"})
                     await asyncio.to_thread(target.kill)
-                    after = (await victim.call("write_note", **GROCERIES))[0]
-                    sib = (await sibling.call("write_note", **GROCERIES))[0]
-                    return after, sib, await victim.verify(), await sibling.verify()
+                    after = (await victim.call("write_note", **GROCERIES)).text
+                    sib = (await sibling.call("write_note", **GROCERIES)).text
+                    return after, sib, (await victim.verify()).json(), (await sibling.verify()).json()
 
             after, sib, masked, scored = run(go())
             stopped = "env 'notebook' stopped: its container exited with code 137"
@@ -671,7 +576,7 @@ def test_a_container_killed_mid_episode_masks_its_rollout_and_a_sibling_scores(d
             wait_until(lambda: not owned_containers(docker_client, server), 20,
                        "every container of the server is removed")
     finally:
-        remove(owned_containers(docker_client, server))
+        remove_quietly(owned_containers(docker_client, server))
 
 
 def test_docker_serve_killed_with_sigkill_its_containers_are_removed_at_the_next_start(docker_client,
@@ -684,9 +589,9 @@ def test_docker_serve_killed_with_sigkill_its_containers_are_removed_at_the_next
     try:
         async def live():
             async with client() as http:
-                rollout = await Rollout(http, first.url, rows(NOTES)["save-groceries"]).seed()
-                assert (await rollout.call("list_notes"))[0] == "(no notes)"
-                ws = await http.ws_connect(first.url.replace("http://", "ws://") + "/ws")
+                rollout = await seeded(http, first.url, gym_rows(NOTES)["save-groceries"])
+                assert (await rollout.call("list_notes")).text == "(no notes)"
+                ws = await http.ws_connect(first.ws_url + "/ws")
                 await ws.send_json({"type": "reset", "data": {"split": "all", "index": 0}})
                 assert (await ws.receive_json(timeout=60))["data"]["done"] is False
                 first.signal(signal.SIGKILL)
@@ -702,7 +607,7 @@ def test_docker_serve_killed_with_sigkill_its_containers_are_removed_at_the_next
             assert "Removed 2 container(s) that an earlier run of agentenv.py left behind" in second.log()
     finally:
         first.kill()
-        remove(left)
+        remove_quietly(left)
 
 
 def test_a_container_removed_during_the_start_up_sweep_does_not_stop_the_start(docker_client,
@@ -729,15 +634,20 @@ def test_a_container_removed_during_the_start_up_sweep_does_not_stop_the_start(d
 
 # ================================================================ 7. sandbox races met under load
 
-def test_two_episodes_given_the_same_port_one_after_the_other_never_share_an_env(monkeypatch):
-    """free_port() hands the port of a live env out again (the kernel does, once the probe socket
-    is closed): the second episode must not be played on the first one's env (seen under load in
-    tests/test_load.py before 0a2c4e2: its writes landed in the first's notebook). The first, which
-    wrote nothing, scores 0."""
+@pytest.fixture
+def same_port_twice(monkeypatch):
+    """agentenv.free_port() answers one port twice (as the kernel may), then as it would."""
     port = agentenv.free_port()
     picks = iter([port, port])
     real = agentenv.free_port
     monkeypatch.setattr(agentenv, "free_port", lambda: next(picks, None) or real())
+
+
+def test_two_episodes_given_the_same_port_one_after_the_other_never_share_an_env(same_port_twice):
+    """free_port() hands the port of a live env out again (the kernel does, once the probe socket
+    is closed): the second episode must not be played on the first one's env (seen under load in
+    tests/test_load.py before 0a2c4e2: its writes landed in the first's notebook). The first, which
+    wrote nothing, scores 0."""
     bundle = agentenv.Bundle.load(NOTES)
     task = bundle.tasks["save-groceries"]
 
@@ -762,14 +672,10 @@ def test_two_episodes_given_the_same_port_one_after_the_other_never_share_an_env
     assert (status, reward) == ("scored", 0.0), (status, reward)
 
 
-def test_two_launches_at_once_are_never_handed_the_same_port(monkeypatch):
+def test_two_launches_at_once_are_never_handed_the_same_port(same_port_twice):
     """Two episodes started together, both launches under way when free_port() gives the same port
     twice (as the kernel does for two probes a moment apart): both must deploy, each on its own
     env, and each see only its own note."""
-    port = agentenv.free_port()
-    picks = iter([port, port])
-    real = agentenv.free_port
-    monkeypatch.setattr(agentenv, "free_port", lambda: next(picks, None) or real())
     bundle = agentenv.Bundle.load(NOTES)
     task = bundle.tasks["save-groceries"]
 

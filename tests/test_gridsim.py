@@ -27,6 +27,7 @@ for path in (REPO, BUNDLE / "envs" / "gridsim"):
 import agentenv  # noqa: E402
 import battery  # noqa: E402
 from battery import Battery, InvalidSchedule  # noqa: E402
+from tests.harness import run  # noqa: E402
 
 
 def _load(name: str, path: Path):
@@ -38,13 +39,6 @@ def _load(name: str, path: Path):
 
 generate = _load("gridsim_generate", BUNDLE / "generate.py")
 baselines = _load("gridsim_baselines", BUNDLE / "baselines.py")
-
-
-def run(coro, timeout: float = 90):
-    async def bounded():
-        async with asyncio.timeout(timeout):
-            return await coro
-    return asyncio.run(bounded())
 
 
 # ---------------------------------------------------------------- the exact optimum

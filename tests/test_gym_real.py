@@ -28,9 +28,7 @@ none. Skipped when the Gym venv isn't built (``bash .ci/gym-venv.sh``); an error
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -48,7 +46,8 @@ for path in (REPO, GRIDSIM / "envs" / "gridsim"):
 
 import battery  # noqa: E402
 from tests.gym import harness  # noqa: E402
-from tests.harness import Server, running  # noqa: E402
+from tests.harness import (Server, copy_bundle, environ, processes_with_env,  # noqa: E402
+                           read_jsonl, running, write_jsonl)
 
 BROKEN_CMD = '["python", "-c", "import sys; print(\'no config\'); sys.exit(3)"]'
 TOL = 1e-9
@@ -61,8 +60,8 @@ def write_gym(bundle: Path, root: Path, state: Path) -> Path:
     """``python agentenv.py write-gym BUNDLE ROOT --sandbox local --max-concurrent-envs 4``."""
     argv = [sys.executable, str(REPO / "agentenv.py"), "write-gym", str(bundle), str(root),
             "--sandbox", "local", "--max-concurrent-envs", "4"]
-    proc = subprocess.run(argv, cwd=REPO, env={**os.environ, "AGENTENV_STATE_DIR": str(state)},
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(argv, cwd=REPO, env=environ(state), capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, f"{' '.join(argv)} failed:\n{proc.stdout}\n{proc.stderr}"
     target = Path(proc.stdout.strip().splitlines()[-1].removeprefix("wrote "))
     assert target.parent == root.resolve() / "resources_servers", proc.stdout
@@ -117,7 +116,7 @@ def gym(tmp_path_factory) -> dict[str, Any]:
     state = base / "agentenv-state"
     # the notes bundle, copied under another name, whose env is broken once its rows are written
     broken_bundle = base / "bundles" / "notes-broken"
-    shutil.copytree(NOTES, broken_bundle)
+    copy_bundle(broken_bundle)
 
     t0 = time.monotonic()
     servers = {
@@ -131,9 +130,9 @@ def gym(tmp_path_factory) -> dict[str, Any]:
     assert 'CMD ["python", "server.py"]' in text
     dockerfile.write_text(text.replace('CMD ["python", "server.py"]', f"CMD {BROKEN_CMD}"))
 
-    written = {"gridsim": harness.read_jsonl(servers["gridsim"] / "data" / "eval.jsonl"),
-               "notes": harness.read_jsonl(servers["notes"] / "data" / "all.jsonl"),
-               "broken": harness.read_jsonl(servers["broken"] / "data" / "all.jsonl")}
+    written = {"gridsim": read_jsonl(servers["gridsim"] / "data" / "eval.jsonl"),
+               "notes": read_jsonl(servers["notes"] / "data" / "all.jsonl"),
+               "broken": read_jsonl(servers["broken"] / "data" / "all.jsonl")}
 
     optimal_row, idle_row = written["gridsim"][0], written["gridsim"][1]
     bat, cents = day_of(optimal_row)
@@ -179,7 +178,7 @@ def lightest(gym) -> dict[str, harness.LightestRun]:
 def cli(gym) -> harness.CliRun:
     """All three resources servers in one ``gym env start``, all rows in one ``gym eval run``."""
     all_rows = [row for key in ("gridsim", "notes", "broken") for row in gym["rows"][key]]
-    jsonl = harness.write_jsonl(gym["base"] / "cli-input.jsonl", all_rows)
+    jsonl = write_jsonl(gym["base"] / "cli-input.jsonl", all_rows)
     (root, name), *more = [root_and_name(gym["servers"][k]) for k in ("gridsim", "notes", "broken")]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("AGENTENV_STATE_DIR", str(gym["state"]))
@@ -379,7 +378,7 @@ def test_gyms_own_session_contract_check_passes(tmp_path):
 
 def _processes_with_state(state: Path) -> list[tuple[int, str]]:
     """Live processes whose environment carries AGENTENV_STATE_DIR=state: our servers' envs."""
-    return harness.processes_with_env("AGENTENV_STATE_DIR", str(state))
+    return processes_with_env("AGENTENV_STATE_DIR", str(state))
 
 
 def test_nothing_left_running(gym, lightest, cli):

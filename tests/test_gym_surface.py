@@ -18,13 +18,9 @@ folder), and is shared by the tests of this module where its flags allow. Async 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import json
-import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,7 +30,6 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import aiohttp
 import pytest
 import yaml
 
@@ -43,12 +38,14 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import agentenv  # noqa: E402
+from tests.harness import (COOKIE, Gym, Reply, Server, client, copy_bundle,  # noqa: E402
+                           environ, free_port, gone, gym_rows, one_turn_task, patch, read_jsonl,
+                           request, resources_config, responses, run, running, serving)
 
 AGENTENV = REPO / "agentenv.py"
 NOTES = REPO / "bundles" / "notes-v1"
 GRIDSIM = REPO / "bundles" / "gridsim-v1"
 PY = sys.executable
-COOKIE = "agentenv_session"
 
 RECALL_PROMPT = "How many eggs does my 'pancakes' note say I need? Reply with just the number."
 TURN2_PROMPT = ("Now save a note titled 'groceries' that lists the ingredients my 'pancakes' note "
@@ -62,115 +59,6 @@ NOTES_ID = agentenv.task_id_root(NOTES)
 
 # ================================================================ processes
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def environ(state: Path, **extra: str) -> dict[str, str]:
-    """This process's environment for a child, with its own AGENTENV_STATE_DIR and no Gym or
-    agentenv settings leaking in from the caller's shell."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("NEMO_GYM_", "MAX_CONCURRENT_ENVS"))}
-    env.update(AGENTENV_STATE_DIR=str(state), PYTHONUNBUFFERED="1", **extra)
-    return env
-
-
-def env_records(state: Path) -> list[int]:
-    """The pids of the env processes a server recorded under its state folder (live ones)."""
-    local = state / "local"
-    return [int(p.name) for p in local.glob("*/*") if p.name.isdigit()] if local.is_dir() else []
-
-
-def gone(pid: int, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while os.path.exists(f"/proc/{pid}"):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-class Proc:
-    """A server this module started: its stdout and stderr kept in files."""
-
-    def __init__(self, name: str, args: list[str], cwd: Path, env: dict[str, str], logs: Path,
-                 url: str, state: Path):
-        logs.mkdir(parents=True, exist_ok=True)
-        self.name, self.url, self.state = name, url, state
-        self.out_path, self.err_path = logs / f"{name}.out", logs / f"{name}.err"
-        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            self.popen = subprocess.Popen(args, cwd=cwd, env=env, stdout=out, stderr=err,
-                                          stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def log(self) -> str:
-        """What the server wrote to stderr so far (its log)."""
-        return self.err_path.read_text(errors="replace")
-
-    def wait_ready(self, path: str, timeout: float = 30) -> Proc:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.popen.poll() is not None:
-                raise AssertionError(f"{self.name} exited with {self.popen.returncode}:\n{self.log()}")
-            try:
-                with urllib.request.urlopen(self.url + path, timeout=2):
-                    return self
-            except urllib.error.HTTPError:
-                return self                     # Gym counts any answer as ready
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"{self.name} did not answer {path} in {timeout}s:\n{self.log()}")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(20)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(5)
-        reap(self.state)
-
-    def kill(self) -> None:
-        self.popen.kill()
-        self.popen.wait(5)
-
-
-def reap(state: Path) -> None:
-    """Kill the env process groups a server of ours left behind (one it was made to crash)."""
-    for pid in env_records(state):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
-
-
-def start_app(folder: Path, config: dict, instance: str, work: Path, label: str,
-              **settings) -> Proc:
-    """``python app.py`` in a written folder, as Gym starts it: the config as YAML in
-    NEMO_GYM_CONFIG_DICT with host and port added under the resources server, its instance name in
-    NEMO_GYM_CONFIG_PATH, and PYTHONPATH set to the folder."""
-    port = free_port()
-    config = copy.deepcopy(config)
-    server = next(iter(config[instance]["resources_servers"].values()))
-    server.update(host="127.0.0.1", port=port, **settings)
-    state = work / f"state-{label}"
-    env = environ(state, NEMO_GYM_CONFIG_DICT=yaml.safe_dump(config), NEMO_GYM_CONFIG_PATH=instance,
-                  PYTHONPATH=str(folder))
-    proc = Proc(label, [PY, "app.py"], folder, env, work / "logs", f"http://127.0.0.1:{port}", state)
-    return proc.wait_ready("/")
-
-
-def start_serve(bundle: Path, work: Path, label: str, *flags: str) -> Proc:
-    port = free_port()
-    state = work / f"state-{label}"
-    args = [PY, str(AGENTENV), "serve", str(bundle), "--sandbox", "local", "--port", str(port), *flags]
-    proc = Proc(label, args, REPO, environ(state), work / "logs", f"http://127.0.0.1:{port}", state)
-    return proc.wait_ready("/health")
-
-
 def write_gym_cli(source: str, root: str | Path, state: Path, *flags: str, cwd: Path = REPO):
     started = time.monotonic()
     done = subprocess.run([PY, str(AGENTENV), "write-gym", source, str(root), *flags],
@@ -179,17 +67,10 @@ def write_gym_cli(source: str, root: str | Path, state: Path, *flags: str, cwd: 
     return done
 
 
-def run(coro, timeout: float = 60):
-    async def bounded():
-        async with asyncio.timeout(timeout):
-            return await coro
-    return asyncio.run(bounded())
-
-
 # ================================================================ files written
 
 def read_rows(folder: Path, split: str) -> list[dict]:
-    return [json.loads(line) for line in (folder / "data" / f"{split}.jsonl").read_text().splitlines()]
+    return read_jsonl(folder / "data" / f"{split}.jsonl")
 
 
 def row_of(folder: Path, task: str, split: str = "all") -> dict:
@@ -202,32 +83,15 @@ def written_files(folder: Path) -> set[str]:
     return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
 
 
-def notes_copy(dest: Path, name: str) -> Path:
-    root = dest / name
-    shutil.copytree(NOTES, root, ignore=shutil.ignore_patterns("__pycache__"))
-    return root
-
-
-def patch(path: Path, old: str, new: str) -> None:
-    text = path.read_text()
-    assert text.count(old) == 1, f"{old!r} is not in {path} once"
-    path.write_text(text.replace(old, new))
-
-
-def one_turn_task(env: str, prompt: str, artifact: str = "check_notes") -> list[dict]:
-    return [{"id": "env", "type": "deploy_env", "env_id": env},
-            {"id": "agent", "type": "deploy_agent", "agent_name": "writer", "env_ids": [env],
-             "role": "writer", "system_prompt": NOTES_SYSTEM},
-            {"id": "turn1", "type": "prompt_agent", "agent_name": "writer", "prompt_id": "turn1",
-             "prompt": prompt, "timeout_seconds": 600},
-            {"id": "check", "type": "env_outcome_verifier", "env_id": env,
-             "file_artifact_id": artifact, "verifier_id": "check", "score_aggregator": "all_pass"}]
+def one_turn(env: str, prompt: str, artifact: str = "check_notes") -> list[dict]:
+    return one_turn_task(env, prompt, artifact, system_prompt=NOTES_SYSTEM, timeout_seconds=600,
+                         verifier_id="check")
 
 
 def make_trouble_bundle(dest: Path) -> Path:
     """notes-v1 plus trouble: a tool that sleeps 3 s (slow_note), an env that waits 2 s before it
     listens (sluggish), an env that exits at start (broken), and a verifier that raises."""
-    root = notes_copy(dest, "trouble-v1")
+    root = copy_bundle(dest / "trouble-v1")
     server = root / "envs" / "notebook" / "server.py"
     patch(server, "import threading\n", "import threading\nimport time\n")
     patch(server, "TOOLS = [\n", 'TOOLS = [\n    {"name": "slow_note", "description": "Save a note, '
@@ -248,113 +112,38 @@ def make_trouble_bundle(dest: Path) -> Path:
     (root / "artifacts" / "raises").mkdir()
     (root / "artifacts" / "raises" / "verify.py").write_text(
         "async def verify(mcp_url):\n    raise RuntimeError('the checker broke')\n")
-    tasks = {"slow-call": one_turn_task("notebook", "Save a note, slowly."),
-             "slow-start": one_turn_task("sluggish", "Save a note titled 'groceries' that lists eggs "
+    tasks = {"slow-call": one_turn("notebook", "Save a note, slowly."),
+             "slow-start": one_turn("sluggish", "Save a note titled 'groceries' that lists eggs "
                                                      "and milk."),
-             "deploy-fails": one_turn_task("broken", "Say hello."),
-             "verifier-raises": one_turn_task("notebook", "Save any note.", "raises")}
+             "deploy-fails": one_turn("broken", "Say hello."),
+             "verifier-raises": one_turn("notebook", "Save any note.", "raises")}
     for name, steps in tasks.items():
         (root / "tasks" / f"{name}.json").write_text(json.dumps(steps, indent=2))
     return root
 
 
-def bundle_rows(bundle: Path) -> dict[str, dict]:
-    """Rows for a bundle that write-gym can't write (an env of it fails): by task name, with the
-    split, index and task_id the server plays, and no tools (so no tool check)."""
-    loaded = agentenv.Bundle.load(bundle)
-    return {task.name: {"responses_create_params": {"input": [{"role": "user",
-                                                               "content": task.first_prompt[0]}]},
-                        "agent_ref": {"type": "responses_api_agents", "name": "x_simple_agent"},
-                        "split": "all", "index": i, "task_id": task.id}
-            for i, task in enumerate(loaded.splits["all"])}
-
-
 # ================================================================ a simple_agent stand-in
 
-def message(text: str) -> dict:
-    return {"type": "message", "id": "msg_final", "role": "assistant", "status": "completed",
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+AGENT_COOKIE = {"SimpleAgent___notes_v1_simple_agent": "eyJzZXNzaW9uX2lkIjoiMSJ9"}
 
 
-def responses_object(output: list[dict]) -> dict:
-    return {"id": "resp_1", "object": "response", "created_at": 0, "model": "policy_model",
-            "status": "completed", "output": output, "parallel_tool_calls": True,
-            "tool_choice": "auto", "tools": [],
-            "usage": {"input_tokens": 10, "output_tokens": 5, "total_tokens": 15,
-                      "input_tokens_details": {"cached_tokens": 0},
-                      "output_tokens_details": {"reasoning_tokens": 0}}}
-
-
-class Reply(types.SimpleNamespace):
-    status: int
-    text: str
-    elapsed: float
-
-
-class Agent:
+def simple_agent(http, base: str, row: dict, prefix: str = "") -> Gym:
     """One rollout, played as Gym's simple_agent plays it: the whole row (plus Gym's own _ng_ keys)
-    to /seed_session with no cookies; the seed reply's cookies with every tool call and /verify;
-    each tool's body the JSON arguments; /verify gets row | {"response": the rollout}."""
-
-    def __init__(self, http: aiohttp.ClientSession, base: str, row: dict, prefix: str = ""):
-        self.http, self.base, self.prefix = http, base.rstrip("/") + prefix, prefix
-        self.row = {**row, "_ng_task_index": 0, "_ng_rollout_index": 0}
-        self.cookies: dict[str, str] = {}
-        self.output: list[dict] = []
-        self.set_cookie: list[str] = []
-
-    async def _post(self, route: str, body=None, raw: bytes | None = None,
-                    cookies: dict | None = None) -> Reply:
-        started = time.monotonic()
-        kwargs = {"data": raw, "headers": {"Content-Type": "application/json"}} if raw is not None \
-            else {"json": body}
-        async with self.http.post(self.base + route, cookies=cookies, **kwargs) as resp:
-            text = await resp.text()
-            self.cookies.update({k: m.value for k, m in resp.cookies.items()})
-            return Reply(status=resp.status, text=text, elapsed=time.monotonic() - started,
-                         content_type=resp.content_type,
-                         set_cookie=resp.headers.getall("Set-Cookie", []))
-
-    async def seed(self) -> Reply:
-        reply = await self._post("/seed_session", self.row, cookies=None)
-        self.set_cookie = reply.set_cookie
-        return reply
-
-    async def call(self, name: str, **arguments) -> Reply:
-        reply = await self._post(f"/{name}", arguments, cookies=self.cookies)
-        n = len(self.output)
-        self.output += [{"type": "function_call", "id": f"fc_{n}", "call_id": f"call_{n}",
-                         "name": name, "arguments": json.dumps(arguments), "status": "completed"},
-                        {"type": "function_call_output", "call_id": f"call_{n}", "output": reply.text}]
-        return reply
-
-    async def verify(self, final: str | None = None) -> tuple[Reply, dict]:
-        if final is not None:
-            self.output.append(message(final))
-        body = {**self.row, "response": responses_object(self.output)}
-        # Gym's verify carries the model server's and the agent's cookies too
-        cookies = {**self.cookies, "SimpleAgent___notes_v1_simple_agent": "eyJzZXNzaW9uX2lkIjoiMSJ9"}
-        reply = await self._post("/verify", body, cookies=cookies)
-        return reply, body
-
-    async def close(self) -> Reply:
-        return await self._post("/close_session", {}, cookies=self.cookies)
-
-
-def client() -> aiohttp.ClientSession:
-    # Gym's own client keeps no cookie jar: cookies travel by hand, as here
-    return aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(),
-                                 timeout=aiohttp.ClientTimeout(total=60))
+    to /seed_session with no cookies; the seed reply's cookies with every tool call and /verify,
+    which carries the model server's and the agent's cookies too; each tool's body the JSON
+    arguments; /verify gets row | {"response": the rollout}."""
+    return Gym(base, {**row, "_ng_task_index": 0, "_ng_rollout_index": 0}, http, prefix=prefix,
+               verify_cookies=AGENT_COOKIE)
 
 
 async def play(base: str, row: dict, calls=(), final: str | None = None) -> tuple[list[Reply], dict]:
     """Seed, make the calls, verify with a final message; the call replies and the verify body."""
     async with client() as http:
-        agent = Agent(http, base, row)
+        agent = simple_agent(http, base, row)
         seeded = await agent.seed()
         assert seeded.status == 200, seeded.text
         replies = [await agent.call(name, **args) for name, args in calls]
-        verified, _ = await agent.verify(final)
+        verified = await agent.verify(final)
         assert verified.status == 200, verified.text
         return replies, json.loads(verified.text)
 
@@ -407,9 +196,9 @@ def write_notes_server(source: str, root: Path, state: Path, *flags: str) -> typ
 @pytest.fixture(scope="module")
 def notes_app(written, work):
     """The written server as Gym runs it, with the written config's settings."""
-    proc = start_app(written.folder, written.config, "notes_v1", work, "notes-app")
-    yield proc
-    proc.stop()
+    with running(Server.gym(work / "notes-app", written.config, "notes_v1",
+                            app=written.folder)) as app:
+        yield app
 
 
 @pytest.fixture(scope="module")
@@ -418,9 +207,8 @@ def trouble(work) -> Path:
 
 
 def trouble_config(**where) -> dict:
-    return {"trouble_v1": {"resources_servers": {"trouble_v1": {
-        "entrypoint": "app.py", "domain": "agent", "description": "trouble", **where,
-        "tool_timeout": 1, "reset_timeout": 600, "idle_timeout": 600}}}}
+    return resources_config("trouble_v1", description="trouble", **where, tool_timeout=1,
+                            reset_timeout=600, idle_timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -428,18 +216,16 @@ def trouble_app(written, work, trouble):
     """A server of the trouble bundle (written by hand: write-gym refuses a bundle one of whose
     envs won't deploy), with tool_timeout: 1."""
     config = trouble_config(bundle=str(trouble), sandbox="local", max_concurrent_envs=8)
-    proc = start_app(written.folder, config, "trouble_v1", work, "trouble-app")
-    yield proc
-    proc.stop()
+    with running(Server.gym(work / "trouble-app", config, app=written.folder)) as app:
+        yield app
 
 
 @pytest.fixture(scope="module")
 def serve1(work):
     """`serve bundles/notes-v1 --max-concurrent-envs 1`, its OpenEnv replies due within 3 s."""
-    proc = start_serve(NOTES, work, "serve1", "--max-concurrent-envs", "1", "--client-timeout", "4",
-                       "--reply-margin", "1")
-    yield proc
-    proc.stop()
+    with serving(NOTES, work / "serve1", "--max-concurrent-envs", "1", "--client-timeout", "4",
+                 "--reply-margin", "1") as serve:
+        yield serve
 
 
 @pytest.fixture(scope="module")
@@ -449,9 +235,9 @@ def url_written(serve1, work):
 
 @pytest.fixture(scope="module")
 def url_app(url_written, work):
-    proc = start_app(url_written.folder, url_written.config, "notes_v1", work, "url-app")
-    yield proc
-    proc.stop()
+    with running(Server.gym(work / "url-app", url_written.config, "notes_v1",
+                            app=url_written.folder)) as app:
+        yield app
 
 
 # ================================================================ 1. write-gym from a bundle
@@ -639,7 +425,7 @@ def test_a_folder_holding_a_server_write_gym_did_not_write_is_refused(tmp_path):
             "the env (letters, digits, _ . ~ -)"),
 ])
 def test_a_tool_gym_cant_route_to_is_refused_with_the_fix(tmp_path, name, fix):
-    bundle = notes_copy(tmp_path, "badtools-v1")
+    bundle = copy_bundle(tmp_path / "badtools-v1")
     patch(bundle / "envs" / "notebook" / "server.py", '{"name": "list_notes"', f'{{"name": "{name}"')
     with pytest.raises(agentenv.AgentEnvError) as caught:
         run(agentenv.write_gym(str(bundle), str(tmp_path / "root"), sandbox="local", out=print))
@@ -677,8 +463,8 @@ def test_seed_answers_at_once_with_a_cookie_and_a_tool_answers_its_text(notes_ap
 
     async def go():
         async with client() as http:
-            agent = Agent(http, notes_app.url, row)
-            before = set(env_records(notes_app.state))
+            agent = simple_agent(http, notes_app.url, row)
+            before = set(notes_app.records())
             seeded = await agent.seed()
             assert seeded.status == 200 and json.loads(seeded.text) == {}
             assert seeded.elapsed < 0.5
@@ -686,13 +472,14 @@ def test_seed_answers_at_once_with_a_cookie_and_a_tool_answers_its_text(notes_ap
             assert list(agent.cookies) == [COOKIE]
             listed = await agent.call("list_notes")
             assert (listed.status, listed.text, listed.content_type) == (200, "(no notes)", "text/plain")
-            env_pids = set(env_records(notes_app.state)) - before
+            env_pids = set(notes_app.records()) - before
             assert len(env_pids) == 1
             saved = await agent.call("write_note", title="groceries", text="eggs and milk")
             assert (saved.status, saved.text) == (200, "saved note 'groceries'")
             read = await agent.call("read_note", title="groceries")
             assert read.text == "eggs and milk"
-            verified, sent = await agent.verify("Saved.")
+            verified = await agent.verify("Saved.")
+            sent = verified.sent
             assert verified.status == 200
             body = json.loads(verified.text)
             assert_scored(body, sent, 1.0)
@@ -724,13 +511,14 @@ def test_end_turn_answers_the_next_prompt_and_verify_ends_the_last_turn(notes_ap
 
     async def go():
         async with client() as http:
-            agent = Agent(http, notes_app.url, row)
+            agent = simple_agent(http, notes_app.url, row)
             await agent.seed()
             assert (await agent.call("list_notes")).text == "pancakes"
             nxt = await agent.call("end_turn", response="You have one note: pancakes.")
             assert (nxt.status, nxt.text) == (200, TURN2_PROMPT)
             await agent.call("write_note", title="groceries", text=PANCAKES)
-            verified, sent = await agent.verify("Saved your groceries.")
+            verified = await agent.verify("Saved your groceries.")
+            sent = verified.sent
             assert_scored(json.loads(verified.text), sent, 1.0)
     run(go())
 
@@ -748,13 +536,14 @@ def test_end_turn_on_the_last_turn_ends_the_episode(notes_app, written):
 
     async def go():
         async with client() as http:
-            agent = Agent(http, notes_app.url, row)
+            agent = simple_agent(http, notes_app.url, row)
             await agent.seed()
             ended = await agent.call("end_turn", response="2")
             assert ended.text == "Your turn is over, and so is the episode: it is being scored."
             after = await agent.call("list_notes")
             assert after.status == 200 and after.text.startswith("error: the episode has ended")
-            verified, sent = await agent.verify("2")
+            verified = await agent.verify("2")
+            sent = verified.sent
             assert_scored(json.loads(verified.text), sent, 1.0)
     run(go())
 
@@ -799,11 +588,11 @@ def test_close_session_answers_closed_then_already_closed(notes_app, written):
 
     async def go():
         async with client() as http:
-            agent = Agent(http, notes_app.url, row)
-            before = set(env_records(notes_app.state))
+            agent = simple_agent(http, notes_app.url, row)
+            before = set(notes_app.records())
             await agent.seed()
             await agent.call("list_notes")
-            env_pids = set(env_records(notes_app.state)) - before
+            env_pids = set(notes_app.records()) - before
             assert len(env_pids) == 1
             first, second = await agent.close(), await agent.close()
             assert gone(env_pids.pop(), 3), "close_session left the episode's env running"
@@ -827,41 +616,43 @@ def test_environment_servers_session_protocol(notes_app, written):
 
     async def go():
         async with client() as http:
-            agent = Agent(http, notes_app.url, row)
-            before = set(env_records(notes_app.state))
-            first = await agent._post("/seed_session", seed_body("s1"))
-            again = await agent._post("/seed_session", seed_body("s1"))   # its reply was lost
+            agent = simple_agent(http, notes_app.url, row)
+            before = set(notes_app.records())
+            first = await agent.post("/seed_session", seed_body("s1"), cookie=None)
+            again = await agent.post("/seed_session", seed_body("s1"), cookie=None)  # reply lost
             assert (first.status, json.loads(first.text)) == (200, {"resources_session_id": "s1"})
             assert (again.status, json.loads(again.text)) == (200, {"resources_session_id": "s1"})
             assert first.set_cookie == again.set_cookie and first.set_cookie
             written_ = await agent.call("write_note", title="groceries", text="eggs and milk")
             assert written_.status == 200
-            envs = set(env_records(notes_app.state)) - before
+            envs = set(notes_app.records()) - before
             assert len(envs) == 1                                           # one session, one env
-            other = await agent._post("/seed_session", seed_body("s1", attempt=1))
+            other = await agent.post("/seed_session", seed_body("s1", attempt=1), cookie=None)
             assert other.status == 409 and "seeded already" in json.loads(other.text)["detail"]
-            closes = [await agent._post("/close_session", {"resources_session_id": "s1",
-                                                           "episode_id": {"rollout_id": "r"}})
+            closes = [await agent.post("/close_session", {"resources_session_id": "s1",
+                                                          "episode_id": {"rollout_id": "r"}},
+                                  cookie=None)
                       for _ in range(2)]
             assert [(c.status, json.loads(c.text)) for c in closes] == \
                 [(200, {"resources_session_id": "s1"})] * 2
             assert gone(envs.pop(), 5), "close_session left the session's env running"
-            late = await agent._post("/seed_session", seed_body("s1"))
+            late = await agent.post("/seed_session", seed_body("s1"), cookie=None)
             assert late.status == 409 and "was closed" in json.loads(late.text)["detail"]
             # a close that overtook its seed: the seed must not create the session afterwards
-            early = await agent._post("/close_session", {"resources_session_id": "s2"})
+            early = await agent.post("/close_session", {"resources_session_id": "s2"}, cookie=None)
             assert (early.status, json.loads(early.text)) == (200, {"resources_session_id": "s2"})
-            assert (await agent._post("/seed_session", seed_body("s2"))).status == 409
+            assert (await agent.post("/seed_session", seed_body("s2"), cookie=None)).status == 409
             # verified, then seeded again: the id is spent too
-            fresh = Agent(http, notes_app.url, row)
+            fresh = simple_agent(http, notes_app.url, row)
             fresh.row = seed_body("s3")
             assert (await fresh.seed()).status == 200
             await fresh.call("write_note", title="groceries", text="eggs and milk")
             fresh.row = {**row, "_ng_task_index": 0}
-            reply, _ = await fresh.verify("Saved.")
+            reply = await fresh.verify("Saved.")
             assert json.loads(reply.text)["reward"] == 1.0
-            assert (await agent._post("/seed_session", seed_body("s3"))).status == 409
-            bad = await agent._post("/seed_session", {**seed_body("x"), "resources_session_id": ""})
+            assert (await agent.post("/seed_session", seed_body("s3"), cookie=None)).status == 409
+            bad = await agent.post("/seed_session", {**seed_body("x"), "resources_session_id": ""},
+                                   cookie=None)
             assert bad.status == 400 and "non-empty text" in json.loads(bad.text)["detail"]
     run(go())
 
@@ -886,11 +677,12 @@ def test_ng_rollout_prefixed_routes_play_a_rollout(notes_app, written):
 
     async def go():
         async with client() as http:
-            agent = Agent(http, notes_app.url, row, prefix="/ng-rollout/rollout-7")
+            agent = simple_agent(http, notes_app.url, row, prefix="/ng-rollout/rollout-7")
             assert (await agent.seed()).status == 200
             saved = await agent.call("write_note", title="groceries", text="eggs, milk")
             assert saved.text == "saved note 'groceries'"
-            verified, sent = await agent.verify("Done.")
+            verified = await agent.verify("Done.")
+            sent = verified.sent
             assert_scored(json.loads(verified.text), sent, 1.0)
             async with http.get(notes_app.url + "/") as resp:
                 assert resp.status == 200
@@ -972,18 +764,19 @@ def test_the_url_mode_server_answers_an_unknown_tool_as_bundle_mode_does(url_app
 # ================================================================ 4. masked rollouts
 
 def test_a_deploy_that_fails_is_masked(trouble_app, trouble):
-    row = bundle_rows(trouble)["deploy-fails"]
+    row = gym_rows(trouble)["deploy-fails"]
 
     async def go():
         async with client() as http:
-            agent = Agent(http, trouble_app.url, row)
+            agent = simple_agent(http, trouble_app.url, row)
             assert (await agent.seed()).status == 200
             call = await agent.call("write_note", title="a", text="b")
             assert call.status == 200
             assert call.text.startswith("error: the environment of this rollout failed, so write_note "
                                         "did not run (the environment failed: ")
             assert call.text.endswith("; the rollout will be masked")
-            verified, sent = await agent.verify("hello")
+            verified = await agent.verify("hello")
+            sent = verified.sent
             return json.loads(verified.text), sent
 
     body, sent = run(go())
@@ -994,11 +787,11 @@ def test_a_deploy_that_fails_is_masked(trouble_app, trouble):
 
 
 def test_a_tool_that_misses_tool_timeout_is_masked_with_the_pages_message(trouble_app, trouble):
-    row = bundle_rows(trouble)["slow-call"]
+    row = gym_rows(trouble)["slow-call"]
 
     async def go():
         async with client() as http:
-            agent = Agent(http, trouble_app.url, row)
+            agent = simple_agent(http, trouble_app.url, row)
             await agent.seed()
             assert (await agent.call("list_notes")).text == "(no notes)"
             slow = await agent.call("slow_note", title="x")
@@ -1009,7 +802,8 @@ def test_a_tool_that_misses_tool_timeout_is_masked_with_the_pages_message(troubl
             assert slow.text == f"error: {message_}"
             after = await agent.call("list_notes")
             assert after.text.startswith("error: the environment of this rollout failed")
-            verified, sent = await agent.verify("done")
+            verified = await agent.verify("done")
+            sent = verified.sent
             return json.loads(verified.text), sent, message_
 
     body, sent, message_ = run(go())
@@ -1019,14 +813,15 @@ def test_a_tool_that_misses_tool_timeout_is_masked_with_the_pages_message(troubl
 
 
 def test_a_verifier_that_raises_is_masked_verifier_error(trouble_app, trouble):
-    row = bundle_rows(trouble)["verifier-raises"]
+    row = gym_rows(trouble)["verifier-raises"]
 
     async def go():
         async with client() as http:
-            agent = Agent(http, trouble_app.url, row)
+            agent = simple_agent(http, trouble_app.url, row)
             await agent.seed()
             await agent.call("write_note", title="groceries", text="eggs and milk")
-            verified, sent = await agent.verify("Saved.")
+            verified = await agent.verify("Saved.")
+            sent = verified.sent
             return json.loads(verified.text), sent
 
     body, sent = run(go())
@@ -1035,17 +830,18 @@ def test_a_verifier_that_raises_is_masked_verifier_error(trouble_app, trouble):
 
 
 def test_seed_answers_before_the_deploy_and_the_first_call_waits_for_it(trouble_app, trouble):
-    row = bundle_rows(trouble)["slow-start"]          # its env listens 2 s after it starts
+    row = gym_rows(trouble)["slow-start"]             # its env listens 2 s after it starts
 
     async def go():
         async with client() as http:
-            agent = Agent(http, trouble_app.url, row)
+            agent = simple_agent(http, trouble_app.url, row)
             seeded = await agent.seed()
             assert seeded.status == 200 and seeded.elapsed < 0.5
             first = await agent.call("write_note", title="groceries", text="eggs and milk")
             assert first.text == "saved note 'groceries'"
             assert first.elapsed > 1.5
-            verified, sent = await agent.verify("Saved.")
+            verified = await agent.verify("Saved.")
+            sent = verified.sent
             assert_scored(json.loads(verified.text), sent, 1.0)
     run(go())
 
@@ -1057,11 +853,12 @@ def test_a_row_whose_tools_differ_from_its_tasks_is_masked(notes_app, written):
 
     async def go():
         async with client() as http:
-            agent = Agent(http, notes_app.url, row)
+            agent = simple_agent(http, notes_app.url, row)
             assert (await agent.seed()).status == 200
             call = await agent.call("write_note", title="groceries", text="eggs and milk")
             assert call.text.startswith("error: the environment of this rollout failed")
-            verified, sent = await agent.verify("Saved.")
+            verified = await agent.verify("Saved.")
+            sent = verified.sent
             return json.loads(verified.text), sent
 
     body, sent = run(go())
@@ -1072,15 +869,14 @@ def test_a_row_whose_tools_differ_from_its_tasks_is_masked(notes_app, written):
 
 
 def test_a_server_that_went_away_is_masked_session_lost(written, work, tmp_path):
-    serve = start_serve(NOTES, tmp_path, "serve-gone")
-    config = {"notes_v1": {"resources_servers": {"notes_v1": {
-        "entrypoint": "app.py", "domain": "agent", "url": serve.url}}}}
-    app = start_app(written.folder, config, "notes_v1", tmp_path, "url-gone")
+    serve = Server.serve(NOTES, tmp_path / "serve-gone")
+    config = resources_config("notes_v1", url=serve.url)
+    app = Server.gym(tmp_path / "url-gone", config, app=written.folder)
     row = row_of(written.folder, "save-groceries")
     try:
         async def go():
             async with client() as http:
-                agent = Agent(http, app.url, row)
+                agent = simple_agent(http, app.url, row)
                 await agent.seed()
                 saved = await agent.call("write_note", title="groceries", text="eggs and milk")
                 assert saved.text == "saved note 'groceries'"
@@ -1089,7 +885,8 @@ def test_a_server_that_went_away_is_masked_session_lost(written, work, tmp_path)
                 assert lost.status == 200
                 assert lost.text.startswith(f"error: the environment failed: the server at {serve.url}")
                 assert lost.text.endswith("; the rollout will be masked")
-                verified, sent = await agent.verify("Saved.")
+                verified = await agent.verify("Saved.")
+                sent = verified.sent
                 return json.loads(verified.text), sent
 
         body, sent = run(go())
@@ -1097,7 +894,7 @@ def test_a_server_that_went_away_is_masked_session_lost(written, work, tmp_path)
                       app.log())
     finally:
         app.stop()
-        serve.stop()
+        serve.kill()
 
 
 # ================================================================ url mode: the resources server's settings
@@ -1105,15 +902,14 @@ def test_a_server_that_went_away_is_masked_session_lost(written, work, tmp_path)
 @pytest.fixture(scope="module")
 def trouble_remote(written, work, trouble):
     """`serve` of the trouble bundle, and a url: resources server on it with tool_timeout: 1."""
-    serve = start_serve(trouble, work, "serve-trouble")
-    app = start_app(written.folder, trouble_config(url=serve.url), "trouble_v1", work, "url-trouble")
-    yield types.SimpleNamespace(serve=serve, app=app)
-    app.stop()
-    serve.stop()
+    with serving(trouble, work / "serve-trouble") as serve, \
+            running(Server.gym(work / "url-trouble", trouble_config(url=serve.url),
+                               app=written.folder)) as app:
+        yield types.SimpleNamespace(serve=serve, app=app)
 
 
 def test_url_mode_masks_a_failed_deploy_and_a_raising_verifier(trouble_remote, trouble):
-    rows, app = bundle_rows(trouble), trouble_remote.app
+    rows, app = gym_rows(trouble), trouble_remote.app
     _, body = run(play(app.url, rows["deploy-fails"], [("list_notes", {})], "hi"))
     sent = {"responses_create_params": rows["deploy-fails"]["responses_create_params"]}
     assert_masked(body, sent, "provider_unavailable", "the environment failed: ", app.log())
@@ -1127,14 +923,15 @@ def test_url_mode_masks_a_failed_deploy_and_a_raising_verifier(trouble_remote, t
 
 def test_url_mode_honours_the_resources_servers_tool_timeout(trouble_remote, trouble):
     app = trouble_remote.app
-    row = bundle_rows(trouble)["slow-call"]
+    row = gym_rows(trouble)["slow-call"]
 
     async def go():
         async with client() as http:
-            agent = Agent(http, app.url, row)
+            agent = simple_agent(http, app.url, row)
             await agent.seed()
             slow = await agent.call("slow_note", title="x")
-            verified, sent = await agent.verify("done")
+            verified = await agent.verify("done")
+            sent = verified.sent
             return slow, json.loads(verified.text), sent
 
     slow, body, sent = run(go())
@@ -1147,20 +944,20 @@ def test_url_mode_honours_the_resources_servers_tool_timeout(trouble_remote, tro
 # ================================================================ 5. reset_timeout and idle_timeout
 
 def test_idle_timeout_ends_a_session_that_never_verifies_and_frees_its_slot(written, tmp_path):
-    app = start_app(written.folder, written.config, "notes_v1", tmp_path, "idle-app",
-                    idle_timeout=1, max_concurrent_envs=1)
+    app = Server.gym(tmp_path / "idle-app", written.config, "notes_v1", app=written.folder,
+                     idle_timeout=1, max_concurrent_envs=1)
     try:
         async def go():
             async with client() as http:
-                abandoned = Agent(http, app.url, row_of(written.folder, "two-step"))
+                abandoned = simple_agent(http, app.url, row_of(written.folder, "two-step"))
                 await abandoned.seed()
                 assert (await abandoned.call("list_notes")).text == "pancakes"
-                pids = env_records(app.state)
+                pids = list(app.records())
                 assert len(pids) == 1
                 started = time.monotonic()
-                while env_records(app.state) and time.monotonic() - started < 5:
+                while app.records() and time.monotonic() - started < 5:
                     await asyncio.sleep(0.1)
-                assert not env_records(app.state), "the idle session's env was not torn down"
+                assert not app.records(), "the idle session's env was not torn down"
                 assert gone(pids[0], 3), "the idle session's env process still runs"
                 assert time.monotonic() - started < 4
                 # the one slot is free again: a second rollout completes
@@ -1168,7 +965,8 @@ def test_idle_timeout_ends_a_session_that_never_verifies_and_frees_its_slot(writ
                                      [("write_note", {"title": "groceries", "text": "eggs, milk"})], "ok")
                 assert body["reward"] == 1.0 and body["mask_sample"] is False
                 # and the abandoned rollout, verified late, has no session any more
-                late, sent = await abandoned.verify("pancakes")
+                late = await abandoned.verify("pancakes")
+                sent = late.sent
                 return json.loads(late.text), sent
 
         body, sent = run(go())
@@ -1180,15 +978,15 @@ def test_idle_timeout_ends_a_session_that_never_verifies_and_frees_its_slot(writ
 
 
 def test_reset_timeout_masks_a_rollout_that_waits_too_long_for_a_slot(written, tmp_path):
-    app = start_app(written.folder, written.config, "notes_v1", tmp_path, "reset-app",
-                    reset_timeout=1, max_concurrent_envs=1)
+    app = Server.gym(tmp_path / "reset-app", written.config, "notes_v1", app=written.folder,
+                     reset_timeout=1, max_concurrent_envs=1)
     try:
         async def go():
             async with client() as http:
-                holder = Agent(http, app.url, row_of(written.folder, "save-groceries"))
+                holder = simple_agent(http, app.url, row_of(written.folder, "save-groceries"))
                 await holder.seed()
                 assert (await holder.call("list_notes")).text == "(no notes)"      # holds the slot
-                waiter = Agent(http, app.url, row_of(written.folder, "recall-recipe"))
+                waiter = simple_agent(http, app.url, row_of(written.folder, "recall-recipe"))
                 seeded = await waiter.seed()
                 assert seeded.status == 200 and seeded.elapsed < 0.5
                 call = await waiter.call("read_note", title="pancakes")
@@ -1196,11 +994,12 @@ def test_reset_timeout_masks_a_rollout_that_waits_too_long_for_a_slot(written, t
                 assert call.text.startswith(
                     "error: the environment of this rollout failed, so read_note did not run (the "
                     "episode was not deployed and at its first turn within reset_timeout (1s)")
-                verified, sent = await waiter.verify("2")
+                verified = await waiter.verify("2")
+                sent = verified.sent
                 masked_ = json.loads(verified.text), sent
                 # the slot's holder plays on, unharmed
                 await holder.call("write_note", title="groceries", text="eggs and milk")
-                done, _ = await holder.verify("Saved.")
+                done = await holder.verify("Saved.")
                 return masked_, json.loads(done.text)
 
         (body, sent), held = run(go())
@@ -1214,15 +1013,15 @@ def test_reset_timeout_masks_a_rollout_that_waits_too_long_for_a_slot(written, t
 
 
 def test_the_wait_warning_of_a_bundle_mode_server_names_its_config_setting(written, tmp_path):
-    app = start_app(written.folder, written.config, "notes_v1", tmp_path, "wait-app",
-                    max_concurrent_envs=1, reset_timeout=1)
+    app = Server.gym(tmp_path / "wait-app", written.config, "notes_v1", app=written.folder,
+                     max_concurrent_envs=1, reset_timeout=1)
     try:
         async def go():
             async with client() as http:
-                holder = Agent(http, app.url, row_of(written.folder, "save-groceries"))
+                holder = simple_agent(http, app.url, row_of(written.folder, "save-groceries"))
                 await holder.seed()
                 await holder.call("list_notes")
-                waiter = Agent(http, app.url, row_of(written.folder, "recall-recipe"))
+                waiter = simple_agent(http, app.url, row_of(written.folder, "recall-recipe"))
                 await waiter.seed()
                 await waiter.call("list_notes")                  # waits past reset_timeout
                 await waiter.close()
@@ -1238,14 +1037,8 @@ def test_the_wait_warning_of_a_bundle_mode_server_names_its_config_setting(writt
 # ================================================================ 6. bad requests
 
 def _post(url: str, body: bytes, cookie: str | None = None) -> tuple[int, str, str]:
-    headers = {"Content-Type": "application/json"}
-    if cookie:
-        headers["Cookie"] = f"{COOKIE}={cookie}"
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, body, headers)) as resp:
-            return resp.status, resp.headers.get_content_type(), resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.headers.get_content_type(), exc.read().decode()
+    reply = request(url, body=body, cookie=cookie)
+    return reply.status, reply.content_type, reply.text
 
 
 def test_a_row_whose_task_id_is_not_its_split_and_index_is_refused(notes_app, written):
@@ -1285,14 +1078,14 @@ def test_calls_without_a_session_cookie_are_400(notes_app, written):
     assert text == "error: no session: POST /seed_session with the row first, then call write_note " \
                    "with its cookie"
     row = row_of(written.folder, "save-groceries")
-    body = json.dumps({**row, "response": responses_object([message("hi")])}).encode()
+    body = json.dumps({**row, "response": responses("hi")}).encode()
     status, _, text = _post(notes_app.url + "/verify", body)
     assert status == 400 and "no session cookie" in json.loads(text)["detail"]
 
 
 def test_verify_with_an_unknown_cookie_is_masked_session_lost(notes_app, written):
     row = row_of(written.folder, "save-groceries")
-    sent = {**row, "response": responses_object([message("hi")])}
+    sent = {**row, "response": responses("hi")}
     status, _, text = _post(notes_app.url + "/verify", json.dumps(sent).encode(), cookie="nope")
     assert status == 200
     assert_masked(json.loads(text), sent, "session_lost",
@@ -1318,10 +1111,10 @@ def test_a_tool_call_whose_body_is_not_a_json_object_answers_text(notes_app, wri
     """Gym never sends one (it parses the model's arguments first); the answer is still text."""
     async def go():
         async with client() as http:
-            agent = Agent(http, notes_app.url, row_of(written.folder, "save-groceries"))
+            agent = simple_agent(http, notes_app.url, row_of(written.folder, "save-groceries"))
             await agent.seed()
-            bad = await agent._post("/write_note", raw=b"{oops", cookies=agent.cookies)
-            listed = await agent._post("/write_note", [1, 2], cookies=agent.cookies)
+            bad = await agent.post("/write_note", b"{oops")
+            listed = await agent.post("/write_note", [1, 2])
             await agent.close()
             return bad, listed
 
@@ -1340,7 +1133,7 @@ def test_a_gym_rollout_and_an_openenv_session_share_serves_pool(serve1, written)
 
     async def go():
         async with client() as http:
-            gym = Agent(http, serve1.url, row)
+            gym = simple_agent(http, serve1.url, row)
             assert (await gym.seed()).status == 200
             assert (await gym.call("list_notes")).text == "(no notes)"      # holds the one episode
             refused = await http.ws_connect(serve1.url + "/ws")
@@ -1371,15 +1164,9 @@ def test_a_token_protected_serve_is_reachable_by_write_gym_and_a_url_app_given_t
     resources server written for it send AGENTENV_TOKEN from their environment, and say what to
     do when it is missing."""
     token = "a-token-for-the-test"
-    port = free_port()
-    state = tmp_path / "state-serve"
-    serve = Proc("serve-token", [PY, str(AGENTENV), "serve", str(NOTES), "--sandbox", "local",
-                                 "--port", str(port)],
-                 REPO, environ(state, AGENTENV_TOKEN=token), tmp_path / "logs",
-                 f"http://127.0.0.1:{port}", state)
-    app = None
+    serve = Server.serve(NOTES, tmp_path / "serve-token", env={"AGENTENV_TOKEN": token})
+    app = None                                       # (it answered: here a 401)
     try:
-        serve.wait_ready("/health")                  # any answer: here a 401
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(serve.url + "/health", timeout=5)
         assert refused.value.code == 401
@@ -1396,11 +1183,8 @@ def test_a_token_protected_serve_is_reachable_by_write_gym_and_a_url_app_given_t
         assert done.returncode == 0, done.stderr
         folder = tmp_path / "root" / "resources_servers" / "notes_v1"
         config = yaml.safe_load((folder / "configs" / "notes_v1.yaml").read_text())
-        os.environ["AGENTENV_TOKEN"] = token         # start_app passes this process's environment
-        try:
-            app = start_app(folder, config, "notes_v1", tmp_path, "url-token")
-        finally:
-            del os.environ["AGENTENV_TOKEN"]
+        app = Server.gym(tmp_path / "url-token", config, "notes_v1", app=folder,
+                         env={"AGENTENV_TOKEN": token})
         row = row_of(folder, "save-groceries")
         replies, body = run(play(app.url, row, [("write_note", {"title": "groceries",
                                                                 "text": "eggs and milk"})], "ok"))
@@ -1413,18 +1197,11 @@ def test_a_token_protected_serve_is_reachable_by_write_gym_and_a_url_app_given_t
 
 
 def test_serving_beyond_loopback_without_a_token_warns(tmp_path):
-    port = free_port()
-    state = tmp_path / "state"
-    serve = Proc("serve-open", [PY, str(AGENTENV), "serve", str(NOTES), "--sandbox", "local",
-                                "--host", "0.0.0.0", "--port", str(port)],
-                 REPO, environ(state), tmp_path / "logs", f"http://127.0.0.1:{port}", state)
-    try:
-        serve.wait_ready("/health")
-    finally:
-        serve.stop()
+    serve = Server.serve(NOTES, tmp_path / "serve-open", "--host", "0.0.0.0")
+    serve.stop()
     assert ("WARNING agentenv: Serving on 0.0.0.0 with no token: anyone who can reach this port "
             "can run the bundle's envs and tools. Pass --token (or set AGENTENV_TOKEN) so every "
             "request must carry it, or bind 127.0.0.1.") in serve.log()
-    loopback = start_serve(NOTES, tmp_path, "serve-loopback")
+    loopback = Server.serve(NOTES, tmp_path / "serve-loopback")
     loopback.stop()
     assert "with no token" not in loopback.log()

@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import sys
 import threading
@@ -78,11 +77,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import agentenv  # noqa: E402
-from tests.harness import Server, running, wait_until  # noqa: E402
+from tests.harness import Gym, Server, alive, client, gym_row, run, running, wait_until  # noqa: E402
 
 NOTES = REPO / "bundles" / "notes-v1"
-COOKIE = "agentenv_session"
 SAVE = 1                                          # save-groceries, in the split "all"
 NOTES_TOOLS = ["write_note", "read_note", "list_notes", "end_turn"]
 
@@ -101,10 +98,6 @@ class Serve(Server):
     """``agentenv.py serve`` (local sandbox) as a subprocess, with its memory, fds and env processes
     (its child processes, found through /proc/<pid>/task/*/children)."""
 
-    def __init__(self, folder: Path, *flags: str, bundle: Path = NOTES):
-        super().__init__([sys.executable, str(REPO / "agentenv.py"), "serve", str(bundle),
-                          "--sandbox", "local", "--port", "{port}", *flags], folder)
-
     def rss_kib(self) -> int:
         for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
@@ -122,12 +115,7 @@ class Serve(Server):
                 with contextlib.suppress(OSError):
                     found.update(int(p) for p in
                                  Path(f"/proc/{self.pid}/task/{task}/children").read_text().split())
-        live = set()
-        for pid in found:
-            with contextlib.suppress(OSError, IndexError):
-                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                    live.add(pid)
-        return live
+        return {pid for pid in found if alive(pid)}
 
     def idle(self, timeout: float = 30) -> None:
         """Wait until the server runs no env process and holds no record of one."""
@@ -152,10 +140,8 @@ class Serve(Server):
         return self.fds()
 
 
-@contextlib.contextmanager
 def serving(folder: Path, *flags: str):
-    with running(Serve(folder, *flags)) as server:
-        yield server
+    return running(Serve.serve(NOTES, folder, *flags))
 
 
 class Peak:
@@ -217,79 +203,45 @@ def report(test: str, **figures) -> None:
 
 # ================================================================ rollouts
 
-def gym_row() -> dict:
-    bundle = agentenv.Bundle.load(NOTES)
-    task = bundle.splits["all"][SAVE]
-    assert task.name == "save-groceries"
-    tools = [{"type": "function", "name": n, "description": n, "strict": False,
-              "parameters": {"type": "object", "properties": {}}} for n in NOTES_TOOLS]
-    return {"responses_create_params": {"input": [{"role": "user", "content": task.first_prompt[0]}],
-                                        "tools": tools},
-            "agent_ref": {"type": "responses_api_agents", "name": "notes_v1_simple_agent"},
-            "split": "all", "index": SAVE, "task_id": task.id}
+def save_row() -> dict:
+    """The row of save-groceries, its tools offered."""
+    row = gym_row(NOTES, SAVE, tools=NOTES_TOOLS)
+    assert row["task_id"].rsplit("/", 1)[1] == "save-groceries"
+    return row
 
 
-def response(text: str) -> dict:
-    return {"id": "resp", "object": "response", "created_at": 0, "model": "policy", "status": "completed",
-            "output": [{"type": "function_call", "id": "fc_0", "call_id": "call_0", "name": "write_note",
-                        "arguments": json.dumps({"title": "groceries", "text": "eggs and milk"}),
-                        "status": "completed"},
-                       {"type": "function_call_output", "call_id": "call_0",
-                        "output": "saved note 'groceries'"},
-                       {"type": "message", "id": "msg", "role": "assistant", "status": "completed",
-                        "content": [{"type": "output_text", "text": text, "annotations": []}]}],
-            "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
+# Every client here has no connection limit (every rollout at once) and no cookie jar: cookies
+# travel by hand, as Gym's do.
+UNLIMITED = {"timeout": 900, "limit": 0}
 
 
-def client(timeout: float = 900) -> aiohttp.ClientSession:
-    """A client with no connection limit (every rollout at once) and no cookie jar: cookies
-    travel by hand, as Gym's do."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                 cookie_jar=aiohttp.DummyCookieJar(),
-                                 timeout=aiohttp.ClientTimeout(total=timeout))
-
-
-class GymRollout:
+class GymRollout(Gym):
     """One rollout on the Gym surface: seed; write its own groceries note (a text no other rollout
     writes) and read it back, which shows the env is its own; verify."""
 
     count = 0
 
     def __init__(self, http: aiohttp.ClientSession, base: str, row: dict):
-        self.http, self.base, self.row = http, base, row
-        self.cookies: dict[str, str] = {}
+        super().__init__(base, row, http, strict=True)
         GymRollout.count += 1
         self.text = f"eggs and milk, for rollout {GymRollout.count}"
         self.isolated: bool | None = None          # its note read back as written
 
-    async def seed(self) -> None:
-        async with self.http.post(self.base + "/seed_session", json=self.row) as resp:
-            assert resp.status == 200, await resp.text()
-            self.cookies = {COOKIE: resp.cookies[COOKIE].value}
-
-    async def tool(self, name: str, **arguments) -> str:
-        async with self.http.post(f"{self.base}/{name}", cookies=self.cookies, json=arguments) as resp:
-            assert resp.status == 200
-            return await resp.text()
-
     async def write(self) -> str:
-        return await self.tool("write_note", title="groceries", text=self.text)
+        return (await self.call("write_note", title="groceries", text=self.text)).text
 
     async def read(self) -> None:
-        text = await self.tool("read_note", title="groceries")
+        text = (await self.call("read_note", title="groceries")).text
         self.isolated = None if text.startswith("error") else text == self.text
 
-    async def verify(self) -> dict:
-        body = {**self.row, "response": response("Saved.")}
-        async with self.http.post(self.base + "/verify", json=body, cookies=self.cookies) as resp:
-            assert resp.status == 200, await resp.text()
-            return {**await resp.json(), "isolated": self.isolated}
+    async def verified(self) -> dict:
+        return {**(await self.verify("Saved.")).json(), "isolated": self.isolated}
 
     async def play(self) -> dict:
         await self.seed()
         written = await self.write()
         await self.read()
-        verified = await self.verify()
+        verified = await self.verified()
         if not verified["mask_sample"]:
             assert written == "saved note 'groceries'", written
         return verified
@@ -368,13 +320,6 @@ class OpenEnvRollout:
         return {**final, "isolated": None if text is None else text == self.text}
 
 
-def run(coro, timeout: float):
-    async def bounded():
-        async with asyncio.timeout(timeout):
-            return await coro
-    return asyncio.run(bounded())
-
-
 def outcome_of(result: dict) -> str:
     """'scored' (reward 1.0, not failed, on an env of its own), 'port race' (the known bug above)
     or 'failed', for a Gym verify reply or an OpenEnv final observation."""
@@ -416,10 +361,10 @@ def test_gym_rollouts_live_at_once_each_scored(tmp_path):
     back and is verified: every one scored 1.0, unmasked, on an env of its own."""
     with serving(tmp_path, "--max-concurrent-envs", str(LIVE)) as server:
         rss0, fds0 = server.rss_kib(), server.fds()
-        row = gym_row()
+        row = save_row()
 
         async def go():
-            async with client() as http:
+            async with client(**UNLIMITED) as http:
                 rollouts = [GymRollout(http, server.url, row) for _ in range(LIVE)]
                 started = time.monotonic()
                 await asyncio.gather(*(r.seed() for r in rollouts))
@@ -430,7 +375,7 @@ def test_gym_rollouts_live_at_once_each_scored(tmp_path):
                 live, records = len(server.children()), len(server.records())
                 rss_live = server.rss_kib()
                 await asyncio.gather(*(r.read() for r in rollouts))
-                verified = await asyncio.gather(*(r.verify() for r in rollouts))
+                verified = await asyncio.gather(*(r.verified() for r in rollouts))
                 return seeded, called, time.monotonic() - started, written, live, records, \
                     rss_live, verified
 
@@ -523,7 +468,7 @@ def waves(server: Serve, play, label: str) -> None:
         return await asyncio.gather(*(play(http) for _ in range(size)))
 
     async def warm() -> list[dict]:
-        async with client() as http:
+        async with client(**UNLIMITED) as http:
             return await wave(http, WARM_UP)
 
     warm_up = run(warm(), 300)
@@ -535,7 +480,7 @@ def waves(server: Serve, play, label: str) -> None:
 
     async def go() -> tuple[int, list]:
         done, results = 0, []
-        async with client() as http:
+        async with client(**UNLIMITED) as http:
             while done < EPISODES:
                 size = min(WAVE, EPISODES - done)
                 results += await wave(http, size)
@@ -574,7 +519,7 @@ def waves(server: Serve, play, label: str) -> None:
 def test_gym_episodes_in_waves_leave_no_trace(tmp_path):
     """AGENTENV_LOAD_EPISODES Gym rollouts (seed, write_note, read_note, verify) in waves of 128
     on a pool of 64: every one scored; RSS and fds back at their level; no env process left."""
-    row = gym_row()
+    row = save_row()
     with serving(tmp_path, "--max-concurrent-envs", str(POOL)) as server:
         waves(server, lambda http: GymRollout(http, server.url, row).play(), "gym waves")
 

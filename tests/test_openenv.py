@@ -1,9 +1,10 @@
 """OpenEnv conformance of ``python agentenv.py serve``: the real OpenEnv clients against a real server.
 
 Every server here is started as a user starts it: ``python agentenv.py serve BUNDLE --sandbox local
---port P [flags]`` in a subprocess with its own ``AGENTENV_STATE_DIR``, ready once ``GET /health``
-answers, and stopped with SIGTERM, after which it must have exited 0 and left no env process behind.
-An env process of a server is found by its environment (it inherits the server's state dir).
+--port P [flags]`` in a subprocess with its own ``AGENTENV_STATE_DIR`` (tests/harness.py's
+``Server``), ready once it answers, and stopped with SIGTERM, after which it must have exited 0 and
+left no env process (nor record of one) behind. An env process of a server is found by its
+environment (it inherits the server's state dir).
 
 * the clients of ``openenv`` 0.10 (``pip install -e '.[test]'``): ``GenericEnvClient`` (sync and
   async), ``MCPToolClient`` (POST /mcp + /ws?session_id=), the ``openenv validate --url`` CLI and
@@ -19,18 +20,14 @@ same play. Async code runs with ``asyncio.run`` (no pytest-asyncio).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
 import time
 import types
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +40,11 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import agentenv  # noqa: E402
-from tests.harness import free_port, wait_until  # noqa: E402
+from tests.harness import (Server, Socket, copy_bundle, request, serving,  # noqa: E402
+                           wait_until, with_sleep_tool)
 
 pytest.importorskip("openenv", reason="these tests drive the server with the real OpenEnv clients: "
                                       "pip install -e '.[test]' (openenv==0.10.0)")
-from websockets.sync.client import connect as ws_connect  # noqa: E402  (a dependency of openenv)
 
 # The notes-v1 tasks, as the split "all" orders them (by name).
 RECALL, SAVE, TWO_STEP = 0, 1, 2
@@ -64,129 +61,12 @@ def oe():
 
 # ================================================================ servers and processes
 
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
 def http(url: str, method: str = "GET", body: Any = None, raw: bytes | None = None,
          timeout: float = 60) -> tuple[int, Any]:
     """(status, parsed JSON body) of one request; HTTP errors are answers too."""
-    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with _NO_PROXY.open(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read() or b"null")
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"null")
-
-
-class Served:
-    """One ``agentenv.py serve`` subprocess, its log file, its state dir and its env processes."""
-
-    def __init__(self, bundle: Path, folder: Path, *flags: str):
-        folder.mkdir(parents=True, exist_ok=True)
-        self.bundle, self.folder = bundle, folder
-        self.state = folder / "state"
-        self.log_path = folder / "server.log"
-        self.terminated = False                   # SIGTERM sent: never twice
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.ws_url = f"ws://127.0.0.1:{self.port}/ws"
-        env = {**os.environ, "AGENTENV_STATE_DIR": str(self.state), "PYTHONUNBUFFERED": "1"}
-        env.pop("MAX_CONCURRENT_ENVS", None)
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(REPO / "agentenv.py"), "serve", str(bundle), "--sandbox", "local",
-             "--port", str(self.port), *flags],
-            cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the server exited with {self.proc.returncode} before it "
-                                     f"answered /health:\n{self.log()}")
-            with contextlib.suppress(OSError):
-                if http(self.url + "/health", timeout=2) == (200, {"status": "healthy"}):
-                    break
-            if time.monotonic() > deadline:
-                self.kill()
-                raise AssertionError(f"the server didn't answer /health within 60s:\n{self.log()}")
-            time.sleep(0.05)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def env_pids(self) -> set[int]:
-        """The live processes this server started: those that inherited its state dir."""
-        marker = f"AGENTENV_STATE_DIR={self.state}".encode()
-        found = set()
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == self.proc.pid:
-                continue
-            try:
-                environ = Path(f"/proc/{entry}/environ").read_bytes()
-            except OSError:
-                continue
-            if marker in environ.split(b"\0"):
-                found.add(int(entry))
-        return found
-
-    def records(self) -> list[Path]:
-        """The local sandbox's records of env processes (removed as each env is torn down)."""
-        root = self.state / "local"
-        return [p for p in root.rglob("*") if p.is_file()] if root.is_dir() else []
-
-    def wait_envs(self, count: int, timeout: float = 10) -> set[int]:
-        """The server's env processes, once there are ``count`` (at least 1) of them."""
-        def counted() -> set[int] | None:
-            pids = self.env_pids()
-            return pids if len(pids) == count else None
-        return wait_until(counted, timeout, f"{count} env process(es) of the server")
-
-    def no_envs(self, timeout: float = 10) -> None:
-        wait_until(lambda: not self.env_pids(), timeout, "every env process of the server is gone")
-
-    def stop(self, timeout: float = 45) -> int:
-        """SIGTERM; the exit code. The server must leave no env process and no record behind."""
-        self.terminate()
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"the server didn't exit within {timeout:g}s of SIGTERM:\n{self.log()}")
-        finally:
-            self._log.close()
-        leftover = self.env_pids()
-        for pid in leftover:                      # ours: don't leave them running whatever happens
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-        assert not leftover, f"env processes {leftover} outlived the server"
-        assert not self.records(), f"records left in the state dir: {self.records()}"
-        return code
-
-    def terminate(self) -> None:
-        if self.proc.poll() is None and not self.terminated:
-            self.terminated = True
-            self.proc.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
-        self.proc.wait(10)
-        for pid in self.env_pids():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-
-
-@contextlib.contextmanager
-def serving(bundle: Path, folder: Path, *flags: str):
-    server = Served(bundle, folder, *flags)
-    try:
-        yield server
-    except BaseException:
-        if server.proc.poll() is None:
-            server.kill()
-        raise
-    assert server.stop() == 0, server.log()
+    reply = request(url, method, raw if raw is not None else body,
+                    {"Content-Type": "application/json"}, timeout=timeout)
+    return reply.status, json.loads(reply.body or b"null")
 
 
 @pytest.fixture(scope="module")
@@ -194,34 +74,6 @@ def notes(tmp_path_factory):
     """One notes-v1 server with default flags, shared by the tests that need nothing special."""
     with serving(NOTES, tmp_path_factory.mktemp("notes-server")) as server:
         yield server
-
-
-class Raw:
-    """A raw /ws (or /mcp) WebSocket: one JSON frame out, one back."""
-
-    def __init__(self, url: str):
-        self.ws = ws_connect(url, proxy=None, open_timeout=10, close_timeout=1,
-                             max_size=2**24).__enter__()    # (websockets 17 warns otherwise)
-
-    def send(self, message: Any) -> None:
-        self.ws.send(message if isinstance(message, str) else json.dumps(message))
-
-    def recv(self, timeout: float = 60) -> dict:
-        return json.loads(self.ws.recv(timeout=timeout))
-
-    def ask(self, message: Any, timeout: float = 60) -> dict:
-        self.send(message)
-        return self.recv(timeout)
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.ws.close()
-
-    def __enter__(self) -> Raw:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def rpc(url: str, method: str, params: dict | None = None, rid: int = 1) -> dict:
@@ -427,13 +279,13 @@ def test_mcp_tool_client_sync_two_turns_and_a_wrong_answer(oe, notes):
 
 def test_http_mcp_sessions_attach_and_deferred_close(notes):
     session = rpc(notes.url, "openenv/session/create")["result"]["session_id"]
-    with Raw(f"{notes.ws_url}?session_id=bogus") as bogus:
+    with Socket(f"{notes.ws_url}/ws?session_id=bogus") as bogus:
         error = bogus.recv()
         assert error["type"] == "error" and error["data"]["code"] == "SESSION_ERROR"
-    with Raw(f"{notes.ws_url}?session_id={session}") as attached:
+    with Socket(f"{notes.ws_url}/ws?session_id={session}") as attached:
         reset = attached.ask({"type": "reset", "data": {"split": "all", "index": SAVE}})
         assert reset["data"]["done"] is False
-        with Raw(f"{notes.ws_url}?session_id={session}") as second:
+        with Socket(f"{notes.ws_url}/ws?session_id={session}") as second:
             error = second.recv()
             assert error["data"]["code"] == "SESSION_ERROR" and "already attached" in \
                 error["data"]["message"]
@@ -449,9 +301,9 @@ def test_http_mcp_sessions_attach_and_deferred_close(notes):
 
 
 def test_mcp_message_inside_ws(tmp_path):
-    server = Served(NOTES, tmp_path)          # its own server: the deadlock would pin a shared one
+    server = Server.serve(NOTES, tmp_path)    # its own server: the deadlock would pin a shared one
     try:
-        with Raw(server.ws_url) as raw:
+        with Socket(server.ws_url + "/ws") as raw:
             raw.ask({"type": "reset", "data": {"split": "all", "index": SAVE}})
             inside = raw.ask({"type": "mcp", "data": {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
                                                       "params": {"name": "list_notes"}}}, timeout=3)
@@ -469,7 +321,7 @@ def test_mcp_message_inside_ws(tmp_path):
 
 
 def test_websocket_mcp_is_one_session_per_connection(notes):
-    with Raw(notes.ws_url.replace("/ws", "/mcp")) as mcp:
+    with Socket(notes.ws_url + "/mcp") as mcp:
         assert mcp.ask({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}) == \
             {"jsonrpc": "2.0", "id": 1, "result": {"tools": []}}      # no episode: no tools
         answer = mcp.ask({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
@@ -554,7 +406,7 @@ def test_capacity_refusals_over_ws_and_mcp_then_a_slot_frees(oe, tmp_path):
                 assert "Server at capacity: 2/2 sessions active" in message
                 assert "temporary" in message and "--max-concurrent-envs" in message
                 assert "MAX_CONCURRENT_ENVS" in message
-            with Raw(server.ws_url) as raw:                      # the frame itself
+            with Socket(server.ws_url + "/ws") as raw:            # the frame itself
                 frame = raw.recv()
                 assert frame["type"] == "error" and frame["data"]["code"] == "CAPACITY_REACHED"
                 assert (frame["data"]["active_sessions"], frame["data"]["max_sessions"]) == (2, 2)
@@ -562,7 +414,7 @@ def test_capacity_refusals_over_ws_and_mcp_then_a_slot_frees(oe, tmp_path):
             assert created["error"]["code"] == -32000 and "temporary" in created["error"]["message"]
             assert created["error"]["data"]["active_sessions"] == 2
             assert created["error"]["data"]["max_sessions"] == 2
-            with Raw(server.ws_url.replace("/ws", "/mcp")) as mcp:
+            with Socket(server.ws_url + "/mcp") as mcp:
                 assert mcp.recv()["error"]["code"] == -32000
             with pytest.raises(RuntimeError, match="Failed to create MCP session: Server at capacity"):
                 with oe.MCPToolClient(base_url=server.url).sync() as tools:
@@ -624,7 +476,7 @@ def test_step_errors_tools_and_frames(oe, notes):
         odd = env.step({"type": "dance"})
         assert "unknown action type 'dance'" in odd.observation["metadata"]["error"]
         assert env.step(call("list_notes")).done is False           # the episode goes on
-    with Raw(notes.ws_url) as raw:
+    with Socket(notes.ws_url + "/ws") as raw:
         broken = raw.ask("{not json")
         assert broken["type"] == "error" and broken["data"]["code"] == "INVALID_JSON"
         unknown = raw.ask({"type": "dance"})
@@ -635,7 +487,7 @@ def test_step_errors_tools_and_frames(oe, notes):
 
 
 def test_reset_abandons_the_live_episode_and_close_tears_down(notes):
-    with Raw(notes.ws_url) as raw:
+    with Socket(notes.ws_url + "/ws") as raw:
         raw.ask({"type": "reset", "data": {"split": "all", "index": SAVE}})
         before = notes.wait_envs(1)
         again = raw.ask({"type": "reset", "data": {"split": "all", "index": RECALL}})
@@ -651,7 +503,7 @@ def test_reset_abandons_the_live_episode_and_close_tears_down(notes):
         notes.wait_envs(1)
         assert raw.ask({"type": "state"})["data"]["done"] is False
     notes.no_envs()                                   # the socket closed: its episode is torn down
-    with Raw(notes.ws_url) as raw:                    # {"type": "close"} ends it too
+    with Socket(notes.ws_url + "/ws") as raw:          # {"type": "close"} ends it too
         raw.ask({"type": "reset", "data": {"split": "all", "index": SAVE}})
         notes.wait_envs(1)
         raw.send({"type": "close"})
@@ -760,42 +612,10 @@ def test_gridsim_task_api_and_an_idle_day(oe, tmp_path):
 
 # ================================================================ 7. deadlines
 
-NAP = '''\
-"""The notebook env of notes-v1 with one more tool, sleep, for testing reply deadlines."""
-import time
-
-import server as notebook
-
-notebook.TOOLS.append({"name": "sleep", "description": "Sleep for some seconds.",
-                       "inputSchema": notebook._schema("seconds")})
-notebook.SCHEMAS["sleep"] = notebook.TOOLS[-1]["inputSchema"]
-_call_tool = notebook.call_tool
-
-
-def call_tool(name, args, role):
-    if name == "sleep" and isinstance(args, dict) and isinstance(args.get("seconds"), str):
-        time.sleep(float(args["seconds"]))
-        return "slept", False
-    return _call_tool(name, args, role)
-
-
-notebook.call_tool = call_tool
-notebook.main()
-'''
-
-
 @pytest.fixture
 def slow_bundle(tmp_path) -> Path:
     """notes-v1 whose notebook also has a ``sleep`` tool."""
-    root = tmp_path / "slow-v1"
-    shutil.copytree(NOTES, root, ignore=shutil.ignore_patterns("__pycache__"))
-    env = root / "envs" / "notebook"
-    (env / "nap.py").write_text(NAP)
-    dockerfile = env / "Dockerfile"
-    dockerfile.write_text(dockerfile.read_text().replace('COPY server.py .', 'COPY server.py nap.py .')
-                          .replace('CMD ["python", "server.py"]', 'CMD ["python", "nap.py"]'))
-    assert "nap.py" in agentenv.Bundle.load(root).envs["notebook"].command[-1]
-    return root
+    return with_sleep_tool(copy_bundle(tmp_path / "slow-v1"))
 
 
 def test_a_call_that_runs_too_long_answers_timeout_inside_the_client_timeout(oe, tmp_path, slow_bundle):
@@ -852,7 +672,7 @@ def test_idle_ws_session_is_reaped_and_frees_its_slot(oe, idle_server):
 def test_idle_http_mcp_session_is_reaped_with_its_episode(idle_server):
     server = idle_server
     session = rpc(server.url, "openenv/session/create")["result"]["session_id"]
-    with Raw(f"{server.ws_url}?session_id={session}") as attached:
+    with Socket(f"{server.ws_url}/ws?session_id={session}") as attached:
         assert attached.ask({"type": "reset", "data": {"split": "all", "index": SAVE}})["data"]["done"] \
             is False
     # detached without openenv/session/close: the session and its episode live on, for now
@@ -865,7 +685,7 @@ def test_idle_http_mcp_session_is_reaped_with_its_episode(idle_server):
 
 def test_a_reaped_ws_session_does_not_play_outside_the_limit(idle_server):
     server = idle_server
-    with Raw(server.ws_url) as raw:
+    with Socket(server.ws_url + "/ws") as raw:
         raw.ask({"type": "reset", "data": {"split": "all", "index": SAVE}})
         server.wait_envs(1)
         server.no_envs(timeout=5)                            # reaped
@@ -885,8 +705,8 @@ def test_a_reaped_ws_session_does_not_play_outside_the_limit(idle_server):
 # ================================================================ 9. SIGTERM
 
 def test_sigterm_with_live_episodes_tears_down_and_exits_0(tmp_path):
-    server = Served(NOTES, tmp_path)
-    clients = [Raw(server.ws_url) for _ in range(2)]
+    server = Server.serve(NOTES, tmp_path)
+    clients = [Socket(server.ws_url + "/ws") for _ in range(2)]
     try:
         for raw, index in zip(clients, (SAVE, TWO_STEP)):
             assert raw.ask({"type": "reset", "data": {"split": "all", "index": index}})["data"]["done"] \
@@ -905,8 +725,8 @@ def test_sigterm_with_live_episodes_tears_down_and_exits_0(tmp_path):
 
 
 def test_sigterm_closes_open_sockets_and_exits_promptly(tmp_path):
-    server = Served(NOTES, tmp_path)
-    raw = Raw(server.ws_url)
+    server = Server.serve(NOTES, tmp_path)
+    raw = Socket(server.ws_url + "/ws")
     try:
         raw.ask({"type": "reset", "data": {"split": "all", "index": SAVE}})
         server.terminate()

@@ -36,6 +36,11 @@ Typical use in a test (the repository root on ``sys.path``)::
 
 ``python -m tests.gym.selfcheck`` does exactly that with the stand-in server.
 
+What is here is the Gym venv's own: finding it, Gym roots and configs, and a ``ProcessGroup`` of
+children (run tags, SIGINT, Ray's leftovers), which ``tests/harness.py``'s ``Server`` (one server
+of ours, SIGTERM) is not. Free ports, the /proc scan, JSONL files and HTTP requests are
+``tests/harness.py``'s.
+
 Nothing here reads the repository's ``../shared``; the Gym venv is found through
 ``AGENTENV_GYM_VENV`` (default ``~/.cache/agentenv-tests/nemo-gym-0.7``), as ``.ci/gym-venv.sh``
 builds it.
@@ -45,16 +50,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import http.client
 import json
 import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,13 +65,15 @@ from typing import Any, Iterable
 
 import yaml
 
+from tests.harness import (HOST, free_ports, processes_with_env, read_jsonl,  # noqa: F401
+                           request, write_jsonl)
+
 REPO = Path(__file__).resolve().parents[2]
 STANDIN_DIR = Path(__file__).resolve().parent / "standin"
 GYM_VERSION = "0.7.0"
 SKIP_REASON = "NeMo Gym 0.7 is not installed for the tests: run bash .ci/gym-venv.sh"
 MARKER_NAME = ".agentenv-gym-complete"          # written by .ci/gym-venv.sh once the venv is complete
 RUN_TAG_VAR = "AGENTENV_GYM_HARNESS_RUN"       # in every child's environment: finds leftovers
-HOST = "127.0.0.1"
 
 
 class GymHarnessError(RuntimeError):
@@ -155,17 +160,6 @@ def prepare_root(root: Path, name: str, source: Path, *, extra_files: dict[str, 
     return dest
 
 
-def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
 def scripted_row(script: list[dict], user_text: str, *, tools: list[dict] | None = None,
                  agent: str | None = None, **extra: Any) -> dict:
     """A data row whose fake-model script is ``script`` (stored as the JSON string metadata needs)."""
@@ -206,17 +200,6 @@ def find_instances(config: dict, name: str) -> tuple[str, str]:
 
 # ----------------------------------------------------------------------------- processes
 
-def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on 127.0.0.1 (held open together while choosing)."""
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(n):
-            s = stack.enter_context(socket.socket())
-            s.bind((HOST, 0))
-            ports.append(s.getsockname()[1])
-        return ports
-
-
 def child_env(venv: Path, tag: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a Gym child: this one, minus Python/Gym leftovers, plus the venv on PATH
     (what ``source <venv>/bin/activate`` does), quiet Ray telemetry, and the run tag."""
@@ -238,28 +221,6 @@ def child_env(venv: Path, tag: str, extra: dict[str, str] | None = None) -> dict
 def _tagged_pids(tag: str) -> list[tuple[int, str]]:
     """(pid, command line) of every live process whose environment carries the run tag."""
     return processes_with_env(RUN_TAG_VAR, tag)
-
-
-def processes_with_env(name: str, value: str) -> list[tuple[int, str]]:
-    """(pid, command line) of every live process but this one whose environment has name=value."""
-    needle = f"{name}={value}".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/environ", "rb") as f:
-                if needle not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue                                    # a zombie: already dead
-            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            continue
-        found.append((int(entry.name), cmd))
-    return found
 
 
 def tail(path: Path, lines: int = 40) -> str:
@@ -347,26 +308,12 @@ class ProcessGroup:
         return leftovers
 
 
-def http_get(url: str, timeout: float = 5) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
 def http_post_json(url: str, body: Any, timeout: float) -> tuple[int, Any]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"content-type": "application/json"})
+    reply = request(url, body=body, timeout=timeout)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        status, raw = exc.code, exc.read()
-    try:
-        return status, json.loads(raw)
+        return reply.status, reply.json()
     except ValueError:
-        return status, raw.decode(errors="replace")
+        return reply.status, reply.text
 
 
 def wait_http(url: str, child: Child, timeout: float, *, want_200: bool = False) -> float:
@@ -378,10 +325,10 @@ def wait_http(url: str, child: Child, timeout: float, *, want_200: bool = False)
             raise GymHarnessError(f"{child.name} exited with status {child.proc.returncode} before "
                                   f"{url} answered; its log:\n{tail(child.log)}")
         try:
-            status, _ = http_get(url, timeout=3)
+            status = request(url, "GET", timeout=3).status
             if not want_200 or status == 200:
                 return time.monotonic() - start
-        except (urllib.error.URLError, OSError):
+        except (OSError, http.client.HTTPException):
             pass
         if time.monotonic() - start > timeout:
             raise GymHarnessError(f"{url} did not answer{' 200' if want_200 else ''} within {timeout:.0f} s; "
