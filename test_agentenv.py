@@ -63,7 +63,7 @@ from agentenv import (AgentEnvError, Bundle, BundleError, EpisodeFailed, McpErro
                       Runtime, StartGate, ToolResult, aggregate_score, parse_dockerfile,
                       response_rows, task_id_root)
 from tests import harness
-from tests.harness import free_port
+from tests.harness import free_port, gone
 
 HERE = Path(__file__).resolve().parent
 NOTES = HERE / "bundles" / "notes-v1"
@@ -232,16 +232,6 @@ run = functools.partial(harness.run, timeout=30)
 def local(bundle: Bundle, **options) -> Runtime:
     options = {"sandbox": "local", "deploy_timeout": 10, "verifier_timeout": 10, **options}
     return Runtime(bundle, **options)
-
-
-def gone(pid: int, within: float = 2.0) -> bool:
-    """Whether the process no longer exists (not even as a zombie), waiting up to ``within``."""
-    deadline = time.monotonic() + within
-    while os.path.exists(f"/proc/{pid}"):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def refused(root, reward=None) -> list[str]:

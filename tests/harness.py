@@ -3,6 +3,8 @@
 
 What is here, and which suite uses it:
 
+* ``LoopbackNamespace``: a network namespace whose only interface is loopback, where anything
+  that starts Ray runs (tests/gym's full-CLI run); ``NamespaceUnavailable`` where none can be made.
 * Running things: ``run(coro, timeout)`` (a coroutine to its end on a fresh loop, within a
   deadline: test_docker, test_faults, test_gridsim, test_gym_surface, test_load), ``free_port()``
   (test_bad_input, test_gym_surface) and ``free_ports(n)`` (tests/gym), ``wait_until`` (test_faults,
@@ -120,7 +122,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def gone(pid: int, within: float) -> bool:
+def gone(pid: int, within: float = 2.0) -> bool:
     """Whether the process is gone altogether (reaped too) within ``within`` seconds."""
     deadline = time.monotonic() + within
     while os.path.exists(f"/proc/{pid}"):
@@ -158,6 +160,81 @@ def environ(state: Path, **extra: str) -> dict[str, str]:
            if not k.startswith(("NEMO_GYM_", "MAX_CONCURRENT_ENVS", "AGENTENV_TOKEN"))}
     env.update(AGENTENV_STATE_DIR=str(state), PYTHONUNBUFFERED="1", **extra)
     return env
+
+
+# ================================================================ a loopback-only network namespace
+
+class NamespaceUnavailable(RuntimeError):
+    """No network namespace could be made here (unshare needs root, or a kernel that allows it)."""
+
+
+class LoopbackNamespace:
+    """A fresh network namespace whose only interface is loopback, for anything that starts Ray:
+    Ray's processes contact addresses outside the machine even when bound to 127.0.0.1, and on
+    these machines nothing may leave loopback. A holder process keeps the namespace; ``argv``
+    runs a command in it (nsenter), and ``call`` runs a function of this process in it (a thread
+    that setns()es first: every socket it opens lives in the namespace). Closing it kills the
+    holder, and with it the namespace once nothing else runs there."""
+
+    def __init__(self) -> None:
+        try:
+            self.holder = subprocess.Popen(
+                ["unshare", "--net", "sh", "-c", "ip link set lo up && echo up && exec sleep 86400"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        except OSError as exc:
+            raise NamespaceUnavailable(f"unshare could not run ({exc})") from None
+        said = self.holder.stdout.readline().decode(errors="replace").strip()
+        if said != "up":
+            self.holder.wait(10)
+            raise NamespaceUnavailable(f"unshare --net did not make a namespace: {said or 'no output'}"
+                                       f"{(' ' + self.holder.stdout.read().decode(errors='replace')).rstrip()}")
+        self.path = f"/proc/{self.holder.pid}/ns/net"
+
+    def argv(self, argv: list[str]) -> list[str]:
+        return ["nsenter", f"--net={self.path}", "--", *argv]
+
+    def enter(self) -> None:
+        """Move the calling thread into the namespace (only that thread)."""
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if libc.setns(fd, 0x40000000) != 0:                   # CLONE_NEWNET
+                raise OSError(ctypes.get_errno(), "setns into the namespace failed")
+        finally:
+            os.close(fd)
+
+    def call(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` run in the namespace, on a thread of its own; its result."""
+        import threading
+        outcome: list = []
+
+        def inside() -> None:
+            try:
+                self.enter()
+                outcome.append((True, fn(*args, **kwargs)))
+            except BaseException as exc:                           # noqa: BLE001 - raised below
+                outcome.append((False, exc))
+        thread = threading.Thread(target=inside, name="in-namespace", daemon=True)
+        thread.start()
+        thread.join()
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        if self.holder.poll() is None:
+            self.holder.kill()
+            self.holder.wait(10)
+        self.holder.stdout.close()
+
+    def __enter__(self) -> LoopbackNamespace:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 # ================================================================ HTTP

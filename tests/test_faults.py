@@ -245,6 +245,34 @@ def test_a_hanging_tool_and_an_env_never_ready_cost_only_their_rollouts_on_gym(t
         server.no_envs()
 
 
+def test_an_env_never_ready_meets_the_deploy_deadline_of_the_gym_config(tmp_path, faults):
+    """deploy_timeout in the resources server's config bounds the deploy: past it the rollout is
+    masked transport_timeout, with the env's last output and the setting to raise, well before
+    reset_timeout; the README's fault table says so for the default path (180 s before 600)."""
+    config = resources_config("faults", bundle=str(faults), sandbox="local")
+    with running(Server.gym(tmp_path, config, max_concurrent_envs=2, deploy_timeout=1.5,
+                            reset_timeout=60)) as server:
+        async def never(http):
+            rollout = await seeded(http, server.url, gym_rows(faults)["never-ready"])
+            text, took = answer(await rollout.call("write_note", **GROCERIES))
+            return text, took, (await rollout.verify()).json()
+
+        async def go():
+            async with client() as http:
+                return await never(http)
+
+        text, took, body = run(go())
+        assert text.startswith("error: the environment of this rollout failed, so write_note did "
+                               "not run (the environment failed: step 'env' (deploy_env) failed: env "
+                               "'deaf' was not ready within 1.5s"), text
+        assert 1.2 < took < 10, took
+        reason = assert_masked(body, "transport_timeout", "was not ready within 1.5s",
+                               "the deploy deadline; if it is only slow, raise --deploy-timeout "
+                               "(deploy_timeout in a Gym config)")
+        assert "waiting for a database that never comes" in reason, reason    # its last output
+        server.no_envs()
+
+
 def test_a_hanging_tool_and_an_env_never_ready_cost_only_their_sessions_on_openenv(tmp_path, faults):
     """serve with replies due within 3 s (--client-timeout 4 --reply-margin 1), three /ws sessions
     at once: the hanging tool call answers OpenEnv's timeout error, the reset of the env that never

@@ -151,8 +151,8 @@ def make_app(requests: list | None = None) -> web.Application:
 class FakeModel:
     """The fake on a background thread with its own event loop."""
 
-    def __init__(self, port: int = 0, host: str = "127.0.0.1"):
-        self.host, self.port = host, port
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", enter: Any = None):
+        self.host, self.port, self.enter = host, port, enter    # enter: a namespace to listen in
         self.requests: list[tuple[str, Any]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -184,6 +184,8 @@ class FakeModel:
         def run() -> None:
             self._loop = asyncio.new_event_loop()
             try:
+                if self.enter is not None:
+                    self.enter()            # this thread (and every socket it opens) moves there
                 self._loop.run_until_complete(serve())
             except BaseException as exc:                             # noqa: BLE001 - reported below
                 failure.append(exc)
@@ -215,9 +217,10 @@ class FakeModel:
         self.stop()
 
 
-def start(port: int = 0, host: str = "127.0.0.1") -> FakeModel:
-    """Start the fake on a thread; ``port=0`` picks a free port (see ``.port``)."""
-    return FakeModel(port, host).start()
+def start(port: int = 0, host: str = "127.0.0.1", enter: Any = None) -> FakeModel:
+    """Start the fake on a thread; ``port=0`` picks a free port (see ``.port``). ``enter`` moves
+    the thread into a network namespace first (LoopbackNamespace.enter)."""
+    return FakeModel(port, host, enter).start()
 
 
 def stop(model: FakeModel) -> None:

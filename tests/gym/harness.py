@@ -65,7 +65,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from tests.harness import (HOST, free_ports, processes_with_env, read_jsonl,  # noqa: F401
+from tests.harness import (HOST, LoopbackNamespace, free_ports, processes_with_env, read_jsonl,  # noqa: F401
                            request, write_jsonl)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -515,6 +515,11 @@ def run_cli(root: Path, name: str, jsonl: Path, *, work_dir: Path, venv: Path | 
             stop_timeout: float = 90) -> CliRun:
     """The §6.2 full-CLI variant: ``gym env start`` then ``gym eval run --no-serve``, SIGINT-stopped.
 
+    ``gym env start`` starts Ray, which contacts outside addresses even on loopback, so the whole
+    run (both commands, what they start, the fake model, the readiness probe) happens inside a
+    fresh loopback-only network namespace (``LoopbackNamespace``; NamespaceUnavailable where none
+    can be made).
+
     With no ``model_base_url`` the fake model runs on a thread of this process for the duration.
     ``work_dir`` is the cwd of both commands (Hydra writes ``outputs/`` there) and holds the venv
     links (``venvs/``), the logs (``logs/``) and the rollouts (``out/``).
@@ -547,13 +552,14 @@ def run_cli(root: Path, name: str, jsonl: Path, *, work_dir: Path, venv: Path | 
     timings: dict[str, float] = {}
     own_model = None
     group = ProcessGroup(venv, work_dir / "logs")
+    namespace = LoopbackNamespace()
     start_child = None
     rollouts: list[dict] = []
     aggregate = None
     commands: list[str] = []
     try:
         if model_base_url is None:
-            own_model = fake_model.start()
+            own_model = fake_model.start(enter=namespace.enter)
             model_base_url = own_model.base_url
         head_port = head_port or free_ports(1)[0]
         start_argv = [gym, "env", "start", *configs, *search_dirs,
@@ -569,12 +575,13 @@ def run_cli(root: Path, name: str, jsonl: Path, *, work_dir: Path, venv: Path | 
         env = group.env(shown_env)
         commands = [_show(start_argv, cwd=work_dir, env=shown_env), _show(eval_argv, cwd=work_dir, env=shown_env)]
 
-        start_child = group.spawn("gym-env-start", start_argv, cwd=work_dir, env=env)
-        timings["ready"] = wait_http(f"http://{HOST}:{head_port}/readyz", start_child, ready_timeout,
-                                     want_200=True)
+        start_child = group.spawn("gym-env-start", namespace.argv(start_argv), cwd=work_dir, env=env)
+        timings["ready"] = namespace.call(wait_http, f"http://{HOST}:{head_port}/readyz", start_child,
+                                          ready_timeout, want_200=True)
         t_eval = time.monotonic()
         try:
-            group.run("gym-eval-run", eval_argv, cwd=work_dir, env=env, timeout=eval_timeout)
+            group.run("gym-eval-run", namespace.argv(eval_argv), cwd=work_dir, env=env,
+                      timeout=eval_timeout)
         except GymHarnessError as exc:
             raise GymHarnessError(f"{exc}\n--- gym env start log:\n{tail(start_child.log)}") from None
         timings["eval"] = time.monotonic() - t_eval
@@ -592,6 +599,7 @@ def run_cli(root: Path, name: str, jsonl: Path, *, work_dir: Path, venv: Path | 
         leftovers = group.stop_all()
         if own_model is not None:
             own_model.stop()
+        namespace.close()
         timings["stop"] = time.monotonic() - t_stop
         timings["total"] = time.monotonic() - t0
     return CliRun(rollouts=rollouts, aggregate=aggregate, output_dir=out_dir, commands=commands,
