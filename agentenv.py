@@ -59,8 +59,10 @@ import shlex
 import shutil
 import signal
 import socket
+import struct
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 import uuid
@@ -1077,7 +1079,8 @@ class LocalInstance(Instance):
     async def answers_itself(self) -> bool:
         # A port found free can be taken by another process before the env binds it; then the
         # env dies on bind while the other answers in its place. Linux says who listens.
-        return await asyncio.to_thread(listens, self.proc.pid, self.port) is not False
+        # (a few small reads from Linux: no thread for it)
+        return listens(self.proc.pid, self.port) is not False
 
     async def remove(self) -> None:
         try:
@@ -1228,22 +1231,8 @@ def free_port() -> int:
 
 def listens(pid: int, port: int) -> bool | None:
     """Whether the process ``pid`` or one of its descendants holds the socket listening on
-    ``port``; None where /proc can't say (not Linux, or no such listener yet)."""
-    inodes = set()
-    # The tables list every socket of the host (thousands under load): search the bytes for the
-    # listener's line rather than split them, so a check leaves no heap of small strings behind.
-    needles = [f":{port:04X} {'0' * width}:0000 0A ".encode() for width in (8, 32)]
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            data = Path(table).read_bytes()
-        except OSError:
-            continue
-        for needle in needles:
-            at = data.find(needle)
-            while at >= 0:
-                line = data[data.rfind(b"\n", 0, at) + 1:data.find(b"\n", at)].split()
-                inodes.add(f"socket:[{line[9].decode()}]")
-                at = data.find(needle, at + 1)
+    ``port``; None where Linux can't say (not Linux, or no such listener yet)."""
+    inodes = listening_sockets(port)
     if not inodes:
         return None
     family, seen = [pid], set()
@@ -1259,6 +1248,63 @@ def listens(pid: int, port: int) -> bool | None:
             children = Path(f"/proc/{member}/task/{member}/children").read_text().split()
             family.extend(int(c) for c in children if int(c) not in seen)
     return False
+
+
+# Linux's sock_diag over netlink: asked for TCP sockets in the LISTEN state only, it answers the
+# few listeners, where /proc/net/tcp lists every socket of the host (thousands in TIME_WAIT under
+# load, several hundred KB a read, a heap of garbage per deploy).
+NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY, NLMSG_DONE, NLMSG_ERROR = 4, 20, 3, 2
+TCP_LISTEN = 10
+
+
+def listening_sockets(port: int) -> set[str]:
+    """The sockets (as /proc's fd links name them) listening on TCP ``port`` of this namespace."""
+    try:
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as link:
+            return {f"socket:[{inode}]" for family in (socket.AF_INET, socket.AF_INET6)
+                    for inode in _listeners(link, family, port)}
+    except (OSError, AttributeError):        # no netlink here (not Linux, or a seccomp profile)
+        return _listening_sockets_from_proc(port)
+
+
+def _listeners(link: socket.socket, family: int, port: int) -> list[int]:
+    # struct inet_diag_req_v2: family, protocol, ext, pad, states; then a zeroed inet_diag_sockid
+    request = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 1 << TCP_LISTEN) + bytes(48)
+    link.send(struct.pack("=IHHII", 16 + len(request), SOCK_DIAG_BY_FAMILY, 0x301, 1, 0) + request)
+    inodes = []
+    while True:
+        data, at = link.recv(65536), 0
+        while at + 16 <= len(data):
+            length, kind = struct.unpack_from("=IH", data, at)
+            if kind == NLMSG_DONE:
+                return inodes
+            if kind == NLMSG_ERROR:
+                raise OSError("sock_diag refused the request")
+            # struct inet_diag_msg: family, state, timer, retrans, then the sockid (sport first,
+            # big-endian), expires, rqueue, wqueue, uid, inode
+            if struct.unpack_from(">H", data, at + 20)[0] == port:
+                inodes.append(struct.unpack_from("=I", data, at + 16 + 68)[0])
+            at += (length + 3) & ~3
+        if not data:
+            return inodes
+
+
+def _listening_sockets_from_proc(port: int) -> set[str]:
+    inodes = set()
+    # search the bytes for the listener's line rather than split thousands of lines
+    needles = [f":{port:04X} {'0' * width}:0000 0A ".encode() for width in (8, 32)]
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            data = Path(table).read_bytes()
+        except OSError:
+            continue
+        for needle in needles:
+            at = data.find(needle)
+            while at >= 0:
+                line = data[data.rfind(b"\n", 0, at) + 1:data.find(b"\n", at)].split()
+                inodes.add(f"socket:[{line[9].decode()}]")
+                at = data.find(needle, at + 1)
+    return inodes
 
 
 class DockerInstance(Instance):
@@ -1806,11 +1852,64 @@ def load_verifier(path: Path) -> Callable:
     return module.verify
 
 
-def run_verify(verify: Callable, mcp_url: str, timeout: float) -> Any:
-    """Run an async ``verify`` on an event loop of its own, in the calling (worker) thread, so a
-    verifier that blocks never stalls the server's loop; its own loop cancels it at the deadline,
-    which frees the thread unless the verifier blocks without awaiting."""
-    return asyncio.run(asyncio.wait_for(verify(mcp_url), timeout))
+async def run_verify(verify: Callable, mcp_url: str, timeout: float) -> Any:
+    """An artifact's ``verify(mcp_url)``, cancelled at its deadline (on a verifier loop)."""
+    return await asyncio.wait_for(verify(mcp_url), timeout)
+
+
+class VerifierLoops:
+    """Where verifiers run: a few threads, each with an event loop of its own for as long as the
+    runtime lives. Bundle code that blocks stalls its own loop, never the server's; each run goes
+    to the loop with the fewest under way, so a loop a verifier has stuck is passed over. The
+    loops share one small executor for the blocking work verifiers hand to ``asyncio.to_thread``.
+    No thread and no loop is made per run: a fresh loop (and its executor's threads) per
+    verification churned glibc's per-thread arenas, and the server's memory grew with them."""
+
+    def __init__(self, size: int = 4):
+        from concurrent.futures import ThreadPoolExecutor
+        self.size = size
+        self.loops: list[asyncio.AbstractEventLoop] = []
+        self.busy: list[int] = []
+        self.threads: list[threading.Thread] = []
+        self.blocking = ThreadPoolExecutor(max_workers=size, thread_name_prefix="verifier_io")
+
+    def _open(self) -> None:
+        for n in range(self.size):
+            loop = asyncio.new_event_loop()
+            loop.set_default_executor(self.blocking)
+            thread = threading.Thread(target=loop.run_forever, name=f"verifier_{n}", daemon=True)
+            thread.start()
+            self.loops.append(loop)
+            self.busy.append(0)
+            self.threads.append(thread)
+
+    async def run(self, verify: Callable, mcp_url: str, timeout: float) -> Any:
+        if not self.loops:
+            self._open()
+        n = min(range(self.size), key=self.busy.__getitem__)
+        here = asyncio.get_running_loop()
+        self.busy[n] += 1
+        job = asyncio.run_coroutine_threadsafe(run_verify(verify, mcp_url, timeout), self.loops[n])
+
+        def done(_: Any) -> None:       # when the run ends on its loop, not when its waiter stops
+            with contextlib.suppress(RuntimeError):          # the server's loop has closed
+                here.call_soon_threadsafe(self._ended, n)
+        job.add_done_callback(done)
+        return await asyncio.wrap_future(job)
+
+    def _ended(self, n: int) -> None:
+        if n < len(self.busy):
+            self.busy[n] -= 1
+
+    def close(self) -> None:
+        """Stop the loops; one a verifier still blocks is left to end with the process."""
+        for loop, thread in zip(self.loops, self.threads):
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=1)
+            if not thread.is_alive():
+                loop.close()
+        self.blocking.shutdown(wait=False)
+        self.loops, self.busy, self.threads = [], [], []
 
 
 def check_rows(rows: Any, where: str) -> list[dict[str, Any]]:
@@ -2293,8 +2392,7 @@ class Runtime:
         self.sandbox: Sandbox = LocalSandbox(self.owner)
         self.http: aiohttp.ClientSession | None = None
         self._verifiers: dict[str, asyncio.Future] = {}
-        from concurrent.futures import ThreadPoolExecutor
-        self._verifier_threads = ThreadPoolExecutor(max_workers=16, thread_name_prefix="verifier")
+        self._verifier_loops = VerifierLoops()
         self.starting = StartGate()
 
     async def start(self) -> Runtime:
@@ -2330,21 +2428,20 @@ class Runtime:
             await episode.abandon(why)
 
     async def verify(self, artifact: str, mcp_url: str) -> list[dict[str, Any]]:
-        """Run an artifact's ``verify(mcp_url)`` in a worker thread, within the verifier deadline."""
+        """Run an artifact's ``verify(mcp_url)`` on a verifier loop, within the verifier deadline."""
         where = f"the verifier artifacts/{artifact}"
         loop = asyncio.get_running_loop()
         if artifact not in self._verifiers:     # imported once, in a thread: bundle code may be slow
             self._verifiers[artifact] = loop.run_in_executor(
-                self._verifier_threads, load_verifier, self.bundle.verifiers[artifact])
+                None, load_verifier, self.bundle.verifiers[artifact])
         try:
             verify = await asyncio.shield(self._verifiers[artifact])
         except Exception as exc:                        # noqa: BLE001 - bundle code may raise anything
             raise EpisodeFailed(f"{where} did not import: {type(exc).__name__}: {exc}",
                                 VERIFIER_ERROR) from None
-        job = loop.run_in_executor(self._verifier_threads, run_verify, verify, mcp_url,
-                                   self.verifier_timeout)
+        job = self._verifier_loops.run(verify, mcp_url, self.verifier_timeout)
         try:
-            # the thread's own deadline comes first; this one is for a verifier that blocks
+            # the loop's own deadline comes first; this one is for a verifier that blocks it
             rows = await asyncio.wait_for(job, self.verifier_timeout + 5)
         except asyncio.TimeoutError:
             raise EpisodeFailed(f"{where} did not finish within {self.verifier_timeout:g}s",
@@ -2359,7 +2456,7 @@ class Runtime:
         await self.sandbox.close()
         if self.http is not None:
             await self.http.close()
-        self._verifier_threads.shutdown(wait=False)
+        self._verifier_loops.close()
 
 
 # ================================================================ 8. Plumbing
