@@ -3,6 +3,7 @@
     python bench/soak.py [--surface gym|openenv] [--episodes 50000] [--concurrency 64]
                          [--pool 64] [--every 1000] [--sandbox local|docker]
                          [--agentenv PATH] [--json out.json] [--plot out.png]
+    python bench/soak.py --from a.json b.json --plot out.png      # plot earlier runs together
 
 It starts ``agentenv.py serve bundles/notes-v1 --sandbox local --max-concurrent-envs POOL`` with no
 environment variable of its own (MALLOC_ARENA_MAX and the like are removed), and keeps
@@ -281,7 +282,10 @@ async def soak(args: argparse.Namespace) -> dict:
 
 
 def plot(results: list[dict], path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit("soak.py: --plot needs matplotlib: pip install matplotlib (the results are written)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -315,7 +319,14 @@ def main() -> int:
                         help="the agentenv.py to serve with (another copy is a baseline)")
     parser.add_argument("--json", help="write the result here")
     parser.add_argument("--plot", help="plot RSS against episodes here (needs matplotlib)")
+    parser.add_argument("--from", dest="results", nargs="+", metavar="JSON",
+                        help="no run: plot (--plot) the results these --json files hold")
     args = parser.parse_args()
+    if args.results:
+        if not args.plot:
+            parser.error("--from plots earlier results: give --plot too")
+        plot([json.loads(Path(path).read_text()) for path in args.results], args.plot)
+        return 0
     result = asyncio.run(soak(args))
     print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
     if args.json:
