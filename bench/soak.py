@@ -165,12 +165,13 @@ async def gym_rollout(http: aiohttp.ClientSession, url: str, row: dict, n: int) 
                        ("read_note", {"title": "groceries"})):
         async with http.post(f"{url}/{name}", json=args, cookies=cookies) as resp:
             answer = await resp.text()
-    if answer != text:
-        return "failed"
     async with http.post(url + "/verify", json={**row, "response": response("Saved.")},
                          cookies=cookies) as resp:
         body = await resp.json()
-    return "masked" if body.get("mask_sample") else "scored" if body.get("reward") == 1.0 else "failed"
+    if body.get("mask_sample"):           # the environment failed it, and said so
+        return "masked"
+    # scored only on an env of its own: its note read back as written
+    return "scored" if body.get("reward") == 1.0 and answer == text else "failed"
 
 
 async def openenv_rollout(http: aiohttp.ClientSession, url: str, row: dict, n: int) -> str:
