@@ -10,9 +10,10 @@ environment variable of its own (MALLOC_ARENA_MAX and the like are removed), and
 ``--concurrency`` rollouts in flight: on Gym seed, write_note (a text no other rollout writes),
 read_note, verify; on OpenEnv a /ws reset, the same two calls, end_turn. Every ``--every``
 episodes it stops starting new ones, lets those in flight finish, waits until the server runs no
-env process, and reads the server's VmRSS, threads, open fds and live children from /proc. "In
-flight" is rollouts, not live envs: starts wait on the boot gate, so fewer envs than rollouts are
-live at once (the most seen is reported).
+env process, and reads the server's VmRSS, its peak (VmHWM), threads, open fds and live children
+from /proc, with the most envs seen live since the last sample. "In flight" is rollouts, not live
+envs: starts wait on the boot gate, so fewer envs than rollouts are live at once, and how many
+depends on how busy the machine is.
 
 The result: every sample, the slope of RSS over the second half (least squares, MiB per 10,000
 episodes, of the samples after ``--warm-up`` episodes; ``--whole`` takes all of them), the growth
@@ -111,8 +112,12 @@ class Served:
                 pass
         return live
 
-    def sample(self, episodes: int, started: float) -> dict:
+    def sample(self, episodes: int, started: float, live_peak: int = 0) -> dict:
+        # VmHWM, the most RSS the server ever held, beside the idle RSS: an idle step that follows
+        # a step of the peak is freed memory glibc keeps after a busier stretch, not a leak.
         return {"episodes": episodes, "rss_mib": round(self.status("VmRSS") / 1024, 2),
+                "peak_rss_mib": round(self.status("VmHWM") / 1024, 2),
+                "live_envs_peak": live_peak,
                 "threads": self.status("Threads"), "fds": len(os.listdir(f"/proc/{self.pid}/fd")),
                 "children": self.children(), "wall_s": round(time.monotonic() - started, 1)}
 
@@ -251,19 +256,23 @@ async def soak(args: argparse.Namespace) -> dict:
                         except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError):
                             tallies["failed"] += 1
 
+                peak = 0
+
                 async def watch() -> None:
-                    nonlocal most_envs
+                    nonlocal peak
                     while True:
-                        most_envs = max(most_envs, served.children())
+                        peak = max(peak, served.children())
                         await asyncio.sleep(0.5)
                 watcher = asyncio.create_task(watch())
                 await asyncio.gather(*(one(done + i) for i in range(batch)))
                 watcher.cancel()
+                most_envs = max(most_envs, peak)
                 done += batch
                 await served.idle()
-                sample = served.sample(done, started)
+                sample = served.sample(done, started, peak)
                 samples.append(sample)
-                print(f"soak: {done} episodes, RSS {sample['rss_mib']} MiB, threads "
+                print(f"soak: {done} episodes, RSS {sample['rss_mib']} MiB (peak "
+                      f"{sample['peak_rss_mib']}, {peak} envs live at most), threads "
                       f"{sample['threads']}, fds {sample['fds']}, live envs {sample['children']}, "
                       f"{tallies}", flush=True)
     finally:
