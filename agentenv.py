@@ -53,6 +53,7 @@ import json
 import logging
 import math
 import os
+import random
 import re
 import secrets
 import shlex
@@ -1223,8 +1224,23 @@ def wait_for_children_by_pidfd() -> None:
     asyncio.get_event_loop_policy().set_child_watcher(asyncio.PidfdChildWatcher())
 
 
+LOCAL_PORTS_FROM = 20000          # local envs listen from here up to the ephemeral range
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A loopback port that nothing holds, below the kernel's ephemeral range where it can.
+
+    The kernel takes a connection's source port from the ephemeral range, so a port picked there
+    can be taken by any client's connection before the env binds it (6 of 30,000 deploys failed
+    so with two servers busy on one machine); below the range only a listener can take it."""
+    with contextlib.suppress(OSError, ValueError):
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        for _ in range(64) if ephemeral - LOCAL_PORTS_FROM >= 1000 else ():
+            port = random.randrange(LOCAL_PORTS_FROM, ephemeral)
+            with socket.socket() as sock, contextlib.suppress(OSError):
+                sock.bind(("127.0.0.1", port))
+                return port
+    with socket.socket() as sock:                 # no such range here: the kernel's choice
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 

@@ -940,6 +940,20 @@ def test_an_env_whose_port_another_process_took_fails_and_never_plays_on_the_oth
     assert outcome.status == "scored"
 
 
+def test_local_env_ports_come_from_below_the_ephemeral_range_where_no_connection_takes_them():
+    """A client's connection takes its source port from the kernel's ephemeral range, so an env
+    port picked there can be lost before the env binds it; ours come from below it, free."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    if low - agentenv.LOCAL_PORTS_FROM < 1000:
+        pytest.skip(f"this machine's ephemeral range starts at {low}: the kernel picks env ports")
+    ports = {agentenv.free_port() for _ in range(50)}
+    assert all(agentenv.LOCAL_PORTS_FROM <= port < low for port in ports), sorted(ports)
+    assert len(ports) > 40, "the ports are not spread over the range"
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))          # each was free when handed out
+
+
 # -- scratch folders
 
 # A fake env with one more tool: where its TMPDIR and DATABASE_URL point, and a temp file made there.

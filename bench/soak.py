@@ -275,21 +275,32 @@ async def soak(args: argparse.Namespace) -> dict:
                       f"{sample['peak_rss_mib']}, {peak} envs live at most), threads "
                       f"{sample['threads']}, fds {sample['fds']}, live envs {sample['children']}, "
                       f"{tallies}", flush=True)
+                summary(args, tallies, most_envs, samples, done=False)
     finally:
         served.stop()
+    return summary(args, tallies, most_envs, samples, done=True)
+
+
+def summary(args: argparse.Namespace, tallies: dict, most_envs: int, samples: list[dict],
+            done: bool) -> dict:
+    """The result so far; with --json it is written after every sample, so a run stopped early
+    keeps what it measured (``"finished": false``)."""
     first = next((s for s in samples if s["episodes"] >= args.warm_up), samples[-1])
     last = samples[-1]
-    return {"command": " ".join([sys.executable, *sys.argv]), "surface": args.surface,
-            "agentenv": str(args.agentenv), "episodes": args.episodes,
-            "concurrency": args.concurrency, "pool": args.pool, "sandbox": args.sandbox,
-            "tallies": tallies, "most_live_envs": most_envs, "samples": samples,
-            "warm_up": args.warm_up, "slope_over": "the whole run after warm-up" if args.whole
-            else "the second half after warm-up",
-            "slope_mib_per_10k": slope_per_10k(samples, args.warm_up, args.whole),
-            "growth_after_warm_up": {k: round(last[k] - first[k], 2)
-                                     for k in ("rss_mib", "threads", "fds", "children")},
-            "wall_s": last["wall_s"]}
-
+    result = {"command": " ".join([sys.executable, *sys.argv]), "surface": args.surface,
+              "agentenv": str(args.agentenv), "episodes": args.episodes,
+              "finished": done, "episodes_played": last["episodes"],
+              "concurrency": args.concurrency, "pool": args.pool, "sandbox": args.sandbox,
+              "tallies": dict(tallies), "most_live_envs": most_envs, "samples": samples,
+              "warm_up": args.warm_up, "slope_over": "the whole run after warm-up" if args.whole
+              else "the second half after warm-up",
+              "slope_mib_per_10k": slope_per_10k(samples, args.warm_up, args.whole),
+              "growth_after_warm_up": {k: round(last[k] - first[k], 2)
+                                       for k in ("rss_mib", "threads", "fds", "children")},
+              "wall_s": last["wall_s"]}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 def plot(results: list[dict], path: str) -> None:
     try:
@@ -327,7 +338,7 @@ def main() -> int:
     parser.add_argument("--sandbox", choices=("local", "docker"), default="local")
     parser.add_argument("--agentenv", default=str(ROOT / "agentenv.py"),
                         help="the agentenv.py to serve with (another copy is a baseline)")
-    parser.add_argument("--json", help="write the result here")
+    parser.add_argument("--json", help="write the result here (after every sample too)")
     parser.add_argument("--plot", help="plot RSS against episodes here (needs matplotlib)")
     parser.add_argument("--from", dest="results", nargs="+", metavar="JSON",
                         help="no run: plot (--plot) the results these --json files hold")
@@ -337,10 +348,12 @@ def main() -> int:
             parser.error("--from plots earlier results: give --plot too")
         plot([json.loads(Path(path).read_text()) for path in args.results], args.plot)
         return 0
+    # Stopped early (a shell's job started with & ignores SIGINT), the run still stops its
+    # server and keeps the samples written so far.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("soak.py: stopped by SIGTERM"))
     result = asyncio.run(soak(args))
     print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     if args.plot:
         plot([result], args.plot)
     return 0 if result["tallies"]["failed"] == 0 else 1
