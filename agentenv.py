@@ -4790,9 +4790,12 @@ def summary(lines: list[dict[str, Any]], repeats: int) -> list[str]:
                                            or "none"))
     timed = sorted(lines, key=lambda line: -float((line.get("timings") or {}).get("seconds") or 0))
     if timed:
-        out.append("slowest: " + ", ".join(
-            f"{str(line.get('task_id')).rsplit('/', 1)[-1]} {float(line['timings']['seconds']):.1f}s"
-            for line in timed[:SLOWEST_SHOWN] if line.get("timings")))
+        slowest = []
+        for line in timed[:SLOWEST_SHOWN]:
+            name = str(line.get("task_id")).rsplit("/", 1)[-1]
+            repeat = f" #{line.get('_ng_rollout_index')}" if repeats > 1 else ""
+            slowest.append(f"{name}{repeat} {float((line.get('timings') or {}).get('seconds') or 0):.1f}s")
+        out.append("slowest: " + ", ".join(slowest))
     return out
 
 
@@ -4885,6 +4888,10 @@ async def evaluate(plan: EvalPlan, out: Callable[[str], None] = print,
                            for i, row in enumerate(rows[split][:plan.limit])
                            for k in range(plan.repeats)]
                 todo = [p for p in planned if p.key not in file.lines]
+                out(f"eval: {len(planned)} rollouts ({', '.join(plan.splits)}: "
+                    f"{len(planned) // plan.repeats} rows x {plan.repeats}) of {plan.source} against "
+                    f"{plan.model} over {'Chat Completions' if model.api == 'chat' else 'Responses'}, "
+                    f"{plan.concurrency} at once, into {plan.output}")
                 if len(todo) < len(planned) or file.retried:
                     out(f"eval: {plan.output} holds {len(planned) - len(todo)} of these rollouts, so "
                         f"{len(todo)} are left to play" + (
@@ -5028,8 +5035,9 @@ def eval_plan(args: argparse.Namespace) -> EvalPlan:
     if not args.request_timeout > 0:
         raise AgentEnvError(f"--request-timeout must be a positive number of seconds, not "
                             f"{args.request_timeout!r}")
+    # the bundle's pool holds as many episodes as eval plays at once, unless told otherwise
     settings = Settings(max_concurrent_envs=args.max_concurrent_envs or _env_int(
-        "MAX_CONCURRENT_ENVS", Settings.max_concurrent_envs), request_timeout=args.request_timeout)
+        "MAX_CONCURRENT_ENVS", args.concurrency), request_timeout=args.request_timeout)
     return EvalPlan(source=args.source, model_url=args.model_url, model=args.model, api=args.api,
                     splits=tuple(s for s in args.split.split(",") if s), limit=args.limit,
                     repeats=args.repeats, concurrency=args.concurrency, max_steps=args.max_steps,
@@ -5178,7 +5186,7 @@ def command_line() -> argparse.ArgumentParser:
                            help="with a bundle: the scoring step whose score is the reward")
     evaluator.add_argument("--max-concurrent-envs", type=int, default=None, metavar="N",
                            help="with a bundle: episodes live at once (default: MAX_CONCURRENT_ENVS, "
-                                f"else {Settings.max_concurrent_envs})")
+                                "else --concurrency)")
     return parser
 
 

@@ -32,7 +32,7 @@ Use it
 * from a test: ``model = start()`` (any free port; ``start(port=P)`` for a fixed one) runs it on a
   thread with its own event loop; ``model.base_url`` is ``http://127.0.0.1:<port>/v1``,
   ``model.requests`` lists every ``(path, body)`` received, ``model.served`` every model reply's
-  ``(path, seconds spent on it)``, ``model.stop()`` (or ``stop(model)``) stops it. ``FakeModel`` is
+  ``(path, when it began, seconds spent on it)`` by time.monotonic, ``model.stop()`` (or ``stop(model)``) stops it. ``FakeModel`` is
   also a context manager;
 * as a process: ``python -m tests.gym.fake_model --port P`` (from the repo root) or
   ``python tests/gym/fake_model.py --port P``; it prints ``fake model listening on <base_url>`` and
@@ -185,8 +185,8 @@ def make_app(requests: list | None = None, scripts: dict | None = None,
              apis: tuple[str, ...] = ("responses", "chat"), served: list | None = None,
              released: Any = None) -> web.Application:
     """The aiohttp app; every ``(path, parsed body)`` received is appended to ``requests``, every
-    model reply's ``(path, seconds)`` to ``served``; a hang waits for ``released`` (an
-    asyncio.Event), else an hour."""
+    model reply's ``(path, began, seconds)`` to ``served`` (by time.monotonic); a hang waits for
+    ``released`` (an asyncio.Event), else an hour."""
     log = requests if requests is not None else []
     spent = served if served is not None else []
     faults_seen: dict[str, int] = {}
@@ -244,7 +244,7 @@ def make_app(requests: list | None = None, scripts: dict | None = None,
             return web.json_response({"error": {"message": str(exc), "type": "invalid_request_error"}},
                                      status=400)
         finally:
-            spent.append((request.path, time.monotonic() - started))
+            spent.append((request.path, started, time.monotonic() - started))
 
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_get("/", root)
@@ -264,7 +264,7 @@ class FakeModel:
                  scripts: dict | None = None, apis: tuple[str, ...] = ("responses", "chat")):
         self.host, self.port, self.enter = host, port, enter    # enter: a namespace to listen in
         self.scripts, self.apis = scripts if scripts is not None else {}, apis
-        self.served: list[tuple[str, float]] = []
+        self.served: list[tuple[str, float, float]] = []
         self._released: asyncio.Event | None = None
         self.requests: list[tuple[str, Any]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
