@@ -4228,7 +4228,7 @@ MODEL_UNREACHABLE = "model:unreachable"          # no connection to the endpoint
 MODEL_REFUSAL = "model:refusal"                  # the model refused (a refusal, a content filter)
 MODEL_CONTEXT_OVERFLOW = "model:context_overflow"  # the conversation outgrew the model's context
 MODEL_BAD_REPLY = "model:bad_reply"              # a reply that is not the API's shape
-RETRIED_STATUSES = frozenset({408, 409, 429}) | frozenset(range(500, 600))
+RETRIED_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
 CONTEXT_WORDS = re.compile(r"context.{0,20}(length|window|limit)|too many tokens|maximum.{0,20}tokens"
                            r"|prompt is too long|context_length_exceeded", re.I)
 PROGRESS_EVERY = 10.0        # seconds between progress lines when the terminal is not a TTY
@@ -4267,11 +4267,10 @@ class ModelEndpoint:
     backoff, a bounded number of times; then ModelFailed says what the endpoint did."""
 
     def __init__(self, http: aiohttp.ClientSession, url: str, model: str, api: str,
-                 settings: Settings, api_key: str | None = None, retries: int | None = None,
+                 settings: Settings, api_key: str | None = None,
                  sampling: dict[str, Any] | None = None):
         self.http, self.url, self.model, self.api = http, url.rstrip("/"), model, api
-        self.settings = settings
-        self.retries = settings.model_retries if retries is None else retries
+        self.settings, self.retries = settings, settings.model_retries
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.sampling = sampling or {}          # temperature, max_tokens: None leaves the row's
         self.answered = False                   # the endpoint answered a request at least once
@@ -4622,7 +4621,7 @@ class Player:
             final = {**response, "output": outputs, "usage": usage}
             line = await self.routes.verify({**row, "response": final}, cookies)
             line.update({k: v for k, v in row.items() if k.startswith("_ng_")})
-        except (ModelFailed, EpisodeFailed, Exception) as exc:
+        except Exception as exc:                        # noqa: BLE001 - each kind is told below
             if seeded:
                 await self.routes.close(cookies)
             if isinstance(exc, ModelFailed):
@@ -4810,16 +4809,13 @@ class EvalPlan:
     splits: tuple[str, ...] = ("eval",)
     limit: int | None = None
     repeats: int = 1
-    concurrency: int = Settings.eval_concurrency
-    max_steps: int = Settings.max_steps
     temperature: float | None = None
     max_tokens: int | None = None
     api_key_env: str = "OPENAI_API_KEY"
     output: str = "rollouts.jsonl"
     sandbox: str = "auto"
     reward: str | None = None
-    retries: int = Settings.model_retries
-    settings: Settings = Settings()
+    settings: Settings = Settings()     # the pool, the deadlines, the concurrency, max_steps, retries
 
 
 @contextlib.asynccontextmanager
@@ -4872,7 +4868,7 @@ async def evaluate(plan: EvalPlan, out: Callable[[str], None] = print,
                                          connector=aiohttp.TCPConnector(limit=0)) as http:
             sampling = {"temperature": plan.temperature, "max_tokens": plan.max_tokens}
             model = ModelEndpoint(http, plan.model_url, plan.model, plan.api, plan.settings, api_key,
-                                  plan.retries, sampling)
+                                  sampling)
             if plan.api == "auto":
                 await model.detect()
                 out(f"eval: the endpoint {plan.model_url} answers the Responses API, so eval speaks it "
@@ -4891,13 +4887,13 @@ async def evaluate(plan: EvalPlan, out: Callable[[str], None] = print,
                 out(f"eval: {len(planned)} rollouts ({', '.join(plan.splits)}: "
                     f"{len(planned) // plan.repeats} rows x {plan.repeats}) of {plan.source} against "
                     f"{plan.model} over {'Chat Completions' if model.api == 'chat' else 'Responses'}, "
-                    f"{plan.concurrency} at once, into {plan.output}")
+                    f"{plan.settings.eval_concurrency} at once, into {plan.output}")
                 if len(todo) < len(planned) or file.retried:
                     out(f"eval: {plan.output} holds {len(planned) - len(todo)} of these rollouts, so "
                         f"{len(todo)} are left to play" + (
                             f" ({file.retried} the model failed, played again)" if file.retried else ""))
-                await play_all(Player(model, GymRoutes(http, url), plan.max_steps), todo, file,
-                               plan.concurrency, stream)
+                await play_all(Player(model, GymRoutes(http, url), plan.settings.max_steps), todo,
+                               file, plan.settings.eval_concurrency, stream)
     finally:
         file.close()
     done = [file.lines[p.key] for p in planned if p.key in file.lines]
@@ -5035,15 +5031,17 @@ def eval_plan(args: argparse.Namespace) -> EvalPlan:
     if not args.request_timeout > 0:
         raise AgentEnvError(f"--request-timeout must be a positive number of seconds, not "
                             f"{args.request_timeout!r}")
-    # the bundle's pool holds as many episodes as eval plays at once, unless told otherwise
+    # The bundle's pool holds at least as many episodes as eval plays at once, and room for the
+    # ones tearing down, unless told otherwise.
     settings = Settings(max_concurrent_envs=args.max_concurrent_envs or _env_int(
-        "MAX_CONCURRENT_ENVS", args.concurrency), request_timeout=args.request_timeout)
+        "MAX_CONCURRENT_ENVS", max(args.concurrency, Settings.max_concurrent_envs)),
+        request_timeout=args.request_timeout,
+        model_retries=args.retries, eval_concurrency=args.concurrency, max_steps=args.max_steps)
     return EvalPlan(source=args.source, model_url=args.model_url, model=args.model, api=args.api,
                     splits=tuple(s for s in args.split.split(",") if s), limit=args.limit,
-                    repeats=args.repeats, concurrency=args.concurrency, max_steps=args.max_steps,
-                    temperature=args.temperature, max_tokens=args.max_tokens,
+                    repeats=args.repeats, temperature=args.temperature, max_tokens=args.max_tokens,
                     api_key_env=args.api_key_env, output=args.output, sandbox=args.sandbox,
-                    reward=args.reward, retries=args.retries, settings=settings)
+                    reward=args.reward, settings=settings)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -5152,8 +5150,8 @@ def command_line() -> argparse.ArgumentParser:
     evaluator.add_argument("--api", choices=("auto", "chat", "responses"), default="auto",
                            help="Chat Completions or Responses (default: Responses where the "
                                 "endpoint has it, else Chat Completions; said at start)")
-    evaluator.add_argument("--split", default="eval", metavar="SPLIT[,SPLIT...]",
-                           help="the split(s) to play (eval)")
+    evaluator.add_argument("--split", default=",".join(EvalPlan.splits), metavar="SPLIT[,SPLIT...]",
+                           help=f"the split(s) to play ({','.join(EvalPlan.splits)})")
     evaluator.add_argument("--limit", type=int, default=None, metavar="N",
                            help="the first N rows of each split (all)")
     evaluator.add_argument("--repeats", type=int, default=1, metavar="K",
@@ -5167,9 +5165,9 @@ def command_line() -> argparse.ArgumentParser:
                            help="the sampling temperature (default: the row's, else the server's)")
     evaluator.add_argument("--max-tokens", type=int, default=None, metavar="T",
                            help="tokens the model may write per reply (default: the server's)")
-    evaluator.add_argument("--api-key-env", default="OPENAI_API_KEY", metavar="VAR",
+    evaluator.add_argument("--api-key-env", default=EvalPlan.api_key_env, metavar="VAR",
                            help="the environment variable holding the endpoint's key, sent as a "
-                                "bearer token when set (OPENAI_API_KEY)")
+                                f"bearer token when set ({EvalPlan.api_key_env})")
     evaluator.add_argument("--request-timeout", type=float, default=Settings.request_timeout,
                            metavar="SECONDS", help="one model request; past it the request is "
                                                    f"retried ({Settings.request_timeout:g})")
@@ -5177,16 +5175,16 @@ def command_line() -> argparse.ArgumentParser:
                            help="retries of a model request after a 429, a 5xx or a timeout, with "
                                 "backoff; then the rollout is the model's failure "
                                 f"({Settings.model_retries})")
-    evaluator.add_argument("--output", default="rollouts.jsonl", metavar="FILE",
+    evaluator.add_argument("--output", default=EvalPlan.output, metavar="FILE",
                            help="the rollouts, one JSON line each, in NeMo Gym's shape; rerun with "
-                                "the same file to resume (rollouts.jsonl)")
+                                f"the same file to resume ({EvalPlan.output})")
     evaluator.add_argument("--sandbox", choices=("auto", "docker", "local"), default="auto",
                            help="with a bundle: where its envs run")
     evaluator.add_argument("--reward", metavar="STEP", default=None,
                            help="with a bundle: the scoring step whose score is the reward")
     evaluator.add_argument("--max-concurrent-envs", type=int, default=None, metavar="N",
                            help="with a bundle: episodes live at once (default: MAX_CONCURRENT_ENVS, "
-                                "else --concurrency)")
+                                f"else --concurrency or {Settings.max_concurrent_envs}, the larger)")
     return parser
 
 

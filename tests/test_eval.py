@@ -186,11 +186,11 @@ def test_a_hang_past_the_retries_and_a_refusal_fail_the_model(tmp_path, capsys):
     with fake_model.start(scripts=scripts) as model:
         code, stdout, stderr = eval_cli(capsys, str(NOTES), "--split", "all", "--model-url", model.base_url,
                                         "--model", "fake", "--api", "chat", "--sandbox", "local",
-                                        "--retries", "1", "--request-timeout", "0.5", "--output", str(out))
+                                        "--retries", "1", "--request-timeout", "1", "--output", str(out))
     assert code == 0, stderr
     got = by_task(read_jsonl(out))
     assert got["recall-recipe"]["failure_kind"] == agentenv.MODEL_TIMEOUT
-    assert "--request-timeout (0.5s), 2 tries" in got["recall-recipe"]["failure_reason"]
+    assert "--request-timeout (1s), 2 tries" in got["recall-recipe"]["failure_reason"]
     assert got["save-groceries"]["failure_kind"] == agentenv.MODEL_REFUSAL
     assert "groceries" in got["save-groceries"]["failure_reason"]
     assert all(got[t]["mask_sample"] for t in ("recall-recipe", "save-groceries"))
@@ -199,6 +199,8 @@ def test_a_hang_past_the_retries_and_a_refusal_fail_the_model(tmp_path, capsys):
 
 
 def test_an_endpoint_that_never_answers_and_a_run_whose_every_rollout_failed_exit_1(tmp_path, capsys):
+    """A dead endpoint: the probe says so, or (--api given) every rollout is unreachable; a
+    context overflow (a 400, not retried) failing every rollout; a split that isn't there."""
     from tests.harness import free_port
 
     dead = f"http://127.0.0.1:{free_port()}/v1"
@@ -211,11 +213,17 @@ def test_an_endpoint_that_never_answers_and_a_run_whose_every_rollout_failed_exi
     assert code == 1 and "never answered" in stderr
     assert read_jsonl(tmp_path / "b.jsonl")[0]["failure_kind"] == agentenv.MODEL_UNREACHABLE
     groceries = prompts(NOTES, "smoke")[0]
-    with fake_model.start(scripts={groceries: [{"tool": "list_notes", "args": {}, "before": [400]}]}) as model:
+    overflow = {"status": 400, "message": "This model's maximum context length is 4096 tokens. "
+                                          "However, you requested 5000 tokens."}
+    with fake_model.start(scripts={groceries: [{"tool": "list_notes", "args": {}, "before": [overflow]}]}) as model:
         code, stdout, stderr = eval_cli(capsys, str(NOTES), "--split", "smoke", "--model-url",
                                         model.base_url, "--model", "m", "--sandbox", "local",
                                         "--output", str(tmp_path / "c.jsonl"))
     assert code == 1 and "every rollout failed" in stderr
+    failed = read_jsonl(tmp_path / "c.jsonl")[0]
+    assert failed["failure_kind"] == agentenv.MODEL_CONTEXT_OVERFLOW and failed["mask_sample"] is True
+    assert "maximum context length is 4096" in failed["failure_reason"]
+    assert "the model's failures: model:context_overflow 1" in stdout
     assert len([b for b in model.response_bodies if b]) == 1          # a 400 is not retried (the probe aside)
     code, _, stderr = eval_cli(capsys, str(NOTES), "--model-url", dead, "--model", "m", "--api", "chat",
                                "--sandbox", "local", "--output", str(tmp_path / "d.jsonl"))
