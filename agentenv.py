@@ -4631,10 +4631,12 @@ class Player:
             else:                                       # a bug of ours: that rollout alone fails
                 eval_log.exception("Playing a rollout failed unexpectedly.")
                 failure = Failure(INTERNAL_ERROR, f"agentenv.py failed: {type(exc).__name__}: {exc}")
-            final = {**response, "output": outputs, "usage": usage}
-            line = {**row, "response": final, "reward": 0.0, "mask_sample": True,
-                    "failure_kind": failure.kind, "failure_reason": failure.reason}
-            stop = "model_failed" if isinstance(exc, ModelFailed) else "env_failed"
+            # masked as the Gym surface masks a rollout the environment failed (NeMo RL reads
+            # instance_config too), never scored 0
+            line = masked({**row, "response": {**response, "output": outputs, "usage": usage}},
+                          failure, quiet=True)
+            stop = "model_failed" if isinstance(exc, ModelFailed) else \
+                "env_failed" if isinstance(exc, EpisodeFailed) else "internal_error"
         seconds = time.monotonic() - started
         line.update({"model": self.model.model, "api": self.model.api, "model_calls": calls,
                      "stop_reason": stop,
