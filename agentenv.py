@@ -4862,6 +4862,9 @@ async def evaluate(plan: EvalPlan, out: Callable[[str], None] = print,
     """Play the plan's rows against the model, write each rollout to the output as it finishes,
     and print the summary; the rollouts of the plan (those already in the output too)."""
     api_key = os.environ.get(plan.api_key_env) or None
+    # SIGTERM stops eval as SIGINT does: the episodes live end, their envs are torn down
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     file = RolloutsFile(Path(plan.output).expanduser(), plan.model)
     file.open()
     timeout = aiohttp.ClientTimeout(total=None)
@@ -5068,7 +5071,13 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "eval":
             if not args.verbose:       # the summary counts masked rollouts by kind; no line each
                 logging.getLogger("agentenv.gym").setLevel(logging.ERROR)
-            asyncio.run(evaluate(eval_plan(args)))
+            plan = eval_plan(args)
+            try:
+                asyncio.run(evaluate(plan))
+            except asyncio.CancelledError:              # SIGTERM
+                print(f"agentenv.py eval: stopped; the rollouts done are in {plan.output}, and the "
+                      "same command resumes", file=sys.stderr)
+                return 143
     except AgentEnvError as exc:
         print(f"agentenv.py {args.command}: {exc}", file=sys.stderr)
         return 1

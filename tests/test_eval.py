@@ -10,7 +10,7 @@ model (tests/gym/fake_model.py) on both APIs, with the envs in the local sandbox
   malformed tool calls answered as text the model reads; an endpoint that never answers, and a
   run whose every rollout failed, exit non-zero;
 * a run killed with SIGKILL and rerun with the same --output plays exactly the rollouts it had
-  not finished, and leaves no env process behind.
+  not finished, and leaves no env process behind; SIGTERM stops a run, its envs torn down.
 
 The fake model runs on a thread of the test process; eval runs in-process (``agentenv.main``) or,
 to be killed, as a subprocess.
@@ -287,3 +287,29 @@ def test_eval_plays_a_running_serve_by_its_url(tmp_path, capsys):
     assert sorted(line["_ng_rollout_index"] for line in lines) == [0, 1]
     assert all(line["reward"] == 1.0 for line in lines)
     assert "pass@2 1.000" in stdout and "mean@2 1.000" in stdout
+
+
+def test_sigterm_stops_eval_and_tears_its_envs_down(tmp_path):
+    groceries = prompts(NOTES, "smoke")[0]
+    scripts = {groceries: [{"tool": "list_notes", "args": {}, "before": ["hang"]}]}
+    out, state = tmp_path / "rollouts.jsonl", tmp_path / "state"
+    with fake_model.start(scripts=scripts) as model:
+        proc = subprocess.Popen([sys.executable, str(REPO / "agentenv.py"), "eval", str(NOTES), "--split",
+                                 "smoke", "--model-url", model.base_url, "--model", "fake", "--sandbox",
+                                 "local", "--output", str(out)],
+                                cwd=REPO, env=environ(state), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            wait_until(lambda: processes_with_env("AGENTENV_STATE_DIR", str(state)), 60,
+                       "the rollout's env is up")
+            wait_until(lambda: len(model.response_bodies) >= 2, 30, "the model is asked")
+            proc.send_signal(signal.SIGTERM)
+            stdout, stderr = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    assert proc.returncode == 143, stderr
+    assert "stopped; the rollouts done are in" in stderr and "Traceback" not in stderr
+    assert processes_with_env("AGENTENV_STATE_DIR", str(state)) == []
+    assert not [p for p in state.rglob("*") if p.is_file()], "the local sandbox's records were left"
