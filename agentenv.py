@@ -25,7 +25,9 @@ The file reads top to bottom in the order data flows; a section uses only the se
                         a model reads and as masked verifies; url: mode through an OpenEnv client.
 11. The app             the one aiohttp application of both surfaces, and Gym's entry point.
 12. Writer              ``write-gym``: a resources server and its rows, written into a Gym root.
-13. CLI                 ``python agentenv.py check|serve|write-gym ...``.
+13. Eval                ``eval``: those rows played against an OpenAI-compatible model through the
+                        Gym surface, as NeMo Gym's simple_agent plays them, and scored.
+14. CLI                 ``python agentenv.py check|serve|write-gym|eval ...``.
 
 A Gym tool call, for instance, goes: the route (10) → the session → its rollout → the episode's
 open turn (6) → the env's MCP session (4) → the env; the ToolResult it gives comes back up
@@ -178,6 +180,10 @@ class Settings:
     client_timeout: float = 60.0      # how long OpenEnv clients wait for a reply
     reply_margin: float = 5.0         # every OpenEnv reply comes this long before that
     verifier_timeout: float = 300.0   # a verifier's run
+    request_timeout: float = 300.0    # eval: one request to the model's endpoint
+    model_retries: int = 4            # eval: retries of a model request after a 429, 5xx or timeout
+    eval_concurrency: int = 8         # eval: rollouts played at once
+    max_steps: int = 32               # eval: model calls in one rollout (simple_agent's max_steps)
 
     # The keys a Gym config carries, with the resources server serving the bundle (bundle:) or
     # playing on a running serve (url:).
@@ -3250,6 +3256,8 @@ def openapi_document() -> dict[str, Any]:
 
 gym_log = logging.getLogger("agentenv.gym")
 GYM_COOKIE = "agentenv_session"
+# What end_turn answers on the last turn (eval stops there, the episode being scored)
+EPISODE_OVER = "Your turn is over, and so is the episode: it is being scored."
 
 
 class OpenEnvClient:
@@ -3568,7 +3576,7 @@ class GymSession:
                                                          json.dumps(reply))
                 if prompt is None:
                     self.finished = True
-                    return "Your turn is over, and so is the episode: it is being scored."
+                    return EPISODE_OVER
                 return prompt
             result = await self.rollout.call(name, arguments, self.settings.tool_timeout)
         except asyncio.TimeoutError:
@@ -4077,10 +4085,14 @@ def function_tool(tool: dict[str, Any]) -> dict[str, Any]:
             "strict": False}
 
 
-async def _toolsets_here(bundle: Bundle, sandbox: str) -> dict[str, list[dict[str, Any]]]:
-    """Play one task of each toolset as far as its first turn, to list the tools it offers."""
-    async with Runtime(bundle, sandbox=sandbox) as runtime:
-        return {toolset.name: await runtime.first_turn_tools(tasks[0], "write-gym listed the tools")
+async def _toolsets_here(bundle: Bundle, sandbox: str,
+                         runtime: Runtime | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Play one task of each toolset as far as its first turn, to list the tools it offers (on
+    ``runtime`` when given, else on a runtime of its own)."""
+    async with contextlib.AsyncExitStack() as stack:
+        if runtime is None:
+            runtime = await stack.enter_async_context(Runtime(bundle, sandbox=sandbox))
+        return {toolset.name: await runtime.first_turn_tools(tasks[0], "the tools were listed")
                 for toolset, tasks in bundle.toolsets.items()}
 
 
@@ -4220,7 +4232,729 @@ def _yaml(data: dict[str, Any]) -> str:
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 
-# ================================================================ 13. CLI
+# ================================================================ 13. Eval
+
+eval_log = logging.getLogger("agentenv.eval")
+
+# The model's failures, apart from the environment's: the rollout is masked, never scored 0, and
+# counted as the model's. Gym has no word for them, so they are namespaced as its vocabulary asks.
+MODEL_HTTP_ERROR = "model:http_error"            # the endpoint answered an error, past the retries
+MODEL_TIMEOUT = "model:timeout"                  # no answer within --request-timeout, past them
+MODEL_UNREACHABLE = "model:unreachable"          # no connection to the endpoint, past them
+MODEL_REFUSAL = "model:refusal"                  # the model refused (a refusal, a content filter)
+MODEL_CONTEXT_OVERFLOW = "model:context_overflow"  # the conversation outgrew the model's context
+MODEL_BAD_REPLY = "model:bad_reply"              # a reply that is not the API's shape
+RETRIED_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
+CONTEXT_WORDS = re.compile(r"context.{0,20}(length|window|limit)|too many tokens|maximum.{0,20}tokens"
+                           r"|prompt is too long|context_length_exceeded", re.I)
+PROGRESS_EVERY = 10.0        # seconds between progress lines when the terminal is not a TTY
+SLOWEST_SHOWN = 5
+
+
+def is_model_failure(kind: str | None) -> bool:
+    return bool(kind) and str(kind).startswith("model:")
+
+
+class ModelFailed(AgentEnvError):
+    """The model's endpoint failed a rollout (past its retries): the rollout is the model's failure."""
+
+    def __init__(self, kind: str, reason: str):
+        self.failure = Failure(kind, reason)
+        super().__init__(reason)
+
+
+@dataclasses.dataclass
+class ModelReply:
+    """One answer of the model, as Responses items whichever API it spoke."""
+
+    response: dict[str, Any]          # the Responses object (output: this call's items)
+    seconds: float                    # the request's time, its retries included
+
+    @property
+    def output(self) -> list[dict[str, Any]]:
+        output = self.response.get("output")
+        return [item for item in output if isinstance(item, dict)] if isinstance(output, list) else []
+
+
+class ModelEndpoint:
+    """An OpenAI-compatible endpoint (vLLM, SGLang, a hosted API), spoken to as Chat Completions or
+    Responses; either way a reply comes back as Responses items, as NeMo Gym's model servers hand
+    them to simple_agent. A request that meets a 429, a 5xx or the timeout is retried with
+    backoff, a bounded number of times; then ModelFailed says what the endpoint did."""
+
+    def __init__(self, http: aiohttp.ClientSession, url: str, model: str, api: str,
+                 settings: Settings, api_key: str | None = None,
+                 sampling: dict[str, Any] | None = None):
+        self.http, self.url, self.model, self.api = http, url.rstrip("/"), model, api
+        self.settings, self.retries = settings, settings.model_retries
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.sampling = sampling or {}          # temperature, max_tokens: None leaves the row's
+        self.answered = False                   # the endpoint answered a request at least once
+
+    async def detect(self) -> str:
+        """Which API to speak when none was named: Responses where the endpoint has the route, else
+        Chat Completions. An empty body costs no generation: a server with the route refuses it
+        (400 or 422), one without answers 404 or 405."""
+        try:
+            async with self.http.post(f"{self.url}/responses", json={}, headers=self.headers,
+                                      timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise AgentEnvError(f"the model's endpoint {self.url} did not answer ({type(exc).__name__}: "
+                                f"{exc}); check --model-url (it ends in /v1, as "
+                                "http://127.0.0.1:8001/v1) and that the server runs") from None
+        if status in (401, 403):
+            raise AgentEnvError(f"the model's endpoint {self.url} refused the key ({status}); set "
+                                "the variable --api-key-env names to a key it takes")
+        self.api = "chat" if status in (404, 405) else "responses"
+        return self.api
+
+    async def reply(self, params: dict[str, Any], conversation: list[dict[str, Any]]) -> ModelReply:
+        """The model's next reply to a row's ``responses_create_params`` with ``conversation``
+        (the row's input and every item since) as its input."""
+        if self.api == "responses":
+            body = {**{k: v for k, v in params.items() if v is not None}, "input": conversation,
+                    "model": self.model}
+            if self.sampling.get("temperature") is not None:
+                body["temperature"] = self.sampling["temperature"]
+            if self.sampling.get("max_tokens") is not None:
+                body["max_output_tokens"] = self.sampling["max_tokens"]
+            answer, seconds = await self._post("/responses", body)
+            return ModelReply(self._checked(answer), seconds)
+        body = chat_request(params, conversation, self.model, self.sampling)
+        answer, seconds = await self._post("/chat/completions", body)
+        return ModelReply(responses_of_chat(answer, params), seconds)
+
+    def _checked(self, answer: Any) -> dict[str, Any]:
+        if not isinstance(answer, dict) or not isinstance(answer.get("output"), list):
+            raise ModelFailed(MODEL_BAD_REPLY, f"the endpoint's reply is not a Responses object "
+                                               f"(no output list): {short(json.dumps(answer), 300)}")
+        for item in answer["output"]:
+            for part in (item.get("content") or []) if isinstance(item, dict) else []:
+                if isinstance(part, dict) and part.get("type") == "refusal":
+                    raise ModelFailed(MODEL_REFUSAL, f"the model refused: {short(str(part.get('refusal')), 300)}")
+        return answer
+
+    async def _post(self, path: str, body: dict[str, Any]) -> tuple[Any, float]:
+        """POST with the retries; the JSON answer and the seconds it took, waits included."""
+        started, delay = time.monotonic(), 1.0
+        for attempt in range(self.retries + 1):
+            last = attempt == self.retries
+            try:
+                async with self.http.post(self.url + path, json=body, headers=self.headers,
+                                          timeout=aiohttp.ClientTimeout(
+                                              total=self.settings.request_timeout)) as resp:
+                    text = await resp.text(errors="replace")
+                    self.answered = True
+                    if resp.status == 200:
+                        try:
+                            return json.loads(text), time.monotonic() - started
+                        except ValueError:
+                            raise ModelFailed(MODEL_BAD_REPLY, f"the endpoint answered {path} with "
+                                                               f"no JSON: {short(text, 300)}") from None
+                    failure = self._http_failure(path, resp.status, text)
+                    if resp.status not in RETRIED_STATUSES or last:
+                        raise ModelFailed(failure.kind, failure.reason + (
+                            f", after {attempt + 1} tries" if attempt else ""))
+                    wait = _retry_after(resp.headers.get("Retry-After"), delay)
+            except asyncio.TimeoutError:
+                if last:
+                    raise ModelFailed(MODEL_TIMEOUT, (
+                        f"the endpoint did not answer {path} within --request-timeout "
+                        f"({self.settings.request_timeout:g}s), {attempt + 1} tries; raise it for "
+                        "long generations, or check the server's load")) from None
+                wait = delay
+            except (aiohttp.ClientError, OSError) as exc:
+                if last:
+                    raise ModelFailed(MODEL_UNREACHABLE, (
+                        f"the endpoint at {self.url} could not be reached ({type(exc).__name__}: "
+                        f"{exc}), {attempt + 1} tries; check that it still runs")) from None
+                wait = delay
+            eval_log.info("The model's endpoint failed a request to %s; trying again in %.1fs.",
+                          path, wait)
+            await asyncio.sleep(wait)          # a backoff: no event says the endpoint recovered
+            delay = min(delay * 2, 30.0)
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _http_failure(path: str, status: int, text: str) -> Failure:
+        said = text
+        with contextlib.suppress(ValueError, AttributeError, TypeError):
+            error = json.loads(text).get("error")
+            said = str(error.get("message") if isinstance(error, dict) else error or text)
+        if status in (400, 413) and CONTEXT_WORDS.search(said):
+            return Failure(MODEL_CONTEXT_OVERFLOW, f"the conversation outgrew the model's context: "
+                                                   f"{short(said, 300)}; raise the server's "
+                                                   "--max-model-len, or lower --max-steps")
+        return Failure(MODEL_HTTP_ERROR, f"the endpoint answered {path} with {status}: {short(said, 300)}")
+
+
+def _retry_after(header: str | None, default: float) -> float:
+    """The wait a 429 or 503 asks for (Retry-After in seconds), at most a minute; else ``default``."""
+    with contextlib.suppress(TypeError, ValueError):
+        return min(max(float(header), 0.0), 60.0)       # type: ignore[arg-type]
+    return default
+
+
+def chat_request(params: dict[str, Any], conversation: list[dict[str, Any]], model: str,
+                 sampling: dict[str, Any]) -> dict[str, Any]:
+    """A Chat Completions body for a row's Responses params and the conversation so far."""
+    body: dict[str, Any] = {"model": model, "messages": chat_messages(conversation, params)}
+    tools = [{"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
+                                               "parameters": t.get("parameters") or {"type": "object"}}}
+             for t in params.get("tools") or [] if isinstance(t, dict) and t.get("type") == "function"]
+    if tools:
+        body["tools"] = tools
+    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"),
+                         ("max_output_tokens", "max_tokens"), ("metadata", "metadata"),
+                         ("tool_choice", "tool_choice"), ("parallel_tool_calls", "parallel_tool_calls")):
+        if params.get(ours) is not None and (ours != "tool_choice" or isinstance(params[ours], str)):
+            body[theirs] = params[ours]
+    for key in ("temperature", "max_tokens"):
+        if sampling.get(key) is not None:
+            body[key] = sampling[key]
+    return body
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(str(p.get("text", "")) for p in content or [] if isinstance(p, dict))
+
+
+def chat_messages(items: list[dict[str, Any]], params: dict[str, Any]) -> list[dict[str, Any]]:
+    """Responses input items as chat messages: a message as itself, the function calls of one reply
+    as one assistant message's tool_calls, a function call's output as a tool message."""
+    messages: list[dict[str, Any]] = []
+    if params.get("instructions"):
+        messages.append({"role": "system", "content": str(params["instructions"])})
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = "system" if item.get("role") == "developer" else item.get("role", "user")
+            messages.append({"role": role, "content": _text_of(item.get("content"))})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
+            last = messages[-1] if messages else None
+            if last and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+                last.setdefault("content", None)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": str(item.get("output", ""))})
+        # reasoning items stay out: a chat endpoint takes no reasoning back
+    return messages
+
+
+def responses_of_chat(answer: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """A Chat Completions answer as the Responses object NeMo Gym's model servers would make of it."""
+    try:
+        choice = answer["choices"][0]
+        message = choice["message"]
+        assert isinstance(message, dict)
+    except (KeyError, IndexError, TypeError, AssertionError):
+        raise ModelFailed(MODEL_BAD_REPLY, "the endpoint's reply is not a chat completion (no "
+                                           f"choices[0].message): {short(json.dumps(answer), 300)}") from None
+    reason = choice.get("finish_reason")
+    if message.get("refusal") or reason == "content_filter":
+        raise ModelFailed(MODEL_REFUSAL, "the model refused: " + short(
+            str(message.get("refusal") or "its reply was stopped by the content filter"), 300))
+    rid = str(answer.get("id") or "chatcmpl")
+    output: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        output.append({"type": "reasoning", "id": f"rs_{rid}", "summary": [
+            {"type": "summary_text", "text": str(message["reasoning_content"])}]})
+    if message.get("content"):
+        output.append({"type": "message", "id": f"msg_{rid}", "role": "assistant", "status": "completed",
+                       "content": [{"type": "output_text", "text": str(message["content"]),
+                                    "annotations": []}]})
+    for n, call in enumerate(message.get("tool_calls") or []):
+        function = call.get("function") or {} if isinstance(call, dict) else {}
+        arguments = function.get("arguments")
+        output.append({"type": "function_call", "id": f"fc_{rid}_{n}",
+                       "call_id": str(call.get("id") or f"call_{rid}_{n}"),
+                       "name": str(function.get("name", "")),
+                       "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+                       "status": "completed"})
+    usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else None
+    return {"id": rid, "object": "response", "created_at": answer.get("created") or 0,
+            "model": answer.get("model"), "status": "incomplete" if reason == "length" else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if reason == "length" else None,
+            "output": output, "parallel_tool_calls": True, "tool_choice": "auto",
+            "tools": params.get("tools") or [],
+            "usage": None if usage is None else {
+                "input_tokens": usage.get("prompt_tokens", 0),
+                "input_tokens_details": {"cached_tokens": (usage.get("prompt_tokens_details") or {})
+                                         .get("cached_tokens", 0) or 0},
+                "output_tokens": usage.get("completion_tokens", 0),
+                "output_tokens_details": {"reasoning_tokens": (usage.get("completion_tokens_details") or {})
+                                          .get("reasoning_tokens", 0) or 0},
+                "total_tokens": usage.get("total_tokens", 0)}}
+
+
+def add_usage(total: dict[str, Any] | None, more: Any) -> dict[str, Any] | None:
+    """Usage summed over a rollout's model calls, as simple_agent sums it."""
+    if not isinstance(more, dict):
+        return total
+    total = copy.deepcopy(total) if total else {}
+    for key, value in more.items():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, (int, float)):
+            total[key] = total.get(key, 0) + value
+        elif isinstance(value, dict):
+            total[key] = add_usage(total.get(key), value)
+    return total
+
+
+class GymRoutes:
+    """The Gym surface's routes as simple_agent calls them: the row to /seed_session with no
+    cookie; its cookies with each tool call (the JSON arguments POSTed to the tool's route, the
+    answer's text whatever its status) and with /verify; /close_session for a rollout left
+    unverified."""
+
+    def __init__(self, http: aiohttp.ClientSession, url: str):
+        self.http, self.url = http, url.rstrip("/")
+        self.headers = client_headers()
+
+    async def _post(self, route: str, body: Any, cookies: dict[str, str]) -> tuple[int, str, dict[str, str]]:
+        headers = dict(self.headers)
+        if cookies:
+            headers["Cookie"] = "; ".join(f"{k}={v}" for k, v in cookies.items())
+        try:
+            async with self.http.post(self.url + route, json=body, headers=headers) as resp:
+                text = await resp.text(errors="replace")
+                return resp.status, text, {k: m.value for k, m in resp.cookies.items()}
+        except (aiohttp.ClientError, OSError) as exc:
+            raise EpisodeFailed(f"the environment's server at {self.url} went away ({type(exc).__name__}: "
+                                f"{exc}); check that it still runs", SESSION_LOST) from None
+
+    async def seed(self, row: dict[str, Any]) -> dict[str, str]:
+        status, text, cookies = await self._post("/seed_session", row, {})
+        if status != 200:
+            raise EpisodeFailed(f"/seed_session answered {status}: {short(text, 500)}")
+        return cookies
+
+    async def call(self, name: str, arguments: Any, cookies: dict[str, str]) -> str:
+        _, text, more = await self._post(f"/{name}", arguments, cookies)
+        cookies.update(more)
+        return text
+
+    async def verify(self, body: dict[str, Any], cookies: dict[str, str]) -> dict[str, Any]:
+        status, text, _ = await self._post("/verify", body, cookies)
+        try:
+            verdict = json.loads(text) if status == 200 else None
+        except ValueError:
+            verdict = None
+        if not isinstance(verdict, dict):
+            raise EpisodeFailed(f"/verify answered {status}: {short(text, 500)}")
+        return verdict
+
+    async def close(self, cookies: dict[str, str]) -> None:
+        with contextlib.suppress(AgentEnvError):
+            await self._post("/close_session", {}, cookies)
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """One rollout to play: a row, its place in the split's rows, and which repeat it is."""
+
+    row: dict[str, Any]
+    task_index: int
+    repeat: int
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return rollout_key(self.row, self.repeat)
+
+
+def rollout_key(row: dict[str, Any], repeat: Any) -> tuple[str, str, int]:
+    """What names a rollout in rollouts.jsonl, to skip it on a resumed run."""
+    return str(row.get("split")), str(row.get("task_id")), int(repeat) if isinstance(repeat, int) else -1
+
+
+class Player:
+    """Plays a row as NeMo Gym's simple_agent plays it: seed; call the model with the row's input
+    and every item since; run each of its function calls in order, handing the answers back
+    (arguments that are not JSON get simple_agent's own error text, and no call is made); stop at
+    a reply that calls no tool, at end_turn's last answer, at a cut-off reply or at max_steps;
+    verify. Its answer is the rollout's line of rollouts.jsonl."""
+
+    def __init__(self, model: ModelEndpoint, routes: GymRoutes, max_steps: int):
+        self.model, self.routes, self.max_steps = model, routes, max_steps
+
+    async def play(self, planned: Planned) -> dict[str, Any]:
+        row = {**planned.row, "_ng_task_index": planned.task_index,
+               "_ng_rollout_index": planned.repeat}
+        params = row["responses_create_params"]
+        started = time.monotonic()
+        model_seconds, calls, usage, stop = 0.0, 0, None, "reply"
+        conversation = list(params.get("input") or [])
+        if isinstance(params.get("input"), str):
+            conversation = [{"role": "user", "content": params["input"]}]
+        outputs: list[dict[str, Any]] = []
+        response: dict[str, Any] = {}
+        cookies: dict[str, str] = {}
+        seeded = False
+        try:
+            cookies = await self.routes.seed(row)
+            seeded = True
+            while True:
+                reply = await self.model.reply(params, conversation + outputs)
+                calls += 1
+                model_seconds += reply.seconds
+                response = reply.response
+                usage = add_usage(usage, response.get("usage"))
+                outputs += reply.output
+                if response.get("incomplete_details"):
+                    stop = "length"
+                    break
+                function_calls = [i for i in reply.output if i.get("type") == "function_call"]
+                if not function_calls:
+                    stop = "reply" if any(i.get("type") == "message" for i in reply.output) else "empty"
+                    break
+                over = False
+                for call in function_calls:
+                    try:
+                        arguments = json.loads(call.get("arguments"))
+                    except (ValueError, TypeError) as exc:
+                        text = json.dumps({"error": f"Invalid tool call arguments: {exc!r}"})
+                    else:
+                        text = await self.routes.call(str(call.get("name")), arguments, cookies)
+                        over = over or (call.get("name") == "end_turn" and text == EPISODE_OVER)
+                    outputs.append({"type": "function_call_output", "call_id": call.get("call_id"),
+                                    "output": text})
+                if over:
+                    stop = "end_turn"
+                    break
+                if self.max_steps and calls >= self.max_steps:
+                    stop = "max_steps"
+                    break
+            final = {**response, "output": outputs, "usage": usage}
+            line = await self.routes.verify({**row, "response": final}, cookies)
+            line.update({k: v for k, v in row.items() if k.startswith("_ng_")})
+        except Exception as exc:                        # noqa: BLE001 - each kind is told below
+            if seeded:
+                await self.routes.close(cookies)
+            if isinstance(exc, ModelFailed):
+                failure = exc.failure
+            elif isinstance(exc, EpisodeFailed):
+                failure = exc.failure.told("the environment failed: ")
+            else:                                       # a bug of ours: that rollout alone fails
+                eval_log.exception("Playing a rollout failed unexpectedly.")
+                failure = Failure(INTERNAL_ERROR, f"agentenv.py failed: {type(exc).__name__}: {exc}")
+            # masked as the Gym surface masks a rollout the environment failed (NeMo RL reads
+            # instance_config too), never scored 0
+            line = masked({**row, "response": {**response, "output": outputs, "usage": usage}},
+                          failure, quiet=True)
+            stop = "model_failed" if isinstance(exc, ModelFailed) else \
+                "env_failed" if isinstance(exc, EpisodeFailed) else "internal_error"
+        seconds = time.monotonic() - started
+        line.update({"model": self.model.model, "api": self.model.api, "model_calls": calls,
+                     "stop_reason": stop,
+                     "timings": {"seconds": round(seconds, 4), "model_seconds": round(model_seconds, 4),
+                                 "env_seconds": round(max(seconds - model_seconds, 0.0), 4)}})
+        return line
+
+
+class RolloutsFile:
+    """rollouts.jsonl: one line per rollout, appended whole as it finishes (a killed run loses
+    nothing done); read back on a rerun, so the rollouts it holds are not played again. A rollout
+    the model failed is played again: its line is dropped first."""
+
+    def __init__(self, path: Path, model: str):
+        self.path, self.model = path, model
+        self.lines: dict[tuple[str, str, int], dict[str, Any]] = {}
+        self.retried = 0
+        self._fd: int | None = None
+
+    def open(self) -> None:
+        kept, torn = [], False
+        if self.path.exists():
+            raw = self.path.read_bytes()
+            torn = bool(raw) and not raw.endswith(b"\n")
+            texts = raw.decode("utf-8", "replace").splitlines()
+            for n, text in enumerate(texts, 1):
+                try:
+                    line = json.loads(text)
+                    key = rollout_key(line, line["_ng_rollout_index"])
+                except (ValueError, KeyError, TypeError):
+                    if n == len(texts) and torn:
+                        continue                  # the half line a killed run left: played again
+                    raise AgentEnvError(f"{self.path} line {n} is not a rollout of eval; pass another "
+                                        "--output, or move the file away") from None
+                if line.get("model") not in (None, self.model):
+                    raise AgentEnvError(f"{self.path} holds rollouts of the model {line.get('model')!r}, "
+                                        f"not {self.model!r}; pass another --output to measure this one")
+                if is_model_failure(line.get("failure_kind")):
+                    self.retried += 1
+                    continue
+                self.lines[key] = line
+                kept.append(text)
+            if torn or self.retried:                  # rewritten whole, never left half written
+                partial = self.path.with_name(self.path.name + ".partial")
+                partial.write_text("".join(t + "\n" for t in kept))
+                partial.replace(self.path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def add(self, line: dict[str, Any]) -> None:
+        assert self._fd is not None
+        self.lines[rollout_key(line, line.get("_ng_rollout_index"))] = line
+        os.write(self._fd, (json.dumps(line, ensure_ascii=False) + "\n").encode("utf-8", "replace"))
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class Progress:
+    """The live progress line: done/total, rate, ETA, mean reward and masked so far. On a TTY it is
+    rewritten in place; elsewhere it is a line every PROGRESS_EVERY seconds, and at the end."""
+
+    def __init__(self, total: int, stream: Any = None):
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.total, self.done, self.masked, self.model_failed = total, 0, 0, 0
+        self.rewards: list[float] = []
+        self.started = self.shown = time.monotonic()
+
+    def add(self, line: dict[str, Any]) -> None:
+        self.done += 1
+        if is_model_failure(line.get("failure_kind")):
+            self.model_failed += 1
+        elif line.get("mask_sample"):
+            self.masked += 1
+        else:
+            self.rewards.append(float(line.get("reward") or 0.0))
+        if self.tty or time.monotonic() - self.shown >= PROGRESS_EVERY:
+            self.show()
+
+    def text(self) -> str:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        rate = self.done / elapsed
+        eta = (self.total - self.done) / rate if rate else float("nan")
+        mean = f"{sum(self.rewards) / len(self.rewards):.3f}" if self.rewards else "-"
+        return (f"eval: {self.done}/{self.total} rollouts, {rate:.2f}/s, ETA {_duration(eta)}, "
+                f"mean reward {mean}, masked {self.masked}, model failures {self.model_failed}")
+
+    def show(self, final: bool = False) -> None:
+        self.shown = time.monotonic()
+        if self.tty:
+            self.stream.write("\r\x1b[K" + self.text() + ("\n" if final else ""))
+        else:
+            self.stream.write(self.text() + "\n")
+        self.stream.flush()
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "-"
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else \
+        f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def mean_interval(values: list[float]) -> tuple[float, float]:
+    """The mean and the half-width of its 95% interval (normal approximation; 0 for one value)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, 0.0
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, 1.96 * math.sqrt(var / n)
+
+
+def summary(lines: list[dict[str, Any]], repeats: int) -> list[str]:
+    """What eval prints at the end: the mean reward with its 95% interval, by split (and, with
+    repeats, pass@k and mean@k), the masked rollouts by failure kind, the model's failures apart,
+    and the slowest tasks."""
+    out = [f"{len(lines)} rollouts"]
+    splits = sorted({str(line.get("split")) for line in lines})
+    for split in splits:
+        mine = [line for line in lines if str(line.get("split")) == split]
+        scored = [float(line["reward"]) for line in mine if not line.get("mask_sample")]
+        if not scored:
+            out.append(f"split {split}: no rollout was scored ({len(mine)} played)")
+            continue
+        mean, half = mean_interval(scored)
+        out.append(f"split {split}: mean reward {mean:.3f} ± {half:.3f} (95% interval), "
+                   f"{len(scored)} scored of {len(mine)}")
+        if repeats > 1:
+            by_task: dict[str, list[float]] = collections.defaultdict(list)
+            for line in mine:
+                if not line.get("mask_sample"):
+                    by_task[str(line.get("task_id"))].append(float(line["reward"]))
+            full = [r for r in by_task.values() if len(r) == repeats]
+            if full:
+                best = mean_interval([max(r) for r in full])
+                avg = mean_interval([sum(r) / len(r) for r in full])
+                out.append(f"  over {repeats} repeats of {len(full)} tasks: pass@{repeats} "
+                           f"{best[0]:.3f} ± {best[1]:.3f} (a task's best reward), mean@{repeats} "
+                           f"{avg[0]:.3f} ± {avg[1]:.3f}")
+    env = collections.Counter(str(line.get("failure_kind")) for line in lines
+                              if line.get("mask_sample") and not is_model_failure(line.get("failure_kind")))
+    model = collections.Counter(str(line.get("failure_kind")) for line in lines
+                                if is_model_failure(line.get("failure_kind")))
+    out.append("masked by the environment: " + (", ".join(f"{k} {v}" for k, v in env.most_common())
+                                                or "none"))
+    out.append("the model's failures: " + (", ".join(f"{k} {v}" for k, v in model.most_common())
+                                           or "none"))
+    timed = sorted(lines, key=lambda line: -float((line.get("timings") or {}).get("seconds") or 0))
+    if timed:
+        slowest = []
+        for line in timed[:SLOWEST_SHOWN]:
+            name = str(line.get("task_id")).rsplit("/", 1)[-1]
+            repeat = f" #{line.get('_ng_rollout_index')}" if repeats > 1 else ""
+            slowest.append(f"{name}{repeat} {float((line.get('timings') or {}).get('seconds') or 0):.1f}s")
+        out.append("slowest: " + ", ".join(slowest))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalPlan:
+    """What one ``eval`` measures: the source, the model, and how to play its rows."""
+
+    source: str
+    model_url: str
+    model: str
+    api: str = "auto"                   # chat, responses, or auto: what the endpoint answers
+    splits: tuple[str, ...] = ("eval",)
+    limit: int | None = None
+    repeats: int = 1
+    temperature: float | None = None
+    max_tokens: int | None = None
+    api_key_env: str = "OPENAI_API_KEY"
+    output: str = "rollouts.jsonl"
+    sandbox: str = "auto"
+    reward: str | None = None
+    settings: Settings = Settings()     # the pool, the deadlines, the concurrency, max_steps, retries
+
+
+@contextlib.asynccontextmanager
+async def surface_for(source: str, plan: EvalPlan) -> AsyncIterator[tuple[str, dict[str, list[dict[str, Any]]]]]:
+    """The Gym surface's URL and the rows write-gym writes, for a bundle (served in-process, one
+    pool as ``serve``) or a running serve's URL."""
+    from aiohttp import web
+    if source.startswith(("http://", "https://")):
+        bundle_name, task_rows, toolsets = await _catalog_there(source)
+        url, runner = source, None
+    else:
+        bundle = Bundle.load(source, plan.reward)
+        runtime = Runtime(bundle, sandbox=plan.sandbox,
+                          max_concurrent_envs=plan.settings.max_concurrent_envs,
+                          deploy_timeout=plan.settings.deploy_timeout,
+                          knob="--max-concurrent-envs")
+        server = Server(runtime, plan.settings, host="127.0.0.1", port=0)
+        runner = web.AppRunner(server.app, access_log=None, shutdown_timeout=30)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]          # type: ignore[union-attr]
+            url = f"http://127.0.0.1:{port}"
+            bundle_name, task_rows = bundle.name, _bundle_rows(bundle)
+            toolsets = await _toolsets_here(bundle, plan.sandbox, runtime)
+        except BaseException:
+            await runner.cleanup()
+            raise
+    try:
+        check_tool_names(toolsets)
+        name = gym_name(bundle_name)
+        yield url, {split: [_gym_row(name, split, row, toolsets, {}) for row in rows]
+                    for split, rows in task_rows.items()}
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+
+
+async def evaluate(plan: EvalPlan, out: Callable[[str], None] = print,
+                   stream: Any = None) -> list[dict[str, Any]]:
+    """Play the plan's rows against the model, write each rollout to the output as it finishes,
+    and print the summary; the rollouts of the plan (those already in the output too)."""
+    api_key = os.environ.get(plan.api_key_env) or None
+    # SIGTERM stops eval as SIGINT does: the episodes live end, their envs are torn down
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    file = RolloutsFile(Path(plan.output).expanduser(), plan.model)
+    file.open()
+    timeout = aiohttp.ClientTimeout(total=None)
+    try:
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), timeout=timeout,
+                                         connector=aiohttp.TCPConnector(limit=0)) as http:
+            sampling = {"temperature": plan.temperature, "max_tokens": plan.max_tokens}
+            model = ModelEndpoint(http, plan.model_url, plan.model, plan.api, plan.settings, api_key,
+                                  sampling)
+            if plan.api == "auto":
+                await model.detect()
+                out(f"eval: the endpoint {plan.model_url} answers the Responses API, so eval speaks it "
+                    "(--api chat for Chat Completions)" if model.api == "responses" else
+                    f"eval: the endpoint {plan.model_url} has no Responses API, so eval speaks Chat "
+                    "Completions")
+            async with surface_for(plan.source, plan) as (url, rows):
+                missing = [s for s in plan.splits if s not in rows]
+                if missing:
+                    raise AgentEnvError(f"there is no split {', '.join(map(repr, missing))}: the splits are "
+                                        f"{', '.join(rows)}; pass one with --split")
+                planned = [Planned(row, i, k) for split in plan.splits
+                           for i, row in enumerate(rows[split][:plan.limit])
+                           for k in range(plan.repeats)]
+                todo = [p for p in planned if p.key not in file.lines]
+                out(f"eval: {len(planned)} rollouts ({', '.join(plan.splits)}: "
+                    f"{len(planned) // plan.repeats} rows x {plan.repeats}) of {plan.source} against "
+                    f"{plan.model} over {'Chat Completions' if model.api == 'chat' else 'Responses'}, "
+                    f"{plan.settings.eval_concurrency} at once, into {plan.output}")
+                if len(todo) < len(planned) or file.retried:
+                    out(f"eval: {plan.output} holds {len(planned) - len(todo)} of these rollouts, so "
+                        f"{len(todo)} are left to play" + (
+                            f" ({file.retried} the model failed, played again)" if file.retried else ""))
+                await play_all(Player(model, GymRoutes(http, url), plan.settings.max_steps), todo,
+                               file, plan.settings.eval_concurrency, stream)
+    finally:
+        file.close()
+    done = [file.lines[p.key] for p in planned if p.key in file.lines]
+    for text in summary(done, plan.repeats):
+        out(text)
+    if todo and not model.answered:
+        raise AgentEnvError(f"the model's endpoint {plan.model_url} never answered; check "
+                            "--model-url and that the server runs")
+    if done and all(line.get("mask_sample") for line in done):
+        raise AgentEnvError(f"every rollout failed (see {plan.output}'s failure_reason)")
+    return done
+
+
+async def play_all(player: Player, todo: list[Planned], file: RolloutsFile, concurrency: int,
+                   stream: Any = None) -> None:
+    """Play the rollouts, ``concurrency`` at once, each written to the file as it finishes."""
+    progress = Progress(len(todo), stream)
+    queue = collections.deque(todo)
+
+    async def worker() -> None:
+        while queue:
+            line = await player.play(queue.popleft())
+            file.add(line)
+            progress.add(line)
+
+    async def tick() -> None:                 # the rate and ETA move between finishes too
+        while True:
+            await asyncio.sleep(1.0 if progress.tty else PROGRESS_EVERY)
+            progress.show()
+
+    ticker = asyncio.create_task(tick())
+    try:
+        await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, len(todo))))))
+    finally:
+        ticker.cancel()
+    if todo:
+        progress.show(final=True)
+
+
+# ================================================================ 14. CLI
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
@@ -4306,6 +5040,31 @@ def serve(args: argparse.Namespace) -> None:
                 shutdown_timeout=30)
 
 
+def eval_plan(args: argparse.Namespace) -> EvalPlan:
+    """eval's flags as its plan, each checked."""
+    for flag in ("limit", "repeats", "concurrency", "max_concurrent_envs"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise AgentEnvError(f"--{flag.replace('_', '-')} must be a whole number of at least 1, "
+                                f"not {value}")
+    if args.max_steps < 0 or args.retries < 0:
+        raise AgentEnvError("--max-steps and --retries must be 0 or more (--max-steps 0: no limit)")
+    if not args.request_timeout > 0:
+        raise AgentEnvError(f"--request-timeout must be a positive number of seconds, not "
+                            f"{args.request_timeout!r}")
+    # The bundle's pool holds at least as many episodes as eval plays at once, and room for the
+    # ones tearing down, unless told otherwise.
+    settings = Settings(max_concurrent_envs=args.max_concurrent_envs or _env_int(
+        "MAX_CONCURRENT_ENVS", max(args.concurrency, Settings.max_concurrent_envs)),
+        request_timeout=args.request_timeout,
+        model_retries=args.retries, eval_concurrency=args.concurrency, max_steps=args.max_steps)
+    return EvalPlan(source=args.source, model_url=args.model_url, model=args.model, api=args.api,
+                    splits=tuple(s for s in args.split.split(",") if s), limit=args.limit,
+                    repeats=args.repeats, temperature=args.temperature, max_tokens=args.max_tokens,
+                    api_key_env=args.api_key_env, output=args.output, sandbox=args.sandbox,
+                    reward=args.reward, settings=settings)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = command_line().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -4325,6 +5084,16 @@ def main(argv: list[str] | None = None) -> int:
                                   args.max_concurrent_envs or _env_int("MAX_CONCURRENT_ENVS",
                                                                        Settings.max_concurrent_envs),
                                   args.sandbox, args.reward, args.keep_prompts))
+        elif args.command == "eval":
+            if not args.verbose:       # the summary counts masked rollouts by kind; no line each
+                logging.getLogger("agentenv.gym").setLevel(logging.ERROR)
+            plan = eval_plan(args)
+            try:
+                asyncio.run(evaluate(plan))
+            except asyncio.CancelledError:              # SIGTERM
+                print(f"agentenv.py eval: stopped; the rollouts done are in {plan.output}, and the "
+                      "same command resumes", file=sys.stderr)
+                return 143
     except AgentEnvError as exc:
         print(f"agentenv.py {args.command}: {exc}", file=sys.stderr)
         return 1
@@ -4392,6 +5161,57 @@ def command_line() -> argparse.ArgumentParser:
     writer.add_argument("--keep-prompts", action="store_true",
                         help="keep the prompts of rows already written (your edits) when writing "
                              "the server again; without it every file is written anew")
+    evaluator = commands.add_parser(
+        "eval", help="score an OpenAI-compatible model on a bundle's split",
+        description="Play the rows write-gym writes for a split against a model behind an "
+                    "OpenAI-compatible endpoint (vLLM, SGLang, a hosted API), exactly as NeMo Gym's "
+                    "simple_agent plays them, and score them: each rollout is appended to --output "
+                    "as it finishes (a rerun with the same --output resumes), with a live progress "
+                    "line and a summary at the end. From a bundle folder it serves the bundle "
+                    "in-process; from a URL it plays a running serve.")
+    evaluator.add_argument("source", metavar="BUNDLE_OR_URL",
+                           help="a bundle's folder, or a running serve's URL (http://127.0.0.1:8000)")
+    evaluator.add_argument("--model-url", required=True, metavar="URL",
+                           help="the endpoint's base URL, ending in /v1 (http://127.0.0.1:8001/v1)")
+    evaluator.add_argument("--model", required=True, metavar="NAME", help="the model's name there")
+    evaluator.add_argument("--api", choices=("auto", "chat", "responses"), default="auto",
+                           help="Chat Completions or Responses (default: Responses where the "
+                                "endpoint has it, else Chat Completions; said at start)")
+    evaluator.add_argument("--split", default=",".join(EvalPlan.splits), metavar="SPLIT[,SPLIT...]",
+                           help=f"the split(s) to play ({','.join(EvalPlan.splits)})")
+    evaluator.add_argument("--limit", type=int, default=None, metavar="N",
+                           help="the first N rows of each split (all)")
+    evaluator.add_argument("--repeats", type=int, default=1, metavar="K",
+                           help="rollouts per row; past 1 the summary gives pass@K and mean@K (1)")
+    evaluator.add_argument("--concurrency", type=int, default=Settings.eval_concurrency, metavar="C",
+                           help=f"rollouts played at once ({Settings.eval_concurrency})")
+    evaluator.add_argument("--max-steps", type=int, default=Settings.max_steps, metavar="M",
+                           help="model calls in one rollout, as simple_agent's max_steps; 0 for no "
+                                f"limit ({Settings.max_steps})")
+    evaluator.add_argument("--temperature", type=float, default=None, metavar="T",
+                           help="the sampling temperature (default: the row's, else the server's)")
+    evaluator.add_argument("--max-tokens", type=int, default=None, metavar="T",
+                           help="tokens the model may write per reply (default: the server's)")
+    evaluator.add_argument("--api-key-env", default=EvalPlan.api_key_env, metavar="VAR",
+                           help="the environment variable holding the endpoint's key, sent as a "
+                                f"bearer token when set ({EvalPlan.api_key_env})")
+    evaluator.add_argument("--request-timeout", type=float, default=Settings.request_timeout,
+                           metavar="SECONDS", help="one model request; past it the request is "
+                                                   f"retried ({Settings.request_timeout:g})")
+    evaluator.add_argument("--retries", type=int, default=Settings.model_retries, metavar="N",
+                           help="retries of a model request after a 429, a 5xx or a timeout, with "
+                                "backoff; then the rollout is the model's failure "
+                                f"({Settings.model_retries})")
+    evaluator.add_argument("--output", default=EvalPlan.output, metavar="FILE",
+                           help="the rollouts, one JSON line each, in NeMo Gym's shape; rerun with "
+                                f"the same file to resume ({EvalPlan.output})")
+    evaluator.add_argument("--sandbox", choices=("auto", "docker", "local"), default="auto",
+                           help="with a bundle: where its envs run")
+    evaluator.add_argument("--reward", metavar="STEP", default=None,
+                           help="with a bundle: the scoring step whose score is the reward")
+    evaluator.add_argument("--max-concurrent-envs", type=int, default=None, metavar="N",
+                           help="with a bundle: episodes live at once (default: MAX_CONCURRENT_ENVS, "
+                                f"else --concurrency or {Settings.max_concurrent_envs}, the larger)")
     return parser
 
 

@@ -29,6 +29,8 @@ the order of agentenv.py's sections. A test goes where what it tests lives:
   apply_server_config; failures during a turn (tool timeouts, env crashes, the turn's timeout);
   abandon and teardown.
 * Pool and runtime: the pool and its limit, the start gate, closing the runtime.
+* Eval: the chat translation, the endpoint's errors told apart, the summary, the rollouts file
+  (``eval`` end to end is tests/test_eval.py's).
 * CLI: ``check`` and agentenv.main.
 * The example bundle notes-v1.
 
@@ -2253,6 +2255,97 @@ def test_closing_the_runtime_abandons_live_episodes(make_bundle):
         return ep.outcome
 
     assert run(go()) == agentenv.Outcome("abandoned", {}, None, agentenv.Failure("session_lost", "the server shut down"))
+
+
+# ================================================================ Eval
+
+def test_eval_speaks_chat_as_responses_items():
+    """A conversation of Responses items as chat messages (one reply's calls in one assistant
+    message), and a chat completion back as the Responses object simple_agent would get."""
+    params = {"instructions": "Be brief.", "max_output_tokens": 64, "tool_choice": {"type": "function"},
+              "tools": [agentenv.function_tool({"name": "read_note", "description": "Read.",
+                                                "input_schema": {"type": "object"}})]}
+    conversation = [{"role": "system", "content": "You keep notes."},
+                    {"role": "user", "content": [{"type": "input_text", "text": "Eggs?"}]},
+                    {"type": "reasoning", "summary": []},
+                    {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+                    {"type": "function_call", "call_id": "c1", "name": "read_note", "arguments": "{}"},
+                    {"type": "function_call", "call_id": "c2", "name": "list_notes", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c1", "output": "2 eggs"},
+                    {"type": "function_call_output", "call_id": "c2", "output": "pancakes"}]
+    body = agentenv.chat_request(params, conversation, "m", {"temperature": 0.5, "max_tokens": None})
+    assert body["model"] == "m" and body["temperature"] == 0.5 and body["max_tokens"] == 64
+    assert "tool_choice" not in body                         # a Responses-shaped choice stays out
+    assert body["tools"] == [{"type": "function", "function": {"name": "read_note", "description": "Read.",
+                                                               "parameters": {"type": "object"}}}]
+    assert [(m["role"], m.get("content")) for m in body["messages"]] == [
+        ("system", "Be brief."), ("system", "You keep notes."), ("user", "Eggs?"),
+        ("assistant", "Let me look."), ("tool", "2 eggs"), ("tool", "pancakes")]
+    assert [c["id"] for c in body["messages"][3]["tool_calls"]] == ["c1", "c2"]
+    answer = {"id": "x", "created": 5, "model": "m", "usage": {"prompt_tokens": 7, "completion_tokens": 3,
+                                                               "total_tokens": 10},
+              "choices": [{"finish_reason": "length", "message": {
+                  "content": "Two.", "reasoning_content": "hmm",
+                  "tool_calls": [{"id": "c3", "function": {"name": "read_note", "arguments": {"title": "x"}}}]}}]}
+    response = agentenv.responses_of_chat(answer, params)
+    assert [i["type"] for i in response["output"]] == ["reasoning", "message", "function_call"]
+    assert response["output"][2]["call_id"] == "c3" and json.loads(response["output"][2]["arguments"]) == {"title": "x"}
+    assert response["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert response["usage"]["input_tokens"] == 7 and response["usage"]["output_tokens"] == 3
+    with pytest.raises(agentenv.ModelFailed) as refused:
+        agentenv.responses_of_chat({"choices": [{"finish_reason": "content_filter", "message": {}}]}, params)
+    assert refused.value.failure.kind == agentenv.MODEL_REFUSAL
+    with pytest.raises(agentenv.ModelFailed) as garbled:
+        agentenv.responses_of_chat({"error": "no"}, params)
+    assert garbled.value.failure.kind == agentenv.MODEL_BAD_REPLY and "choices[0].message" in str(garbled.value)
+    summed = agentenv.add_usage(agentenv.add_usage(None, response["usage"]), response["usage"])
+    assert summed["total_tokens"] == 20 and summed["input_tokens_details"]["cached_tokens"] == 0
+
+
+def test_eval_tells_the_endpoints_errors_apart():
+    overflow = agentenv.ModelEndpoint._http_failure(
+        "/chat/completions", 400, json.dumps({"error": {"message": "maximum context length is 4096 tokens"}}))
+    assert overflow.kind == agentenv.MODEL_CONTEXT_OVERFLOW and "--max-model-len" in overflow.reason
+    other = agentenv.ModelEndpoint._http_failure("/responses", 401, "bad key")
+    assert other.kind == agentenv.MODEL_HTTP_ERROR and "answered /responses with 401: bad key" in other.reason
+    assert agentenv._retry_after("2", 9.0) == 2.0 and agentenv._retry_after(None, 9.0) == 9.0
+    assert agentenv._retry_after("Wed, 21 Oct 2015 07:28:00 GMT", 1.0) == 1.0
+    assert agentenv.is_model_failure("model:timeout") and not agentenv.is_model_failure("session_lost")
+
+
+def _line(task: str, reward: float, repeat: int = 0, kind: str | None = None, seconds: float = 1.0) -> dict:
+    return {"split": "eval", "task_id": f"@local/b/{task}", "_ng_rollout_index": repeat, "reward": reward,
+            "mask_sample": kind is not None, "failure_kind": kind, "timings": {"seconds": seconds}}
+
+
+def test_eval_summary_reads_as_a_user_wants_it():
+    lines = [_line("a", 1.0, 0), _line("a", 0.0, 1, seconds=9.0), _line("b", 0.0, 0), _line("b", 0.0, 1),
+             _line("c", 0.0, 0, "provider_unavailable"), _line("c", 0.0, 1, "model:timeout")]
+    out = agentenv.summary(lines, repeats=2)
+    assert out[0] == "6 rollouts"
+    assert out[1] == "split eval: mean reward 0.250 ± 0.490 (95% interval), 4 scored of 6"
+    assert out[2].startswith("  over 2 repeats of 2 tasks: pass@2 0.500 ± 0.980") and "mean@2 0.250" in out[2]
+    assert out[3] == "masked by the environment: provider_unavailable 1"
+    assert out[4] == "the model's failures: model:timeout 1"
+    assert out[5].startswith("slowest: a #1 9.0s, ")
+    assert agentenv.mean_interval([0.5]) == (0.5, 0.0)
+
+
+def test_eval_rollouts_file_resumes_and_drops_what_must_be_played_again(tmp_path):
+    path = tmp_path / "rollouts.jsonl"
+    done, failed = _line("a", 1.0), _line("b", 0.0, kind="model:http_error")
+    path.write_text(json.dumps({**done, "model": "m"}) + "\n" + json.dumps(failed) + "\n" + '{"split": "ev')
+    file = agentenv.RolloutsFile(path, "m")
+    file.open()
+    file.add({**_line("c", 0.2), "model": "m"})
+    file.close()
+    assert sorted(file.lines) == [("eval", "@local/b/a", 0), ("eval", "@local/b/c", 0)] and file.retried == 1
+    assert [json.loads(t)["task_id"] for t in path.read_text().splitlines()] == ["@local/b/a", "@local/b/c"]
+    with pytest.raises(AgentEnvError, match="holds rollouts of the model 'm', not 'n'"):
+        agentenv.RolloutsFile(path, "n").open()
+    path.write_text("not json\n")
+    with pytest.raises(AgentEnvError, match="line 1 is not a rollout of eval"):
+        agentenv.RolloutsFile(path, "m").open()
 
 
 # ================================================================ CLI: check

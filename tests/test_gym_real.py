@@ -9,7 +9,8 @@ at start). The rows are the written ones, with the fake model's script added to
 row that shows the mismatch:
 
 * gridsim, an eval day: the exact optimum (battery.py's DP over the row's own prices and battery),
-  then a text reply -> reward 1.0; another day, an all-idle schedule -> reward 0.2;
+  then a text reply -> reward 1.0; another day, an all-idle schedule -> reward 0.2; a third, a
+  reply with no schedule -> reward 0;
 * notes ``two-step``: list_notes, end_turn (its output, the second turn's prompt, reaches the
   model), write_note groceries with eggs and milk, then text -> reward 1.0;
 * notes ``save-groceries`` with read_note dropped from the row's tools -> masked, reason naming the
@@ -21,12 +22,14 @@ it, Gym's ``simple_agent``, the fake model), and all of them together once throu
 (``gym env start`` + ``gym eval run --no-serve``). Nothing may be left running: the harness's
 leftovers, the local sandbox's records under this module's ``AGENTENV_STATE_DIR``, and any process
 carrying that state dir in its environment (every env process the servers start does) must all be
-none. Skipped when the Gym venv isn't built (``bash .ci/gym-venv.sh``); an error instead with
+none. ``agentenv.py eval`` then plays the same rows with the same scripted model (by their
+prompts), and its rewards and conversations must be Gym's, row for row. Skipped when the Gym venv isn't built (``bash .ci/gym-venv.sh``); an error instead with
 ``AGENTENV_REQUIRE_GYM=1``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -135,7 +138,7 @@ def gym(tmp_path_factory) -> dict[str, Any]:
                "notes": read_jsonl(servers["notes"] / "data" / "all.jsonl"),
                "broken": read_jsonl(servers["broken"] / "data" / "all.jsonl")}
 
-    optimal_row, idle_row = written["gridsim"][0], written["gridsim"][1]
+    optimal_row, idle_row, none_row = written["gridsim"][:3]
     bat, cents = day_of(optimal_row)
     best, plan = battery.optimum(cents, bat)
     assert best > 0 and battery.score(battery.profit(plan, cents, bat), best) == 1.0
@@ -147,6 +150,7 @@ def gym(tmp_path_factory) -> dict[str, Any]:
                 {"tool": "submit_schedule", "args": {"schedule": plan}}, {"text": "Submitted."}]),
             scripted(idle_row, "gridsim_idle", [
                 {"tool": "submit_schedule", "args": {"schedule": [0] * 24}}, {"text": "Idle today."}]),
+            scripted(none_row, "gridsim_none", [{"text": "I would rather not trade today."}]),
         ],
         "notes": notes_rows(written["notes"]),
         "broken": [scripted(by_task(written["broken"], "save-groceries"), "broken_env_exits", [
@@ -244,6 +248,7 @@ def check_gridsim(got: dict[str, dict], plan: list[int]) -> None:
     optimal, idle = got["gridsim_optimal"], got["gridsim_idle"]
     check_scored(optimal, 1.0, "gridsim_optimal")
     check_scored(idle, 0.2, "gridsim_idle")
+    check_scored(got["gridsim_none"], 0.0, "gridsim_none")
     assert [i["type"] for i in outputs(optimal)] == ["function_call", "function_call_output", "message"]
     assert json.loads(outputs(optimal)[0]["arguments"]) == {"schedule": plan}
     assert tool_outputs(optimal)["submit_schedule"].startswith("valid schedule recorded")
@@ -398,3 +403,47 @@ def test_nothing_left_running(gym, lightest, cli):
     records = [p for p in gym["state"].rglob("*") if p.is_file()] if gym["state"].exists() else []
     assert records == [], f"local env processes still recorded: {records}"
     assert _processes_with_state(gym["state"]) == []
+
+
+DIFFERENTIAL = ("gridsim_optimal", "gridsim_idle", "gridsim_none", "notes_two_step")
+
+
+def conversation(line: dict) -> list[tuple]:
+    """A rollout's conversation, without the ids each side makes up."""
+    shown = []
+    for item in line["response"]["output"]:
+        if item.get("type") == "function_call":
+            shown.append(("call", item["name"], json.loads(item["arguments"])))
+        elif item.get("type") == "function_call_output":
+            shown.append(("output", item["output"]))
+        elif item.get("type") == "message":
+            shown.append(("message", "".join(p.get("text", "") for p in item["content"])))
+    return shown
+
+
+def test_eval_scores_the_rows_as_simple_agent_does(gym, cli, tmp_path):
+    """agentenv.py eval over the same rows and scripted model as the CLI run: the same rewards and
+    the same conversations, row for row."""
+    import agentenv
+    from tests.gym import fake_model
+
+    rows = {row["case"]: row for key in ("gridsim", "notes") for row in gym["rows"][key]}
+    scripts = {}
+    for case in DIFFERENTIAL:
+        params = rows[case]["responses_create_params"]
+        user = next(m["content"] for m in params["input"] if m["role"] == "user")
+        scripts[user] = json.loads(params["metadata"]["script"])
+    ours = {}
+    with fake_model.start(scripts=scripts) as model:
+        for bundle, split, limit in ((GRIDSIM, "eval", 3), (NOTES, "all", None)):
+            plan = agentenv.EvalPlan(source=str(bundle), model_url=model.base_url, model="fake",
+                                     api="responses", splits=(split,), limit=limit, sandbox="local",
+                                     output=str(tmp_path / f"{bundle.name}.jsonl"))
+            for line in asyncio.run(agentenv.evaluate(plan)):
+                ours[line["task_id"]] = line
+    theirs = results(cli.rollouts)
+    for case in DIFFERENTIAL:
+        mine, gyms = ours[rows[case]["task_id"]], theirs[case]
+        print(f"[eval] {show(case, mine)}  [gym] {show(case, gyms)}")
+        assert (mine["reward"], mine["mask_sample"]) == (gyms["reward"], gyms["mask_sample"]), case
+        assert conversation(mine) == conversation(gyms), case

@@ -480,6 +480,7 @@ class CliRun:
     start_exit_code: int | None           # gym env start's exit status after SIGINT
     leftovers: list[tuple[int, str]] = field(default_factory=list)
     model_requests: list[tuple[str, Any]] = field(default_factory=list)
+    model_served: list[tuple[str, float, float]] = field(default_factory=list)   # (path, began, s)
 
 
 VENV_LINKS = (("responses_api_agents", "simple_agent"), ("environment_servers", "legacy_agent"),
@@ -605,4 +606,5 @@ def run_cli(root: Path, name: str, jsonl: Path, *, work_dir: Path, venv: Path | 
     return CliRun(rollouts=rollouts, aggregate=aggregate, output_dir=out_dir, commands=commands,
                   timings=timings, logs={c.name: c.log for c in group.children},
                   start_exit_code=start_child.proc.returncode if start_child else None,
-                  leftovers=leftovers, model_requests=list(own_model.requests) if own_model else [])
+                  leftovers=leftovers, model_requests=list(own_model.requests) if own_model else [],
+                  model_served=list(own_model.served) if own_model else [])
