@@ -177,18 +177,27 @@ class Settings:
     client_timeout: float = 60.0      # how long OpenEnv clients wait for a reply
     reply_margin: float = 5.0         # every OpenEnv reply comes this long before that
     verifier_timeout: float = 300.0   # a verifier's run
+    warm: int = 0                     # envs kept started and ready ahead of demand, split among
+                                      # the bundle's env specs by how many tasks use each
+    warm_env: tuple[tuple[str, int], ...] = ()   # (env, count): those envs warmed, the split aside
 
     # The keys a Gym config carries, with the resources server serving the bundle (bundle:) or
     # playing on a running serve (url:).
     GYM_KEYS = ("tool_timeout", "reset_timeout", "idle_timeout")
-    BUNDLE_KEYS = ("max_concurrent_envs", "deploy_timeout")
+    BUNDLE_KEYS = ("max_concurrent_envs", "deploy_timeout", "warm", "warm_env")
 
     @classmethod
     def from_config(cls, config: dict[str, Any], where: str) -> Settings:
         """The settings a Gym config gives, the others at their defaults; a bad value says so."""
-        given = {}
+        given: dict[str, Any] = {}
         for key in (*cls.GYM_KEYS, *cls.BUNDLE_KEYS):
             if config.get(key) is None:
+                continue
+            if key == "warm":
+                given[key] = warm_count(config[key], f"warm: {config[key]!r} in {where}")
+                continue
+            if key == "warm_env":
+                given[key] = warm_envs(config[key], f"warm_env in {where}")
                 continue
             value, whole = config[key], key == "max_concurrent_envs"
             if isinstance(value, bool) or not isinstance(value, (int, float)) or \
@@ -200,9 +209,43 @@ class Settings:
         return cls(**given)
 
     def gym_config(self, bundle: bool) -> dict[str, Any]:
-        """The settings as a Gym config writes them."""
+        """The settings as a Gym config writes them (a warm pool only when there is one)."""
         keys = self.GYM_KEYS + (self.BUNDLE_KEYS if bundle else ())
-        return {key: _plain(getattr(self, key)) for key in keys}
+        config = {key: _plain(getattr(self, key)) for key in keys if not key.startswith("warm")}
+        if bundle and self.warm:
+            config["warm"] = self.warm
+        if bundle and self.warm_env:
+            config["warm_env"] = dict(self.warm_env)
+        return config
+
+
+def warm_count(value: Any, what: str) -> int:
+    """A warm pool's size as a user gave it: a whole number, 0 (no pool) or more."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or value < 0 or not float(value).is_integer():
+        raise AgentEnvError(f"{what} is not a whole number of warm envs (0 or more); set it to one, "
+                            "such as 4")
+    return int(value)
+
+
+def warm_envs(value: Any, what: str) -> tuple[tuple[str, int], ...]:
+    """``--warm-env NAME=N`` flags (a list) or a Gym config's ``warm_env: {NAME: N}``, as pairs."""
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        pairs = [v.partition("=")[::2] for v in value]
+    else:
+        raise AgentEnvError(f"{what}: {value!r} is not a mapping of env names to counts; write it "
+                            "as {NAME: N}")
+    named: dict[str, int] = {}
+    for name, count in pairs:
+        if isinstance(count, str):
+            count = int(count) if count.strip().isdigit() else count
+        if not isinstance(name, str) or not name or name in named:
+            raise AgentEnvError(f"{what}: {name!r} is not an env name given once; name each env of "
+                                "the bundle's envs/ folder once, as NAME=N")
+        named[name] = warm_count(count, f"{what}: {name}={count!r}")
+    return tuple(named.items())
 
 
 def _plain(value: float) -> float | int:
@@ -263,6 +306,11 @@ class Step:
     def get(self, key: str, default: Any = None) -> Any:
         return self.fields.get(key, default)
 
+    @property
+    def limits(self) -> dict[str, Any]:
+        """A deploy_env step's limits (cpu, memory_mb) as the sandbox takes them."""
+        return {k: self.fields[k] for k in ("cpu", "memory_mb") if self.fields.get(k)}
+
 
 @dataclasses.dataclass(frozen=True)
 class EnvSpec:
@@ -275,6 +323,7 @@ class EnvSpec:
     command: tuple[str, ...]          # the image's ENTRYPOINT + CMD, as a local process runs it
     image_env: dict[str, str]         # the image's ENV lines
     digest: str                       # a hash of the build context: one image per content
+    network: str = "isolated"         # "isolated" (no egress, no other env) or "bridge" (env.toml)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -479,6 +528,10 @@ def plain_name(name: Any) -> bool:
         c in name for c in "/\\\0")
 
 
+# An env's network in the Docker sandbox, as its env.toml's ``network`` names it.
+ENV_NETWORKS = ("isolated", "bridge")
+
+
 def _load_envs(root: Path, problems: list[str]) -> dict[str, EnvSpec]:
     envs: dict[str, EnvSpec] = {}
     env_dir = root / "envs"
@@ -491,7 +544,7 @@ def _load_envs(root: Path, problems: list[str]) -> dict[str, EnvSpec]:
         config: dict[str, Any] = {}
         if (folder / "env.toml").is_file():
             config = _toml(folder / "env.toml", problems) or {}
-        known = {"type", "id", "image", "environment_name", "env_provider_type"}
+        known = {"type", "id", "image", "environment_name", "env_provider_type", "network"}
         for key in sorted(set(config) - known):
             problems.append(f"{where}/env.toml: key {key!r} is not one agentenv.py knows; "
                             f"it knows {', '.join(sorted(known))}")
@@ -525,8 +578,14 @@ def _load_envs(root: Path, problems: list[str]) -> dict[str, EnvSpec]:
             problems.append(f"{where}/env.toml: environment_name = {name!r} is not a plain name (it "
                             "names the env's database file, so no '/' or '\\'); give a plain name")
             continue
+        network = config.get("network", "isolated")
+        if network not in ENV_NETWORKS:
+            problems.append(f"{where}/env.toml: network = {network!r} is not a network mode; use "
+                            "\"isolated\" (the default: no egress, no other episode's containers) or "
+                            "\"bridge\" (Docker's ordinary bridge, for a task that needs the network)")
+            continue
         envs[folder.name] = EnvSpec(folder.name, folder, dockerfile, str(name), command, image_env,
-                                    _digest(folder))
+                                    _digest(folder), network)
     return envs
 
 
@@ -1012,6 +1071,19 @@ class Sandbox(abc.ABC):
     async def launch(self, env: EnvSpec, episode: str, limits: dict[str, Any]) -> Instance:
         """Start an env for an episode (not yet ready: see wait_ready)."""
 
+    def network_mode(self, env: EnvSpec) -> str:
+        """What the env can reach from where it runs, in a phrase ``check`` prints."""
+        return "the host's network: the local sandbox isolates nothing"
+
+    async def episode_network(self, episode: str) -> str:
+        """The name of a network of this episode alone, for containers of one episode that talk to
+        each other (made on first ask, removed by ``end_episode``)."""
+        raise AgentEnvError(f"the {self.kind} sandbox has no networks of its own; a network of one "
+                            "episode needs the Docker sandbox (--sandbox docker)")
+
+    async def end_episode(self, episode: str) -> None:
+        """Let go of what the sandbox holds for an episode whose envs are all removed."""
+
     async def close(self) -> None:
         """Wait for removals under way, and let go of what the sandbox holds."""
 
@@ -1307,6 +1379,18 @@ def _listening_sockets_from_proc(port: int) -> set[str]:
     return inodes
 
 
+# The Docker networks agentenv.py makes. Envs share one per server with traffic between its
+# containers off (icc) and no masquerading: a packet out leaves with the container's private
+# address, which nothing answers, so no connection out is made, while the daemon still publishes
+# each env's port on 127.0.0.1 (an internal network drops egress outright, but Docker publishes no
+# port on one). An episode's own network lets its containers talk to each other, still with no
+# masquerading. The bridge of each is named ae-..., so one DOCKER-USER rule can drop what they send.
+ENVS_NETWORK_OPTIONS = {"com.docker.network.bridge.enable_icc": "false",
+                        "com.docker.network.bridge.enable_ip_masquerade": "false"}
+EPISODE_NETWORK_OPTIONS = {"com.docker.network.bridge.enable_ip_masquerade": "false"}
+BRIDGE_PREFIX = "ae-"
+
+
 class DockerInstance(Instance):
     """An env's container, published on a random port of 127.0.0.1."""
 
@@ -1365,6 +1449,9 @@ class DockerSandbox(Sandbox):
         self.threads = ThreadPoolExecutor(max_workers=ops + 4, thread_name_prefix="docker")
         self.removals: set[asyncio.Task] = set()
         self.creating: set[asyncio.Future] = set()
+        # the networks made, by episode ("" for the envs' shared one), each as its creation
+        self.networks: dict[str, asyncio.Future] = {}
+        self.unremoved: list[Any] = []      # networks a removal left standing: retried at close
 
     @classmethod
     async def connect(cls, owner: str) -> DockerSandbox:
@@ -1408,6 +1495,11 @@ class DockerSandbox(Sandbox):
         await self.sweep()
         for env in envs:
             self.images[env.name] = await self.build(env)
+        if any(env.network == "isolated" for env in envs):
+            try:
+                await self._network("")
+            except EpisodeFailed as exc:
+                raise AgentEnvError(str(exc)) from None
 
     async def sweep(self) -> None:
         # sparse: the list as the daemon gave it, with no inspect of each container, which fails
@@ -1420,6 +1512,73 @@ class DockerSandbox(Sandbox):
         if stale:
             log.warning("Removed %d container(s) that an earlier run of agentenv.py left behind when "
                         "it stopped without tearing down.", len(stale))
+        # networks after containers: a network with a container on it can't be removed
+        networks = await self.call(self.client.networks.list, filters={"label": "agentenv.owner"})
+        stale = [n for n in networks
+                 if owner_alive((n.attrs.get("Labels") or {}).get("agentenv.owner", "")) is False]
+        left = [n for n in await asyncio.gather(*(self._remove_network(n) for n in stale)) if n]
+        if stale:
+            log.warning("Removed %d network(s) that an earlier run of agentenv.py left behind when "
+                        "it stopped without tearing down.", len(stale) - len(left))
+
+    def network_name(self, episode: str = "") -> str:
+        """The name of this server's network for its envs (or for one episode's containers)."""
+        tag = hashlib.sha1(self.owner.encode()).hexdigest()[:10]
+        return f"agentenv-{tag}-" + (episode[:16] if episode else "envs")
+
+    def network_mode(self, env: EnvSpec) -> str:
+        if env.network == "bridge":
+            return ("bridge: Docker's default bridge, with egress and other bridge containers in "
+                    "reach (network = \"bridge\" in its env.toml)")
+        return (f"isolated: on {self.network_name()}, no egress, no other env's container in reach, "
+                "its port published on 127.0.0.1 only")
+
+    async def episode_network(self, episode: str) -> str:
+        return await self._network(episode)
+
+    async def _network(self, episode: str) -> str:
+        """Make (once) the envs' network or an episode's, labelled so a sweep finds it."""
+        name = self.network_name(episode)
+        if episode not in self.networks:
+            labels = {"agentenv.owner": self.owner, "agentenv.episode": episode or "(envs)"}
+            options = EPISODE_NETWORK_OPTIONS if episode else ENVS_NETWORK_OPTIONS
+            bridge = BRIDGE_PREFIX + secrets.token_hex(6)          # at most 15 characters
+            self.networks[episode] = asyncio.ensure_future(self.call(
+                self.client.networks.create, name, driver="bridge", labels=labels,
+                options={**options, "com.docker.network.bridge.name": bridge}, timeout=60))
+        try:
+            await asyncio.shield(self.networks[episode])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:                        # noqa: BLE001 - docker raises many kinds
+            self.networks.pop(episode, None)
+            raise EpisodeFailed(
+                f"the Docker network {name} could not be made ({short(str(exc), 300)}); if the "
+                "daemon has run out of address pools, remove unused networks (docker network "
+                "prune) or give it more (default-address-pools in daemon.json)",
+                PROVIDER_UNAVAILABLE) from None
+        return name
+
+    async def end_episode(self, episode: str) -> None:
+        made = self.networks.pop(episode, None) if episode else None
+        if made is None:
+            return
+        with contextlib.suppress(Exception):
+            if network := await made:
+                if await self._remove_network(network):
+                    self.unremoved.append(network)
+
+    async def _remove_network(self, network: Any) -> Any:
+        """Remove a network; the network back if it still stands (a container still on it)."""
+        import docker.errors
+        try:
+            await self.call(network.remove, timeout=30)
+        except docker.errors.NotFound:
+            pass
+        except Exception as exc:                        # noqa: BLE001
+            log.info("Could not remove network %s yet (%s).", network.name, short(str(exc), 200))
+            return network
+        return None
 
     async def build(self, env: EnvSpec) -> str:
         tag = f"agentenv/{re.sub(r'[^a-z0-9_.-]', '-', env.name.lower())}:{env.digest}"
@@ -1456,6 +1615,8 @@ class DockerSandbox(Sandbox):
                     "agentenv.env": env.name},
             # unprivileged: no capabilities, no privilege gain, no host mounts, bounded processes
             security_opt=["no-new-privileges"], cap_drop=["ALL"], pids_limit=DOCKER_PIDS_LIMIT)
+        if env.network == "isolated":
+            options["network"] = await self._network("")
         if limits.get("cpu"):
             options["nano_cpus"] = int(float(limits["cpu"]) * 1e9)
         if limits.get("memory_mb"):
@@ -1525,6 +1686,15 @@ class DockerSandbox(Sandbox):
             await asyncio.sleep(0)          # let their done-callbacks schedule the removals
         if self.removals:
             await asyncio.gather(*set(self.removals), return_exceptions=True)
+        # the networks last, once no container of this server is on them
+        made = await asyncio.gather(*self.networks.values(), return_exceptions=True)
+        self.networks.clear()
+        networks = [n for n in made if not isinstance(n, BaseException)] + self.unremoved
+        self.unremoved = []
+        for network in await asyncio.gather(*(self._remove_network(n) for n in networks)):
+            if network is not None:
+                log.error("Could not remove network %s; remove it with docker network rm %s.",
+                          network.name, network.name)
         self.threads.shutdown(wait=False)
 
 
@@ -2136,13 +2306,18 @@ class Episode:
             # Teardown runs to its end even if the episode is cancelled again meanwhile.
             if self.turn is not None:
                 self.turn.end(None)
-            teardown = asyncio.ensure_future(asyncio.gather(
-                *(i.remove() for i in self.instances), return_exceptions=True))
+            teardown = asyncio.ensure_future(self._teardown())
             while not teardown.done():
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.shield(teardown)
             if self._holds_slot:
                 self.runtime.pool.release()
+
+    async def _teardown(self) -> None:
+        """Remove every env launched, then what the sandbox held for the episode (its network)."""
+        await asyncio.gather(*(i.remove() for i in self.instances), return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self.runtime.sandbox.end_episode(self.id)
 
     async def _run_steps(self) -> None:
         """Run the steps as a graph: each once the steps it depends on are done."""
@@ -2195,7 +2370,7 @@ class Episode:
     async def _deploy_env(self, step: Step) -> None:
         env = self.runtime.bundle.envs[_resolve_env(step.get("env_id"), self.runtime.bundle.envs,
                                                     self.task.id)]
-        limits = {k: step.get(k) for k in ("cpu", "memory_mb") if step.get(k)}
+        limits = step.limits
         async with self.runtime.starting.slot():
             instance = await self.runtime.sandbox.launch(env, self.id, limits)
             self.instances.append(instance)
@@ -4249,6 +4424,9 @@ async def check(folder: str, sandbox: str, reward: str | None, out: Callable[[st
         out(f"  ... and {len(bundle.tasks) - len(shown)} more")
     async with Runtime(bundle, sandbox=sandbox) as runtime:
         out(f"sandbox: {runtime.sandbox.kind}")
+        out("networks:")
+        for env in bundle.envs.values():
+            out(f"  {env.name}: {runtime.sandbox.network_mode(env)}")
         out("toolsets:")
         failed = []
         for toolset, tasks in bundle.toolsets.items():

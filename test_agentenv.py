@@ -698,7 +698,10 @@ def test_an_env_whose_cmd_is_bad_json(make_bundle):
 @pytest.mark.parametrize("toml, parts", [
     ('type = "mcp_server"\nports = [1]\n',
      ["envs/main/env.toml: key 'ports' is not one agentenv.py knows; it knows env_provider_type, "
-      "environment_name, id, image, type"]),
+      "environment_name, id, image, network, type"]),
+    ('network = "internet"\n', ["envs/main/env.toml: network = 'internet' is not a network mode; use "
+                                "\"isolated\" (the default: no egress, no other episode's containers) "
+                                "or \"bridge\""]),
     ('type = "a2a_agent"\n', ["envs/main/env.toml: type 'a2a_agent' is not run here",
                               "runs mcp_server envs"]),
     ('image = "python:3.11"\n', ["envs/main/env.toml: image = 'python:3.11' is not supported"]),
@@ -718,6 +721,9 @@ def test_env_toml_names_the_env_and_its_dockerfile(make_bundle):
     assert env.environment_name == "fancy"
     assert env.dockerfile.name == "Serve.dockerfile"
     assert env.command == ("python", "server.py", "-v")
+    assert env.network == "isolated", "an env is isolated unless its env.toml says otherwise"
+    (root / "envs" / "main" / "env.toml").write_text('network = "bridge"\n')
+    assert Bundle.load(root).envs["main"].network == "bridge"
 
 
 @pytest.mark.parametrize("stray, parts", [
@@ -2256,12 +2262,15 @@ def test_check_prints_the_bundle_and_each_toolsets_tools(make_bundle, isolated):
                           "  a  toolset main  turns 1  reward check",
                           "  b  toolset main  turns 1  reward answer",
                           "  c  toolset main+other  turns 1  reward check"]
-    assert lines[6:8] == ["sandbox: local", "toolsets:"]
+    assert lines[6:11] == ["sandbox: local", "networks:",
+                           "  main: the host's network: the local sandbox isolates nothing",
+                           "  other: the host's network: the local sandbox isolates nothing",
+                           "toolsets:"]
     assert re.fullmatch(r"  main \(2 tasks\), played with a in \d+\.\d\ds: say, whoami, get_config, "
-                        r"sleep, crash", lines[8])
+                        r"sleep, crash", lines[11])
     assert re.fullmatch(r"  main\+other \(1 task\), played with c in \d+\.\d\ds: say, .*, other_crash",
-                        lines[9])
-    assert lines[10:] == ["ok: every toolset deployed, and every env was torn down"]
+                        lines[12])
+    assert lines[13:] == ["ok: every toolset deployed, and every env was torn down"]
     assert len(list(isolated.iterdir())) == 3 and all(gone(int(p.name)) for p in isolated.iterdir())
 
 
