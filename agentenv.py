@@ -2371,6 +2371,12 @@ class Episode:
         env = self.runtime.bundle.envs[_resolve_env(step.get("env_id"), self.runtime.bundle.envs,
                                                     self.task.id)]
         limits = step.limits
+        # A warm env of the same spec, when there is one: booted and ready, so the deploy is done;
+        # what the task sets up in it (apply_server_config) still follows, for this episode.
+        if warm := await self.runtime.warm.take(env, limits):
+            self.instances.append(warm.instance)
+            self.envs[step.get("env_id")] = warm
+            return
         async with self.runtime.starting.slot():
             instance = await self.runtime.sandbox.launch(env, self.id, limits)
             self.instances.append(instance)
@@ -2527,28 +2533,221 @@ class StartGate:
     """The bound on envs starting at once (launched, not yet answering). A booting env is all
     CPU; hundreds booting together on a few cores starve the server itself (a /health took 11 s
     with 256 at once) and boot no faster. A start that takes longer than ``hold`` seconds stops
-    counting, so an env that never comes up holds back the others only that long."""
+    counting, so an env that never comes up holds back the others only that long.
+
+    Episodes come first: a ``background`` start (a warm env) gets a slot only when no episode is
+    waiting for one, so warming never delays a deploy."""
 
     def __init__(self, size: int = 2 * (os.cpu_count() or 2), hold: float = 10.0):
         self.size, self.hold = max(size, 2), hold
-        self._free = asyncio.Semaphore(self.size)
+        self.free = self.size
+        self._episodes: collections.deque[asyncio.Future] = collections.deque()
+        self._background: collections.deque[asyncio.Future] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        """Episodes waiting for a start slot."""
+        return sum(not f.done() for f in self._episodes)
+
+    @property
+    def warming(self) -> int:
+        """Warm envs waiting for a start slot."""
+        return sum(not f.done() for f in self._background)
 
     @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        await self._free.acquire()
+    async def slot(self, background: bool = False) -> AsyncIterator[None]:
+        await self._acquire(background)
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                self._free.release()
+                self.free += 1
+                self._hand_on()
         timer = asyncio.get_running_loop().call_later(self.hold, release)
         try:
             yield
         finally:
             timer.cancel()
             release()
+
+    async def _acquire(self, background: bool) -> None:
+        if self.free and not self.waiting and not (background and self.warming):
+            self.free -= 1
+            return
+        granted = asyncio.get_running_loop().create_future()
+        (self._background if background else self._episodes).append(granted)
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():     # handed a slot as it gave up
+                self.free += 1
+                self._hand_on()
+            raise
+
+    def _hand_on(self) -> None:
+        """Give free slots to the waiters: every episode first, then warm envs."""
+        for queue in (self._episodes, self._background):
+            while self.free and queue:
+                granted = queue.popleft()
+                if not granted.done():
+                    self.free -= 1
+                    granted.set_result(None)
+
+
+WarmKey = tuple[str, tuple[tuple[str, Any], ...]]     # an env and its deploy_env limits
+
+
+def warm_plan(bundle: Bundle, warm: int, named: tuple[tuple[str, int], ...]) -> dict[WarmKey, int]:
+    """How many warm envs to keep of each env spec (an env and its deploy_env limits): ``warm``
+    split among the specs of the envs not ``named``, and each named env's count among its own
+    specs, each by how many deploys of the bundle's tasks use it (largest remainder)."""
+    uses: collections.Counter[WarmKey] = collections.Counter()
+    for task in bundle.tasks.values():
+        for step in task.steps:
+            if step.type == "deploy_env":
+                env = _resolve_env(step.get("env_id"), bundle.envs, task.id)
+                if env is not None:
+                    uses[(env, tuple(sorted(step.limits.items())))] += 1
+    if unknown := [name for name, _ in named if name not in bundle.envs]:
+        raise AgentEnvError(f"--warm-env (warm_env) names {', '.join(map(repr, unknown))}, which the "
+                            "bundle has no env of; its envs are "
+                            f"{', '.join(sorted(bundle.envs)) or '(none)'}")
+    plan: dict[WarmKey, int] = {}
+    shares = [(warm, [k for k in uses if k[0] not in dict(named)])]
+    shares += [(count, [k for k in uses if k[0] == name]) for name, count in named]
+    for total, keys in shares:
+        if not total or not keys:
+            continue
+        weight = sum(uses[k] for k in keys)
+        exact = {k: total * uses[k] / weight for k in keys}
+        given = {k: int(exact[k]) for k in keys}
+        for k in sorted(keys, key=lambda k: (given[k] - exact[k], -uses[k], k[0]))[
+                :total - sum(given.values())]:
+            given[k] += 1
+        plan.update({k: n for k, n in given.items() if n})
+    return plan
+
+
+class WarmPool:
+    """Envs started and ready ahead of demand: up to a target of each env spec, so a deploy of
+    that spec takes one at once instead of booting. It can only make a start faster: a deploy
+    that finds none deploys cold, as without a pool.
+
+    A warm env boots as an episode's does (the same sandbox, labels, readiness and deploy
+    deadline) but under a background slot of the boot gate, so only when no episode waits for
+    one; it holds no episode slot. Each is handed to one episode and torn down with it, never
+    reused; one found dead at hand-over is discarded and replaced. The pool's envs are removed
+    at shutdown, and a crash leaves them to the sandbox's sweep, like any env.
+    """
+
+    RETRY = (1.0, 60.0)       # the wait after a failed warm boot, doubling up to the second
+
+    def __init__(self, runtime: Runtime, plan: dict[WarmKey, int]):
+        self.runtime, self.target = runtime, plan
+        self.ready: dict[WarmKey, collections.deque[DeployedEnv]] = {
+            key: collections.deque() for key in plan}
+        self.booting = dict.fromkeys(plan, 0)
+        self._wake = {key: asyncio.Event() for key in plan}
+        self._retry = dict.fromkeys(plan, 0.0)
+        self._keepers: list[asyncio.Task] = []
+        self._boots: set[asyncio.Task] = set()
+        self._removals: set[asyncio.Task] = set()
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {"ready": sum(map(len, self.ready.values())),
+                "booting": sum(self.booting.values()), "target": sum(self.target.values())}
+
+    @property
+    def live(self) -> int:
+        """Warm envs started: ready, or booting."""
+        return sum(map(len, self.ready.values())) + sum(self.booting.values())
+
+    def describe(self) -> str:
+        """The plan in a phrase for the logs: which envs, how many of each."""
+        per: collections.Counter[str] = collections.Counter()
+        for (env, _), count in self.target.items():
+            per[env] += count
+        return ", ".join(f"{env} {count}" for env, count in sorted(per.items()))
+
+    def start(self) -> None:
+        self._keepers = [asyncio.create_task(self._keep(key), name=f"warm {key[0]}")
+                         for key in self.target]
+
+    async def take(self, env: EnvSpec, limits: dict[str, Any]) -> DeployedEnv | None:
+        """A ready warm env of this spec, checked alive, or None (then the caller deploys cold)."""
+        key = (env.name, tuple(sorted(limits.items())))
+        queue = self.ready.get(key)
+        while queue:
+            warm = queue.popleft()
+            self._wake[key].set()                 # boot its replacement
+            try:
+                # settle > 0 asks the sandbox now, not a state it read a moment ago
+                why = await warm.instance.exited(settle=0.01)
+            except BaseException:
+                self._remove(warm.instance)
+                raise
+            if why is None:
+                return warm
+            log.warning("A warm env of %r died while it waited (%s); it is discarded, and another "
+                        "boots in its place.", env.name, why)
+            self._remove(warm.instance)
+        return None
+
+    async def _keep(self, key: WarmKey) -> None:
+        """Keep the spec's ready and booting envs at its target; woken by a take or a boot's end."""
+        while True:
+            while len(self.ready[key]) + self.booting[key] < self.target[key]:
+                self.booting[key] += 1
+                boot = asyncio.create_task(self._boot(key))
+                self._boots.add(boot)
+                boot.add_done_callback(self._boots.discard)
+            await self._wake[key].wait()
+            self._wake[key].clear()
+
+    async def _boot(self, key: WarmKey) -> None:
+        runtime, env = self.runtime, self.runtime.bundle.envs[key[0]]
+        instance: Instance | None = None
+        try:
+            if self._retry[key]:
+                await asyncio.sleep(self._retry[key])        # a failed boot: not again at once
+            async with runtime.starting.slot(background=True):
+                instance = await runtime.sandbox.launch(env, f"warm-{uuid.uuid4().hex}",
+                                                        dict(key[1]))
+                assert runtime.http is not None
+                warm = await wait_ready(runtime.http, instance, env, runtime.deploy_timeout)
+            self.ready[key].append(warm)
+            self._retry[key] = 0.0
+            instance = None
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:                        # noqa: BLE001 - a warm boot may fail any way
+            self._retry[key] = min(max(self._retry[key] * 2, self.RETRY[0]), self.RETRY[1])
+            log.warning("A warm env of %r did not come up (%s); the pool tries again in %gs, and "
+                        "its episodes deploy cold meanwhile.", env.name, short(str(exc), 500),
+                        self._retry[key])
+        finally:
+            if instance is not None:
+                self._remove(instance)
+            self.booting[key] -= 1
+            self._wake[key].set()
+
+    def _remove(self, instance: Instance) -> None:
+        removal = asyncio.ensure_future(instance.remove())
+        self._removals.add(removal)
+        removal.add_done_callback(self._removals.discard)
+
+    async def close(self) -> None:
+        """Stop warming, and remove every warm env: ready, booting, or being removed."""
+        for task in (*self._keepers, *self._boots):
+            task.cancel()
+        await asyncio.gather(*self._keepers, *self._boots, return_exceptions=True)
+        for queue in self.ready.values():
+            while queue:
+                self._remove(queue.popleft().instance)
+        await asyncio.gather(*set(self._removals), return_exceptions=True)
 
 
 class Runtime:
@@ -2558,7 +2757,8 @@ class Runtime:
     def __init__(self, bundle: Bundle, sandbox: str = "auto",
                  max_concurrent_envs: int = Settings.max_concurrent_envs,
                  deploy_timeout: float = Settings.deploy_timeout,
-                 verifier_timeout: float = Settings.verifier_timeout, knob: str = SERVE_KNOB):
+                 verifier_timeout: float = Settings.verifier_timeout, knob: str = SERVE_KNOB,
+                 warm: int = Settings.warm, warm_env: tuple[tuple[str, int], ...] = Settings.warm_env):
         self.bundle, self.sandbox_kind = bundle, sandbox
         self.pool = Pool(max_concurrent_envs, knob)
         self.deploy_timeout, self.verifier_timeout = deploy_timeout, verifier_timeout
@@ -2569,6 +2769,7 @@ class Runtime:
         self._verifiers: dict[str, asyncio.Future] = {}
         self._verifier_loops = VerifierLoops()
         self.starting = StartGate()
+        self.warm = WarmPool(self, warm_plan(bundle, warm, warm_env))
 
     async def start(self) -> Runtime:
         """Open the sandbox (sweeping what a crashed run left, building images) and the client."""
@@ -2579,6 +2780,7 @@ class Runtime:
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False),
                                           cookie_jar=aiohttp.DummyCookieJar(),
                                           timeout=aiohttp.ClientTimeout(total=None))
+        self.warm.start()
         return self
 
     async def __aenter__(self) -> Runtime:
@@ -2626,7 +2828,9 @@ class Runtime:
         return check_rows(rows, where)
 
     async def close(self, reason: str = "the server shut down") -> None:
-        """Abandon every live episode, wait for their teardown, and close the sandbox."""
+        """Remove the warm envs, abandon every live episode, wait for their teardown, and close
+        the sandbox."""
+        await self.warm.close()
         await asyncio.gather(*(e.abandon(reason) for e in list(self.live)), return_exceptions=True)
         await self.sandbox.close()
         if self.http is not None:
@@ -3086,7 +3290,10 @@ class OpenEnvSurface:
     # -- HTTP routes
 
     async def health(self, request: Any) -> Any:
-        return json_reply({"status": "healthy"})
+        warm = self.runtime.warm.counts
+        # the warm envs, apart from the episodes: they hold no slot of the pool
+        return json_reply({"status": "healthy", "episodes": len(self.runtime.live),
+                           **({"warm": warm} if warm["target"] else {})})
 
     async def metadata(self, request: Any) -> Any:
         bundle = self.runtime.bundle
@@ -4135,11 +4342,16 @@ class Server:
                      "%s sandbox, at %s (OpenEnv: %s/ws; NeMo Gym: %s/seed_session).", bundle.name,
                      len(bundle.tasks), ", ".join(bundle.splits), self.runtime.pool.limit,
                      self.runtime.sandbox.kind, url, url, url)
+            if warm := self.runtime.warm.counts["target"]:
+                log.info("Keeping %d warm env(s) started and ready ahead of demand (%s), beside the "
+                         "%d episode slots.", warm, self.runtime.warm.describe(),
+                         self.runtime.pool.limit)
 
     async def _shutdown(self, app: Any) -> None:
         if self.runtime is not None:
-            log.info("Shutting down: ending %d live episode(s) and tearing their envs down.",
-                     len(self.runtime.live))
+            log.info("Shutting down: ending %d live episode(s) and tearing their envs down, and "
+                     "removing %d warm env(s).", len(self.runtime.live),
+                     self.runtime.warm.live)
         for surface in reversed(self.surfaces):
             await surface.stop()
         if self.runtime is not None:
@@ -4186,7 +4398,8 @@ def run_gym_server() -> None:
             runtime = Runtime(bundle, sandbox=str(config.get("sandbox", "auto")),
                               max_concurrent_envs=settings.max_concurrent_envs,
                               deploy_timeout=settings.deploy_timeout,
-                              knob=f"max_concurrent_envs in {where}")
+                              knob=f"max_concurrent_envs in {where}", warm=settings.warm,
+                              warm_env=settings.warm_env)
             server = Server(runtime, settings, host=host, port=port)
         else:
             sys.exit("agentenv.py: the resources server's config names neither url: (a running "
@@ -4449,6 +4662,8 @@ def serve(args: argparse.Namespace) -> None:
     settings = Settings(
         max_concurrent_envs=args.max_concurrent_envs or _env_int(
             "MAX_CONCURRENT_ENVS", Settings.max_concurrent_envs),
+        warm=warm_count(args.warm, f"--warm {args.warm}"),
+        warm_env=warm_envs(args.warm_env or [], "--warm-env"),
         **{key: getattr(args, key) for key in SERVE_SETTINGS})
     for key in SERVE_SETTINGS:
         if not getattr(settings, key) > 0:
@@ -4461,7 +4676,8 @@ def serve(args: argparse.Namespace) -> None:
                     "bundle's envs and tools. Pass --token (or set AGENTENV_TOKEN) so every request "
                     "must carry it, or bind 127.0.0.1.", args.host or "every interface")
     runtime = Runtime(bundle, sandbox=args.sandbox, max_concurrent_envs=settings.max_concurrent_envs,
-                      deploy_timeout=settings.deploy_timeout)
+                      deploy_timeout=settings.deploy_timeout, warm=settings.warm,
+                      warm_env=settings.warm_env)
     server = Server(runtime, settings, host=args.host, port=args.port, token=token)
     wait_for_children_by_pidfd()
     web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None,
@@ -4530,6 +4746,14 @@ def command_line() -> argparse.ArgumentParser:
     for key, help_ in SERVE_SETTINGS.items():
         serve_cmd.add_argument("--" + key.replace("_", "-"), type=float, default=getattr(Settings, key),
                                metavar="SECONDS", help=f"{help_} ({getattr(Settings, key):g})")
+    serve_cmd.add_argument("--warm", type=int, default=Settings.warm, metavar="N",
+                           help="keep N envs started and ready ahead of demand, split among the "
+                                "bundle's envs by how many tasks use each; a deploy takes one at "
+                                "once, or deploys cold when none is ready (default "
+                                f"{Settings.warm}: none)")
+    serve_cmd.add_argument("--warm-env", action="append", default=None, metavar="NAME=N",
+                           help="keep N warm envs of the env NAME (instead of a share of --warm); "
+                                "give it once per env")
     serve_cmd.add_argument("--token", default=None, metavar="TOKEN",
                            help="ask every request for the header Authorization: Bearer TOKEN "
                                 "(default: AGENTENV_TOKEN, else none); clients of a served URL "
