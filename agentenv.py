@@ -2536,11 +2536,12 @@ class StartGate:
     counting, so an env that never comes up holds back the others only that long.
 
     Episodes come first: a ``background`` start (a warm env) gets a slot only when no episode is
-    waiting for one, so warming never delays a deploy."""
+    starting an env or waiting to, so warming never takes CPU from a deploy."""
 
     def __init__(self, size: int = 2 * (os.cpu_count() or 2), hold: float = 10.0):
         self.size, self.hold = max(size, 2), hold
         self.free = self.size
+        self.episodes = 0                  # slots episodes hold
         self._episodes: collections.deque[asyncio.Future] = collections.deque()
         self._background: collections.deque[asyncio.Future] = collections.deque()
 
@@ -2564,6 +2565,7 @@ class StartGate:
             if not released:
                 released = True
                 self.free += 1
+                self.episodes -= not background
                 self._hand_on()
         timer = asyncio.get_running_loop().call_later(self.hold, release)
         try:
@@ -2572,9 +2574,15 @@ class StartGate:
             timer.cancel()
             release()
 
+    def _open_to(self, background: bool) -> bool:
+        if background:
+            return not (self.episodes or self.waiting or self.warming)
+        return not self.waiting
+
     async def _acquire(self, background: bool) -> None:
-        if self.free and not self.waiting and not (background and self.warming):
+        if self.free and self._open_to(background):
             self.free -= 1
+            self.episodes += not background
             return
         granted = asyncio.get_running_loop().create_future()
         (self._background if background else self._episodes).append(granted)
@@ -2583,17 +2591,24 @@ class StartGate:
         except asyncio.CancelledError:
             if granted.done() and not granted.cancelled():     # handed a slot as it gave up
                 self.free += 1
+                self.episodes -= not background
                 self._hand_on()
             raise
 
     def _hand_on(self) -> None:
-        """Give free slots to the waiters: every episode first, then warm envs."""
-        for queue in (self._episodes, self._background):
-            while self.free and queue:
-                granted = queue.popleft()
-                if not granted.done():
-                    self.free -= 1
-                    granted.set_result(None)
+        """Give free slots to the waiters: every episode first, then warm envs, once no episode
+        is starting one."""
+        while self.free and self._episodes:
+            granted = self._episodes.popleft()
+            if not granted.done():
+                self.free -= 1
+                self.episodes += 1         # counted at once: a warm start must not slip in
+                granted.set_result(None)
+        while self.free and self._background and not self.episodes:
+            granted = self._background.popleft()
+            if not granted.done():
+                self.free -= 1
+                granted.set_result(None)
 
 
 WarmKey = tuple[str, tuple[tuple[str, Any], ...]]     # an env and its deploy_env limits
@@ -2636,8 +2651,9 @@ class WarmPool:
     that finds none deploys cold, as without a pool.
 
     A warm env boots as an episode's does (the same sandbox, labels, readiness and deploy
-    deadline) but under a background slot of the boot gate, so only when no episode waits for
-    one; it holds no episode slot. Each is handed to one episode and torn down with it, never
+    deadline) but under a background slot of the boot gate, so only when no episode is starting
+    an env or waiting to; it holds no episode slot. A deploy that finds none ready but one
+    launched and booting claims that one, which is up sooner than a cold start would be. Each is handed to one episode and torn down with it, never
     reused; one found dead at hand-over is discarded and replaced. The pool's envs are removed
     at shutdown, and a crash leaves them to the sandbox's sweep, like any env.
     """
@@ -2654,6 +2670,9 @@ class WarmPool:
         self._keepers: list[asyncio.Task] = []
         self._boots: set[asyncio.Task] = set()
         self._removals: set[asyncio.Task] = set()
+        # launched boots not yet ready, each as the future an episode may claim it by (FIFO)
+        self._launched: dict[WarmKey, collections.deque[asyncio.Future]] = {
+            key: collections.deque() for key in plan}
 
     @property
     def counts(self) -> dict[str, int]:
@@ -2694,12 +2713,23 @@ class WarmPool:
             log.warning("A warm env of %r died while it waited (%s); it is discarded, and another "
                         "boots in its place.", env.name, why)
             self._remove(warm.instance)
+        # None ready, but one launched and booting: it comes up sooner than a cold one would, so
+        # the episode claims it (demand above the pool then costs no extra boot, and no time).
+        if launched := self._launched.get(key):
+            try:
+                return await launched.popleft()      # cancelled: the boot goes back to the pool
+            except asyncio.CancelledError:
+                raise
+            except Exception:                        # noqa: BLE001 - it failed (logged): go cold
+                return None
         return None
 
     async def _keep(self, key: WarmKey) -> None:
-        """Keep the spec's ready and booting envs at its target; woken by a take or a boot's end."""
+        """Keep the spec's ready and booting envs at its target; woken by a take or a boot's end.
+        After a failed boot, one boot at a time tries again, until one comes up."""
         while True:
-            while len(self.ready[key]) + self.booting[key] < self.target[key]:
+            while len(self.ready[key]) + self.booting[key] < self.target[key] and \
+                    not (self._retry[key] and self.booting[key]):
                 self.booting[key] += 1
                 boot = asyncio.create_task(self._boot(key))
                 self._boots.add(boot)
@@ -2710,16 +2740,21 @@ class WarmPool:
     async def _boot(self, key: WarmKey) -> None:
         runtime, env = self.runtime, self.runtime.bundle.envs[key[0]]
         instance: Instance | None = None
+        claim: asyncio.Future = asyncio.get_running_loop().create_future()
         try:
             if self._retry[key]:
                 await asyncio.sleep(self._retry[key])        # a failed boot: not again at once
             async with runtime.starting.slot(background=True):
                 instance = await runtime.sandbox.launch(env, f"warm-{uuid.uuid4().hex}",
                                                         dict(key[1]))
+                self._launched[key].append(claim)
                 assert runtime.http is not None
                 warm = await wait_ready(runtime.http, instance, env, runtime.deploy_timeout)
-            self.ready[key].append(warm)
             self._retry[key] = 0.0
+            if claim in self._launched[key] or claim.cancelled():   # unclaimed, or its claimer left
+                self.ready[key].append(warm)
+            else:
+                claim.set_result(warm)
             instance = None
         except asyncio.CancelledError:
             raise
@@ -2728,7 +2763,13 @@ class WarmPool:
             log.warning("A warm env of %r did not come up (%s); the pool tries again in %gs, and "
                         "its episodes deploy cold meanwhile.", env.name, short(str(exc), 500),
                         self._retry[key])
+            if claim not in self._launched[key] and not claim.done():
+                claim.set_exception(exc)                 # its claimer deploys cold
         finally:
+            if claim in self._launched[key]:
+                self._launched[key].remove(claim)
+            elif not claim.done():                       # claimed, and the pool is closing
+                claim.set_exception(EpisodeFailed("the server shut down", SESSION_LOST))
             if instance is not None:
                 self._remove(instance)
             self.booting[key] -= 1
@@ -2828,10 +2869,10 @@ class Runtime:
         return check_rows(rows, where)
 
     async def close(self, reason: str = "the server shut down") -> None:
-        """Remove the warm envs, abandon every live episode, wait for their teardown, and close
+        """Abandon every live episode, wait for their teardown, remove the warm envs, and close
         the sandbox."""
-        await self.warm.close()
         await asyncio.gather(*(e.abandon(reason) for e in list(self.live)), return_exceptions=True)
+        await self.warm.close()
         await self.sandbox.close()
         if self.http is not None:
             await self.http.close()

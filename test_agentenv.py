@@ -2356,6 +2356,50 @@ def test_a_warm_env_that_died_while_it_waited_is_replaced_and_the_start_goes_on(
                                        "exited with code -9); it is discarded, and another boots")
 
 
+def test_a_deploy_that_finds_none_ready_claims_a_warm_env_already_booting(make_bundle):
+    """Demand above the pool costs no extra boot: a deploy with no ready env of its spec takes one
+    launched and booting (up sooner than a cold start); given up, that env goes back to the pool."""
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+    key = ("main", ())
+
+    async def go():
+        async with local(bundle, warm=1) as rt:
+            launched: list = []
+            launch = rt.sandbox.launch
+
+            async def counted(*args, **kwargs):
+                launched.append(await launch(*args, **kwargs))
+                return launched[-1]
+
+            async def booting_one() -> None:
+                """Send the ready warm env away, and wait until its replacement is launched."""
+                await warm_ready(rt, 1)
+                launched.clear()
+                rt.warm._remove(rt.warm.ready[key].popleft().instance)
+                rt.warm._wake[key].set()
+                while not rt.warm._launched[key]:
+                    await asyncio.sleep(0.001)
+
+            rt.sandbox.launch = counted
+            await booting_one()
+            gave_up = rt.episode(bundle.tasks["a"])
+            while rt.warm._launched[key]:                  # claimed
+                await asyncio.sleep(0.001)
+            await gave_up.abandon("the caller left")       # while its claimed env still boots
+            await warm_ready(rt, 1)
+            assert [w.instance for w in rt.warm.ready[key]] == launched, \
+                "the abandoned claim's env went back to the pool, and no other was launched"
+            await booting_one()
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            assert ep.instances == launched[:1], "the episode took the booting warm env"
+            await turn.call("say", {"text": "hello"})
+            turn.end("done")
+            return (await ep.result()).reward
+
+    assert run(go()) == 1.0
+
+
 def test_a_warm_env_that_can_not_boot_never_fails_a_start(make_bundle, caplog):
     """A spec whose warm boots fail leaves its episodes to deploy cold, as without a pool."""
     bundle = Bundle.load(make_bundle({"a": simple(), "b": simple("broken")},

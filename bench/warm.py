@@ -66,18 +66,24 @@ class WarmServed(Served):
 
 
 async def reset_time(http: aiohttp.ClientSession, url: str) -> float:
-    """Seconds from a /ws reset to its first prompt; the episode is ended at once after."""
-    ws = await http.ws_connect(url.replace("http://", "ws://") + "/ws", max_msg_size=2**24)
-    try:
-        started = time.monotonic()
-        await ws.send_json({"type": "reset", "data": {"split": "all", "index": SAVE}})
-        reply = await ws.receive_json(timeout=300)
-        took = time.monotonic() - started
+    """Seconds from a /ws reset to its first prompt (a reset the server refuses at capacity is
+    retried, as OpenEnv's clients do, and the wait counts); the episode is ended at once after."""
+    started, delay = time.monotonic(), 0.05
+    while True:
+        ws = await http.ws_connect(url.replace("http://", "ws://") + "/ws", max_msg_size=2**24)
+        try:
+            await ws.send_json({"type": "reset", "data": {"split": "all", "index": SAVE}})
+            reply = await ws.receive_json(timeout=300)
+            took = time.monotonic() - started
+        finally:
+            await ws.close()
+        if reply["type"] == "error" and reply["data"].get("code") == "CAPACITY_REACHED":
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+            continue
         if reply["type"] != "observation" or reply["data"]["done"]:
             raise RuntimeError(f"the reset failed: {reply}")
         return took
-    finally:
-        await ws.close()
 
 
 async def seed_time(http: aiohttp.ClientSession, url: str, row: dict) -> float:
