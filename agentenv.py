@@ -11,12 +11,14 @@ The file reads top to bottom in the order data flows; a section uses only the se
 1. Values, errors      the shapes every layer passes on: a Failure (kind, reason), a ToolResult
                         with its status, the Settings with every default, errors that say the fix.
 2. Bundle               loading and checking a bundle: envs, tasks, steps, splits, toolsets, reward.
-3. Sandbox              where an env runs: a Docker container, or a local process.
+3. Sandbox              where an env runs: a Docker container (on a network that reaches
+                        nothing it should not), or a local process.
 4. Env client           an MCP client on aiohttp, readiness, and the env's card and extensions.
 5. Verifiers            the two verifier kinds and AgentEnv's score aggregators.
 6. Episode              one play of a task: its steps as a graph (a handler per step type), its
                         turns, its outcome.
-7. Pool and runtime     the semaphore that bounds live episodes, the boot gate, the runtime.
+7. Pool and runtime     the semaphore that bounds live episodes, the boot gate, the warm pool
+                        of envs ready ahead of demand, the runtime.
 8. Plumbing             what both wires share: HTTP helpers, the JSON reader, the bearer token,
                         the sessions table both wires count against the pool, the idle sweep.
 9. OpenEnv surface      sessions over /ws and /mcp, the stateless routes, the task API: each
@@ -2653,9 +2655,10 @@ class WarmPool:
     A warm env boots as an episode's does (the same sandbox, labels, readiness and deploy
     deadline) but under a background slot of the boot gate, so only when no episode is starting
     an env or waiting to; it holds no episode slot. A deploy that finds none ready but one
-    launched and booting claims that one, which is up sooner than a cold start would be. Each is handed to one episode and torn down with it, never
-    reused; one found dead at hand-over is discarded and replaced. The pool's envs are removed
-    at shutdown, and a crash leaves them to the sandbox's sweep, like any env.
+    launched and booting claims that one, which is up sooner than a cold start would be. Each is
+    handed to one episode and torn down with it, never reused; one found dead at hand-over is
+    discarded and replaced. The pool's envs are removed at shutdown, and a crash leaves them to
+    the sandbox's sweep, like any env.
     """
 
     RETRY = (1.0, 60.0)       # the wait after a failed warm boot, doubling up to the second

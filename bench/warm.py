@@ -2,9 +2,11 @@
 
     python bench/warm.py [--sandbox docker|local] [--warm 4] [--samples 15]
                          [--rates 0.5,1,2,4] [--per-rate 12] [--json out.json] [--plot out.png]
+    python bench/warm.py --from bench/warm.json --plot bench/warm.png     # plot it again
 
-In one run it starts ``agentenv.py serve bundles/notes-v1`` twice in turn, cold (no pool) and with
-``--warm N``, both with ``--max-concurrent-envs 8``, and measures on each:
+In one run it starts ``agentenv.py serve bundles/notes-v1`` twice, cold (no pool) and with
+``--warm N``, both with ``--max-concurrent-envs 8``, both up at once and measured in turn, round by
+round (the machine is shared: interleaving keeps a change in its load from favouring either):
 
 1. *Ahead of demand*: ``--samples`` starts one at a time, each once the pool is full again (the
    cold server: once it is idle), so every warm start finds a ready env. Two starts are timed:
@@ -106,42 +108,52 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def measure(args: argparse.Namespace, warm: int) -> dict:
-    state = Path(tempfile.mkdtemp(prefix="agentenv-warm-"))
-    served = WarmServed(args.sandbox, state, warm)
+async def rate_run(http: aiohttp.ClientSession, served: WarmServed, rate: float, count: int,
+                   seed: int) -> list[float]:
+    """``count`` resets arriving as a Poisson process of ``rate`` per second: their latencies."""
+    await served.settled(http)
+    rng, tasks = random.Random(seed), []
+    for _ in range(count):
+        tasks.append(asyncio.create_task(reset_time(http, served.url)))
+        await asyncio.sleep(rng.expovariate(rate))
+    return list(await asyncio.gather(*tasks))
+
+
+async def measure(args: argparse.Namespace) -> list[dict]:
+    """Both servers up at once, the cold one and the warm one, measured in turn, round by round
+    (the machine is shared: interleaving keeps a change in its load from favouring either)."""
+    servers = [WarmServed(args.sandbox, Path(tempfile.mkdtemp(prefix="agentenv-warm-")), warm)
+               for warm in (0, args.warm)]
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                  cookie_jar=aiohttp.DummyCookieJar(),
                                  timeout=aiohttp.ClientTimeout(total=600))
-    result: dict = {"warm": warm}
+    results: list[dict] = [{"warm": s.warm, "reset_s": [], "seed_s": [], "rates": {}}
+                           for s in servers]
     try:
-        await served.wait_up()
+        for served in servers:
+            await served.wait_up()
         row = gym_row()
-        resets, seeds = [], []
         for _ in range(args.samples):
-            await served.settled(http)
-            resets.append(await reset_time(http, served.url))
-            await served.settled(http)
-            seeds.append(await seed_time(http, served.url, row))
-        result["reset_s"], result["seed_s"] = resets, seeds
-        result["reset_p50"], result["seed_p50"] = statistics.median(resets), statistics.median(seeds)
-        result["rates"] = {}
-        rng = random.Random(15)
-        for rate in args.rates:
-            await served.settled(http)
-            times: list[float] = []
-            tasks = []
-            for _ in range(args.per_rate):
-                tasks.append(asyncio.create_task(reset_time(http, served.url)))
-                await asyncio.sleep(rng.expovariate(rate))
-            times = list(await asyncio.gather(*tasks))
-            result["rates"][str(rate)] = {"p50": statistics.median(times),
-                                          "p90": quantile(times, 0.9), "s": times}
-            print(f"  warm={warm} rate {rate}/s: p50 {statistics.median(times):.3f}s "
-                  f"p90 {quantile(times, 0.9):.3f}s", flush=True)
+            for served, result in zip(servers, results):
+                await served.settled(http)
+                result["reset_s"].append(await reset_time(http, served.url))
+                await served.settled(http)
+                result["seed_s"].append(await seed_time(http, served.url, row))
+        for result in results:
+            result["reset_p50"] = statistics.median(result["reset_s"])
+            result["seed_p50"] = statistics.median(result["seed_s"])
+        for n, rate in enumerate(args.rates):
+            for served, result in zip(servers, results):
+                times = await rate_run(http, served, rate, args.per_rate, seed=n)
+                result["rates"][str(rate)] = {"p50": statistics.median(times),
+                                              "p90": quantile(times, 0.9), "s": times}
+                print(f"  warm={served.warm} rate {rate}/s: p50 {statistics.median(times):.3f}s "
+                      f"p90 {quantile(times, 0.9):.3f}s", flush=True)
     finally:
         await http.close()
-        served.stop()
-    return result
+        for served in servers:
+            served.stop()
+    return results
 
 
 def plot(results: list[dict], path: str) -> None:
@@ -154,12 +166,13 @@ def plot(results: list[dict], path: str) -> None:
               file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    for result in results:
+    for result, color in zip(results, ("tab:blue", "tab:green")):
         rates = [float(r) for r in result["rates"]]
         label = f"--warm {result['warm']}" if result["warm"] else "cold (no pool)"
-        ax.plot(rates, [v["p50"] for v in result["rates"].values()], "o-", label=label + ", p50")
-        ax.plot(rates, [v["p90"] for v in result["rates"].values()], "o--", alpha=0.5,
-                label=label + ", p90")
+        ax.plot(rates, [v["p50"] for v in result["rates"].values()], "o-", color=color,
+                label=label + ", p50")
+        ax.plot(rates, [v["p90"] for v in result["rates"].values()], "o--", color=color,
+                alpha=0.45, label=label + ", p90")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("OpenEnv resets arriving per second (Poisson)")
     ax.set_ylabel("reset to first prompt (s)")
@@ -181,13 +194,16 @@ async def main() -> None:
     parser.add_argument("--per-rate", type=int, default=12)
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
+    parser.add_argument("--from", dest="source", default=None, metavar="JSON",
+                        help="plot an earlier run's --json instead of measuring")
     args = parser.parse_args()
+    if args.source:
+        plot(json.loads(Path(args.source).read_text())["runs"], args.plot or "bench/warm.png")
+        return
     args.rates = [float(r) for r in args.rates.split(",")]
-    results = []
-    for warm in (0, args.warm):
-        print(f"serve {NOTES.name} --sandbox {args.sandbox}" + (f" --warm {warm}" if warm else ""),
-              flush=True)
-        results.append(await measure(args, warm))
+    print(f"serve {NOTES.name} --sandbox {args.sandbox}, and the same with --warm {args.warm}",
+          flush=True)
+    results = await measure(args)
     cold, warm = results
     summary = {"sandbox": args.sandbox, "warm": args.warm,
                "reset_p50": {"cold": cold["reset_p50"], "warm": warm["reset_p50"],
