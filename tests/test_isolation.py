@@ -234,3 +234,30 @@ def test_check_prints_each_envs_network(docker_client, tmp_path, capsys):
             if tag != f"agentenv/notebook:{Bundle.load(NOTES).envs['notebook'].digest}":
                 with contextlib.suppress(Exception):
                     docker_client.images.remove(tag, force=True)
+
+
+def test_why_not_an_internal_network_docker_publishes_no_port_on_one(docker_client):
+    """The design's premise: on an ``internal`` network (which would drop egress outright) Docker
+    publishes no port, so the server could not reach an env on 127.0.0.1; hence a network of our
+    own with icc and masquerading off. Should a Docker publish ports there, this fails, and the
+    envs' network can become internal."""
+    name = f"agentenv-test-internal-{SESSION[:8]}"
+    network = docker_client.networks.create(name, driver="bridge", internal=True,
+                                            labels={SESSION_LABEL: SESSION})
+    container = None
+    try:
+        container = docker_client.containers.run(
+            IMAGE, ["python", "-c", LISTEN], detach=True, network=name,
+            ports={"8080/tcp": ("127.0.0.1", None)}, labels={SESSION_LABEL: SESSION})
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            container.reload()
+            if container.attrs["NetworkSettings"]["Ports"]:
+                break
+            time.sleep(0.1)
+        assert not container.attrs["NetworkSettings"]["Ports"], \
+            "Docker published a port on an internal network"
+    finally:
+        if container is not None:
+            remove_quietly([container])
+        network.remove()
