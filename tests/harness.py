@@ -7,11 +7,11 @@ What is here, and which suite uses it:
   that starts Ray runs (tests/gym's full-CLI run); ``NamespaceUnavailable`` where none can be made.
 * Running things: ``run(coro, timeout)`` (a coroutine to its end on a fresh loop, within a
   deadline: test_docker, test_faults, test_gridsim, test_gym_surface, test_isolation, test_load,
-  test_warm), ``free_port()``
-  (test_bad_input, test_gym_surface) and ``free_ports(n)`` (tests/gym), ``wait_until`` (test_faults,
-  test_gym_surface, test_load, test_openenv, test_warm), ``alive(pid)`` (test_faults, test_load), ``gone(pid, within)``
-  (test_gym_surface), ``processes_with_env`` (a /proc scan: test_gym_real, tests/gym) and
-  ``environ(state)`` (a child's environment: test_gym_surface, test_gym_real).
+  test_warm), ``free_port()`` (test_bad_input, test_gym_surface) and ``free_ports(n)``
+  (tests/gym), ``wait_until`` (test_faults, test_gym_surface, test_load, test_openenv,
+  test_warm), ``alive(pid)`` (test_faults, test_load), ``gone(pid, within)`` (test_gym_surface),
+  ``processes_with_env`` (a /proc scan: test_gym_real, tests/gym) and ``environ(state)`` (a
+  child's environment: test_gym_surface, test_gym_real).
 * ``Server``: a server of ours as a subprocess, to start, break and stop (test_bad_input,
   test_faults, test_gym_surface, test_load, test_openenv, test_gym_real). ``Server.serve(bundle,
   folder, *flags)`` is ``agentenv.py serve``; ``Server.gym(folder, config)`` the resources server as
