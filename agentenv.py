@@ -11,12 +11,14 @@ The file reads top to bottom in the order data flows; a section uses only the se
 1. Values, errors      the shapes every layer passes on: a Failure (kind, reason), a ToolResult
                         with its status, the Settings with every default, errors that say the fix.
 2. Bundle               loading and checking a bundle: envs, tasks, steps, splits, toolsets, reward.
-3. Sandbox              where an env runs: a Docker container, or a local process.
+3. Sandbox              where an env runs: a Docker container (on a network that reaches
+                        nothing it should not), or a local process.
 4. Env client           an MCP client on aiohttp, readiness, and the env's card and extensions.
 5. Verifiers            the two verifier kinds and AgentEnv's score aggregators.
 6. Episode              one play of a task: its steps as a graph (a handler per step type), its
                         turns, its outcome.
-7. Pool and runtime     the semaphore that bounds live episodes, the boot gate, the runtime.
+7. Pool and runtime     the semaphore that bounds live episodes, the boot gate, the warm pool
+                        of envs ready ahead of demand, the runtime.
 8. Plumbing             what both wires share: HTTP helpers, the JSON reader, the bearer token,
                         the sessions table both wires count against the pool, the idle sweep.
 9. OpenEnv surface      sessions over /ws and /mcp, the stateless routes, the task API: each
@@ -184,18 +186,27 @@ class Settings:
     model_retries: int = 4            # eval: retries of a model request after a 429, 5xx or timeout
     eval_concurrency: int = 8         # eval: rollouts played at once
     max_steps: int = 32               # eval: model calls in one rollout (simple_agent's max_steps)
+    warm: int = 0                     # envs kept started and ready ahead of demand, split among
+                                      # the bundle's env specs by how many tasks use each
+    warm_env: tuple[tuple[str, int], ...] = ()   # (env, count): those envs warmed, the split aside
 
     # The keys a Gym config carries, with the resources server serving the bundle (bundle:) or
     # playing on a running serve (url:).
     GYM_KEYS = ("tool_timeout", "reset_timeout", "idle_timeout")
-    BUNDLE_KEYS = ("max_concurrent_envs", "deploy_timeout")
+    BUNDLE_KEYS = ("max_concurrent_envs", "deploy_timeout", "warm", "warm_env")
 
     @classmethod
     def from_config(cls, config: dict[str, Any], where: str) -> Settings:
         """The settings a Gym config gives, the others at their defaults; a bad value says so."""
-        given = {}
+        given: dict[str, Any] = {}
         for key in (*cls.GYM_KEYS, *cls.BUNDLE_KEYS):
             if config.get(key) is None:
+                continue
+            if key == "warm":
+                given[key] = warm_count(config[key], f"warm: {config[key]!r} in {where}")
+                continue
+            if key == "warm_env":
+                given[key] = warm_envs(config[key], f"warm_env in {where}")
                 continue
             value, whole = config[key], key == "max_concurrent_envs"
             if isinstance(value, bool) or not isinstance(value, (int, float)) or \
@@ -207,9 +218,43 @@ class Settings:
         return cls(**given)
 
     def gym_config(self, bundle: bool) -> dict[str, Any]:
-        """The settings as a Gym config writes them."""
+        """The settings as a Gym config writes them (a warm pool only when there is one)."""
         keys = self.GYM_KEYS + (self.BUNDLE_KEYS if bundle else ())
-        return {key: _plain(getattr(self, key)) for key in keys}
+        config = {key: _plain(getattr(self, key)) for key in keys if not key.startswith("warm")}
+        if bundle and self.warm:
+            config["warm"] = self.warm
+        if bundle and self.warm_env:
+            config["warm_env"] = dict(self.warm_env)
+        return config
+
+
+def warm_count(value: Any, what: str) -> int:
+    """A warm pool's size as a user gave it: a whole number, 0 (no pool) or more."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or value < 0 or not float(value).is_integer():
+        raise AgentEnvError(f"{what} is not a whole number of warm envs (0 or more); set it to one, "
+                            "such as 4")
+    return int(value)
+
+
+def warm_envs(value: Any, what: str) -> tuple[tuple[str, int], ...]:
+    """``--warm-env NAME=N`` flags (a list) or a Gym config's ``warm_env: {NAME: N}``, as pairs."""
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        pairs = [v.partition("=")[::2] for v in value]
+    else:
+        raise AgentEnvError(f"{what}: {value!r} is not a mapping of env names to counts; write it "
+                            "as {NAME: N}")
+    named: dict[str, int] = {}
+    for name, count in pairs:
+        if isinstance(count, str):
+            count = int(count) if count.strip().isdigit() else count
+        if not isinstance(name, str) or not name or name in named:
+            raise AgentEnvError(f"{what}: {name!r} is not an env name given once; name each env of "
+                                "the bundle's envs/ folder once, as NAME=N")
+        named[name] = warm_count(count, f"{what}: {name}={count!r}")
+    return tuple(named.items())
 
 
 def _plain(value: float) -> float | int:
@@ -270,6 +315,11 @@ class Step:
     def get(self, key: str, default: Any = None) -> Any:
         return self.fields.get(key, default)
 
+    @property
+    def limits(self) -> dict[str, Any]:
+        """A deploy_env step's limits (cpu, memory_mb) as the sandbox takes them."""
+        return {k: self.fields[k] for k in ("cpu", "memory_mb") if self.fields.get(k)}
+
 
 @dataclasses.dataclass(frozen=True)
 class EnvSpec:
@@ -282,6 +332,7 @@ class EnvSpec:
     command: tuple[str, ...]          # the image's ENTRYPOINT + CMD, as a local process runs it
     image_env: dict[str, str]         # the image's ENV lines
     digest: str                       # a hash of the build context: one image per content
+    network: str = "isolated"         # "isolated" (no egress, no other env) or "bridge" (env.toml)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -486,6 +537,10 @@ def plain_name(name: Any) -> bool:
         c in name for c in "/\\\0")
 
 
+# An env's network in the Docker sandbox, as its env.toml's ``network`` names it.
+ENV_NETWORKS = ("isolated", "bridge")
+
+
 def _load_envs(root: Path, problems: list[str]) -> dict[str, EnvSpec]:
     envs: dict[str, EnvSpec] = {}
     env_dir = root / "envs"
@@ -498,7 +553,7 @@ def _load_envs(root: Path, problems: list[str]) -> dict[str, EnvSpec]:
         config: dict[str, Any] = {}
         if (folder / "env.toml").is_file():
             config = _toml(folder / "env.toml", problems) or {}
-        known = {"type", "id", "image", "environment_name", "env_provider_type"}
+        known = {"type", "id", "image", "environment_name", "env_provider_type", "network"}
         for key in sorted(set(config) - known):
             problems.append(f"{where}/env.toml: key {key!r} is not one agentenv.py knows; "
                             f"it knows {', '.join(sorted(known))}")
@@ -532,8 +587,14 @@ def _load_envs(root: Path, problems: list[str]) -> dict[str, EnvSpec]:
             problems.append(f"{where}/env.toml: environment_name = {name!r} is not a plain name (it "
                             "names the env's database file, so no '/' or '\\'); give a plain name")
             continue
+        network = config.get("network", "isolated")
+        if network not in ENV_NETWORKS:
+            problems.append(f"{where}/env.toml: network = {network!r} is not a network mode; use "
+                            "\"isolated\" (the default: no egress, no other episode's containers) or "
+                            "\"bridge\" (Docker's ordinary bridge, for a task that needs the network)")
+            continue
         envs[folder.name] = EnvSpec(folder.name, folder, dockerfile, str(name), command, image_env,
-                                    _digest(folder))
+                                    _digest(folder), network)
     return envs
 
 
@@ -1019,6 +1080,19 @@ class Sandbox(abc.ABC):
     async def launch(self, env: EnvSpec, episode: str, limits: dict[str, Any]) -> Instance:
         """Start an env for an episode (not yet ready: see wait_ready)."""
 
+    def network_mode(self, env: EnvSpec) -> str:
+        """What the env can reach from where it runs, in a phrase ``check`` prints."""
+        return "the host's network: the local sandbox isolates nothing"
+
+    async def episode_network(self, episode: str) -> str:
+        """The name of a network of this episode alone, for containers of one episode that talk to
+        each other (made on first ask, removed by ``end_episode``)."""
+        raise AgentEnvError(f"the {self.kind} sandbox has no networks of its own; a network of one "
+                            "episode needs the Docker sandbox (--sandbox docker)")
+
+    async def end_episode(self, episode: str) -> None:
+        """Let go of what the sandbox holds for an episode whose envs are all removed."""
+
     async def close(self) -> None:
         """Wait for removals under way, and let go of what the sandbox holds."""
 
@@ -1329,6 +1403,18 @@ def _listening_sockets_from_proc(port: int) -> set[str]:
     return inodes
 
 
+# The Docker networks agentenv.py makes. Envs share one per server with traffic between its
+# containers off (icc) and no masquerading: a packet out leaves with the container's private
+# address, which nothing answers, so no connection out is made, while the daemon still publishes
+# each env's port on 127.0.0.1 (an internal network drops egress outright, but Docker publishes no
+# port on one). An episode's own network lets its containers talk to each other, still with no
+# masquerading. The bridge of each is named ae-..., so one DOCKER-USER rule can drop what they send.
+ENVS_NETWORK_OPTIONS = {"com.docker.network.bridge.enable_icc": "false",
+                        "com.docker.network.bridge.enable_ip_masquerade": "false"}
+EPISODE_NETWORK_OPTIONS = {"com.docker.network.bridge.enable_ip_masquerade": "false"}
+BRIDGE_PREFIX = "ae-"
+
+
 class DockerInstance(Instance):
     """An env's container, published on a random port of 127.0.0.1."""
 
@@ -1387,6 +1473,9 @@ class DockerSandbox(Sandbox):
         self.threads = ThreadPoolExecutor(max_workers=ops + 4, thread_name_prefix="docker")
         self.removals: set[asyncio.Task] = set()
         self.creating: set[asyncio.Future] = set()
+        # the networks made, by episode ("" for the envs' shared one), each as its creation
+        self.networks: dict[str, asyncio.Future] = {}
+        self.unremoved: list[Any] = []      # networks a removal left standing: retried at close
 
     @classmethod
     async def connect(cls, owner: str) -> DockerSandbox:
@@ -1430,6 +1519,11 @@ class DockerSandbox(Sandbox):
         await self.sweep()
         for env in envs:
             self.images[env.name] = await self.build(env)
+        if any(env.network == "isolated" for env in envs):
+            try:
+                await self._network("")
+            except EpisodeFailed as exc:
+                raise AgentEnvError(str(exc)) from None
 
     async def sweep(self) -> None:
         # sparse: the list as the daemon gave it, with no inspect of each container, which fails
@@ -1442,6 +1536,73 @@ class DockerSandbox(Sandbox):
         if stale:
             log.warning("Removed %d container(s) that an earlier run of agentenv.py left behind when "
                         "it stopped without tearing down.", len(stale))
+        # networks after containers: a network with a container on it can't be removed
+        networks = await self.call(self.client.networks.list, filters={"label": "agentenv.owner"})
+        stale = [n for n in networks
+                 if owner_alive((n.attrs.get("Labels") or {}).get("agentenv.owner", "")) is False]
+        left = [n for n in await asyncio.gather(*(self._remove_network(n) for n in stale)) if n]
+        if stale:
+            log.warning("Removed %d network(s) that an earlier run of agentenv.py left behind when "
+                        "it stopped without tearing down.", len(stale) - len(left))
+
+    def network_name(self, episode: str = "") -> str:
+        """The name of this server's network for its envs (or for one episode's containers)."""
+        tag = hashlib.sha1(self.owner.encode()).hexdigest()[:10]
+        return f"agentenv-{tag}-" + (episode[:16] if episode else "envs")
+
+    def network_mode(self, env: EnvSpec) -> str:
+        if env.network == "bridge":
+            return ("bridge: Docker's default bridge, with egress and other bridge containers in "
+                    "reach (network = \"bridge\" in its env.toml)")
+        return (f"isolated: on {self.network_name()}, no egress, no other env's container in reach, "
+                "its port published on 127.0.0.1 only")
+
+    async def episode_network(self, episode: str) -> str:
+        return await self._network(episode)
+
+    async def _network(self, episode: str) -> str:
+        """Make (once) the envs' network or an episode's, labelled so a sweep finds it."""
+        name = self.network_name(episode)
+        if episode not in self.networks:
+            labels = {"agentenv.owner": self.owner, "agentenv.episode": episode or "(envs)"}
+            options = EPISODE_NETWORK_OPTIONS if episode else ENVS_NETWORK_OPTIONS
+            bridge = BRIDGE_PREFIX + secrets.token_hex(6)          # at most 15 characters
+            self.networks[episode] = asyncio.ensure_future(self.call(
+                self.client.networks.create, name, driver="bridge", labels=labels,
+                options={**options, "com.docker.network.bridge.name": bridge}, timeout=60))
+        try:
+            await asyncio.shield(self.networks[episode])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:                        # noqa: BLE001 - docker raises many kinds
+            self.networks.pop(episode, None)
+            raise EpisodeFailed(
+                f"the Docker network {name} could not be made ({short(str(exc), 300)}); if the "
+                "daemon has run out of address pools, remove unused networks (docker network "
+                "prune) or give it more (default-address-pools in daemon.json)",
+                PROVIDER_UNAVAILABLE) from None
+        return name
+
+    async def end_episode(self, episode: str) -> None:
+        made = self.networks.pop(episode, None) if episode else None
+        if made is None:
+            return
+        with contextlib.suppress(Exception):
+            if network := await made:
+                if await self._remove_network(network):
+                    self.unremoved.append(network)
+
+    async def _remove_network(self, network: Any) -> Any:
+        """Remove a network; the network back if it still stands (a container still on it)."""
+        import docker.errors
+        try:
+            await self.call(network.remove, timeout=30)
+        except docker.errors.NotFound:
+            pass
+        except Exception as exc:                        # noqa: BLE001
+            log.info("Could not remove network %s yet (%s).", network.name, short(str(exc), 200))
+            return network
+        return None
 
     async def build(self, env: EnvSpec) -> str:
         tag = f"agentenv/{re.sub(r'[^a-z0-9_.-]', '-', env.name.lower())}:{env.digest}"
@@ -1478,6 +1639,8 @@ class DockerSandbox(Sandbox):
                     "agentenv.env": env.name},
             # unprivileged: no capabilities, no privilege gain, no host mounts, bounded processes
             security_opt=["no-new-privileges"], cap_drop=["ALL"], pids_limit=DOCKER_PIDS_LIMIT)
+        if env.network == "isolated":
+            options["network"] = await self._network("")
         if limits.get("cpu"):
             options["nano_cpus"] = int(float(limits["cpu"]) * 1e9)
         if limits.get("memory_mb"):
@@ -1547,6 +1710,15 @@ class DockerSandbox(Sandbox):
             await asyncio.sleep(0)          # let their done-callbacks schedule the removals
         if self.removals:
             await asyncio.gather(*set(self.removals), return_exceptions=True)
+        # the networks last, once no container of this server is on them
+        made = await asyncio.gather(*self.networks.values(), return_exceptions=True)
+        self.networks.clear()
+        networks = [n for n in made if not isinstance(n, BaseException)] + self.unremoved
+        self.unremoved = []
+        for network in await asyncio.gather(*(self._remove_network(n) for n in networks)):
+            if network is not None:
+                log.error("Could not remove network %s; remove it with docker network rm %s.",
+                          network.name, network.name)
         self.threads.shutdown(wait=False)
 
 
@@ -2158,13 +2330,18 @@ class Episode:
             # Teardown runs to its end even if the episode is cancelled again meanwhile.
             if self.turn is not None:
                 self.turn.end(None)
-            teardown = asyncio.ensure_future(asyncio.gather(
-                *(i.remove() for i in self.instances), return_exceptions=True))
+            teardown = asyncio.ensure_future(self._teardown())
             while not teardown.done():
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.shield(teardown)
             if self._holds_slot:
                 self.runtime.pool.release()
+
+    async def _teardown(self) -> None:
+        """Remove every env launched, then what the sandbox held for the episode (its network)."""
+        await asyncio.gather(*(i.remove() for i in self.instances), return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self.runtime.sandbox.end_episode(self.id)
 
     async def _run_steps(self) -> None:
         """Run the steps as a graph: each once the steps it depends on are done."""
@@ -2217,7 +2394,13 @@ class Episode:
     async def _deploy_env(self, step: Step) -> None:
         env = self.runtime.bundle.envs[_resolve_env(step.get("env_id"), self.runtime.bundle.envs,
                                                     self.task.id)]
-        limits = {k: step.get(k) for k in ("cpu", "memory_mb") if step.get(k)}
+        limits = step.limits
+        # A warm env of the same spec, when there is one: booted and ready, so the deploy is done;
+        # what the task sets up in it (apply_server_config) still follows, for this episode.
+        if warm := await self.runtime.warm.take(env, limits):
+            self.instances.append(warm.instance)
+            self.envs[step.get("env_id")] = warm
+            return
         async with self.runtime.starting.slot():
             instance = await self.runtime.sandbox.launch(env, self.id, limits)
             self.instances.append(instance)
@@ -2374,28 +2557,263 @@ class StartGate:
     """The bound on envs starting at once (launched, not yet answering). A booting env is all
     CPU; hundreds booting together on a few cores starve the server itself (a /health took 11 s
     with 256 at once) and boot no faster. A start that takes longer than ``hold`` seconds stops
-    counting, so an env that never comes up holds back the others only that long."""
+    counting, so an env that never comes up holds back the others only that long.
+
+    Episodes come first: a ``background`` start (a warm env) gets a slot only when no episode is
+    starting an env or waiting to, so warming never takes CPU from a deploy."""
 
     def __init__(self, size: int = 2 * (os.cpu_count() or 2), hold: float = 10.0):
         self.size, self.hold = max(size, 2), hold
-        self._free = asyncio.Semaphore(self.size)
+        self.free = self.size
+        self.episodes = 0                  # slots episodes hold
+        self._episodes: collections.deque[asyncio.Future] = collections.deque()
+        self._background: collections.deque[asyncio.Future] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        """Episodes waiting for a start slot."""
+        return sum(not f.done() for f in self._episodes)
+
+    @property
+    def warming(self) -> int:
+        """Warm envs waiting for a start slot."""
+        return sum(not f.done() for f in self._background)
 
     @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        await self._free.acquire()
+    async def slot(self, background: bool = False) -> AsyncIterator[None]:
+        await self._acquire(background)
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                self._free.release()
+                self.free += 1
+                self.episodes -= not background
+                self._hand_on()
         timer = asyncio.get_running_loop().call_later(self.hold, release)
         try:
             yield
         finally:
             timer.cancel()
             release()
+
+    def _open_to(self, background: bool) -> bool:
+        if background:
+            return not (self.episodes or self.waiting or self.warming)
+        return not self.waiting
+
+    async def _acquire(self, background: bool) -> None:
+        if self.free and self._open_to(background):
+            self.free -= 1
+            self.episodes += not background
+            return
+        granted = asyncio.get_running_loop().create_future()
+        (self._background if background else self._episodes).append(granted)
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():     # handed a slot as it gave up
+                self.free += 1
+                self.episodes -= not background
+                self._hand_on()
+            raise
+
+    def _hand_on(self) -> None:
+        """Give free slots to the waiters: every episode first, then warm envs, once no episode
+        is starting one."""
+        while self.free and self._episodes:
+            granted = self._episodes.popleft()
+            if not granted.done():
+                self.free -= 1
+                self.episodes += 1         # counted at once: a warm start must not slip in
+                granted.set_result(None)
+        while self.free and self._background and not self.episodes:
+            granted = self._background.popleft()
+            if not granted.done():
+                self.free -= 1
+                granted.set_result(None)
+
+
+WarmKey = tuple[str, tuple[tuple[str, Any], ...]]     # an env and its deploy_env limits
+
+
+def warm_plan(bundle: Bundle, warm: int, named: tuple[tuple[str, int], ...]) -> dict[WarmKey, int]:
+    """How many warm envs to keep of each env spec (an env and its deploy_env limits): ``warm``
+    split among the specs of the envs not ``named``, and each named env's count among its own
+    specs, each by how many deploys of the bundle's tasks use it (largest remainder)."""
+    uses: collections.Counter[WarmKey] = collections.Counter()
+    for task in bundle.tasks.values():
+        for step in task.steps:
+            if step.type == "deploy_env":
+                env = _resolve_env(step.get("env_id"), bundle.envs, task.id)
+                if env is not None:
+                    uses[(env, tuple(sorted(step.limits.items())))] += 1
+    if unknown := [name for name, _ in named if name not in bundle.envs]:
+        raise AgentEnvError(f"--warm-env (warm_env) names {', '.join(map(repr, unknown))}, which the "
+                            "bundle has no env of; its envs are "
+                            f"{', '.join(sorted(bundle.envs)) or '(none)'}")
+    plan: dict[WarmKey, int] = {}
+    shares = [(warm, [k for k in uses if k[0] not in dict(named)])]
+    shares += [(count, [k for k in uses if k[0] == name]) for name, count in named]
+    for total, keys in shares:
+        if not total or not keys:
+            continue
+        weight = sum(uses[k] for k in keys)
+        exact = {k: total * uses[k] / weight for k in keys}
+        given = {k: int(exact[k]) for k in keys}
+        for k in sorted(keys, key=lambda k: (given[k] - exact[k], -uses[k], k[0]))[
+                :total - sum(given.values())]:
+            given[k] += 1
+        plan.update({k: n for k, n in given.items() if n})
+    return plan
+
+
+class WarmPool:
+    """Envs started and ready ahead of demand: up to a target of each env spec, so a deploy of
+    that spec takes one at once instead of booting. It can only make a start faster: a deploy
+    that finds none deploys cold, as without a pool.
+
+    A warm env boots as an episode's does (the same sandbox, labels, readiness and deploy
+    deadline) but under a background slot of the boot gate, so only when no episode is starting
+    an env or waiting to; it holds no episode slot. A deploy that finds none ready but one
+    launched and booting claims that one, which is up sooner than a cold start would be. Each is
+    handed to one episode and torn down with it, never reused; one found dead at hand-over is
+    discarded and replaced. The pool's envs are removed at shutdown, and a crash leaves them to
+    the sandbox's sweep, like any env.
+    """
+
+    RETRY = (1.0, 60.0)       # the wait after a failed warm boot, doubling up to the second
+
+    def __init__(self, runtime: Runtime, plan: dict[WarmKey, int]):
+        self.runtime, self.target = runtime, plan
+        self.ready: dict[WarmKey, collections.deque[DeployedEnv]] = {
+            key: collections.deque() for key in plan}
+        self.booting = dict.fromkeys(plan, 0)
+        self._wake = {key: asyncio.Event() for key in plan}
+        self._retry = dict.fromkeys(plan, 0.0)
+        self._keepers: list[asyncio.Task] = []
+        self._boots: set[asyncio.Task] = set()
+        self._removals: set[asyncio.Task] = set()
+        # launched boots not yet ready, each as the future an episode may claim it by (FIFO)
+        self._launched: dict[WarmKey, collections.deque[asyncio.Future]] = {
+            key: collections.deque() for key in plan}
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {"ready": sum(map(len, self.ready.values())),
+                "booting": sum(self.booting.values()), "target": sum(self.target.values())}
+
+    @property
+    def live(self) -> int:
+        """Warm envs started: ready, or booting."""
+        return sum(map(len, self.ready.values())) + sum(self.booting.values())
+
+    def describe(self) -> str:
+        """The plan in a phrase for the logs: which envs, how many of each."""
+        per: collections.Counter[str] = collections.Counter()
+        for (env, _), count in self.target.items():
+            per[env] += count
+        return ", ".join(f"{env} {count}" for env, count in sorted(per.items()))
+
+    def start(self) -> None:
+        self._keepers = [asyncio.create_task(self._keep(key), name=f"warm {key[0]}")
+                         for key in self.target]
+
+    async def take(self, env: EnvSpec, limits: dict[str, Any]) -> DeployedEnv | None:
+        """A ready warm env of this spec, checked alive, or None (then the caller deploys cold)."""
+        key = (env.name, tuple(sorted(limits.items())))
+        queue = self.ready.get(key)
+        while queue:
+            warm = queue.popleft()
+            self._wake[key].set()                 # boot its replacement
+            try:
+                # settle > 0 asks the sandbox now, not a state it read a moment ago
+                why = await warm.instance.exited(settle=0.01)
+            except BaseException:
+                self._remove(warm.instance)
+                raise
+            if why is None:
+                return warm
+            log.warning("A warm env of %r died while it waited (%s); it is discarded, and another "
+                        "boots in its place.", env.name, why)
+            self._remove(warm.instance)
+        # None ready, but one launched and booting: it comes up sooner than a cold one would, so
+        # the episode claims it (demand above the pool then costs no extra boot, and no time).
+        if launched := self._launched.get(key):
+            try:
+                return await launched.popleft()      # cancelled: the boot goes back to the pool
+            except asyncio.CancelledError:
+                raise
+            except Exception:                        # noqa: BLE001 - it failed (logged): go cold
+                return None
+        return None
+
+    async def _keep(self, key: WarmKey) -> None:
+        """Keep the spec's ready and booting envs at its target; woken by a take or a boot's end.
+        After a failed boot, one boot at a time tries again, until one comes up."""
+        while True:
+            while len(self.ready[key]) + self.booting[key] < self.target[key] and \
+                    not (self._retry[key] and self.booting[key]):
+                self.booting[key] += 1
+                boot = asyncio.create_task(self._boot(key))
+                self._boots.add(boot)
+                boot.add_done_callback(self._boots.discard)
+            await self._wake[key].wait()
+            self._wake[key].clear()
+
+    async def _boot(self, key: WarmKey) -> None:
+        runtime, env = self.runtime, self.runtime.bundle.envs[key[0]]
+        instance: Instance | None = None
+        claim: asyncio.Future = asyncio.get_running_loop().create_future()
+        try:
+            if self._retry[key]:
+                await asyncio.sleep(self._retry[key])        # a failed boot: not again at once
+            async with runtime.starting.slot(background=True):
+                instance = await runtime.sandbox.launch(env, f"warm-{uuid.uuid4().hex}",
+                                                        dict(key[1]))
+                self._launched[key].append(claim)
+                assert runtime.http is not None
+                warm = await wait_ready(runtime.http, instance, env, runtime.deploy_timeout)
+            self._retry[key] = 0.0
+            if claim in self._launched[key] or claim.cancelled():   # unclaimed, or its claimer left
+                self.ready[key].append(warm)
+            else:
+                claim.set_result(warm)
+            instance = None
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:                        # noqa: BLE001 - a warm boot may fail any way
+            self._retry[key] = min(max(self._retry[key] * 2, self.RETRY[0]), self.RETRY[1])
+            log.warning("A warm env of %r did not come up (%s); the pool tries again in %gs, and "
+                        "its episodes deploy cold meanwhile.", env.name, short(str(exc), 500),
+                        self._retry[key])
+            if claim not in self._launched[key] and not claim.done():
+                claim.set_exception(exc)                 # its claimer deploys cold
+        finally:
+            if claim in self._launched[key]:
+                self._launched[key].remove(claim)
+            elif not claim.done():                       # claimed, and the pool is closing
+                claim.set_exception(EpisodeFailed("the server shut down", SESSION_LOST))
+            if instance is not None:
+                self._remove(instance)
+            self.booting[key] -= 1
+            self._wake[key].set()
+
+    def _remove(self, instance: Instance) -> None:
+        removal = asyncio.ensure_future(instance.remove())
+        self._removals.add(removal)
+        removal.add_done_callback(self._removals.discard)
+
+    async def close(self) -> None:
+        """Stop warming, and remove every warm env: ready, booting, or being removed."""
+        for task in (*self._keepers, *self._boots):
+            task.cancel()
+        await asyncio.gather(*self._keepers, *self._boots, return_exceptions=True)
+        for queue in self.ready.values():
+            while queue:
+                self._remove(queue.popleft().instance)
+        await asyncio.gather(*set(self._removals), return_exceptions=True)
 
 
 class Runtime:
@@ -2405,7 +2823,8 @@ class Runtime:
     def __init__(self, bundle: Bundle, sandbox: str = "auto",
                  max_concurrent_envs: int = Settings.max_concurrent_envs,
                  deploy_timeout: float = Settings.deploy_timeout,
-                 verifier_timeout: float = Settings.verifier_timeout, knob: str = SERVE_KNOB):
+                 verifier_timeout: float = Settings.verifier_timeout, knob: str = SERVE_KNOB,
+                 warm: int = Settings.warm, warm_env: tuple[tuple[str, int], ...] = Settings.warm_env):
         self.bundle, self.sandbox_kind = bundle, sandbox
         self.pool = Pool(max_concurrent_envs, knob)
         self.deploy_timeout, self.verifier_timeout = deploy_timeout, verifier_timeout
@@ -2416,6 +2835,7 @@ class Runtime:
         self._verifiers: dict[str, asyncio.Future] = {}
         self._verifier_loops = VerifierLoops()
         self.starting = StartGate()
+        self.warm = WarmPool(self, warm_plan(bundle, warm, warm_env))
 
     async def start(self) -> Runtime:
         """Open the sandbox (sweeping what a crashed run left, building images) and the client."""
@@ -2426,6 +2846,7 @@ class Runtime:
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False),
                                           cookie_jar=aiohttp.DummyCookieJar(),
                                           timeout=aiohttp.ClientTimeout(total=None))
+        self.warm.start()
         return self
 
     async def __aenter__(self) -> Runtime:
@@ -2473,8 +2894,10 @@ class Runtime:
         return check_rows(rows, where)
 
     async def close(self, reason: str = "the server shut down") -> None:
-        """Abandon every live episode, wait for their teardown, and close the sandbox."""
+        """Abandon every live episode, wait for their teardown, remove the warm envs, and close
+        the sandbox."""
         await asyncio.gather(*(e.abandon(reason) for e in list(self.live)), return_exceptions=True)
+        await self.warm.close()
         await self.sandbox.close()
         if self.http is not None:
             await self.http.close()
@@ -2933,7 +3356,10 @@ class OpenEnvSurface:
     # -- HTTP routes
 
     async def health(self, request: Any) -> Any:
-        return json_reply({"status": "healthy"})
+        warm = self.runtime.warm.counts
+        # the warm envs, apart from the episodes: they hold no slot of the pool
+        return json_reply({"status": "healthy", "episodes": len(self.runtime.live),
+                           **({"warm": warm} if warm["target"] else {})})
 
     async def metadata(self, request: Any) -> Any:
         bundle = self.runtime.bundle
@@ -3984,11 +4410,16 @@ class Server:
                      "%s sandbox, at %s (OpenEnv: %s/ws; NeMo Gym: %s/seed_session).", bundle.name,
                      len(bundle.tasks), ", ".join(bundle.splits), self.runtime.pool.limit,
                      self.runtime.sandbox.kind, url, url, url)
+            if warm := self.runtime.warm.counts["target"]:
+                log.info("Keeping %d warm env(s) started and ready ahead of demand (%s), beside the "
+                         "%d episode slots.", warm, self.runtime.warm.describe(),
+                         self.runtime.pool.limit)
 
     async def _shutdown(self, app: Any) -> None:
         if self.runtime is not None:
-            log.info("Shutting down: ending %d live episode(s) and tearing their envs down.",
-                     len(self.runtime.live))
+            log.info("Shutting down: ending %d live episode(s) and tearing their envs down, and "
+                     "removing %d warm env(s).", len(self.runtime.live),
+                     self.runtime.warm.live)
         for surface in reversed(self.surfaces):
             await surface.stop()
         if self.runtime is not None:
@@ -4035,7 +4466,8 @@ def run_gym_server() -> None:
             runtime = Runtime(bundle, sandbox=str(config.get("sandbox", "auto")),
                               max_concurrent_envs=settings.max_concurrent_envs,
                               deploy_timeout=settings.deploy_timeout,
-                              knob=f"max_concurrent_envs in {where}")
+                              knob=f"max_concurrent_envs in {where}", warm=settings.warm,
+                              warm_env=settings.warm_env)
             server = Server(runtime, settings, host=host, port=port)
         else:
             sys.exit("agentenv.py: the resources server's config names neither url: (a running "
@@ -4999,6 +5431,9 @@ async def check(folder: str, sandbox: str, reward: str | None, out: Callable[[st
         out(f"  ... and {len(bundle.tasks) - len(shown)} more")
     async with Runtime(bundle, sandbox=sandbox) as runtime:
         out(f"sandbox: {runtime.sandbox.kind}")
+        out("networks:")
+        for env in bundle.envs.values():
+            out(f"  {env.name}: {runtime.sandbox.network_mode(env)}")
         out("toolsets:")
         failed = []
         for toolset, tasks in bundle.toolsets.items():
@@ -5021,6 +5456,8 @@ def serve(args: argparse.Namespace) -> None:
     settings = Settings(
         max_concurrent_envs=args.max_concurrent_envs or _env_int(
             "MAX_CONCURRENT_ENVS", Settings.max_concurrent_envs),
+        warm=warm_count(args.warm, f"--warm {args.warm}"),
+        warm_env=warm_envs(args.warm_env or [], "--warm-env"),
         **{key: getattr(args, key) for key in SERVE_SETTINGS})
     for key in SERVE_SETTINGS:
         if not getattr(settings, key) > 0:
@@ -5033,7 +5470,8 @@ def serve(args: argparse.Namespace) -> None:
                     "bundle's envs and tools. Pass --token (or set AGENTENV_TOKEN) so every request "
                     "must carry it, or bind 127.0.0.1.", args.host or "every interface")
     runtime = Runtime(bundle, sandbox=args.sandbox, max_concurrent_envs=settings.max_concurrent_envs,
-                      deploy_timeout=settings.deploy_timeout)
+                      deploy_timeout=settings.deploy_timeout, warm=settings.warm,
+                      warm_env=settings.warm_env)
     server = Server(runtime, settings, host=args.host, port=args.port, token=token)
     wait_for_children_by_pidfd()
     web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None,
@@ -5137,6 +5575,14 @@ def command_line() -> argparse.ArgumentParser:
     for key, help_ in SERVE_SETTINGS.items():
         serve_cmd.add_argument("--" + key.replace("_", "-"), type=float, default=getattr(Settings, key),
                                metavar="SECONDS", help=f"{help_} ({getattr(Settings, key):g})")
+    serve_cmd.add_argument("--warm", type=int, default=Settings.warm, metavar="N",
+                           help="keep N envs started and ready ahead of demand, split among the "
+                                "bundle's envs by how many tasks use each; a deploy takes one at "
+                                "once, or deploys cold when none is ready (default "
+                                f"{Settings.warm}: none)")
+    serve_cmd.add_argument("--warm-env", action="append", default=None, metavar="NAME=N",
+                           help="keep N warm envs of the env NAME (instead of a share of --warm); "
+                                "give it once per env")
     serve_cmd.add_argument("--token", default=None, metavar="TOKEN",
                            help="ask every request for the header Authorization: Bearer TOKEN "
                                 "(default: AGENTENV_TOKEN, else none); clients of a served URL "

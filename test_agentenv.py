@@ -700,7 +700,10 @@ def test_an_env_whose_cmd_is_bad_json(make_bundle):
 @pytest.mark.parametrize("toml, parts", [
     ('type = "mcp_server"\nports = [1]\n',
      ["envs/main/env.toml: key 'ports' is not one agentenv.py knows; it knows env_provider_type, "
-      "environment_name, id, image, type"]),
+      "environment_name, id, image, network, type"]),
+    ('network = "internet"\n', ["envs/main/env.toml: network = 'internet' is not a network mode; use "
+                                "\"isolated\" (the default: no egress, no other episode's containers) "
+                                "or \"bridge\""]),
     ('type = "a2a_agent"\n', ["envs/main/env.toml: type 'a2a_agent' is not run here",
                               "runs mcp_server envs"]),
     ('image = "python:3.11"\n', ["envs/main/env.toml: image = 'python:3.11' is not supported"]),
@@ -720,6 +723,9 @@ def test_env_toml_names_the_env_and_its_dockerfile(make_bundle):
     assert env.environment_name == "fancy"
     assert env.dockerfile.name == "Serve.dockerfile"
     assert env.command == ("python", "server.py", "-v")
+    assert env.network == "isolated", "an env is isolated unless its env.toml says otherwise"
+    (root / "envs" / "main" / "env.toml").write_text('network = "bridge"\n')
+    assert Bundle.load(root).envs["main"].network == "bridge"
 
 
 @pytest.mark.parametrize("stray, parts", [
@@ -2233,12 +2239,202 @@ def test_a_start_that_takes_too_long_stops_holding_its_slot():
         stuck.set()
         await asyncio.gather(*blockers)
         async with gate.slot(), gate.slot():          # every slot came back, none twice
-            assert gate._free.locked()
+            assert gate.free == 0
         return order, waited
 
     order, waited = run(go())
     assert order == ["a", "b", "quick"]
     assert 0.1 <= waited < 2
+
+
+def test_a_warm_boot_gets_a_start_slot_only_when_no_episode_waits_for_one():
+    async def go():
+        gate = StartGate(size=2)
+        order: list[str] = []
+        hold = asyncio.Event()
+
+        async def start(name, background=False):
+            async with gate.slot(background=background):
+                order.append(name)
+                await hold.wait()
+
+        first = [asyncio.create_task(start(n)) for n in ("a", "b")]       # the gate is full
+        await asyncio.sleep(0.01)
+        warm = asyncio.create_task(start("warm", background=True))
+        await asyncio.sleep(0.01)
+        later = [asyncio.create_task(start(n)) for n in ("c", "d")]        # came after the warm one
+        await asyncio.sleep(0.01)
+        assert (gate.waiting, gate.warming) == (2, 1)
+        hold.set()
+        await asyncio.gather(*first, warm, *later)
+        return order
+
+    order = run(go())
+    assert order[:2] == ["a", "b"] and order[-1] == "warm", order
+
+
+# -- the warm pool
+
+def test_the_warm_pool_is_split_among_env_specs_by_how_many_tasks_use_each(make_bundle):
+    bundle = Bundle.load(make_bundle({
+        "a": simple(), "b": simple(), "c": simple(),
+        "small": [deploy(memory_mb=256), agent("main"), prompt(), outcome()],
+        "d": simple("other", "check"), "e": simple("other", "check")}, envs=("main", "other")))
+    main, small, other = ("main", ()), ("main", (("memory_mb", 256),)), ("other", ())
+    assert agentenv.warm_plan(bundle, 6, ()) == {main: 3, small: 1, other: 2}
+    assert agentenv.warm_plan(bundle, 2, ()) == {main: 1, other: 1}
+    assert agentenv.warm_plan(bundle, 0, ()) == {}
+    # named: the count among that env's specs; --warm among the rest
+    assert agentenv.warm_plan(bundle, 3, (("main", 4),)) == {main: 3, small: 1, other: 3}
+    assert agentenv.warm_plan(bundle, 0, (("other", 2),)) == {other: 2}
+    with pytest.raises(AgentEnvError, match=r"^--warm-env \(warm_env\) names 'nope', which the "
+                                            r"bundle has no env of; its envs are main, other$"):
+        agentenv.warm_plan(bundle, 0, (("nope", 1),))
+
+
+def test_warm_settings_from_a_gym_config_and_the_command_line(make_bundle):
+    settings = agentenv.Settings.from_config({"warm": 4, "warm_env": {"main": 2}}, "here")
+    assert (settings.warm, settings.warm_env) == (4, (("main", 2),))
+    assert settings.gym_config(bundle=True)["warm"] == 4
+    assert settings.gym_config(bundle=True)["warm_env"] == {"main": 2}
+    assert "warm" not in agentenv.Settings().gym_config(bundle=True), "no pool, no key"
+    assert agentenv.warm_envs(["main=2", "other=0"], "--warm-env") == (("main", 2), ("other", 0))
+    for bad, says in [({"warm": -1}, "warm: -1 in here is not a whole number of warm envs (0 or "
+                                     "more); set it to one, such as 4"),
+                      ({"warm": 1.5}, "warm: 1.5 in here is not a whole number"),
+                      ({"warm_env": ["main"]}, "warm_env in here: main='' is not a whole number"),
+                      ({"warm_env": 3}, "warm_env in here: 3 is not a mapping of env names")]:
+        with pytest.raises(AgentEnvError) as caught:
+            agentenv.Settings.from_config(bad, "here")
+        assert str(caught.value).startswith(says), str(caught.value)
+    root = make_bundle({"a": simple()})
+    assert agentenv.main(["serve", str(root), "--sandbox", "local", "--warm-env", "nope=1"]) == 1
+
+
+async def warm_ready(rt: Runtime, ready: int, timeout: float = 15) -> None:
+    """Wait until the pool holds ``ready`` ready envs and boots no more."""
+    deadline = time.monotonic() + timeout
+    while (rt.warm.counts["ready"], rt.warm.counts["booting"]) != (ready, 0):
+        assert time.monotonic() < deadline, f"the warm pool is at {rt.warm.counts}"
+        await asyncio.sleep(0.02)
+
+
+def test_an_episode_takes_a_warm_env_and_the_pool_refills(make_bundle, isolated):
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+
+    async def go():
+        async with local(bundle, warm=2, max_concurrent_envs=1) as rt:
+            await warm_ready(rt, 2)
+            assert rt.pool.in_use == 0, "warm envs hold no episode slot"
+            waiting = [w.instance for w in rt.warm.ready[("main", ())]]
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            assert ep.instances == [waiting[0]], "the episode took the first warm env"
+            await turn.call("say", {"text": "hello"})
+            turn.end("done")
+            outcome = await ep.result()
+            await ep.closed.wait()
+            assert waiting[0].proc.returncode is not None, "a warm env is torn down with its episode"
+            await warm_ready(rt, 2)
+            assert waiting[1] in [w.instance for w in rt.warm.ready[("main", ())]]
+            pool = [w.instance for w in rt.warm.ready[("main", ())]]
+        return outcome, pool
+
+    outcome, pool = run(go())
+    assert outcome.reward == 1.0
+    assert all(i.proc.returncode is not None for i in pool), "close removes the warm envs"
+    assert not any((isolated.parent / "state").rglob("[0-9]*")), "no record left"
+
+
+def test_a_warm_env_that_died_while_it_waited_is_replaced_and_the_start_goes_on(make_bundle, caplog):
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+
+    async def go():
+        async with local(bundle, warm=1) as rt:
+            await warm_ready(rt, 1)
+            [dead] = [w.instance for w in rt.warm.ready[("main", ())]]
+            os.killpg(dead.proc.pid, signal.SIGKILL)
+            await dead.proc.wait()
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            assert dead not in ep.instances, "the dead warm env was handed over"
+            await turn.call("say", {"text": "hello"})
+            turn.end("done")
+            outcome = await ep.result()
+            await warm_ready(rt, 1)
+            assert dead not in [w.instance for w in rt.warm.ready[("main", ())]]
+            return outcome
+
+    outcome = run(go())
+    assert outcome.reward == 1.0
+    said = [r.getMessage() for r in caplog.records if "died while it waited" in r.getMessage()]
+    assert said and said[0].startswith("A warm env of 'main' died while it waited (its process "
+                                       "exited with code -9); it is discarded, and another boots")
+
+
+def test_a_deploy_that_finds_none_ready_claims_a_warm_env_already_booting(make_bundle):
+    """Demand above the pool costs no extra boot: a deploy with no ready env of its spec takes one
+    launched and booting (up sooner than a cold start); given up, that env goes back to the pool."""
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+    key = ("main", ())
+
+    async def go():
+        async with local(bundle, warm=1) as rt:
+            launched: list = []
+            launch = rt.sandbox.launch
+
+            async def counted(*args, **kwargs):
+                launched.append(await launch(*args, **kwargs))
+                return launched[-1]
+
+            async def booting_one() -> None:
+                """Send the ready warm env away, and wait until its replacement is launched."""
+                await warm_ready(rt, 1)
+                launched.clear()
+                rt.warm._remove(rt.warm.ready[key].popleft().instance)
+                rt.warm._wake[key].set()
+                while not rt.warm._launched[key]:
+                    await asyncio.sleep(0.001)
+
+            rt.sandbox.launch = counted
+            await booting_one()
+            gave_up = rt.episode(bundle.tasks["a"])
+            while rt.warm._launched[key]:                  # claimed
+                await asyncio.sleep(0.001)
+            await gave_up.abandon("the caller left")       # while its claimed env still boots
+            await warm_ready(rt, 1)
+            assert [w.instance for w in rt.warm.ready[key]] == launched, \
+                "the abandoned claim's env went back to the pool, and no other was launched"
+            await booting_one()
+            ep = rt.episode(bundle.tasks["a"])
+            turn = await ep.next_turn()
+            assert ep.instances == launched[:1], "the episode took the booting warm env"
+            await turn.call("say", {"text": "hello"})
+            turn.end("done")
+            return (await ep.result()).reward
+
+    assert run(go()) == 1.0
+
+
+def test_a_warm_env_that_can_not_boot_never_fails_a_start(make_bundle, caplog):
+    """A spec whose warm boots fail leaves its episodes to deploy cold, as without a pool."""
+    bundle = Bundle.load(make_bundle({"a": simple(), "b": simple("broken")},
+                                     envs=("main", "broken")))
+
+    async def go():
+        async with local(bundle, warm_env=(("broken", 1),)) as rt:
+            deadline = time.monotonic() + 10
+            while not any("did not come up" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            return await play(rt, bundle.tasks["a"], calls=[("say", {"text": "hello"})])
+
+    outcome = run(go())
+    assert outcome.reward == 1.0
+    said = next(r.getMessage() for r in caplog.records if "did not come up" in r.getMessage())
+    assert said.startswith("A warm env of 'broken' did not come up (env 'broken' did not come up: "
+                           "its process exited with code 4")
+    assert "the pool tries again in 1s, and its episodes deploy cold meanwhile." in said
 
 
 # -- closing the runtime
@@ -2363,12 +2559,15 @@ def test_check_prints_the_bundle_and_each_toolsets_tools(make_bundle, isolated):
                           "  a  toolset main  turns 1  reward check",
                           "  b  toolset main  turns 1  reward answer",
                           "  c  toolset main+other  turns 1  reward check"]
-    assert lines[6:8] == ["sandbox: local", "toolsets:"]
+    assert lines[6:11] == ["sandbox: local", "networks:",
+                           "  main: the host's network: the local sandbox isolates nothing",
+                           "  other: the host's network: the local sandbox isolates nothing",
+                           "toolsets:"]
     assert re.fullmatch(r"  main \(2 tasks\), played with a in \d+\.\d\ds: say, whoami, get_config, "
-                        r"sleep, crash", lines[8])
+                        r"sleep, crash", lines[11])
     assert re.fullmatch(r"  main\+other \(1 task\), played with c in \d+\.\d\ds: say, .*, other_crash",
-                        lines[9])
-    assert lines[10:] == ["ok: every toolset deployed, and every env was torn down"]
+                        lines[12])
+    assert lines[13:] == ["ok: every toolset deployed, and every env was torn down"]
     assert len(list(isolated.iterdir())) == 3 and all(gone(int(p.name)) for p in isolated.iterdir())
 
 

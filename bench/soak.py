@@ -58,7 +58,7 @@ def free_port() -> int:
 class Served:
     """serve as a subprocess of its own session, and what /proc says of it."""
 
-    def __init__(self, agentenv: Path, pool: int, sandbox: str, state: Path):
+    def __init__(self, agentenv: Path, pool: int, sandbox: str, state: Path, flags: tuple = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items()
@@ -67,7 +67,7 @@ class Served:
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [sys.executable, str(agentenv), "serve", str(NOTES), "--sandbox", sandbox, "--port",
-             str(self.port), "--max-concurrent-envs", str(pool)], cwd=ROOT, env=env,
+             str(self.port), "--max-concurrent-envs", str(pool), *flags], cwd=ROOT, env=env,
             stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
             start_new_session=True)
         self.pid = self.proc.pid

@@ -6,11 +6,12 @@ What is here, and which suite uses it:
 * ``LoopbackNamespace``: a network namespace whose only interface is loopback, where anything
   that starts Ray runs (tests/gym's full-CLI run); ``NamespaceUnavailable`` where none can be made.
 * Running things: ``run(coro, timeout)`` (a coroutine to its end on a fresh loop, within a
-  deadline: test_docker, test_faults, test_gridsim, test_gym_surface, test_load), ``free_port()``
-  (test_bad_input, test_gym_surface) and ``free_ports(n)`` (tests/gym), ``wait_until`` (test_faults,
-  test_load, test_openenv), ``alive(pid)`` (test_faults, test_load), ``gone(pid, within)``
-  (test_gym_surface), ``processes_with_env`` (a /proc scan: test_gym_real, tests/gym) and
-  ``environ(state)`` (a child's environment: test_gym_surface, test_gym_real).
+  deadline: test_docker, test_faults, test_gridsim, test_gym_surface, test_isolation, test_load,
+  test_warm), ``free_port()`` (test_bad_input, test_gym_surface) and ``free_ports(n)``
+  (tests/gym), ``wait_until`` (test_faults, test_gym_surface, test_load, test_openenv,
+  test_warm), ``alive(pid)`` (test_faults, test_load), ``gone(pid, within)`` (test_gym_surface),
+  ``processes_with_env`` (a /proc scan: test_gym_real, tests/gym) and ``environ(state)`` (a
+  child's environment: test_gym_surface, test_gym_real).
 * ``Server``: a server of ours as a subprocess, to start, break and stop (test_bad_input,
   test_faults, test_gym_surface, test_load, test_openenv, test_gym_real). ``Server.serve(bundle,
   folder, *flags)`` is ``agentenv.py serve``; ``Server.gym(folder, config)`` the resources server as
@@ -39,7 +40,7 @@ What is here, and which suite uses it:
   ``with_sleep_tool`` (notes-v1's notebook with a ``sleep`` tool: test_faults, test_openenv),
   ``one_turn_task`` and ``resources_config`` (test_faults, test_gym_surface), ``read_jsonl`` /
   ``write_jsonl`` (test_gym_real, test_gym_surface, tests/gym), and ``labelled`` /
-  ``remove_quietly`` for Docker containers (test_docker, test_faults).
+  ``remove_quietly`` for Docker containers (test_docker, test_faults, test_isolation, test_warm).
 
 A server runs as ``sys.executable`` (signals to pyenv's ``python`` shim never reach the server), in
 a session of its own, with its own AGENTENV_STATE_DIR, so its env processes can be found by that

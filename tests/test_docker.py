@@ -751,11 +751,17 @@ def test_killed_server_container_swept_at_next_start(docker_client):
         container.reload()
         assert container.status == "running", "a killed server leaves its container running"
 
+        def its_networks() -> list[str]:
+            return [n.name for n in docker_client.networks.list(filters={"label": "agentenv.owner"})
+                    if (n.attrs.get("Labels") or {}).get("agentenv.owner") == owner]
+        assert its_networks(), "the killed server's envs ran on a network of its own"
+
         async def go():
             async with Runtime(Bundle.load(NOTES), sandbox="docker"):
                 return await asyncio.to_thread(episode_containers, docker_client, episode)
 
         assert run(go()) == [], "the next Runtime.start() removes what the killed server left"
+        assert its_networks() == [], "the next Runtime.start() removes the killed server's network"
     finally:
         if child.poll() is None:
             child.kill()

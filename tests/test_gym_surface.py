@@ -40,7 +40,8 @@ if str(REPO) not in sys.path:
 import agentenv  # noqa: E402
 from tests.harness import (COOKIE, Gym, Reply, Server, client, copy_bundle,  # noqa: E402
                            environ, free_port, gone, gym_rows, one_turn_task, patch, read_jsonl,
-                           request, resources_config, responses, run, running, serving)
+                           request, resources_config, responses, run, running, serving,
+                           wait_until)
 
 AGENTENV = REPO / "agentenv.py"
 NOTES = REPO / "bundles" / "notes-v1"
@@ -1205,3 +1206,32 @@ def test_serving_beyond_loopback_without_a_token_warns(tmp_path):
     loopback = Server.serve(NOTES, tmp_path / "serve-loopback")
     loopback.stop()
     assert "with no token" not in loopback.log()
+
+
+def test_warm_in_the_gym_config_keeps_envs_ready_and_a_rollout_takes_one(written, work):
+    """``warm: N`` beside ``bundle:`` in the Gym config: the resources server keeps N envs ready
+    (counted in /health, apart from the episodes), and a rollout's seed takes one and plays."""
+    config = resources_config("notes_v1", bundle=str(NOTES), sandbox="local", warm=2)
+    row = row_of(written.folder, "save-groceries")
+    with running(Server.gym(work / "warm-app", config)) as app:
+        def warm_ready() -> dict | None:
+            health = request(app.url + "/health", "GET").json()
+            return health if health.get("warm", {}).get("ready") == 2 else None
+        assert wait_until(warm_ready, 30, "two warm envs") == {
+            "status": "healthy", "episodes": 0, "warm": {"ready": 2, "booting": 0, "target": 2}}
+        waiting = set(app.records())
+        assert len(waiting) == 2
+
+        async def go():
+            async with client() as http:
+                agent = simple_agent(http, app.url, row)
+                assert (await agent.seed()).status == 200
+                saved = await agent.call("write_note", title="groceries", text="eggs and milk")
+                assert saved.text == "saved note 'groceries'"
+                body = json.loads((await agent.verify("Saved.")).text)
+                assert body["reward"] == 1.0 and body["mask_sample"] is False
+        run(go())
+        assert "Keeping 2 warm env(s) started and ready ahead of demand (notebook 2)" in app.log()
+        # the rollout played on one of the warm envs (gone with its episode); the pool refilled
+        wait_until(lambda: len(waiting - set(app.records())) == 1 and len(app.records()) == 2,
+                   30, "one warm env used and replaced")
