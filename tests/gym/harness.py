@@ -467,6 +467,36 @@ def run_lightest(root: Path, name: str, rows: list[dict] | dict, *, work_dir: Pa
                        model_requests=list(own_model.requests) if own_model else [])
 
 
+# ----------------------------------------------------------------------------- one server alone
+
+REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
+
+
+@contextlib.contextmanager
+def resources_server(server_dir: Path, name: str, *, work_dir: Path, venv: Path | None = None,
+                     ready_timeout: float = 120):
+    """A resources server's ``app.py`` started alone, as Gym starts one (its instance config in
+    ``NEMO_GYM_CONFIG_DICT``, ``cd <dir> && <venv>/bin/python app.py``), on a free port; yields its
+    URL once ``GET /`` answers, and SIGINTs it (and whatever it started) at the end."""
+    venv = Path(venv or gym_venv())
+    server_dir = Path(server_dir).resolve()
+    port, head_port = free_ports(2)
+    config = {name: {"resources_servers": {name: {"entrypoint": "app.py", "domain": "agent",
+                                                  "host": HOST, "port": port}}},
+              "head_server": {"host": HOST, "port": head_port}, "dry_run": False}
+    group = ProcessGroup(venv, Path(work_dir) / "logs")
+    env = group.env({"NEMO_GYM_CONFIG_PATH": name, "PYTHONPATH": str(server_dir),
+                     "NEMO_GYM_CONFIG_DICT": yaml.safe_dump(config, sort_keys=False)})
+    try:
+        child = group.spawn(name, [str(venv / "bin" / "python"), "app.py"], cwd=server_dir, env=env)
+        wait_http(f"http://{HOST}:{port}/", child, ready_timeout)
+        yield f"http://{HOST}:{port}"
+    finally:
+        leftovers = group.stop_all()
+        if leftovers:
+            raise GymHarnessError(f"{name} left {leftovers} running")
+
+
 # ----------------------------------------------------------------------------- full CLI variant
 
 @dataclass
