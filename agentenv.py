@@ -3767,9 +3767,15 @@ def _number(value: Any) -> float | int | None:
     """A value the profile counts: a finite number (a bool as 0 or 1); None for anything else."""
     if isinstance(value, bool):
         return int(value)
-    if isinstance(value, (int, float)) and math.isfinite(value):
-        return value
-    return None
+    return value if _finite(value) else None
+
+
+def _finite(value: Any) -> bool:
+    """A number JSON can carry and statistics can use (a whole number past a float's range isn't)."""
+    try:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -3948,7 +3954,7 @@ def perf_summary(records: list[dict[str, Any]], total: int) -> dict[str, Any] | 
         return None
 
     def values(key: str) -> list[float]:
-        return [r[key] for r in records if isinstance(r.get(key), (int, float))]
+        return [r[key] for r in records if _finite(r.get(key))]
 
     def stat(name: str, v: list[float]) -> float:
         if name.startswith("p"):
@@ -3959,7 +3965,7 @@ def perf_summary(records: list[dict[str, Any]], total: int) -> dict[str, Any] | 
     summary: dict[str, Any] = {
         "overall_observability_coverage": len(records) / total,
         "token_observability_coverage": sum(
-            1 for r in records if isinstance(r.get("token_observability_coverage"), (int, float))
+            1 for r in records if _finite(r.get("token_observability_coverage"))
             and r["token_observability_coverage"] > 0) / total}
     for field in PERF_TOKEN_FIELDS:
         if found := values(field):
@@ -3968,8 +3974,8 @@ def perf_summary(records: list[dict[str, Any]], total: int) -> dict[str, Any] | 
         summary.update({f"{name}_num_turns": stat(name, turns)
                         for name in ("mean", "median", "std", "min", "p90", "max")})
     per_turn = [r["completion_tokens"] / r["num_turns"] for r in records
-                if isinstance(r.get("completion_tokens"), (int, float))
-                and isinstance(r.get("num_turns"), (int, float)) and r["num_turns"] > 0]
+                if _finite(r.get("completion_tokens")) and _finite(r.get("num_turns"))
+                and r["num_turns"] > 0]
     if per_turn:
         summary["mean_tokens_per_turn"] = stat("mean", per_turn)
         summary["median_tokens_per_turn"] = stat("median", per_turn)

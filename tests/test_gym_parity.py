@@ -374,3 +374,27 @@ def test_a_malformed_response_is_422_never_a_reward(answers):
                                                                           "verify_params_no_input"]:
         (_, _), (mine, body) = got[case]
         assert mine.status == 422 and "reward" not in body, case
+
+
+def test_a_replay_whose_call_answers_otherwise_is_masked(sides):
+    """A reverified rollout whose recorded tool output is not what the env answers now: masked
+    agentenv:replay_diverged, quoting both, never a reward recomputed from another rollout."""
+    _, ours, server = sides
+    body = verify_body(ours.row, response=good_response(calls=(
+        ("write_note", GROCERIES, "saved note 'shopping'"),)))
+    reply = ours.send("POST", "/verify", body, None)
+    verdict = reply.json()
+    assert reply.status == 200 and verdict["mask_sample"] is True and verdict["reward"] == 0.0
+    assert verdict["failure_kind"] == "agentenv:replay_diverged"
+    assert "answered \"saved note 'groceries'\", but in the rollout it answered \"saved note " \
+           "'shopping'\"" in verdict["failure_reason"]
+    assert "rollout masked: replayed, the call of write_note" in server.log()
+    server.no_envs()
+
+
+def test_a_replay_of_a_row_that_names_no_task_is_refused(sides):
+    _, ours, _ = sides
+    reply = ours.send("POST", "/verify", without(verify_body(ours.row), "split"), None)
+    assert reply.status == 422
+    assert "a /verify without a session cookie replays the rollout, so its row must name the task" \
+        in reply.json()["detail"]
