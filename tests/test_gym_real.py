@@ -364,6 +364,7 @@ def test_cli_reverify_recomputes_every_reward(cli):
     check_two_step(again["notes_two_step"])
     check_mismatch(again["notes_tools_mismatch"])
     assert cli.reverify_aggregate, "gym eval reverify wrote no aggregate metrics"
+    print(f"[reverify] it left {len(cli.reverify_left)} servers running, SIGINTed")
     keys = {k for entry in cli.reverify_aggregate for k in entry["agent_metrics"]}
     assert {"mean/reward", "std/reward", "coverage/masked_rollouts"} <= keys
 

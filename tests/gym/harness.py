@@ -514,6 +514,7 @@ class CliRun:
     model_requests: list[tuple[str, Any]] = field(default_factory=list)
     reverified: list[dict] = field(default_factory=list)   # gym eval reverify's output (reverify=True)
     reverify_aggregate: Any = None                         # and its aggregate metrics
+    reverify_left: list[tuple[int, str]] = field(default_factory=list)  # servers it left running
 
 
 VENV_LINKS = (("responses_api_agents", "simple_agent"), ("environment_servers", "legacy_agent"),
@@ -564,7 +565,9 @@ def run_cli(root: Path, name: str, jsonl: Path, *, work_dir: Path, venv: Path | 
 
     With ``reverify``, once the rollouts are in, ``gym env start`` is stopped and ``gym eval
     reverify`` runs on them (it starts the same servers itself, and verifies every rollout again
-    with no session, as reverification does); its lines and aggregate land in the CliRun.
+    with no session, as reverification does); its lines and aggregate land in the CliRun. Gym
+    0.7's reverify exits leaving those servers running: they are SIGINTed (``reverify_left``)
+    and given ``stop_timeout`` to end before leftovers are counted.
     """
     from . import fake_model
 
@@ -596,6 +599,7 @@ def run_cli(root: Path, name: str, jsonl: Path, *, work_dir: Path, venv: Path | 
     aggregate = None
     reverified: list[dict] = []
     reverify_aggregate = None
+    reverify_left: list[tuple[int, str]] = []
     commands: list[str] = []
     try:
         if model_base_url is None:
@@ -646,6 +650,15 @@ def run_cli(root: Path, name: str, jsonl: Path, *, work_dir: Path, venv: Path | 
             group.run("gym-eval-reverify", namespace.argv(reverify_argv), cwd=work_dir, env=env,
                       timeout=eval_timeout)
             timings["reverify"] = time.monotonic() - t_reverify
+            # gym eval reverify (0.7) exits leaving the servers it started running: SIGINT them,
+            # as Gym stops its servers, and let them wind down before anything is counted left.
+            reverify_left = _tagged_pids(group.tag)
+            for pid, _ in reverify_left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGINT)
+            deadline = time.monotonic() + stop_timeout
+            while _tagged_pids(group.tag) and time.monotonic() < deadline:
+                time.sleep(0.5)
             reverified = read_jsonl(reverified_path)
             agg_path = out_dir / "reverified_aggregate_metrics.json"
             reverify_aggregate = json.loads(agg_path.read_text()) if agg_path.is_file() else None
@@ -664,4 +677,5 @@ def run_cli(root: Path, name: str, jsonl: Path, *, work_dir: Path, venv: Path | 
                   timings=timings, logs={c.name: c.log for c in group.children},
                   start_exit_code=start_child.proc.returncode if start_child else None,
                   leftovers=leftovers, model_requests=list(own_model.requests) if own_model else [],
-                  reverified=reverified, reverify_aggregate=reverify_aggregate)
+                  reverified=reverified, reverify_aggregate=reverify_aggregate,
+                  reverify_left=reverify_left)
