@@ -22,8 +22,11 @@ The file reads top to bottom in the order data flows; a section uses only the se
 9. OpenEnv surface      sessions over /ws and /mcp, the stateless routes, the task API: each
                         renders the play's values as observations or JSON-RPC.
 10. Gym surface         NeMo Gym's resources-server routes, rendering the same values as the text
-                        a model reads and as masked verifies; url: mode through an OpenEnv client.
-11. The app             the one aiohttp application of both surfaces, and Gym's entry point.
+                        a model reads and as masked verifies, reverification as a replay, and the
+                        aggregate metrics Gym's reward profiler computes; url: mode through an
+                        OpenEnv client.
+11. The app             build_app: the one aiohttp application of both surfaces (serve runs it),
+                        and Gym's entry point.
 12. Writer              ``write-gym``: a resources server and its rows, written into a Gym root.
 13. CLI                 ``python agentenv.py check|serve|write-gym ...``.
 
@@ -43,6 +46,7 @@ import argparse
 import ast
 import asyncio
 import collections
+import collections.abc
 import contextlib
 import copy
 import dataclasses
@@ -4431,7 +4435,8 @@ class Server:
 SANDBOXES = ("auto", "docker", "local")
 
 
-def build_app(bundle: str | os.PathLike | dict[str, str | os.PathLike], *, reward: str | None = None,
+def build_app(bundle: str | os.PathLike | collections.abc.Mapping[str, str | os.PathLike], *,
+              reward: str | None = None,
               sandbox: str | None = None,
               max_concurrent_envs: int = Settings.max_concurrent_envs,
               deploy_timeout: float = Settings.deploy_timeout,
@@ -4481,7 +4486,7 @@ def _server(bundle: Any, *, reward: str | None, sandbox: str | None, token: str 
     if token is not None and (not isinstance(token, str) or not token):
         raise AgentEnvError("token must be non-empty text (what clients send as Authorization: "
                             "Bearer TOKEN), or None for no token")
-    if isinstance(bundle, dict):
+    if isinstance(bundle, collections.abc.Mapping):
         if not bundle:
             raise AgentEnvError("the mapping of splits to bundle folders is empty; give at least "
                                 "one, such as {'train': 'bundles/train', 'eval': 'bundles/eval'}")
