@@ -24,8 +24,11 @@ The file reads top to bottom in the order data flows; a section uses only the se
 9. OpenEnv surface      sessions over /ws and /mcp, the stateless routes, the task API: each
                         renders the play's values as observations or JSON-RPC.
 10. Gym surface         NeMo Gym's resources-server routes, rendering the same values as the text
-                        a model reads and as masked verifies; url: mode through an OpenEnv client.
-11. The app             the one aiohttp application of both surfaces, and Gym's entry point.
+                        a model reads and as masked verifies, reverification as a replay, and the
+                        aggregate metrics Gym's reward profiler computes; url: mode through an
+                        OpenEnv client.
+11. The app             build_app: the one aiohttp application of both surfaces (serve runs it),
+                        and Gym's entry point.
 12. Writer              ``write-gym``: a resources server and its rows, written into a Gym root.
 13. Eval                ``eval``: those rows played against an OpenAI-compatible model through the
                         Gym surface, as NeMo Gym's simple_agent plays them, and scored.
@@ -47,6 +50,7 @@ import argparse
 import ast
 import asyncio
 import collections
+import collections.abc
 import contextlib
 import copy
 import dataclasses
@@ -64,6 +68,7 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import struct
 import sys
 import tempfile
@@ -106,6 +111,7 @@ VERIFIER_ERROR = "verifier_error"               # the verifier raised, hung or g
 SESSION_LOST = "session_lost"                   # the episode was ended from outside, or is gone
 ENV_FAILED = "agentenv:env_failed"              # the env failed in a way with no word of its own
 TOOLS_MISMATCH = "agentenv:tools_mismatch"      # a row offers other tools than its task
+REPLAY_DIVERGED = "agentenv:replay_diverged"    # a reverified rollout's calls answered otherwise
 INTERNAL_ERROR = "agentenv:internal_error"      # a bug of agentenv.py's own
 
 
@@ -427,6 +433,37 @@ class Bundle:
             raise LookupError(f"split {split!r} has {len(tasks)} tasks, so it has no task {index!r}; "
                               f"give an index from 0 to {len(tasks) - 1}")
         return tasks[index]
+
+    @classmethod
+    def of_splits(cls, bundles: dict[str, Bundle]) -> Bundle:
+        """Several bundles served as one, each one's tasks a split of it (a train bundle and a
+        held-out one), with the split 'all' of every task. Envs and verifiers are shared by name,
+        so two bundles with different contents under one name are refused, saying which."""
+        problems: list[str] = []
+        envs: dict[str, EnvSpec] = {}
+        verifiers: dict[str, Path] = {}
+        owners: dict[str, str] = {}
+        splits: dict[str, list[Task]] = {}
+        for split, bundle in bundles.items():
+            for kind, mine, theirs, same in (
+                    ("envs", bundle.envs, envs, lambda a, b: a.digest == b.digest),
+                    ("artifacts", bundle.verifiers, verifiers,
+                     lambda a, b: _digest(a.parent) == _digest(b.parent))):
+                for name, part in mine.items():
+                    if name in theirs and not same(theirs[name], part):
+                        problems.append(f"{kind}/{name}: the bundles of the splits {owners[kind + name]!r} "
+                                        f"and {split!r} both have one of that name, with other "
+                                        "contents; rename it in one of them")
+                    theirs.setdefault(name, part)
+                    owners.setdefault(kind + name, split)
+            splits[split] = bundle.splits["all"]
+        if problems:
+            raise BundleError(problems)
+        every = list({t.id: t for tasks in splits.values() for t in tasks}.values())
+        first = next(iter(bundles.values()))
+        name = "+".join(dict.fromkeys(b.name for b in bundles.values()))
+        return cls(first.root, name, first.description, envs, verifiers, {t.id: t for t in every},
+                   {"all": every, **splits})
 
     @classmethod
     def load(cls, folder: str | Path, reward: str | None = None) -> Bundle:
@@ -2983,6 +3020,23 @@ def bearer_token(token: str) -> Any:
     return require_token
 
 
+def json_errors() -> Any:
+    """Middleware that answers a path no route has, or a method its route doesn't take, as NeMo
+    Gym's and OpenEnv's servers do: a JSON ``detail`` (and the Allow header of a 405)."""
+    from aiohttp import web
+
+    @web.middleware
+    async def as_json(request: Any, handler: Callable) -> Any:
+        try:
+            return await handler(request)
+        except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
+            if exc.content_type == "application/json":
+                raise
+            allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else {}
+            return web.json_response({"detail": exc.reason}, status=exc.status, headers=allow)
+    return as_json
+
+
 def is_loopback(host: str) -> bool:
     """Whether binding ``host`` keeps the server reachable from this machine only."""
     import ipaddress
@@ -3943,6 +3997,11 @@ class RemoteRollouts(Rollouts):
         return RemoteRollout(client, split, index)
 
 
+class RowShapeError(ValueError):
+    """A row that names no task at all (no split or index of the right type): a body NeMo Gym's
+    servers refuse as unprocessable (422), where a task that doesn't exist is a bad request (400)."""
+
+
 class GymSession:
     """One Gym rollout, by cookie: the row's task as an episode, the model's tool calls, and the
     verify that scores it. The deploy starts at seed and the first tool call waits for it; a
@@ -4047,6 +4106,34 @@ class GymSession:
             return None
         return outcome
 
+    async def replay(self, response: dict[str, Any]) -> Outcome | None:
+        """Play a rollout's recorded tool calls again, in order, and score it as verify does: how
+        ``gym eval reverify`` recomputes a reward on a fresh episode. A call that answers other
+        than it did in the rollout ends the replay, masked: that env does not replay."""
+        items = [i for i in response["output"] if isinstance(i, dict)]
+        recorded = {i.get("call_id"): i.get("output") for i in items
+                    if i.get("type") == "function_call_output"}
+        for item in items:
+            if item.get("type") != "function_call":
+                continue
+            try:
+                arguments = loads(item["arguments"])
+            except ValueError:
+                continue                     # simple_agent sent no call for arguments that aren't JSON
+            if not isinstance(arguments, dict):
+                continue                     # which the tool's route refused: nothing ran
+            text = await self.call(item["name"], arguments)
+            if self.failure:
+                return None
+            was = recorded.get(item.get("call_id"))
+            if isinstance(was, str) and was != text:
+                self.fail(Failure(REPLAY_DIVERGED, (
+                    f"replayed, the call of {item['name']} answered {short(text, 300)!r}, but in the "
+                    f"rollout it answered {short(was, 300)!r}; an env that does not answer the same "
+                    "calls the same way cannot have its rollouts reverified")))
+                return None
+        return await self.verify(last_reply(response))
+
     async def close(self, reason: str) -> None:
         self.opened.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -4112,6 +4199,349 @@ def last_reply(response: Any) -> str:
     return ""
 
 
+# -- aggregate metrics: the keys NeMo Gym's reward profiler computes, without importing Gym
+
+TASK_INDEX, ROLLOUT_INDEX = "_ng_task_index", "_ng_rollout_index"     # Gym stamps every rollout
+PROFILE_STATS = ("mean", "max", "min", "median", "std")
+# Gym summarizes across repeats the means of a repeat only, and of those not these (bounds, spreads).
+NOT_ACROSS_REPEATS_ENDS = ("/max", "/min", "/median", "/p5", "/p25", "/p75", "/p95", "/ci_low_95",
+                           "/ci_high_95", "/ci_lower", "/ci_upper", "_ci_lower", "_ci_upper",
+                           "_ci95_lower", "_ci95_upper", "/_ng_attempt_index", "/std_dev_across_runs",
+                           "/std_err_across_runs", "/avg_sample_std_dev")
+PERF_TOKEN_FIELDS = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "reasoning_tokens")
+
+
+class MetricsError(ValueError):
+    """verify_responses the profile cannot be computed from; the message says which and why."""
+
+
+def _number(value: Any) -> float | int | None:
+    """A value the profile counts: a finite number (a bool as 0 or 1); None for anything else."""
+    if isinstance(value, bool):
+        return int(value)
+    return value if _finite(value) else None
+
+
+def _finite(value: Any) -> bool:
+    """A number JSON can carry and statistics can use (a whole number past a float's range isn't)."""
+    try:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The q-quantile by linear interpolation between the closest ranks (pandas' default)."""
+    ordered = sorted(values)
+    at = q * (len(ordered) - 1)
+    low = math.floor(at)
+    high = min(low + 1, len(ordered) - 1)
+    return float(ordered[low] + (ordered[high] - ordered[low]) * (at - low))
+
+
+def _sample_std(values: list[float]) -> float:
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def _t_quantile(p: float, dof: int) -> float:
+    """Student's t distribution's p-quantile (p > 0.5), by bisection on its CDF."""
+    def upper_tail(t: float) -> float:       # P(T > t) = I_x(dof/2, 1/2) / 2, x = dof/(dof + t^2)
+        return _incomplete_beta(dof / (dof + t * t), dof / 2, 0.5) / 2
+    low, high = 0.0, 1.0
+    while upper_tail(high) > 1 - p:
+        high *= 2
+    while high - low > 1e-13 * high:
+        mid = (low + high) / 2
+        if upper_tail(mid) > 1 - p:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+def _incomplete_beta(x: float, a: float, b: float) -> float:
+    """The regularized incomplete beta function I_x(a, b), by its continued fraction."""
+    if x <= 0 or x >= 1:
+        return 0.0 if x <= 0 else 1.0
+    if x > (a + 1) / (a + b + 2):
+        return 1 - _incomplete_beta(1 - x, b, a)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+                     + a * math.log(x) + b * math.log(1 - x)) / a
+    tiny, f, c, d = 1e-300, 1.0, 1.0, 0.0
+    for i in range(300):                    # Lentz's method
+        m = i // 2
+        if i == 0:
+            step = 1.0
+        elif i % 2 == 0:
+            step = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        else:
+            step = -((a + m) * (a + b + m) * x) / ((a + 2 * m) * (a + 2 * m + 1))
+        d = 1 + step * d
+        d = 1 / (d if abs(d) > tiny else tiny)
+        c = 1 + step / c
+        c = c if abs(c) > tiny else tiny
+        f *= c * d
+        if abs(1 - c * d) < 1e-15:
+            break
+    return front * (f - 1)
+
+
+def _interval(mean: float, sem: float, n: int) -> tuple[float, float] | None:
+    """The 95% t-interval of a mean, as Gym gives it: none for one value, a point for no spread."""
+    if n <= 1:
+        return None
+    if sem == 0:
+        return mean, mean
+    half = _t_quantile(0.975, n - 1) * sem
+    return mean - half, mean + half
+
+
+def _describe(rows: list[dict[str, float]], columns: list[str]) -> dict[str, float]:
+    """mean/max/min/median/std of each column over the rows that have it (a sample's std; 0 for
+    a lone row), keyed ``stat/column``, as the profiler describes a group."""
+    found = {c: [r[c] for r in rows if c in r] for c in columns}
+    std = {c: _sample_std(v) for c, v in found.items() if len(v) > 1}
+    if not std:          # no column has a spread: those every row has get 0, as Gym reads it
+        std = {c: 0.0 for c, v in found.items() if v and len(v) == len(rows)}
+    stats: dict[str, float] = {}
+    for name in PROFILE_STATS:
+        for column, values in found.items():
+            if not values:
+                continue
+            if name == "std":
+                if column in std:
+                    stats[f"std/{column}"] = std[column]
+                continue
+            stats[f"{name}/{column}"] = {
+                "mean": lambda v: sum(v) / len(v), "max": max, "min": min,
+                "median": lambda v: float(statistics.median(v))}[name](values)
+    return stats
+
+
+def _measured(result: dict[str, Any]) -> dict[str, float]:
+    """A verify reply's measurements: its numbers, and its response's usage counts."""
+    usage = _usage(result)
+    out = {}
+    for key, value in {**result, **usage}.items():
+        number = _number(value)
+        if number is not None and not key.startswith("_"):
+            out[key] = number
+    return out
+
+
+def _usage(result: dict[str, Any]) -> dict[str, Any]:
+    response = result.get("response")
+    usage = response.get("usage") if isinstance(response, dict) else None
+    return usage if isinstance(usage, dict) else {}
+
+
+def _rollout_info(result: dict[str, Any]) -> dict[str, Any]:
+    task, repeat = result.get(TASK_INDEX, 0), result.get(ROLLOUT_INDEX, 0)
+    info: dict[str, Any] = {"rollout_id": f"{task}:{repeat}", TASK_INDEX: task, ROLLOUT_INDEX: repeat}
+    if "reward" in result:
+        info["reward"] = result["reward"]
+    for key, value in (*_usage(result).items(), *result.items()):
+        number = _number(value)
+        if number is not None and not key.startswith("_") and key not in ("reward", "response"):
+            info[key] = number
+    return info
+
+
+def _across_repeats(repeats: list[dict[str, Any]]) -> dict[str, float]:
+    """Each repeat's mean of a measurement, summarized over the repeats."""
+    names = list(dict.fromkeys(k for r in repeats for k in r))
+    out: dict[str, float] = {}
+    for name in names:
+        if not name.startswith("mean/") or name.endswith(NOT_ACROSS_REPEATS_ENDS) or \
+                "_across_repeats/" in name:
+            continue
+        values = [r[name] for r in repeats if name in r]
+        n, mean = len(values), sum(values) / len(values)
+        std = _sample_std(values) if n > 1 else 0.0
+        out.update({f"mean_across_repeats/{name}": mean,
+                    f"median_across_repeats/{name}": float(statistics.median(values)),
+                    f"std_across_repeats/{name}": std, f"min_across_repeats/{name}": float(min(values)),
+                    f"max_across_repeats/{name}": float(max(values)),
+                    f"se_across_repeats/{name}": std / math.sqrt(n)})
+        if interval := _interval(mean, std / math.sqrt(n), n):
+            out[f"ci_low_95_across_repeats/{name}"], out[f"ci_high_95_across_repeats/{name}"] = interval
+    return out
+
+
+def _per_repeat(measured: list[tuple[Any, Any, dict[str, float]]]) -> list[dict[str, Any]]:
+    """A task played more than once: each repeat's (rollout index's) statistics over the tasks."""
+    repeats = sorted({r for _, r, _ in measured})
+    if len(repeats) < 2:
+        return []
+    columns = sorted({c for _, _, fields in measured for c in fields})
+    all_tasks = len({t for t, _, _ in measured})
+    out = []
+    for repeat in repeats:
+        mine = [(t, fields) for t, r, fields in measured if r == repeat]
+        present = len({t for t, _ in mine})
+        entry: dict[str, Any] = {ROLLOUT_INDEX: int(repeat), "sample_count": present,
+                                 "missing_count": all_tasks - present}
+        for column in columns:
+            values = [fields[column] for _, fields in mine if column in fields]
+            if not values:
+                continue
+            n, mean = len(values), sum(values) / len(values)
+            std = _sample_std(values) if n > 1 else 0.0
+            sem = std / math.sqrt(n)
+            entry.update({f"mean/{column}": mean, f"median/{column}": float(statistics.median(values)),
+                          f"std/{column}": std, f"sem/{column}": sem,
+                          f"min/{column}": float(min(values)), f"max/{column}": float(max(values)),
+                          f"p25/{column}": _quantile(values, 0.25),
+                          f"p75/{column}": _quantile(values, 0.75)})
+            if interval := _interval(mean, sem, n):
+                entry[f"ci_low_95/{column}"], entry[f"ci_high_95/{column}"] = interval
+        out.append(entry)
+    return out
+
+
+def perf_summary(records: list[dict[str, Any]], total: int) -> dict[str, Any] | None:
+    """The rollouts' ng_perf stamps (Gym's observability), summarized; None when none has one."""
+    if total <= 0 or not records:
+        return None
+
+    def values(key: str) -> list[float]:
+        return [r[key] for r in records if _finite(r.get(key))]
+
+    def stat(name: str, v: list[float]) -> float:
+        if name.startswith("p"):
+            return _quantile(v, int(name[1:]) / 100)
+        return {"mean": statistics.fmean, "median": statistics.median, "total": sum,
+                "std": statistics.pstdev, "min": min, "max": max}[name](v)
+
+    summary: dict[str, Any] = {
+        "overall_observability_coverage": len(records) / total,
+        "token_observability_coverage": sum(
+            1 for r in records if _finite(r.get("token_observability_coverage"))
+            and r["token_observability_coverage"] > 0) / total}
+    for field in PERF_TOKEN_FIELDS:
+        if found := values(field):
+            summary.update({f"{name}_{field}": stat(name, found) for name in ("mean", "median", "total")})
+    if turns := values("num_turns"):
+        summary.update({f"{name}_num_turns": stat(name, turns)
+                        for name in ("mean", "median", "std", "min", "p90", "max")})
+    per_turn = [r["completion_tokens"] / r["num_turns"] for r in records
+                if _finite(r.get("completion_tokens")) and _finite(r.get("num_turns"))
+                and r["num_turns"] > 0]
+    if per_turn:
+        summary["mean_tokens_per_turn"] = stat("mean", per_turn)
+        summary["median_tokens_per_turn"] = stat("median", per_turn)
+    if latency := values("total_latency_ms"):
+        summary.update({f"total_latency_{name}_ms": stat(name, latency)
+                        for name in ("p50", "p90", "p99", "mean")})
+    return summary
+
+
+def aggregate_metrics(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """/aggregate_metrics' reply for the verify replies of a run, with the keys NeMo Gym 0.7's
+    reward profiler gives them: per task (``group_level_metrics``), over the run (``agent_metrics``:
+    mean/max/min/median/std of every measurement, the reward and the usage counts among them), per
+    repeat when a task was played more than once, the headline means (``key_metrics``), coverage
+    when some rollouts were masked, and ``perf_summary`` from ng_perf stamps. Masked rollouts are
+    counted, never measured. MetricsError for replies that cannot be told apart."""
+    reply: dict[str, Any] = {"group_level_metrics": [], "agent_metrics": {}, "key_metrics": {},
+                             "perf_summary": None, "repeat_level_metrics": []}
+    if not results:
+        return reply
+    for i, result in enumerate(results):
+        for key in (TASK_INDEX, ROLLOUT_INDEX):
+            value = result.get(key, 0)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise MetricsError(f"verify_responses[{i}] has {key} {value!r}: it must be a whole "
+                                   "number, as Gym stamps it")
+    scored = [r for r in results if not r.get("mask_sample")]
+    masked = len(results) - len(scored)
+    coverage = {} if not masked else {
+        "coverage/measured_rollouts": len(scored), "coverage/masked_rollouts": masked,
+        "coverage/measured_tasks": len({r.get(TASK_INDEX, 0) for r in scored}),
+        "coverage/fully_masked_tasks": len({r.get(TASK_INDEX, 0) for r in results}
+                                           - {r.get(TASK_INDEX, 0) for r in scored})}
+    reply["perf_summary"] = perf_summary([r["ng_perf"] for r in results
+                                          if isinstance(r.get("ng_perf"), dict)], len(results))
+    if not scored:
+        reply["agent_metrics"], reply["key_metrics"] = dict(coverage), dict(coverage)
+        return reply
+    keys = collections.Counter((r.get(TASK_INDEX, 0), r.get(ROLLOUT_INDEX, 0)) for r in results)
+    if repeated := [key for key, count in keys.items() if count > 1]:
+        raise MetricsError(f"verify_responses holds more than one rollout {repeated[0][1]} of task "
+                           f"{repeated[0][0]} ({TASK_INDEX}, {ROLLOUT_INDEX}); send each rollout once")
+    every, results = results, [{k: v for k, v in r.items() if k != "mask_sample"} for r in scored]
+    measured = [(r.get(TASK_INDEX, 0), r.get(ROLLOUT_INDEX, 0), _measured(r)) for r in results]
+    columns = list(dict.fromkeys(c for _, _, fields in measured for c in fields))
+    by_task: dict[int, list[tuple[dict[str, Any], dict[str, float]]]] = {}
+    for result, (task, _, fields) in zip(results, measured):
+        by_task.setdefault(task, []).append((result, fields))
+    for task, mine in sorted(by_task.items()):
+        group = {TASK_INDEX: task, **_describe([f for _, f in mine], columns),
+                 "sample": {"agent_ref": {"name": "agent"}}, "num_rollouts": len(mine),
+                 "expected_num_rollouts": len(mine), "missing_num_rollouts": 0,
+                 "reward_profile_completion_pct": 100.0,
+                 "rollout_infos": sorted((_rollout_info(res) for res, _ in mine),
+                                         key=lambda info: info[ROLLOUT_INDEX])}
+        reply["group_level_metrics"].append(group)
+    repeats = _per_repeat(measured)
+    agent = {**_describe([f for _, _, f in measured], columns), **_across_repeats(repeats),
+             **coverage, "num_repeats": len({r.get(ROLLOUT_INDEX, 0) for r in every})}
+    reply["agent_metrics"] = agent
+    reply["key_metrics"] = {**{k: v for k, v in agent.items() if k.startswith("mean/")}, **coverage}
+    reply["repeat_level_metrics"] = repeats
+    return reply
+
+
+RESPONSE_KEYS = {"id": str, "created_at": (int, float), "model": str, "object": str,
+                 "output": list, "parallel_tool_calls": bool, "tool_choice": (str, dict),
+                 "tools": list}
+
+
+def response_problem(response: Any) -> str | None:
+    """What makes a /verify's ``response`` something other than the Responses object simple_agent
+    sends (the fields NeMo Gym requires, and the items this server reads), or None."""
+    if not isinstance(response, dict):
+        return "it is not a JSON object"
+    for key, kind in RESPONSE_KEYS.items():
+        if key not in response:
+            return f"it has no {key}"
+        if not isinstance(response[key], kind) or (kind is not bool and isinstance(response[key], bool)):
+            return f"its {key} is {type(response[key]).__name__}"
+    for i, item in enumerate(response["output"]):
+        at = f"output[{i}]"
+        if not isinstance(item, dict) or not isinstance(item.get("type"), str):
+            return f"{at} is not an item with a type"
+        kind = item["type"]
+        if kind == "message":
+            parts = item.get("content")
+            if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+                return f"{at} is a message whose content is not a list of parts"
+            if any(p.get("type") == "output_text" and not isinstance(p.get("text"), str) for p in parts):
+                return f"{at} is a message with an output_text whose text is not text"
+        elif kind == "function_call":
+            for key in ("name", "arguments", "call_id"):
+                if not isinstance(item.get(key), str):
+                    return f"{at} is a function_call whose {key} is not text"
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str) or \
+                    not isinstance(item.get("output"), (str, list)):
+                return f"{at} is a function_call_output without a call_id and an output"
+    return None
+
+
+def verify_problem(body: dict[str, Any]) -> str | None:
+    """Why a /verify body is not a row with the model's response, or None."""
+    params = body.get("responses_create_params")
+    if not isinstance(params, dict) or not isinstance(params.get("input"), (str, list)) or \
+            "response" not in body:
+        return "verify takes the row with responses_create_params and the model's response"
+    if problem := response_problem(body["response"]):
+        return (f"the response is not a Responses object: {problem}; send the rollout's final "
+                "Responses object, as NeMo Gym's simple_agent does")
+    return None
+
+
 class GymSurface:
     """NeMo Gym's resources-server routes: /seed_session, a route per tool, /verify,
     /close_session and /aggregate_metrics, by a session cookie, each answering within its bound.
@@ -4160,7 +4590,7 @@ class GymSurface:
         """The row's split and index, checked against its task_id; raises ValueError."""
         split, index, task_id = row.get("split"), row.get("index"), row.get("task_id")
         if not isinstance(split, str) or not isinstance(index, int) or isinstance(index, bool):
-            raise ValueError("the row needs split (text) and index (a whole number) naming the task "
+            raise RowShapeError("the row needs split (text) and index (a whole number) naming the task "
                              "to play; write the rows with python agentenv.py write-gym")
         try:
             task_id_here = await self.rollouts.task_id(split, index)
@@ -4193,7 +4623,7 @@ class GymSurface:
         try:
             split, index, _ = await self._task_of(row)
         except ValueError as exc:
-            return json_reply({"detail": str(exc)}, 400)
+            return json_reply({"detail": str(exc)}, 422 if isinstance(exc, RowShapeError) else 400)
         # No await from here until the session is registered: a duplicate seed finds it.
         if resources_id is not None:
             seeded_with = digest(json.dumps(body, sort_keys=True))
@@ -4226,6 +4656,8 @@ class GymSurface:
     async def tool(self, request: Any) -> Any:
         from aiohttp import web
         name = request.match_info["tool"]
+        if any(path == f"/{name}" for method, path, _ in self.ROUTES if method == "GET"):
+            raise web.HTTPMethodNotAllowed("POST", ["GET", "HEAD"])     # a GET route, never a tool
         session = self._session(request)
         if session is None:
             if request.cookies.get(GYM_COOKIE) in self.verdicts:
@@ -4251,13 +4683,11 @@ class GymSurface:
         body, problem = await json_body(request)
         if problem:
             return problem
-        if not isinstance(body.get("responses_create_params"), dict) or "response" not in body:
-            return json_reply({"detail": "verify takes the row with responses_create_params and the "
-                                         "model's response"}, 422)
+        if problem := verify_problem(body):
+            return json_reply({"detail": problem}, 422)
         token = request.cookies.get(GYM_COOKIE)
         if token is None:
-            return json_reply({"detail": "no session cookie: POST /seed_session with the row first, and "
-                                         "send its cookie with /verify"}, 400)
+            return await self._reverify(body)
         reply, session = last_reply(body.get("response")), self.sessions.get(token)
         if session is not None:
             async with session.lease.using():        # a second verify waits for the first's verdict
@@ -4276,6 +4706,31 @@ class GymSurface:
             return json_reply({"detail": "this rollout was verified already, with another response; a "
                                          "session scores once: seed a new session for a new rollout"}, 409)
         return json_reply(verdict.reply(body))
+
+    async def _reverify(self, body: dict[str, Any]) -> Any:
+        """A /verify with no session is ``gym eval reverify``'s: the rollout is replayed on an
+        episode of its own (GymSession.replay), which takes a slot as any rollout does."""
+        try:
+            split, index, _ = await self._task_of(body)
+        except ValueError as exc:
+            return json_reply({"detail": f"{exc}; a /verify without a session cookie replays the "
+                                         "rollout, so its row must name the task (or POST "
+                                         "/seed_session first, and send its cookie)"},
+                              422 if isinstance(exc, RowShapeError) else 400)
+        token = secrets.token_urlsafe(24)
+        session = self.sessions[token] = GymSession(token, body, self.rollouts.rollout(split, index),
+                                                    self.settings)
+        reply = last_reply(body["response"])
+        try:
+            async with session.lease.using():
+                outcome = await session.replay(body["response"])
+        finally:
+            await self._end(session, "reverified")
+        return json_reply(Verdict.of(reply, outcome, session.failure).reply(body))
+
+    async def reverify_mode(self, request: Any) -> Any:
+        # Replayed (see _reverify), a verify needs nothing but its body: Gym's "stateless".
+        return json_reply("stateless")
 
     async def close(self, request: Any) -> Any:
         body, problem = await json_body(request, allow_empty=True)
@@ -4306,20 +4761,24 @@ class GymSurface:
         return json_reply({"status": "closed"})
 
     async def aggregate(self, request: Any) -> Any:
-        body, problem = await json_body(request, allow_empty=True)
+        body, problem = await json_body(request)
         if problem:
             return problem
         given = body.get("verify_responses")
-        results = [r for r in given if isinstance(r, dict)] if isinstance(given, list) else []
-        scored = [float(r["reward"]) for r in results if not r.get("mask_sample")
-                  and isinstance(r.get("reward"), (int, float))]
-        metrics = {"mean/reward": sum(scored) / len(scored) if scored else None,
-                   "rollouts": len(results), "masked": len(results) - len(scored)}
-        return json_reply({"group_level_metrics": [], "agent_metrics": metrics, "key_metrics": metrics,
-                           "perf_summary": None, "repeat_level_metrics": []})
+        if not isinstance(given, list) or not all(isinstance(r, dict) for r in given):
+            return json_reply({"detail": [{"type": "list_type", "loc": ["body", "verify_responses"],
+                                           "msg": "verify_responses must be a list of the verify "
+                                                  "replies, each a JSON object"}]}, 422)
+        try:     # a run of thousands of rollouts: its arithmetic off the event loop
+            return json_reply(await asyncio.to_thread(aggregate_metrics, given))
+        except MetricsError as exc:
+            return json_reply({"detail": str(exc)}, 422)
 
-    ROUTES = [("GET", "/", alive), ("POST", "/seed_session", seed), ("POST", "/verify", verify),
-              ("POST", "/close_session", close), ("POST", "/aggregate_metrics", aggregate)]
+    # Gym's servers answer liveness at / and these; OpenEnv's surface owns /health.
+    ROUTES = [("GET", "/", alive), ("GET", "/healthz", alive), ("GET", "/livez", alive),
+              ("GET", "/readyz", alive), ("POST", "/seed_session", seed), ("POST", "/verify", verify),
+              ("POST", "/close_session", close), ("POST", "/aggregate_metrics", aggregate),
+              ("GET", "/reverify_mode", reverify_mode)]
     # Gym calls a tool at the route of its name: a catch-all, matched after every fixed route.
     TOOL_ROUTE = ("POST", "/{tool}", tool)
 
@@ -4374,12 +4833,12 @@ class Server:
     starts the runtime and the surfaces; its shutdown ends every session and tears down."""
 
     def __init__(self, runtime: Runtime | None, settings: Settings = Settings(), *,
-                 url: str | None = None, host: str = "127.0.0.1", port: int = 8000,
+                 url: str | None = None, host: str | None = "127.0.0.1", port: int | None = 8000,
                  token: str | None = None):
         from aiohttp import web
         self.runtime, self.settings, self.host, self.port = runtime, settings, host, port
-        self.app = web.Application(client_max_size=MAX_BODY,
-                                   middlewares=[bearer_token(token)] if token else [])
+        self.app = web.Application(client_max_size=MAX_BODY, middlewares=[
+            json_errors(), *([bearer_token(token)] if token else [])])
         sessions = Sessions(runtime.pool.limit if runtime else settings.max_concurrent_envs)
         self.openenv = OpenEnvSurface(runtime, sessions, settings) if runtime else None
         rollouts: Rollouts = LocalRollouts(runtime) if runtime else RemoteRollouts(str(url), settings)
@@ -4405,11 +4864,13 @@ class Server:
         for surface in self.surfaces:
             await surface.start()
         if self.runtime is not None:
-            bundle, url = self.runtime.bundle, f"http://{self.host}:{self.port}"
+            # build_app's app learns where it listens only from its runner: it names the routes
+            bundle = self.runtime.bundle
+            url = f"http://{self.host}:{self.port}" if self.host is not None else ""
             log.info("Serving %s: %d tasks in the splits %s, up to %d episodes at once, envs in the "
-                     "%s sandbox, at %s (OpenEnv: %s/ws; NeMo Gym: %s/seed_session).", bundle.name,
+                     "%s sandbox, %s(OpenEnv: %s/ws; NeMo Gym: %s/seed_session).", bundle.name,
                      len(bundle.tasks), ", ".join(bundle.splits), self.runtime.pool.limit,
-                     self.runtime.sandbox.kind, url, url, url)
+                     self.runtime.sandbox.kind, f"at {url} " if url else "", url, url)
             if warm := self.runtime.warm.counts["target"]:
                 log.info("Keeping %d warm env(s) started and ready ahead of demand (%s), beside the "
                          "%d episode slots.", warm, self.runtime.warm.describe(),
@@ -4424,6 +4885,87 @@ class Server:
             await surface.stop()
         if self.runtime is not None:
             await self.runtime.close()
+
+
+SANDBOXES = ("auto", "docker", "local")
+
+
+def build_app(bundle: str | os.PathLike | collections.abc.Mapping[str, str | os.PathLike], *,
+              reward: str | None = None,
+              sandbox: str | None = None,
+              max_concurrent_envs: int = Settings.max_concurrent_envs,
+              deploy_timeout: float = Settings.deploy_timeout,
+              tool_timeout: float = Settings.tool_timeout,
+              reset_timeout: float = Settings.reset_timeout,
+              idle_timeout: float = Settings.idle_timeout,
+              client_timeout: float = Settings.client_timeout,
+              reply_margin: float = Settings.reply_margin,
+              verifier_timeout: float = Settings.verifier_timeout,
+              warm: int = Settings.warm,
+              warm_env: collections.abc.Mapping[str, int] | None = None,
+              token: str | None = None) -> Any:
+    """The aiohttp application that serves a bundle on both wires (OpenEnv's and NeMo Gym's) out
+    of one pool of episodes; run it with ``aiohttp.web.run_app(app, host=..., port=...)`` or any
+    aiohttp runner. Its start-up opens the sandbox and builds the envs' images; its shutdown ends
+    every live episode and tears its envs down.
+
+    ``bundle`` is a bundle's folder, or a mapping of split name to bundle folder (each bundle's
+    tasks one split, and 'all' every task). ``sandbox``: 'docker', 'local' or None/'auto' (docker
+    when a daemon answers). ``token``: every request must carry ``Authorization: Bearer TOKEN``.
+    The deadlines are ``serve``'s, in seconds; ``warm`` and ``warm_env`` ({env: count}) are its
+    --warm and --warm-env. A bad argument raises AgentEnvError, saying the fix, before anything
+    starts."""
+    settings = dataclasses.replace(_settings(
+        max_concurrent_envs=max_concurrent_envs, deploy_timeout=deploy_timeout,
+        tool_timeout=tool_timeout, reset_timeout=reset_timeout, idle_timeout=idle_timeout,
+        client_timeout=client_timeout, reply_margin=reply_margin,
+        verifier_timeout=verifier_timeout), warm=warm_count(warm, f"warm={warm!r}"),
+        warm_env=warm_envs(dict(warm_env or {}), "warm_env"))
+    return _server(bundle, reward=reward, sandbox=sandbox, token=token, settings=settings).app
+
+
+def _settings(**given: Any) -> Settings:
+    """Settings from build_app's (or serve's) arguments; AgentEnvError for a value out of range."""
+    for key, value in given.items():
+        whole = key == "max_concurrent_envs"
+        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or \
+                not math.isfinite(value) or value <= 0:
+            what = "a whole number of at least 1" if whole else "a positive number of seconds"
+            raise AgentEnvError(f"{key}={value!r}: it must be {what}, such as "
+                                f"{_plain(getattr(Settings, key))}")
+    return Settings(**given)
+
+
+def _server(bundle: Any, *, reward: str | None, sandbox: str | None, token: str | None,
+            settings: Settings, host: str | None = None, port: int | None = None) -> Server:
+    """build_app's Server (serve's too, which knows where it listens): checked, loaded, unstarted."""
+    kind = "auto" if sandbox is None else sandbox
+    if kind not in SANDBOXES:
+        raise AgentEnvError(f"sandbox={sandbox!r} is not a sandbox agentenv.py runs envs in; pass "
+                            "'docker', 'local', or None (docker when a daemon answers, else local)")
+    if token is not None and (not isinstance(token, str) or not token):
+        raise AgentEnvError("token must be non-empty text (what clients send as Authorization: "
+                            "Bearer TOKEN), or None for no token")
+    if isinstance(bundle, collections.abc.Mapping):
+        if not bundle:
+            raise AgentEnvError("the mapping of splits to bundle folders is empty; give at least "
+                                "one, such as {'train': 'bundles/train', 'eval': 'bundles/eval'}")
+        for split in bundle:
+            if not isinstance(split, str) or not split.strip() or split == "all":
+                raise AgentEnvError(f"{split!r} cannot name a split: name each bundle's split with "
+                                    "text other than 'all' (which holds every task)")
+        loaded = Bundle.of_splits({split: Bundle.load(folder, reward) for split, folder in bundle.items()})
+    elif isinstance(bundle, (str, os.PathLike)):
+        loaded = Bundle.load(bundle, reward)
+    else:
+        raise AgentEnvError(f"bundle must be a bundle's folder, or a mapping of split name to folder, "
+                            f"not {type(bundle).__name__}")
+    runtime = Runtime(loaded, sandbox=kind, max_concurrent_envs=settings.max_concurrent_envs,
+                      deploy_timeout=settings.deploy_timeout,
+                      verifier_timeout=settings.verifier_timeout,
+                      knob="build_app's max_concurrent_envs" if host is None else SERVE_KNOB,
+                      warm=settings.warm, warm_env=settings.warm_env)
+    return Server(runtime, settings, host=host, port=port, token=token)
 
 
 def _add_route(router: Any, method: str, path: str, handler: Callable) -> None:
@@ -5453,26 +5995,25 @@ async def check(folder: str, sandbox: str, reward: str | None, out: Callable[[st
 
 def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
-    settings = Settings(
-        max_concurrent_envs=args.max_concurrent_envs or _env_int(
-            "MAX_CONCURRENT_ENVS", Settings.max_concurrent_envs),
-        warm=warm_count(args.warm, f"--warm {args.warm}"),
-        warm_env=warm_envs(args.warm_env or [], "--warm-env"),
-        **{key: getattr(args, key) for key in SERVE_SETTINGS})
     for key in SERVE_SETTINGS:
-        if not getattr(settings, key) > 0:
+        if not getattr(args, key) > 0:
             raise AgentEnvError(f"--{key.replace('_', '-')} must be a positive number of seconds, not "
-                                f"{getattr(settings, key)!r}")
-    bundle = Bundle.load(args.bundle, args.reward)
+                                f"{getattr(args, key)!r}")
+    limit = args.max_concurrent_envs or _env_int("MAX_CONCURRENT_ENVS", Settings.max_concurrent_envs)
+    if limit < 1:
+        raise AgentEnvError(f"--max-concurrent-envs (or MAX_CONCURRENT_ENVS) is {limit}; run at "
+                            "least 1 episode at once")
+    settings = dataclasses.replace(
+        _settings(max_concurrent_envs=limit, **{key: getattr(args, key) for key in SERVE_SETTINGS}),
+        warm=warm_count(args.warm, f"--warm {args.warm}"),
+        warm_env=warm_envs(args.warm_env or [], "--warm-env"))
     token = args.token or os.environ.get("AGENTENV_TOKEN") or None
     if not is_loopback(args.host) and not token:
         log.warning("Serving on %s with no token: anyone who can reach this port can run the "
                     "bundle's envs and tools. Pass --token (or set AGENTENV_TOKEN) so every request "
                     "must carry it, or bind 127.0.0.1.", args.host or "every interface")
-    runtime = Runtime(bundle, sandbox=args.sandbox, max_concurrent_envs=settings.max_concurrent_envs,
-                      deploy_timeout=settings.deploy_timeout, warm=settings.warm,
-                      warm_env=settings.warm_env)
-    server = Server(runtime, settings, host=args.host, port=args.port, token=token)
+    server = _server(args.bundle, reward=args.reward, sandbox=args.sandbox, token=token,
+                     settings=settings, host=args.host, port=args.port)
     wait_for_children_by_pidfd()
     web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None,
                 shutdown_timeout=30)

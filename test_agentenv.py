@@ -2453,6 +2453,66 @@ def test_closing_the_runtime_abandons_live_episodes(make_bundle):
     assert run(go()) == agentenv.Outcome("abandoned", {}, None, agentenv.Failure("session_lost", "the server shut down"))
 
 
+# ================================================================ The app: build_app
+
+@pytest.mark.parametrize("given, says", [
+    ({"bundle": "no/such/folder"}, "there is no bundle folder here"),
+    ({"max_concurrent_envs": 0}, "max_concurrent_envs=0: it must be a whole number of at least 1"),
+    ({"max_concurrent_envs": "8"}, "max_concurrent_envs='8': it must be a whole number"),
+    ({"max_concurrent_envs": True}, "max_concurrent_envs=True: it must be a whole number"),
+    ({"tool_timeout": -1}, "tool_timeout=-1: it must be a positive number of seconds, such as 60"),
+    ({"idle_timeout": float("inf")}, "idle_timeout=inf: it must be a positive number of seconds"),
+    ({"sandbox": "cloud"}, "sandbox='cloud' is not a sandbox agentenv.py runs envs in; pass 'docker', "
+                           "'local', or None"),
+    ({"token": ""}, "token must be non-empty text"),
+    ({"bundle": {}}, "the mapping of splits to bundle folders is empty"),
+    ({"bundle": {"all": "x"}}, "'all' cannot name a split"),
+    ({"bundle": 5}, "bundle must be a bundle's folder, or a mapping of split name to folder, not int"),
+])
+def test_build_app_refuses_a_bad_argument_before_anything_starts(make_bundle, given, says):
+    root = make_bundle({"a": simple()})
+    with pytest.raises(AgentEnvError) as caught:
+        agentenv.build_app(**{"bundle": root, **given})
+    assert says in str(caught.value)
+
+
+def test_build_app_serves_a_mapping_of_bundles_each_a_split(make_bundle):
+    train = make_bundle({"a": simple(), "b": simple()}, name="train")
+    held_out = make_bundle({"a": simple()}, name="held-out")
+    app = agentenv.build_app({"train": train, "eval": held_out}, sandbox="local",
+                             max_concurrent_envs=2)
+    assert isinstance(app, web.Application)
+
+    async def go():
+        from aiohttp.test_utils import TestServer
+        async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as http:
+            async with http.get(server.make_url("/reverify_mode")) as resp:
+                assert await resp.json() == "stateless"
+            name = (await (await http.get(server.make_url("/list_environments"))).json())[0]
+            found = {}
+            for split in ("all", "train", "eval"):
+                async with http.post(server.make_url(f"/{name}/tasks"), json={"split": split}) as resp:
+                    found[split] = resp.status, await resp.json()
+            return name, found
+
+    name, found = run(go())
+    assert name == "train+held-out"
+    ids = {split: [t["id"] for t in body["tasks"]] for split, (_, body) in found.items()}
+    assert [i.rsplit("/", 2)[-2:] for i in ids["train"]] == [["train", "a"], ["train", "b"]]
+    assert [i.rsplit("/", 2)[-2:] for i in ids["eval"]] == [["held-out", "a"]]
+    assert ids["all"] == ids["train"] + ids["eval"]
+
+
+def test_build_app_refuses_two_bundles_with_different_envs_of_one_name(make_bundle):
+    train = make_bundle({"a": simple()}, name="train")
+    other = make_bundle({"a": simple()}, name="other")
+    (other / "envs" / "main" / "server.py").write_text(FAKE_SERVER + "\n# another env\n")
+    with pytest.raises(BundleError) as caught:
+        agentenv.build_app({"train": train, "eval": other})
+    assert "envs/main: the bundles of the splits 'train' and 'eval' both have one of that name, " \
+           "with other contents; rename it in one of them" in str(caught.value)
+
+
 # ================================================================ Eval
 
 def test_eval_speaks_chat_as_responses_items():

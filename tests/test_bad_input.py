@@ -298,12 +298,12 @@ def test_seed_wrong_types(server):
             row = {**gym_row(SAVE), **fields}
             row.pop("task_id")
             reply = request(server.url + "/seed_session", body=row)
-            assert (reply.status, reply.json()) == (400, {"detail": needs}), fields
+            assert (reply.status, reply.json()) == (422, {"detail": needs}), fields
             assert "Set-Cookie" not in reply.headers            # no session was made
         # the newer environment servers' form: the row under task_data, checked the same way
         reply = request(server.url + "/seed_session",
                         body={"task_data": {"split": "all", "index": "0"}, "resources_session_id": "r"})
-        assert (reply.status, reply.json()) == (400, {"detail": needs})
+        assert (reply.status, reply.json()) == (422, {"detail": needs})
 
 
 def test_verify_wrong_types(server):
@@ -347,10 +347,13 @@ def test_close_session_and_aggregate_wrong_types(server):
             assert reply.status == 200 and reply.json()["status"] == "already_closed"
         # an empty body is allowed on close_session (Gym sends none)
         assert request(server.url + "/close_session", body=b"").json() == {"status": "already_closed"}
-        for results in ("ab", {"a": 1}, [1, "x", None], [{"reward": "high"}], None):
+        # what Gym's own server refuses (422), and a reward that isn't a number, not measured
+        for results in ("ab", {"a": 1}, [1, "x", None], None):
             reply = request(server.url + "/aggregate_metrics", body={"verify_responses": results})
-            assert reply.status == 200, (results, reply.text)
-            assert reply.json()["agent_metrics"]["mean/reward"] is None
+            assert reply.status == 422, (results, reply.text)
+            assert "verify_responses" in json.dumps(reply.json()["detail"])
+        reply = request(server.url + "/aggregate_metrics", body={"verify_responses": [{"reward": "high"}]})
+        assert reply.status == 200 and "mean/reward" not in reply.json()["agent_metrics"]
 
 
 def test_aggregate_metrics_with_a_number_of_results(server):

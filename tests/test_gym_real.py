@@ -188,7 +188,8 @@ def cli(gym) -> harness.CliRun:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("AGENTENV_STATE_DIR", str(gym["state"]))
         try:
-            run = harness.run_cli(root, name, jsonl, work_dir=gym["base"] / "cli", more_servers=more)
+            run = harness.run_cli(root, name, jsonl, work_dir=gym["base"] / "cli", more_servers=more,
+                                  reverify=True)
         except NamespaceUnavailable as exc:
             why = (f"gym env start starts Ray, which runs only inside a loopback-only network "
                    f"namespace here, and none could be made ({exc}); run the tests as root")
@@ -350,6 +351,27 @@ def test_cli_aggregate_metrics(cli):
         sorted(p.name for p in cli.output_dir.iterdir())
     assert cli.aggregate is not None
     print(f"[cli] aggregate metrics: {json.dumps(cli.aggregate)[:600]}")
+
+
+def test_cli_reverify_recomputes_every_reward(cli):
+    """``gym eval reverify`` on the run's rollouts, against the servers write-gym wrote: it asks
+    GET /reverify_mode (stateless, so no --force), and each /verify, with no session, replays the
+    rollout on a fresh episode: the same rewards and the same masks, for the same reasons."""
+    log = cli.logs["gym-eval-reverify"].read_text(errors="replace")
+    assert "reverify_mode=UNSUPPORTED" not in log
+    again = {r["case"]: r for r in cli.reverified}
+    assert sorted(again) == sorted(r["case"] for r in cli.rollouts), log[-3000:]
+    for rollout in cli.rollouts:
+        redone = again[rollout["case"]]
+        print(f"[reverify] {show(rollout['case'], redone)}")
+        assert (redone["reward"], redone["mask_sample"], redone.get("failure_kind")) == \
+            (rollout["reward"], rollout["mask_sample"], rollout.get("failure_kind")), rollout["case"]
+    check_two_step(again["notes_two_step"])
+    check_mismatch(again["notes_tools_mismatch"])
+    assert cli.reverify_aggregate, "gym eval reverify wrote no aggregate metrics"
+    print(f"[reverify] it left {len(cli.reverify_left)} servers running, SIGINTed")
+    keys = {k for entry in cli.reverify_aggregate for k in entry["agent_metrics"]}
+    assert {"mean/reward", "std/reward", "coverage/masked_rollouts"} <= keys
 
 
 def gym_unregistered(kinds: list[str]) -> list[str]:

@@ -1,6 +1,6 @@
 """Run a resources server under the REAL NeMo Gym 0.7 (installed by ``.ci/gym-venv.sh``).
 
-Three things:
+Four things:
 
 * ``gym_venv_problem()``: ``None`` when the Gym venv is ready, else the skip reason (it starts with
   ``SKIP_REASON``); ``skip_unless_gym_venv()`` skips a test with it (fails instead when
@@ -15,7 +15,9 @@ Three things:
   resources server, simple_agent, legacy_agent, openai_model pointed at the fake), then
   ``gym eval run --no-serve``; returns the rollouts, the aggregate metrics and the command lines.
   ``more_servers=[(root, name), ...]`` starts further resources servers in the same run, each row
-  then going to its own ``agent_ref``.
+  then going to its own ``agent_ref``; ``reverify=True`` then runs ``gym eval reverify`` on them.
+* ``resources_server(dir, name, work_dir=...)``: one resources server's ``app.py`` alone, as Gym
+  starts it (the reference server of tests/test_gym_parity.py, ``REFERENCE_DIR``); yields its URL.
 
 Every child runs in its own session (``start_new_session=True``), is stopped with SIGINT (the only
 signal Gym shuts down cleanly on) and, failing that, SIGKILLed. Every child's environment carries a
@@ -467,6 +469,36 @@ def run_lightest(root: Path, name: str, rows: list[dict] | dict, *, work_dir: Pa
                        model_requests=list(own_model.requests) if own_model else [])
 
 
+# ----------------------------------------------------------------------------- one server alone
+
+REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
+
+
+@contextlib.contextmanager
+def resources_server(server_dir: Path, name: str, *, work_dir: Path, venv: Path | None = None,
+                     ready_timeout: float = 120):
+    """A resources server's ``app.py`` started alone, as Gym starts one (its instance config in
+    ``NEMO_GYM_CONFIG_DICT``, ``cd <dir> && <venv>/bin/python app.py``), on a free port; yields its
+    URL once ``GET /`` answers, and SIGINTs it (and whatever it started) at the end."""
+    venv = Path(venv or gym_venv())
+    server_dir = Path(server_dir).resolve()
+    port, head_port = free_ports(2)
+    config = {name: {"resources_servers": {name: {"entrypoint": "app.py", "domain": "agent",
+                                                  "host": HOST, "port": port}}},
+              "head_server": {"host": HOST, "port": head_port}, "dry_run": False}
+    group = ProcessGroup(venv, Path(work_dir) / "logs")
+    env = group.env({"NEMO_GYM_CONFIG_PATH": name, "PYTHONPATH": str(server_dir),
+                     "NEMO_GYM_CONFIG_DICT": yaml.safe_dump(config, sort_keys=False)})
+    try:
+        child = group.spawn(name, [str(venv / "bin" / "python"), "app.py"], cwd=server_dir, env=env)
+        wait_http(f"http://{HOST}:{port}/", child, ready_timeout)
+        yield f"http://{HOST}:{port}"
+    finally:
+        leftovers = group.stop_all()
+        if leftovers:
+            raise GymHarnessError(f"{name} left {leftovers} running")
+
+
 # ----------------------------------------------------------------------------- full CLI variant
 
 @dataclass
@@ -480,7 +512,10 @@ class CliRun:
     start_exit_code: int | None           # gym env start's exit status after SIGINT
     leftovers: list[tuple[int, str]] = field(default_factory=list)
     model_requests: list[tuple[str, Any]] = field(default_factory=list)
-    model_served: list[tuple[str, float, float]] = field(default_factory=list)   # (path, began, s)
+    model_served: list[tuple[str, float, float]] = field(default_factory=list)   # (path, began, s
+    reverified: list[dict] = field(default_factory=list)   # gym eval reverify's output (reverify=True)
+    reverify_aggregate: Any = None                         # and its aggregate metrics
+    reverify_left: list[tuple[int, str]] = field(default_factory=list)  # servers it left running
 
 
 VENV_LINKS = (("responses_api_agents", "simple_agent"), ("environment_servers", "legacy_agent"),
@@ -513,7 +548,7 @@ def run_cli(root: Path, name: str, jsonl: Path, *, work_dir: Path, venv: Path | 
             agent: str | None = None, more_servers: Iterable[tuple[Path, str]] = (),
             start_overrides: Iterable[str] = (),
             eval_args: Iterable[str] = (), ready_timeout: float = 300, eval_timeout: float = 600,
-            stop_timeout: float = 90) -> CliRun:
+            stop_timeout: float = 90, reverify: bool = False) -> CliRun:
     """The §6.2 full-CLI variant: ``gym env start`` then ``gym eval run --no-serve``, SIGINT-stopped.
 
     ``gym env start`` starts Ray, which contacts outside addresses even on loopback, so the whole
@@ -528,6 +563,12 @@ def run_cli(root: Path, name: str, jsonl: Path, *, work_dir: Path, venv: Path | 
     ``more_servers`` lists further ``(root, name)`` resources servers started by the same
     ``gym env start`` (one ``--config`` each, one ``--search-dir`` per distinct root). With them and
     no ``agent``, ``gym eval run`` gets no ``--agent``: each row goes to its own ``agent_ref``.
+
+    With ``reverify``, once the rollouts are in, ``gym env start`` is stopped and ``gym eval
+    reverify`` runs on them (it starts the same servers itself, and verifies every rollout again
+    with no session, as reverification does); its lines and aggregate land in the CliRun. Gym
+    0.7's reverify exits leaving those servers running: they are SIGINTed (``reverify_left``)
+    and given ``stop_timeout`` to end before leftovers are counted.
     """
     from . import fake_model
 
@@ -557,6 +598,9 @@ def run_cli(root: Path, name: str, jsonl: Path, *, work_dir: Path, venv: Path | 
     start_child = None
     rollouts: list[dict] = []
     aggregate = None
+    reverified: list[dict] = []
+    reverify_aggregate = None
+    reverify_left: list[tuple[int, str]] = []
     commands: list[str] = []
     try:
         if model_base_url is None:
@@ -592,6 +636,33 @@ def run_cli(root: Path, name: str, jsonl: Path, *, work_dir: Path, venv: Path | 
         rollouts = read_jsonl(rollouts_path)
         agg_path = out_dir / "rollouts_aggregate_metrics.json"
         aggregate = json.loads(agg_path.read_text()) if agg_path.is_file() else None
+        if reverify:
+            ProcessGroup.stop(start_child, grace=stop_timeout, whole_group=False)
+            reverified_path = out_dir / "reverified.jsonl"
+            reverify_argv = [gym, "eval", "reverify", *configs, *search_dirs,
+                             "--model-type", "openai_model", f"+policy_model_name={fake_model.MODEL_ID}",
+                             f"+policy_base_url={model_base_url}", "+policy_api_key=dummy",
+                             "+skip_venv_if_present=true", f"+uv_venv_dir={uv_venv_dir}",
+                             f"+head_server.port={head_port}",
+                             "--inputs", str(out_dir / "rollouts_materialized_inputs.jsonl"),
+                             "--rollouts", str(rollouts_path), "--output", str(reverified_path)]
+            commands.append(_show(reverify_argv, cwd=work_dir, env=shown_env))
+            t_reverify = time.monotonic()
+            group.run("gym-eval-reverify", namespace.argv(reverify_argv), cwd=work_dir, env=env,
+                      timeout=eval_timeout)
+            timings["reverify"] = time.monotonic() - t_reverify
+            # gym eval reverify (0.7) exits leaving the servers it started running: SIGINT them,
+            # as Gym stops its servers, and let them wind down before anything is counted left.
+            reverify_left = _tagged_pids(group.tag)
+            for pid, _ in reverify_left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGINT)
+            deadline = time.monotonic() + stop_timeout
+            while _tagged_pids(group.tag) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            reverified = read_jsonl(reverified_path)
+            agg_path = out_dir / "reverified_aggregate_metrics.json"
+            reverify_aggregate = json.loads(agg_path.read_text()) if agg_path.is_file() else None
     finally:
         t_stop = time.monotonic()
         if start_child is not None:
@@ -607,4 +678,6 @@ def run_cli(root: Path, name: str, jsonl: Path, *, work_dir: Path, venv: Path | 
                   timings=timings, logs={c.name: c.log for c in group.children},
                   start_exit_code=start_child.proc.returncode if start_child else None,
                   leftovers=leftovers, model_requests=list(own_model.requests) if own_model else [],
-                  model_served=list(own_model.served) if own_model else [])
+                  model_served=list(own_model.served) if own_model else [],
+                  reverified=reverified, reverify_aggregate=reverify_aggregate,
+                  reverify_left=reverify_left)
