@@ -287,7 +287,7 @@ def test_a_gym_config_sets_the_settings_and_the_rest_keep_their_defaults():
     assert settings == agentenv.Settings(tool_timeout=5, deploy_timeout=30.5, max_concurrent_envs=16)
     assert settings.gym_config(bundle=True) == {
         "tool_timeout": 5, "reset_timeout": 600, "idle_timeout": 600, "max_concurrent_envs": 16,
-        "deploy_timeout": 30.5}
+        "deploy_timeout": 30.5, "bash_timeout": 300}
     assert agentenv.Settings().gym_config(bundle=False) == {
         "tool_timeout": 60, "reset_timeout": 600, "idle_timeout": 600}
 
@@ -431,9 +431,10 @@ def test_seeded_fills_placeholders_in_string_leaves(make_bundle):
 STEP_REFUSALS = {
     # case: (steps, parts the problem must have)
     "unknown step type": (
-        simple() + [{"id": "run", "type": "run_code", "code": "print(1)"}],
-        ["step 'run'", "type 'run_code'", "does not run", "deploy_env, apply_server_config, "
-         "deploy_agent, prompt_agent, env_outcome_verifier, agent_prompt_response_verifier"]),
+        simple() + [{"id": "run", "type": "snapshot_env", "env_id": "notes"}],
+        ["step 'run'", "type 'snapshot_env'", "does not run", "deploy_env, apply_server_config, "
+         "deploy_agent, prompt_agent, env_outcome_verifier, agent_prompt_response_verifier, "
+         "deploy_sandbox, add_skills, load_artifact, run_code"]),
     "a type that is not text": (
         simple() + [{"id": "run", "type": ["deploy_env"]}, {"id": "run2", "type": {"a": 1}}],
         ["step 'run'", "type ['deploy_env']", "does not run", "deploy_env, apply_server_config"]),
@@ -723,7 +724,7 @@ def test_env_toml_names_the_env_and_its_dockerfile(make_bundle):
 @pytest.mark.parametrize("stray, parts", [
     ("agents/helper/", ["agents/: agentenv.py plays the agent from outside and runs no agents",
                         "remove the folder"]),
-    ("skills/s/", ["skills/: agentenv.py plays the agent from outside and runs no skills"]),
+    ("skills/s/", ["skills/s/: has no SKILL.md", "a skill is a folder with its SKILL.md"]),
     ("bundle.toml", ["bundle.toml: reserved", "remove it"]),
 ])
 def test_folders_and_files_agentenv_does_not_run(make_bundle, stray, parts):
