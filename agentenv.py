@@ -244,7 +244,7 @@ STEP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
                        {"image", "port", "cpu", "memory_mb", "env_vars", "exposed_ports"}),
     "add_skills": ({"skills"}, {"agent_name"}),
     "load_artifact": (set(), {"artifacts", "artifact_id", "artifact_version", "destination_path",
-                              "agent_name", "sandbox_name", "urls"}),
+                              "agent_name", "sandbox_name", "container_name", "urls"}),
     "run_code": ({"script_artifact_id"}, {"script_artifact_version", "script_file", "entrypoint",
                                           "args", "result_id", "timeout_seconds", "agent_name",
                                           "sandbox_name"}),
@@ -1054,9 +1054,15 @@ class TaskCheck:
         targets = [k for k in ("agent_name", "sandbox_name") if step.get(k)]
         if len(targets) != 1:
             self.problem(step, "names where to load: set agent_name (the agent's box) or "
-                               "sandbox_name (a deploy_sandbox box), one of them")
+                               "sandbox_name (a deploy_sandbox box, and container_name for a "
+                               "container it runs), one of them")
         else:
             self.box(step, None)
+        if step.get("container_name"):
+            where = (step.get("sandbox_name"), step.get("container_name"))
+            if where not in self.containers:
+                self.problem(step, f"Container {where[1]!r} not found on sandbox {where[0]!r}: no "
+                                   "earlier run_docker_container step runs it")
         listed = step.get("artifacts")
         names = [a.get("id") if isinstance(a, dict) else None for a in listed] \
             if isinstance(listed, list) else None
@@ -1606,6 +1612,7 @@ class LocalSandbox(Sandbox):
         self.records.mkdir(parents=True, exist_ok=True)
         folder = Path(tempfile.mkdtemp(prefix=f"box-{plain_slug(name)}-", dir=self.records))
         (folder / "app").mkdir()
+        (folder / "tmp").mkdir()
         (folder / "home" / "skills").mkdir(parents=True)
         return LocalBox(folder, name, self.owner)
 
@@ -2139,7 +2146,9 @@ class DockerBox(Box):
         super().__init__(name)
         self.sandbox, self.container = sandbox, container
         self.user = user or "root"
-        self.exec_user = user          # None: the image's own user
+        self.exec_user = user          # None: the image's own user, in its own working folder
+        if user is None:
+            self.workdir = ((container.attrs or {}).get("Config") or {}).get("WorkingDir") or "/"
 
     async def run(self, argv: list[str], timeout: float, *, root: bool = False,
                   cwd: str | None = None, env: dict[str, str] | None = None,
@@ -2288,7 +2297,8 @@ class LocalBox(Box):
 
     def here(self, path: str) -> str:
         """A box path on this machine: /app and /home/agent are the work folder's."""
-        for box, local in (("/app", self.workdir), ("/home/agent", self.home)):
+        for box, local in (("/app", self.workdir), ("/home/agent", self.home),
+                           ("/tmp", str(self.folder / "tmp"))):
             if path == box or path.startswith(box + "/"):
                 return local + path[len(box):]
         return path
@@ -2296,7 +2306,7 @@ class LocalBox(Box):
     def _script(self, argv: list[str]) -> list[str]:
         # the script of a `bash -c`: its /app and /home/agent paths are the work folder's too
         if len(argv) >= 3 and argv[1] == "-c" and Path(argv[0]).name in ("bash", "sh"):
-            script = re.sub(r"(?<![\w.-])(/app|/home/agent)(?=/|\b|$)",
+            script = re.sub(r"(?<![\w.-])(/app|/home/agent|/tmp)(?=/|\b|$)",
                             lambda m: self.here(m[1]), argv[2])
             return [argv[0], "-c", script, *argv[3:]]
         return [self.here(a) if a.startswith("/") else a for a in argv]
@@ -3277,7 +3287,8 @@ class Episode:
             await self._add_skill(skill)
 
     async def _load_artifact(self, step: Step) -> None:
-        box = self._box_of(step, None)
+        box = self.containers[(step.get("sandbox_name"), step.get("container_name"))] \
+            if step.get("container_name") else self._box_of(step, None)
         to_agent = not step.get("sandbox_name")
         dest = box.path(step.get("destination_path") or ("/tmp/file_artifacts" if to_agent
                                                           else "/loaded"))
