@@ -442,3 +442,42 @@ async def _box_id(gym: Gym, boxes: list) -> set[str]:
         if ran.output.decode().strip() == marker:
             found.add(box.id)
     return found
+
+
+# ================================================================ write-gym rows, and Gym's own simple_agent
+
+def test_write_gym_rows_offer_bash_first_and_gyms_simple_agent_plays_pyfix(tmp_path, no_box_left,
+                                                                           docker_client):
+    """The rows write-gym writes offer bash (the spec's descriptor) before end_turn; Gym 0.7's real
+    simple_agent with a scripted model plays them on the written resources server: the fix scores
+    1.0, nothing 0.0, and a command past its deadline is answered and the rollout goes on."""
+    from tests.gym import harness as gym_harness
+
+    gym_harness.skip_unless_gym_venv()
+    target = run(agentenv.write_gym(str(PYFIX), str(tmp_path / "root"), sandbox="docker",
+                                    out=lambda _: None), 180)
+    rows = [json.loads(line) for line in (target / "data" / "eval.jsonl").read_text().splitlines()]
+    tools = rows[0]["responses_create_params"]["tools"]
+    assert [t["name"] for t in tools] == ["bash", "end_turn"]
+    assert tools[0] == {"type": "function", "name": "bash", "strict": False,
+                        "description": agentenv.BASH_TOOL["description"],
+                        "parameters": agentenv.BASH_SCHEMA}
+    name = rows[0]["task_id"].rsplit("/", 1)[-1]
+
+    def scripted(row: dict, script: list[dict]) -> dict:
+        row = json.loads(json.dumps(row))
+        row["responses_create_params"].setdefault("metadata", {})["script"] = json.dumps(script)
+        return row
+    fix = {"tool": "bash", "args": {"command": fix_command(name)}}
+    played = gym_harness.run_lightest(tmp_path / "root", agentenv.gym_name("pyfix-v1"), [
+        scripted(rows[0], [fix, {"text": "Fixed."}]),
+        scripted(rows[0], [{"text": "Nothing to fix."}]),
+        scripted(rows[0], [{"tool": "bash", "args": {"command": "sleep 60"}}, fix, {"text": "Done."}]),
+    ], work_dir=tmp_path / "gym", resources_overrides={"tool_timeout": 6})
+    assert played.leftovers == []
+    fixed, nothing, slow = played.results
+    assert (fixed["reward"], fixed["mask_sample"]) == (1.0, False), fixed
+    assert (nothing["reward"], nothing["mask_sample"]) == (0.0, False), nothing
+    assert (slow["reward"], slow["mask_sample"]) == (1.0, False), slow
+    answered = [i["output"] for i in slow["response"]["output"] if i["type"] == "function_call_output"]
+    assert answered[0].startswith("error: the command timed out after 4.8s"), answered
