@@ -147,6 +147,51 @@ def test_verify_sandbox_and_aggregates_give_the_spec_scores(request, tmp_path, s
     assert time.monotonic() - started < 60
 
 
+# ================================================================ 8.2: run_code's outcomes
+
+CODE = {"run.py": "import helper\n\ndef run(data):\n    return {'value': helper.VALUE}\n\n"
+                  "def other(data):\n    return {'entry': 'other', 'args': data['args'], "
+                  "'before': sorted(data['results'])}\n",
+        "helper.py": "VALUE = 42\n"}
+BOOM = {"boom.py": "def run(data):\n    raise ValueError('the script blew up')\n"}
+SLOW = {"slow.py": "import time\n\ndef run(data):\n    time.sleep(30)\n"}
+
+
+def test_run_code_results_and_failures(tmp_path):
+    def code(sid, artifact, **more):
+        return {"id": sid, "type": "run_code", "sandbox_name": "box", "script_artifact_id": artifact,
+                "fail_task_on_error": False, "depends_on": ["ask"], **more}
+    steps = [{"id": "box", "type": "deploy_sandbox", "sandbox_name": "box", "sandbox_mode": "vm"},
+             {"id": "solver", "type": "deploy_agent", "agent_name": "solver"},
+             {"id": "ask", "type": "prompt_agent", "agent_name": "solver", "prompt": "Hi."},
+             code("multi", "code"), code("other", "code", entrypoint="other", args={"n": 1},
+                                         depends_on=["multi"]),
+             code("boom", "boom"), code("missing-entry", "boom", entrypoint="nope"),
+             code("slow", "slow", timeout_seconds=2),
+             {"id": "check", "type": "verify_sandbox", "sandbox_name": "box", "depends_on": ["ask"],
+              "criteria": [{"type": "bash_cmd_succeeds", "bash_cmd": "true"}]}]
+    loaded = agentenv.Bundle.load(bundle(tmp_path / "sbx-code", {"code": steps},
+                                         {"code": CODE, "boom": BOOM, "slow": SLOW}))
+
+    async def play():
+        async with agentenv.Runtime(loaded, sandbox="local") as runtime:
+            episode = runtime.episode(loaded.tasks["code"])
+            (await episode.next_turn()).end("ok")
+            return await episode.result(), episode
+    started = time.monotonic()
+    outcome, episode = run(play(), 60)
+    assert outcome.scores == {"check": 1.0} and outcome.status == "scored"
+    assert episode.script_results == {"multi": {"value": 42},
+                                      "other": {"entry": "other", "args": {"n": 1}, "before": ["multi"]}}
+    boom = episode.errors["boom"]
+    assert boom.startswith("run_code 'boom': exited 1: ") and "Traceback" in boom
+    assert boom.endswith("ValueError: the script blew up")
+    assert "AttributeError: module 'agent_env_user_script' has no attribute 'nope'" in \
+        episode.errors["missing-entry"]
+    assert episode.errors["slow"] == "run_code 'slow': timed out after 2s"
+    assert time.monotonic() - started < 20
+
+
 # ================================================================ 8.3: bash in a sandboxed agent
 
 AGENT_TASK = [
@@ -481,3 +526,32 @@ def test_write_gym_rows_offer_bash_first_and_gyms_simple_agent_plays_pyfix(tmp_p
     assert (slow["reward"], slow["mask_sample"]) == (1.0, False), slow
     answered = [i["output"] for i in slow["response"]["output"] if i["type"] == "function_call_output"]
     assert answered[0].startswith("error: the command timed out after 4.8s"), answered
+
+
+def test_boxes_go_with_their_episode_and_a_killed_servers_boxes_are_swept(tmp_path, no_box_left,
+                                                                          docker_client):
+    from tests.harness import Server, running
+
+    first = Server.serve(PYFIX, tmp_path / "first", sandbox="docker")
+    try:
+        with Socket(first.ws_url + "/ws") as ws:
+            ws.ask({"type": "reset", "data": {"split": "eval", "index": 1}}, 120)
+            mine = [c for c in labelled(docker_client, "agentenv.box")
+                    if c.labels.get("agentenv.owner", "").split(":")[1] == str(first.pid)]
+            assert len(mine) == 1 and mine[0].attrs["HostConfig"]["NetworkMode"] == "none"
+            host = mine[0].attrs["HostConfig"]
+            assert host["CapDrop"] == ["ALL"] and host["PidsLimit"] == agentenv.BOX_PIDS_LIMIT
+            assert host["Memory"] == agentenv.BOX_MEMORY_MB * 2**20 and host["Init"] is True
+            assert mine[0].image.tags[0].startswith("agentenv-box/agent:")
+            first.kill()                            # SIGKILL: no teardown
+    finally:
+        first.kill()
+    assert [c.id for c in labelled(docker_client, "agentenv.box")] == [mine[0].id]
+    with running(Server.serve(PYFIX, tmp_path / "second", sandbox="docker")) as second:
+        assert labelled(docker_client, "agentenv.box") == [], second.log()    # swept at start
+        with Socket(second.ws_url + "/ws") as ws:
+            ws.ask({"type": "reset", "data": {"split": "eval", "index": 1}}, 120)
+            assert len(labelled(docker_client, "agentenv.box")) == 1
+            ws.ask({"type": "reset", "data": {"split": "eval", "index": 2}}, 120)   # the first goes
+            assert len(labelled(docker_client, "agentenv.box")) == 1
+    assert labelled(docker_client, "agentenv.box") == []     # and the last with the server
