@@ -10,10 +10,13 @@ The file reads top to bottom in the order data flows; a section uses only the se
 
 1. Values, errors      the shapes every layer passes on: a Failure (kind, reason), a ToolResult
                         with its status, the Settings with every default, errors that say the fix.
-2. Bundle               loading and checking a bundle: envs, tasks, steps, splits, toolsets, reward.
-3. Sandbox              where an env runs: a Docker container, or a local process.
-4. Env client           an MCP client on aiohttp, readiness, and the env's card and extensions.
-5. Verifiers            the two verifier kinds and AgentEnv's score aggregators.
+2. Bundle               loading and checking a bundle: envs, artifacts, skills, tasks, steps (a
+                        check per step type), splits, toolsets, reward.
+3. Sandbox              where an env runs (a Docker container, or a local process), and the boxes
+                        the agent works in with bash (a container of its own, or a work folder).
+4. Env client           an MCP client on aiohttp, readiness, the env's card and extensions; bash.
+5. Verifiers            the verifier kinds (an env's outcome, a reply, a box's state, unit tests)
+                        and AgentEnv's score aggregators.
 6. Episode              one play of a task: its steps as a graph (a handler per step type), its
                         turns, its outcome.
 7. Pool and runtime     the semaphore that bounds live episodes, the boot gate, the runtime.
@@ -2191,6 +2194,11 @@ class DockerBox(Box):
                 raise BoxGone(f"box {self.name!r} stopped: {why}") from None
             return Ran(126, b"", f"error: the command couldn't start: {short(str(exc), 300)}\n"
                        .encode())
+        except (asyncio.CancelledError, AgentEnvError):
+            raise
+        except Exception as exc:                        # noqa: BLE001 - the daemon's stream broke
+            why = await self.stopped() or f"{type(exc).__name__}: {short(str(exc), 300)}"
+            raise BoxGone(f"box {self.name!r} failed under a command: {why}") from None
 
     async def _kill(self, marker: str, user: str | None) -> None:
         """Kill every process of the call marked ``marker``: from this machine when the daemon
