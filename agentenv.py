@@ -243,8 +243,7 @@ STEP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "agent_prompt_response_verifier": ({"prompt_id", "criteria"},
                                        {"verifier_id", "score_aggregator"}),
     # the agent's sandbox: a box of its own where it works with bash (section 3)
-    "deploy_sandbox": ({"sandbox_name", "sandbox_mode"},
-                       {"image", "port", "cpu", "memory_mb", "env_vars", "exposed_ports"}),
+    "deploy_sandbox": ({"sandbox_name", "sandbox_mode"}, {"image", "cpu", "memory_mb", "env_vars"}),
     "add_skills": ({"skills"}, {"agent_name"}),
     "load_artifact": (set(), {"artifacts", "artifact_id", "artifact_version", "destination_path",
                               "agent_name", "sandbox_name", "container_name", "urls"}),
@@ -270,8 +269,9 @@ IGNORED_FIELDS = {
                      "sandbox_type", "env_vars", "disk_size_gb", "network_policy", "metadata",
                      "litellm_base_url"},
     "prompt_agent": {"poll_interval_seconds", "model", "model_params", "max_turns"},
+    # (and a box publishes no port: nothing outside reaches it)
     "deploy_sandbox": {"disk_size_gb", "ttl_seconds", "boot_mode", "sandbox_type",
-                       "network_policy", "metadata"},
+                       "network_policy", "metadata", "port", "exposed_ports"},
     "load_artifact": {"snapshot_after_load"},
 }
 # Step types AgentEnv has that an episode here can't run, with why and what to write instead.
@@ -1971,7 +1971,9 @@ class DockerSandbox(Sandbox):
             security_opt=["no-new-privileges"], cap_drop=["ALL"], pids_limit=BOX_PIDS_LIMIT,
             mem_limit=f"{memory}m", memswap_limit=f"{memory}m",
             nano_cpus=int(float(limits.get("cpu") or 1.0) * 1e9),
-            environment=dict(limits.get("env_vars") or {}))
+            environment=dict(limits.get("env_vars") or {}),
+            **({"command": list(limits["command_override"])} if limits.get("command_override")
+               else {}))
 
     async def open_box(self, episode: str, name: str, limits: dict[str, Any],
                        image: str | None = None) -> Box:
@@ -3246,7 +3248,8 @@ class Episode:
                 await self._add_skill(skill)
 
     async def _open_box(self, name: str, step: Step, image: str | None = None) -> Box:
-        limits = {k: step.get(k) for k in ("cpu", "memory_mb", "env_vars") if step.get(k)}
+        limits = {k: step.get(k) for k in ("cpu", "memory_mb", "env_vars", "command_override")
+                  if step.get(k)}
         async with self.runtime.starting.slot():
             return await self.runtime.sandbox.open_box(self.id, name, limits, image)
 

@@ -330,8 +330,9 @@ def test_two_turns_share_the_box_and_checks_run_as_the_agent(tmp_path, no_box_le
 
 # ================================================================ 8.7: containers and unit tests
 
+# (its own command exits at once: the step's command_override keeps it running)
 TASKBOX = {"Dockerfile": "FROM python:3.11-slim\nRUN mkdir -p /work /logs\nWORKDIR /work\n"
-                         "CMD [\"sleep\", \"infinity\"]\n"}
+                         "CMD [\"python3\", \"-c\", \"raise SystemExit(3)\"]\n"}
 UNIT_TESTS = {
     "pass.sh": 'echo "user=$(whoami) pwd=$PWD greeting=$GREETING mode=${MODE:-unset}"\n',
     "reward.sh": "echo 0.5 > /logs/reward.txt\nexit 1\n",
@@ -352,6 +353,7 @@ def test_unit_test_verifiers_in_a_sandboxs_container(tmp_path, no_box_left, dock
         {"id": "vm", "type": "deploy_sandbox", "sandbox_name": "vm", "sandbox_mode": "vm"},
         {"id": "box", "type": "run_docker_container", "sandbox_name": "vm",
          "docker_context_artifact_id": "taskbox", "env_vars": {"GREETING": "hi"},
+         "command_override": ["sleep", "infinity"],
          "ready_command": "test -d /work"},
         {"id": "tests", "type": "load_artifact", "sandbox_name": "vm", "container_name":
          "task-container", "artifact_id": "tests", "destination_path": "/tests"},
