@@ -1964,7 +1964,14 @@ class DockerSandbox(Sandbox):
                     image: str) -> dict[str, Any]:
         """How a box's container is made: the one place its isolation is chosen (no network)."""
         memory = int(limits.get("memory_mb") or BOX_MEMORY_MB)
-        return dict(
+        # Our own box: a read-only root, and its writable places tmpfs mounts of bounded sizes
+        # (within its memory), so a command that fills the disk fills only its box's share.
+        own = {} if image != self.images.get("") else dict(read_only=True, tmpfs={
+            "/app": f"size={memory // 2}m,uid=1000,gid=1000,mode=0755",
+            "/home/agent": f"size={max(16, memory // 16)}m,uid=1000,gid=1000,mode=0755",
+            "/tmp": f"size={max(16, memory // 8)}m,mode=1777",
+            "/var/tmp": f"size={max(16, memory // 32)}m,mode=1777"})
+        return dict(**own,
             image=image, detach=True, init=True, network_mode="none", hostname="box",
             labels={"agentenv.owner": self.owner, "agentenv.episode": episode,
                     "agentenv.box": name},
@@ -1979,7 +1986,7 @@ class DockerSandbox(Sandbox):
                        image: str | None = None) -> Box:
         own = image is None
         if own:
-            image = self.images.get("") or await self.box_image()
+            image = self.images[""] = self.images.get("") or await self.box_image()
         options = self.box_options(episode, name, limits, image)
 
         def create_and_start() -> Any:
@@ -2244,10 +2251,46 @@ class DockerBox(Box):
     async def put(self, files: dict[str, bytes], dest: str, agent_owns: bool = True) -> None:
         data = box_tar(files, dest, 1000 if agent_owns and self.exec_user else 0)
         try:
-            await self.sandbox.call(self.container.put_archive, "/", data, timeout=120)
+            if self.exec_user is None:           # an image of the bundle's: its disk, as it is
+                await self.sandbox.call(self.container.put_archive, "/", data, timeout=120)
+                return
+            # Our own box's root is read-only, its writable places bounded tmpfs mounts, where
+            # Docker's archive API can't reach: tar reads the files from the exec's stdin. Root
+            # (with no capabilities) may write only in /tmp; elsewhere the agent owns the files.
+            root = not agent_owns and (dest == "/tmp" or dest.startswith("/tmp/"))
+            said = await self.sandbox.call(self._untar, data, "0" if root else "1000", timeout=120)
         except Exception as exc:                        # noqa: BLE001 - docker raises many kinds
+            if why := await self.stopped():
+                raise BoxGone(f"box {self.name!r} stopped: {why}") from None
             raise BoxGone(f"files could not be put in box {self.name!r} at {dest}: "
                           f"{short(str(exc), 300)}") from None
+        if said is not None:
+            raise EpisodeFailed(f"the files could not be put in box {self.name!r} at {dest}: "
+                                f"{short(said, 500)}")
+
+    def _untar(self, data: bytes, user: str) -> str | None:
+        """Extract a tar in the box from the exec's stdin; None, or what tar said when it failed."""
+        api = self.sandbox.client.api
+        made = api.exec_create(self.container.id, ["tar", "-x", "-m", "--no-same-owner", "-C", "/"],
+                               stdin=True, stdout=True, stderr=True, user=user)
+        stream = api.exec_start(made["Id"], socket=True)
+        raw = getattr(stream, "_sock", stream)
+        try:
+            raw.sendall(data)
+            raw.shutdown(socket.SHUT_WR)
+            out = bytearray()
+            while chunk := raw.recv(65536):
+                out += chunk
+        finally:
+            stream.close()
+        if api.exec_inspect(made["Id"]).get("ExitCode") == 0:
+            return None
+        said, at = bytearray(), 0          # Docker's frames: an 8-byte header, then the bytes
+        while at + 8 <= len(out):
+            size = int.from_bytes(out[at + 4:at + 8], "big")
+            said += out[at + 8:at + 8 + size]
+            at += 8 + size
+        return said.decode(errors="replace").strip() or "tar failed"
 
     async def stopped(self) -> str | None:
         import docker.errors

@@ -302,7 +302,8 @@ def test_bash_in_the_agents_box_answers_as_the_spec_measured(tmp_path, no_box_le
 
 
 def test_two_turns_share_the_box_and_checks_run_as_the_agent(tmp_path, no_box_left, docker_client):
-    steps = [{"id": "solver", "type": "deploy_agent", "agent_name": "solver"},
+    """... and a model that fills the disk fills only its box's share (memory_mb 256: /app 128 MiB)."""
+    steps = [{"id": "solver", "type": "deploy_agent", "agent_name": "solver", "memory_mb": 256},
              {"id": "first", "type": "prompt_agent", "agent_name": "solver", "prompt": "Write turn1.txt."},
              {"id": "second", "type": "prompt_agent", "agent_name": "solver", "prompt": "Write turn2.txt.",
               "system_prompt": "Second system prompt."},
@@ -318,6 +319,10 @@ def test_two_turns_share_the_box_and_checks_run_as_the_agent(tmp_path, no_box_le
             turn = await episode.next_turn()
             assert turn.system_prompt is None and turn.route == {"bash": None}
             assert (await turn.call("bash", {"command": "echo one > turn1.txt"})).text == ""
+            full = await turn.call("bash", {"command": "head -c 200000000 /dev/zero > big; "
+                                                       "du -m big; rm big; touch /etc/x"})
+            assert "No space left on device" in full.text and "128\tbig" in full.text, full.text
+            assert "Read-only file system" in full.text and full.is_error
             turn.end("Turn one done.")
             turn = await episode.next_turn()
             assert (turn.id, turn.system_prompt) == ("second", "Second system prompt.")
