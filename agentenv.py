@@ -2346,7 +2346,9 @@ class LocalBox(Box):
         self.folder, self.owner = folder, owner
         self.workdir, self.home = str(folder / "app"), str(folder / "home")
         self.has_bash = shutil.which("bash") is not None
-        self.running: set[int] = set()            # process groups of commands under way
+        # the commands whose group may still run (under way, or a background job holding their
+        # pipes): killed, group and all, when the box is removed
+        self.running: dict[int, asyncio.subprocess.Process] = {}
 
     def here(self, path: str) -> str:
         """A box path on this machine: /app and /home/agent are the work folder's."""
@@ -2377,7 +2379,7 @@ class LocalBox(Box):
                 stderr=asyncio.subprocess.PIPE, start_new_session=True)
         except OSError as exc:
             return Ran(126, b"", f"error: the command couldn't start: {exc}\n".encode())
-        self.running.add(proc.pid)
+        self.running[proc.pid] = proc
         printed = 0
         out, err = bytearray(), bytearray()
 
@@ -2406,9 +2408,10 @@ class LocalBox(Box):
             self._kill(proc.pid)
             raise
         finally:
+            if all(r.done() for r in readers):      # nothing of it holds its pipes: it is over
+                self.running.pop(proc.pid, None)
             for reader in readers:
                 reader.cancel()
-            self.running.discard(proc.pid)
 
     @staticmethod
     def _kill(group: int) -> None:
@@ -2427,8 +2430,12 @@ class LocalBox(Box):
         return None if self.folder.is_dir() else "its work folder is gone"
 
     async def remove(self) -> None:
-        for group in list(self.running):
+        for group in self.running:
             self._kill(group)
+        if self.running:                         # their pipes close once their jobs are dead
+            await asyncio.wait([asyncio.ensure_future(p.wait()) for p in self.running.values()],
+                               timeout=5)
+        self.running.clear()
         await asyncio.to_thread(shutil.rmtree, self.folder, True)
 
 

@@ -1154,6 +1154,52 @@ def test_env_processes_a_crashed_run_had_not_recorded_yet_are_killed_at_start(ma
             proc.wait()
 
 
+# -- the local box: a work folder, commands run here
+
+def local_box(tmp_path) -> agentenv.LocalBox:
+    folder = tmp_path / "box"
+    for sub in ("app", "tmp", "home/skills"):
+        (folder / sub).mkdir(parents=True)
+    return agentenv.LocalBox(folder, "solver", agentenv.owner_id())
+
+
+def test_a_local_box_stands_its_folder_for_app_and_answers_as_bash_does(tmp_path):
+    box = local_box(tmp_path)
+
+    async def go():
+        await box.put({"in/notes.txt": b"alpha\n"}, "/app")
+        said = {}
+        for command in ("cat /app/in/notes.txt; pwd", "echo out; echo err >&2; exit 4",
+                        "(sleep 20; echo late) & echo started", "sleep 20", "read x; echo [$x]"):
+            started = time.monotonic()
+            said[command] = (await agentenv.run_bash(box, {"command": command}, 2),
+                             time.monotonic() - started)
+        await box.remove()                          # the background job goes with it
+        return said
+    said = run(go())
+    text, took = said["cat /app/in/notes.txt; pwd"]
+    assert text == agentenv.ToolResult(f"alpha\n{box.workdir}\n")
+    assert said["echo out; echo err >&2; exit 4"][0] == agentenv.ToolResult(
+        "out\nerr\nexit code 4", agentenv.TOOL_ERROR)
+    started, took = said["(sleep 20; echo late) & echo started"]
+    assert started.text == "started\n" and took < 1.8       # the job holds the pipes: a 1 s grace
+    slow, took = said["sleep 20"]
+    assert slow.status == agentenv.TOOL_ERROR and slow.text.startswith(
+        "error: the command timed out after 2s, so it was killed") and took < 3
+    assert said["read x; echo [$x]"][0].text == "[]\n"
+    assert not box.folder.exists() and not box.running
+
+
+def test_a_box_without_bash_runs_sh_and_says_so(tmp_path):
+    box = local_box(tmp_path)
+    box.has_bash = False
+    result = run(agentenv.run_bash(box, {"command": "echo $0; [[ 1 == 1 ]] && echo bashism"}, 5))
+    assert result.text.startswith("sh\n") and "bashism" not in result.text and result.is_error
+    assert agentenv.SH_TOOL["name"] == "bash" and agentenv.SH_TOOL["description"].startswith(
+        "Run a command where the agent works, as its user, in its folder, with POSIX sh: this place "
+        "has no bash, so bash-only syntax such as [[ ]], arrays or <(...) fails.")
+
+
 # -- Docker calls (no daemon needed)
 
 def test_a_docker_call_past_its_deadline_keeps_its_slot_until_its_thread_ends():
