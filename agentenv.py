@@ -10,11 +10,14 @@ The file reads top to bottom in the order data flows; a section uses only the se
 
 1. Values, errors      the shapes every layer passes on: a Failure (kind, reason), a ToolResult
                         with its status, the Settings with every default, errors that say the fix.
-2. Bundle               loading and checking a bundle: envs, tasks, steps, splits, toolsets, reward.
-3. Sandbox              where an env runs: a Docker container (on a network that reaches
-                        nothing it should not), or a local process.
-4. Env client           an MCP client on aiohttp, readiness, and the env's card and extensions.
-5. Verifiers            the two verifier kinds and AgentEnv's score aggregators.
+2. Bundle               loading and checking a bundle: envs, artifacts, skills, tasks, steps (a
+                        check per step type), splits, toolsets, reward.
+3. Sandbox              where an env runs (a Docker container on a network that reaches nothing
+                        it should not, or a local process), and the boxes the agent works in
+                        with bash (a container of its own, or a work folder).
+4. Env client           an MCP client on aiohttp, readiness, the env's card and extensions; bash.
+5. Verifiers            the verifier kinds (an env's outcome, a reply, a box's state, unit tests)
+                        and AgentEnv's score aggregators.
 6. Episode              one play of a task: its steps as a graph (a handler per step type), its
                         turns, its outcome.
 7. Pool and runtime     the semaphore that bounds live episodes, the boot gate, the warm pool
@@ -195,11 +198,12 @@ class Settings:
     warm: int = 0                     # envs kept started and ready ahead of demand, split among
                                       # the bundle's env specs by how many tasks use each
     warm_env: tuple[tuple[str, int], ...] = ()   # (env, count): those envs warmed, the split aside
+    bash_timeout: float = 300.0       # one bash command in the agent's box (within the call's own)
 
     # The keys a Gym config carries, with the resources server serving the bundle (bundle:) or
     # playing on a running serve (url:).
     GYM_KEYS = ("tool_timeout", "reset_timeout", "idle_timeout")
-    BUNDLE_KEYS = ("max_concurrent_envs", "deploy_timeout", "warm", "warm_env")
+    BUNDLE_KEYS = ("max_concurrent_envs", "deploy_timeout", "bash_timeout", "warm", "warm_env")
 
     @classmethod
     def from_config(cls, config: dict[str, Any], where: str) -> Settings:
@@ -289,21 +293,60 @@ STEP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     # type: (required fields, optional fields)
     "deploy_env": ({"env_id"}, {"cpu", "memory_mb"}),
     "apply_server_config": ({"env_id", "directives"}, {"timeout_seconds", "tolerate_unadvertised"}),
-    "deploy_agent": (set(), {"agent_name", "env_ids", "role", "system_prompt"}),
+    "deploy_agent": (set(), {"agent_name", "env_ids", "role", "system_prompt", "skills",
+                             "sandbox_name", "cpu", "memory_mb"}),
     "prompt_agent": ({"prompt"}, {"agent_name", "prompt_id", "system_prompt", "timeout_seconds"}),
     "env_outcome_verifier": ({"env_id", "file_artifact_id"},
                              {"verifier_id", "prompt_id", "score_aggregator"}),
     "agent_prompt_response_verifier": ({"prompt_id", "criteria"},
                                        {"verifier_id", "score_aggregator"}),
+    # the agent's sandbox: a box of its own where it works with bash (section 3)
+    "deploy_sandbox": ({"sandbox_name", "sandbox_mode"}, {"image", "cpu", "memory_mb", "env_vars"}),
+    "add_skills": ({"skills"}, {"agent_name"}),
+    "load_artifact": (set(), {"artifacts", "artifact_id", "artifact_version", "destination_path",
+                              "agent_name", "sandbox_name", "container_name", "urls"}),
+    "run_code": ({"script_artifact_id"}, {"script_artifact_version", "script_file", "entrypoint",
+                                          "args", "result_id", "timeout_seconds", "agent_name",
+                                          "sandbox_name"}),
+    "verify_sandbox": (set(), {"criteria", "agent_name", "sandbox_name", "base_dir",
+                               "shell_timeout_seconds", "score_aggregator", "verifier_id"}),
+    "aggregate_verifiers": (set(), {"verifier_ids", "score_aggregator", "verifier_id"}),
+    "run_docker_container": ({"sandbox_name"}, {"docker_context_artifact_id", "dockerfile_path",
+                                                "container_name", "env_vars", "command_override",
+                                                "ready_command", "docker_context_url"}),
+    "run_container_unit_tests_verifier": ({"command"}, {
+        "sandbox_name", "container_name", "agent_name", "verifier_id", "setup_commands", "user",
+        "timeout_sec", "env_vars", "result_paths", "reward_path"}),
+    "reset_env": ({"env_id"}, set()),
 }
 IGNORED_FIELDS = {
     "deploy_env": {"env_version", "ttl_seconds", "disk_size_gb", "gateway_mode", "sandbox_type",
                    "env_state_type", "metadata"},
-    "deploy_agent": {"a2a_agent_id", "ttl_seconds", "cpu", "memory_mb", "sandbox_type", "env_vars"},
+    # a box has no network at all, so a network policy has nothing left to allow
+    "deploy_agent": {"a2a_agent_id", "a2a_agent_version", "agent_description", "ttl_seconds",
+                     "sandbox_type", "env_vars", "disk_size_gb", "network_policy", "metadata",
+                     "litellm_base_url"},
     "prompt_agent": {"poll_interval_seconds", "model", "model_params", "max_turns"},
+    # (and a box publishes no port: nothing outside reaches it)
+    "deploy_sandbox": {"disk_size_gb", "ttl_seconds", "boot_mode", "sandbox_type",
+                       "network_policy", "metadata", "port", "exposed_ports"},
+    "load_artifact": {"snapshot_after_load"},
+}
+# Step types AgentEnv has that an episode here can't run, with why and what to write instead.
+REFUSED_TYPES = {
+    "install_agent": "install_agent installs the agent from the network (its install fetches uv "
+                     "from GitHub), and boxes here have no network; deploy the agent with "
+                     "deploy_agent, whose box agentenv.py builds offline",
 }
 SCORE_AGGREGATORS = ("all_pass", "any_pass", "weighted_average")
 CRITERION_TYPES = ("response_contains", "response_regex_present")
+SANDBOX_CRITERIA = ("probe_file_exists", "probe_dir_exists", "probe_file_contains",
+                    "bash_cmd_succeeds")
+# The steps that record a score (as AgentEnv's verifications), and those that use the agent's box.
+SCORING_TYPES = {"env_outcome_verifier", "agent_prompt_response_verifier", "verify_sandbox",
+                 "aggregate_verifiers", "run_container_unit_tests_verifier"}
+POSIX_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+SKILL_NAME = re.compile(r"(?!-)(?!.*--)[a-z0-9-]{1,64}(?<!-)")
 DEFAULT_AGENT = "default-agent"
 PLACEHOLDER = re.compile(r"<([A-Za-z_][A-Za-z0-9_.-]*)>")
 
@@ -346,10 +389,12 @@ class Toolset:
     """The envs whose tools a task's turns offer. Tasks that deploy the same envs share one."""
 
     envs: tuple[str, ...]
+    bash: bool = False                # the turns offer bash first, in the agent's box
 
     @property
     def name(self) -> str:
-        return "+".join(self.envs) if self.envs else "(no env)"
+        parts = ("bash",) * self.bash + self.envs
+        return "+".join(parts) if parts else "(no env)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,6 +407,7 @@ class Task:
     agent: str                        # the played agent's name
     toolset: Toolset
     reward_step: str                  # the scoring step whose score is the reward
+    sandboxed: bool = False           # the agent works in a box of its own, with bash
 
     @property
     def file(self) -> str:
@@ -369,7 +415,7 @@ class Task:
 
     @property
     def scoring_steps(self) -> tuple[str, ...]:
-        return tuple(s.id for s in self.steps if s.type.endswith("verifier"))
+        return tuple(s.id for s in self.steps if s.type in SCORING_TYPES)
 
     @property
     def turns(self) -> list[Step]:
@@ -413,9 +459,18 @@ class Bundle:
     """
 
     def __init__(self, root: Path, name: str, description: str, envs: dict[str, EnvSpec],
-                 verifiers: dict[str, Path], tasks: dict[str, Task], splits: dict[str, list[Task]]):
+                 verifiers: dict[str, Path], tasks: dict[str, Task], splits: dict[str, list[Task]],
+                 artifacts: dict[str, Path] | None = None, skills: dict[str, Path] | None = None):
         self.root, self.name, self.description = root, name, description
         self.envs, self.verifiers, self.tasks, self.splits = envs, verifiers, tasks, splits
+        self.artifacts = artifacts or {}     # every artifact's folder, by name (load_artifact ...)
+        self.skills = skills or {}           # skills/<name>/, each holding a SKILL.md
+
+    @property
+    def boxed(self) -> bool:
+        """Whether some task runs a box (the agent's sandbox, or a deploy_sandbox)."""
+        return any(t.sandboxed or any(s.type == "deploy_sandbox" for s in t.steps)
+                   for t in self.tasks.values())
 
     @property
     def toolsets(self) -> dict[Toolset, list[Task]]:
@@ -485,12 +540,15 @@ class Bundle:
             if (root / stray).exists():
                 problems.append(f"{stray}: reserved: a bundle takes its name from the folder and its "
                                 "description from README.md; remove it")
-        for kind in ("agents", "skills"):
-            if (root / kind).is_dir():
-                problems.append(f"{kind}/: agentenv.py plays the agent from outside and runs no "
-                                f"{kind}; remove the folder, or run this bundle with agent-env itself")
+        if (root / "agents").is_dir():
+            problems.append("agents/: agentenv.py plays the agent from outside and runs no "
+                            "agents; remove the folder, or run this bundle with agent-env itself")
         envs = _load_envs(root, problems)
-        verifiers = _load_verifiers(root, problems)
+        broken: dict[str, str] = {}
+        verifiers = _load_verifiers(root, broken)
+        artifacts = _load_artifacts(root)
+        skills = _load_skills(root, problems)
+        shelf = Shelf(envs, verifiers, broken, artifacts, skills)
         id_root = task_id_root(root)
         tasks: dict[str, Task] = {}
         task_dir = root / "tasks"
@@ -510,8 +568,8 @@ class Bundle:
                 else:
                     # strings, not a Path per file: a Path, its name and its stem cost ~3 us
                     name = entry.name.removesuffix(".json")
-                    task = _load_task(entry.path, name, f"{id_root}/{name}", envs, verifiers,
-                                      reward, problems)
+                    task = _load_task(entry.path, name, f"{id_root}/{name}", shelf, reward,
+                                      problems)
                     if task:
                         tasks[task.name] = task
             if not any(e.name.endswith(".json") for e in entries):
@@ -525,7 +583,7 @@ class Bundle:
         if readme.is_file():
             lines = [ln.strip().lstrip("#").strip() for ln in readme.read_text().splitlines()]
             description = next((ln for ln in lines if ln), "")
-        return cls(root, root.name, description, envs, verifiers, tasks, splits)
+        return cls(root, root.name, description, envs, verifiers, tasks, splits, artifacts, skills)
 
 
 @contextlib.contextmanager
@@ -688,8 +746,10 @@ def _digest(folder: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _load_verifiers(root: Path, problems: list[str]) -> dict[str, Path]:
-    """Each artifact that holds verifier code: its Python file, checked (not run) for ``verify``."""
+def _load_verifiers(root: Path, problems: dict[str, str]) -> dict[str, Path]:
+    """Each artifact that holds verifier code: its Python file, checked (not run) for ``verify``.
+    An artifact whose Python isn't a verifier has its problem kept by name (``problems``): it is
+    one only for a step that names it as a verifier (a run_code script is Python too)."""
     found: dict[str, Path] = {}
     art_dir = root / "artifacts"
     if not art_dir.is_dir():
@@ -705,26 +765,69 @@ def _load_verifiers(root: Path, problems: list[str]) -> dict[str, Path]:
         try:
             tree = ast.parse(path.read_text(), filename=str(path))
         except (SyntaxError, UnicodeDecodeError) as exc:
-            problems.append(f"{where}: does not parse ({exc}); fix it")
+            problems[folder.name] = f"{where}: does not parse ({exc}); fix it"
             continue
         verify = next((n for n in tree.body if isinstance(n, (ast.AsyncFunctionDef, ast.FunctionDef))
                        and n.name == "verify"), None)
         if not isinstance(verify, ast.AsyncFunctionDef):
-            problems.append(f"{where}: has no `async def verify(mcp_url)`; an env_outcome_verifier's "
-                            "artifact defines it and returns a list of {id, result, description} rows")
+            problems[folder.name] = (f"{where}: has no `async def verify(mcp_url)`; an "
+                                     "env_outcome_verifier's artifact defines it and returns a "
+                                     "list of {id, result, description} rows")
             continue
         args = verify.args
         positional = args.posonlyargs + args.args
         if len(positional) - len(args.defaults) != 1 or any(d is None for d in args.kw_defaults):
-            problems.append(f"{where}: verify must take exactly one argument without a default (the "
-                            "env's MCP URL); agentenv.py calls verify(mcp_url)")
+            problems[folder.name] = (f"{where}: verify must take exactly one argument without a "
+                                     "default (the env's MCP URL); agentenv.py calls verify(mcp_url)")
             continue
         found[folder.name] = path
     return found
 
 
-def _load_task(path: str, name: str, task_id: str, envs: dict[str, EnvSpec],
-               verifiers: dict[str, Path], reward: str | None, problems: list[str]) -> Task | None:
+def _load_artifacts(root: Path) -> dict[str, Path]:
+    """Every artifact's folder by name: what load_artifact, run_code and run_docker_container use."""
+    art_dir = root / "artifacts"
+    return {f.name: f for f in sorted(art_dir.iterdir()) if f.is_dir() and not f.name.startswith(".")
+            and f.name != "__pycache__"} if art_dir.is_dir() else {}
+
+
+def artifact_files(folder: Path) -> dict[str, Path]:
+    """An artifact's files by their path inside it (its artifact.toml and hidden files left out)."""
+    return {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != "artifact.toml"
+            and not any(part.startswith(".") or part == "__pycache__"
+                        for part in p.relative_to(folder).parts)}
+
+
+def _load_skills(root: Path, problems: list[str]) -> dict[str, Path]:
+    """skills/<name>/SKILL.md: a skill add_skills (skill_artifact_id) gives the agent's box."""
+    found: dict[str, Path] = {}
+    skill_dir = root / "skills"
+    for folder in sorted(skill_dir.iterdir()) if skill_dir.is_dir() else []:
+        if folder.name.startswith(".") or not folder.is_dir():
+            continue
+        if not (folder / "SKILL.md").is_file():
+            problems.append(f"skills/{folder.name}/: has no SKILL.md; a skill is a folder with its "
+                            "SKILL.md (a --- name/description --- header, then its text)")
+        else:
+            found[folder.name] = folder
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Shelf:
+    """What a bundle holds that its tasks' steps name: envs, verifiers (and artifacts that aren't
+    verifiers, with why), artifacts and skills."""
+
+    envs: dict[str, EnvSpec]
+    verifiers: dict[str, Path]
+    broken: dict[str, str]
+    artifacts: dict[str, Path]
+    skills: dict[str, Path]
+
+
+def _load_task(path: str, name: str, task_id: str, shelf: Shelf, reward: str | None,
+               problems: list[str]) -> Task | None:
     """Load and check the task ``name``, the file ``path`` (tasks/<name>.json)."""
     where = f"tasks/{name}.json"
     try:
@@ -745,7 +848,7 @@ def _load_task(path: str, name: str, task_id: str, envs: dict[str, EnvSpec],
             seen.add(step.id)
     if len(problems) > before:
         return None
-    return _check_task(name, task_id, steps, envs, verifiers, reward, problems)
+    return _check_task(name, task_id, steps, shelf, reward, problems)
 
 
 # What a step of each type may hold, worked out once rather than for each of a bundle's thousands
@@ -756,8 +859,12 @@ STEP_RULES: dict[str, tuple[set[str], set[str], str]] = {
     for stype, (required, optional) in STEP_FIELDS.items()}
 # The fields of a step that must be text, and those that must be positive numbers.
 TEXT_FIELDS = {"prompt", "system_prompt", "prompt_id", "agent_name", "role", "env_id",
-               "file_artifact_id", "verifier_id"}
-POSITIVE_FIELDS = {"timeout_seconds", "cpu", "memory_mb"}
+               "file_artifact_id", "verifier_id", "sandbox_name", "sandbox_mode", "image",
+               "container_name", "destination_path", "artifact_id", "script_artifact_id",
+               "script_file", "entrypoint", "result_id", "base_dir", "command", "user",
+               "reward_path", "docker_context_artifact_id", "dockerfile_path", "ready_command"}
+POSITIVE_FIELDS = {"timeout_seconds", "cpu", "memory_mb", "shell_timeout_seconds", "timeout_sec"}
+TEXT_LISTS = {"setup_commands", "result_paths", "verifier_ids", "command_override"}
 
 
 def _load_step(item: Any, n: int, where: str, task: str, seen: set[str],
@@ -772,6 +879,9 @@ def _load_step(item: Any, n: int, where: str, task: str, seen: set[str],
     at = f"{where}: task {task!r} step {sid!r}"
     if sid in seen:
         problems.append(f"{at}: the id is used twice; step ids are unique within a task")
+        return None
+    if isinstance(stype, str) and stype in REFUSED_TYPES:
+        problems.append(f"{at} ({stype}): {REFUSED_TYPES[stype]}")
         return None
     if not isinstance(stype, str) or stype not in STEP_RULES:
         problems.append(f"{at} has type {stype!r}, which agentenv.py does not run; it runs: "
@@ -796,7 +906,7 @@ def _load_step(item: Any, n: int, where: str, task: str, seen: set[str],
     for dep in deps:
         if dep not in seen:
             problems.append(f"{at}: depends_on names {dep!r}, which is not an earlier step of the task")
-    fail = item.get("fail_task_on_error", True)
+    fail = item.get("fail_task_on_error", stype != "reset_env")     # AgentEnv's defaults
     if not isinstance(fail, bool):
         problems.append(f"{at}: fail_task_on_error must be true or false")
     # One pass over the step's own fields, typing those that have a type (a step holds a few of
@@ -808,6 +918,12 @@ def _load_step(item: Any, n: int, where: str, task: str, seen: set[str],
         fields[key] = value
         if key in TEXT_FIELDS and not isinstance(value, str):
             problems.append(f"{at}: {key} must be a string")
+        elif key in TEXT_LISTS and not (isinstance(value, list)
+                                        and all(isinstance(v, str) for v in value)):
+            problems.append(f"{at}: {key} must be a list of strings")
+        elif key in ("env_vars", "args") and not (isinstance(value, dict) and all(
+                isinstance(v, (str, int, float, bool)) or key == "args" for v in value.values())):
+            problems.append(f"{at}: {key} must be an object" + (" of strings" * (key == "env_vars")))
         elif key in POSITIVE_FIELDS and (not isinstance(value, (int, float))
                                          or isinstance(value, bool) or value <= 0):
             problems.append(f"{at}: {key} must be a positive number")
@@ -815,110 +931,378 @@ def _load_step(item: Any, n: int, where: str, task: str, seen: set[str],
 
 
 # What a step uses, by its kind, as a message names it.
-USED = {"env": "env", "agent": "agent", "prompt": "the reply to prompt"}
+USED = {"env": "env", "agent": "agent", "prompt": "the reply to prompt", "sandbox": "sandbox"}
 
 
-def _check_task(name: str, task_id: str, steps: list[Step], envs: dict[str, EnvSpec],
-                verifiers: dict[str, Path], reward: str | None, problems: list[str]) -> Task | None:
+def works_in_sandbox(steps: list[Step], agent: str) -> bool:
+    """AgentEnv's rule for when the played agent works in a box of its own (and its turns offer
+    bash): some step puts something in its box, checks it, or gives it skills."""
+    for step in steps:
+        named = step.get("agent_name")
+        if step.type in ("run_code", "add_skills", "verify_sandbox") and not step.get("sandbox_name"):
+            named = named or DEFAULT_AGENT
+        if named != agent:
+            continue
+        if step.type in ("load_artifact", "run_code", "add_skills", "verify_sandbox",
+                         "run_container_unit_tests_verifier") or \
+                (step.type == "deploy_agent" and step.get("skills")):
+            return True
+    return False
+
+
+class TaskCheck:
+    """How one task's steps refer to each other and to what the bundle holds: one method per step
+    type (CHECKS, below), each adding a problem per thing wrong, naming the step and the fix."""
+
+    def __init__(self, name: str, task_id: str, shelf: Shelf, problems: list[str]):
+        self.name, self.task_id, self.shelf, self.problems = name, task_id, shelf, problems
+        self.at = f"tasks/{name}.json: task {name!r}"
+        self.deployed: dict[str, str] = {}        # env_id as written -> env folder name
+        self.agents: dict[str, Step] = {}
+        self.sandboxes: dict[str, Step] = {}      # deploy_sandbox steps by sandbox_name
+        self.containers: set[tuple[str, str]] = set()   # (sandbox, container) run_docker_container runs
+        self.prompt_ids: set[str] = set()
+        self.verifier_ids: set[str] = set()
+        self.made_by: dict[tuple[str, str], str] = {}    # (kind, name) -> the step that makes it
+        self.last_turn: str | None = None
+        self.ancestors: dict[str, set[str]] = {}
+
+    def problem(self, step: Step, text: str) -> None:
+        self.problems.append(f"{self.at} step {step.id!r}: {text}")
+
+    def needs(self, step: Step, kind: str, thing: Any) -> None:
+        # A step may use only what a step it waits for (directly or not) has made. (Its message's
+        # words made only for a problem: a bundle has 10,000+ steps.)
+        maker = self.made_by.get((kind, thing))
+        if maker is not None and maker not in self.ancestors[step.id]:
+            self.problem(step, f"uses {USED[kind]} {thing!r}, made by step {maker!r}, without "
+                               f"waiting for it; add {maker!r} to its depends_on")
+
+    def check(self, steps: list[Step]) -> None:
+        for step in steps:
+            self.ancestors[step.id] = waits_for = set(step.depends_on)     # directly or not
+            for dep in step.depends_on:
+                waits_for |= self.ancestors[dep]
+            self.CHECKS[step.type](self, step)
+            if step.type in SCORING_TYPES:
+                agg = step.get("score_aggregator", "weighted_average" if step.type ==
+                               "aggregate_verifiers" else "all_pass")
+                if agg not in SCORE_AGGREGATORS:
+                    self.problem(step, f"score_aggregator {agg!r} is not one of "
+                                       f"{', '.join(SCORE_AGGREGATORS)}")
+                default = step.id if step.type != "verify_sandbox" else None
+                if step.get("verifier_id", default):
+                    self.verifier_ids.add(step.get("verifier_id", default))
+
+    # -- what a step uses
+
+    def env(self, step: Step) -> None:
+        if step.get("env_id") not in self.deployed:
+            self.problem(step, f"env_id {step.get('env_id')!r} is not deployed by an earlier "
+                               "deploy_env step of the task")
+        self.needs(step, "env", step.get("env_id"))
+
+    def agent(self, step: Step, default: str | None = DEFAULT_AGENT) -> None:
+        agent = step.get("agent_name", default)
+        if agent not in self.agents:
+            self.problem(step, f"names agent {agent!r}, which no earlier deploy_agent step deploys")
+        self.needs(step, "agent", agent)
+
+    def sandbox(self, step: Step, mode: str | None = None) -> None:
+        name = step.get("sandbox_name")
+        made = self.sandboxes.get(name)
+        if made is None:
+            self.problem(step, f"sandbox_name {name!r} is not deployed by an earlier deploy_sandbox "
+                               "step of the task")
+        elif mode and made.get("sandbox_mode") != mode:
+            self.problem(step, f"sandbox {name!r} is in {made.get('sandbox_mode')} mode; this step "
+                               f"needs one in {mode} mode")
+        self.needs(step, "sandbox", name)
+
+    def box(self, step: Step, default_agent: str | None = DEFAULT_AGENT) -> None:
+        """A step acting in a box: the agent's (agent_name) or a deploy_sandbox's, not both."""
+        if step.get("sandbox_name") and step.get("agent_name"):
+            self.problem(step, "set either agent_name or sandbox_name, not both")
+        elif step.get("sandbox_name"):
+            self.sandbox(step)
+        else:
+            self.agent(step, default_agent)
+
+    def artifact(self, step: Step, key: str, name: Any) -> Path | None:
+        folder = self.shelf.artifacts.get(name) if isinstance(name, str) else None
+        if folder is None:
+            self.problem(step, f"{key} {name!r} names no artifact of the bundle; add "
+                               f"artifacts/{name}/ with its files")
+        return folder
+
+    def skills(self, step: Step, skills: Any) -> None:
+        if not isinstance(skills, list):
+            self.problem(step, "skills must be a list of skill objects")
+            return
+        for n, skill in enumerate(skills):
+            where = f"skill #{n}"
+            if not isinstance(skill, dict):
+                self.problem(step, f"{where} must be an object")
+                continue
+            if skill.get("object_url") or skill.get("s3_url") or skill.get("skill_s3_url"):
+                self.problem(step, f"{where} is fetched from a URL, and boxes here have no network; "
+                                   "put it in skills/<name>/SKILL.md and name it with "
+                                   "skill_artifact_id")
+            elif "skill_artifact_id" in skill:
+                if skill["skill_artifact_id"] not in self.shelf.skills:
+                    self.problem(step, f"{where}: skill_artifact_id {skill['skill_artifact_id']!r} "
+                                       "names no skill of the bundle; add skills/<name>/SKILL.md")
+                if extra := sorted(set(skill) & {"body", "license", "compatibility", "metadata",
+                                                 "allowed_tools", "skill_md", "content"}):
+                    self.problem(step, f"{where}: a skill with skill_artifact_id must not have "
+                                       f"{'/'.join(extra)}")
+            else:
+                body = skill.get("body", skill.get("skill_md", skill.get("content")))
+                name = skill.get("name")
+                if not isinstance(body, str):
+                    self.problem(step, f"{where} names no source; set body (its text) or "
+                                       "skill_artifact_id")
+                elif not isinstance(name, str) or not SKILL_NAME.fullmatch(name):
+                    self.problem(step, f"{where}: name {name!r} must be 1-64 of a-z, 0-9 and "
+                                       "single hyphens")
+                elif not isinstance(skill.get("description"), str) or \
+                        not 0 < len(skill["description"]) <= 1024:
+                    self.problem(step, f"{where}: description must be text of 1 to 1024 characters")
+
+    # -- the checks, one per step type
+
+    def _deploy_env(self, step: Step) -> None:
+        env_id = step.get("env_id")
+        env = _resolve_env(env_id, self.shelf.envs, self.task_id)
+        if env is None:
+            self.problem(step, f"env_id {env_id!r} names no env of the bundle; it has "
+                               f"{', '.join(self.shelf.envs) or 'none'} (add envs/{env_id}/)")
+        elif env_id in self.deployed:
+            self.problem(step, f"deploys {env_id!r} a second time; deploy each env once")
+        else:
+            self.deployed[env_id] = env
+            self.made_by[("env", env_id)] = step.id
+
+    def _apply_server_config(self, step: Step) -> None:
+        self.env(step)
+        _check_directives(step, f"{self.at} step {step.id!r}", self.problems)
+
+    def _deploy_agent(self, step: Step) -> None:
+        agent = step.get("agent_name", DEFAULT_AGENT)
+        if agent in self.agents:
+            self.problem(step, f"deploys agent {agent!r} a second time")
+        self.agents[agent] = step
+        self.made_by[("agent", agent)] = step.id
+        env_ids = step.get("env_ids", [])
+        if not isinstance(env_ids, list) or not all(isinstance(e, str) for e in env_ids):
+            self.problem(step, "env_ids must be a list of env ids")
+        else:
+            for env_id in env_ids:
+                if env_id not in self.deployed:
+                    self.problem(step, f"env_ids names {env_id!r}, which no earlier deploy_env step "
+                                       "of the task deploys")
+                self.needs(step, "env", env_id)
+        if "skills" in step.fields:
+            self.skills(step, step.get("skills"))
+        if step.get("sandbox_name"):
+            self.sandbox(step, "vm")
+
+    def _prompt_agent(self, step: Step) -> None:
+        agent = step.get("agent_name", DEFAULT_AGENT)
+        if agent not in self.agents:
+            self.problem(step, f"prompts agent {agent!r}, which no earlier deploy_agent step deploys")
+        self.needs(step, "agent", agent)
+        if not isinstance(step.get("prompt"), str) or not step.get("prompt").strip():
+            self.problem(step, "prompt must be non-empty text")
+        if step.get("prompt_id"):
+            self.prompt_ids.add(step.get("prompt_id"))
+            self.made_by[("prompt", step.get("prompt_id"))] = step.id
+        if self.last_turn is not None and self.last_turn not in self.ancestors[step.id]:
+            self.problem(step, f"may open while turn {self.last_turn!r} is still open; the agent "
+                               f"plays one turn at a time, so add {self.last_turn!r} to its depends_on")
+        self.last_turn = step.id
+
+    def _env_outcome_verifier(self, step: Step) -> None:
+        self.env(step)
+        artifact = step.get("file_artifact_id")
+        if artifact in self.shelf.broken:
+            self.problems.append(self.shelf.broken[artifact])
+        if artifact not in self.shelf.verifiers:
+            self.problem(step, f"file_artifact_id {artifact!r} names no verifier artifact; add "
+                               f"artifacts/{artifact}/verify.py with `async def verify(mcp_url)`")
+
+    def _agent_prompt_response_verifier(self, step: Step) -> None:
+        if step.get("prompt_id") not in self.prompt_ids:
+            self.problem(step, f"prompt_id {step.get('prompt_id')!r} names no earlier prompt_agent "
+                               "step; give that step the same prompt_id")
+        self.needs(step, "prompt", step.get("prompt_id"))
+        _check_criteria(step, f"{self.at} step {step.id!r}", self.problems)
+
+    def _deploy_sandbox(self, step: Step) -> None:
+        name, mode = step.get("sandbox_name"), step.get("sandbox_mode")
+        if mode not in ("container", "vm"):
+            self.problem(step, f"sandbox_mode must be one of ['container', 'vm'], got {mode!r}")
+        elif mode == "container" and not step.get("image"):
+            self.problem(step, "a container-mode sandbox runs an image: set image (one this "
+                               "machine's Docker holds; nothing is pulled)")
+        if name in self.sandboxes:
+            self.problem(step, f"sandbox {name!r} is already deployed by step "
+                               f"{self.made_by[('sandbox', name)]!r}; give each sandbox its own name")
+        self.sandboxes[name] = step
+        self.made_by[("sandbox", name)] = step.id
+
+    def _add_skills(self, step: Step) -> None:
+        self.agent(step)
+        self.skills(step, step.get("skills"))
+
+    def _load_artifact(self, step: Step) -> None:
+        if step.get("urls"):
+            self.problem(step, "urls are downloads, and agentenv.py runs without network; put the "
+                               "files in artifacts/<name>/ and load them with artifact_id")
+        targets = [k for k in ("agent_name", "sandbox_name") if step.get(k)]
+        if len(targets) != 1:
+            self.problem(step, "names where to load: set agent_name (the agent's box) or "
+                               "sandbox_name (a deploy_sandbox box, and container_name for a "
+                               "container it runs), one of them")
+        else:
+            self.box(step, None)
+        if step.get("container_name"):
+            where = (step.get("sandbox_name"), step.get("container_name"))
+            if where not in self.containers:
+                self.problem(step, f"Container {where[1]!r} not found on sandbox {where[0]!r}: no "
+                                   "earlier run_docker_container step runs it")
+        listed = step.get("artifacts")
+        names = [a.get("id") if isinstance(a, dict) else None for a in listed] \
+            if isinstance(listed, list) else None
+        if listed is not None and names is None:
+            self.problem(step, "artifacts must be a list of {id, version}")
+        elif not names and not step.get("artifact_id") and not step.get("urls"):
+            self.problem(step, "names nothing to load; set artifact_id, or artifacts: [{id}]")
+        for name in names or ([step.get("artifact_id")] if step.get("artifact_id") else []):
+            self.artifact(step, "artifact", name)
+
+    def _run_code(self, step: Step) -> None:
+        self.box(step)
+        folder = self.artifact(step, "script_artifact_id", step.get("script_artifact_id"))
+        if folder is None:
+            return
+        scripts = [n for n in artifact_files(folder) if n.endswith(".py") and "/" not in n]
+        entry = step.get("script_file") or (scripts[0] if len(scripts) == 1 else "run.py")
+        if entry not in scripts:
+            self.problem(step, f"script {entry!r} is not a .py file at the top of "
+                               f"artifacts/{folder.name}/ (it has {scripts}); set script_file")
+        if not isinstance(step.get("entrypoint", "run"), str):
+            self.problem(step, "entrypoint must be the name of the function to call")
+
+    def _verify_sandbox(self, step: Step) -> None:
+        if step.get("sandbox_name"):
+            if step.get("agent_name") not in (None, DEFAULT_AGENT):
+                self.problem(step, "verify_sandbox: set either `agent_name` or `sandbox_name`, not "
+                                   "both")
+            self.sandbox(step)
+        else:
+            self.agent(step)
+        criteria = step.get("criteria", [])
+        if not isinstance(criteria, list) or not all(isinstance(c, dict) for c in criteria):
+            self.problem(step, "criteria must be a list of criterion objects")
+            return
+        for n, c in enumerate(criteria):
+            kind = c.get("type")
+            if kind in ("probe_file_exists", "probe_dir_exists", "probe_file_contains") and \
+                    not (isinstance(c.get("paths", []), list)
+                         and all(isinstance(x, str) for x in c.get("paths", []))):
+                self.problem(step, f"criterion #{n} ({kind}): paths must be a list of paths")
+            elif kind == "bash_cmd_succeeds" and not isinstance(c.get("bash_cmd", ""), str):
+                self.problem(step, f"criterion #{n} (bash_cmd_succeeds): bash_cmd must be a command")
+            if not isinstance(c.get("weight", 1.0), (int, float)) or isinstance(c.get("weight"), bool):
+                self.problem(step, f"criterion #{n}: weight must be a number")
+
+    def _aggregate_verifiers(self, step: Step) -> None:
+        for vid in step.get("verifier_ids", []):
+            if vid not in self.verifier_ids:
+                self.problem(step, f"verifier_ids names {vid!r}, which no earlier scoring step "
+                                   f"records; they record {sorted(self.verifier_ids)} (a step's "
+                                   "verifier_id, or its id)")
+
+    def _run_docker_container(self, step: Step) -> None:
+        self.sandbox(step, "vm")
+        if step.get("docker_context_url"):
+            self.problem(step, "docker_context_url is a download, and agentenv.py runs without "
+                               "network; put the build context in artifacts/<name>/ and name it "
+                               "with docker_context_artifact_id")
+        elif not step.get("docker_context_artifact_id"):
+            self.problem(step, "names no build context; set docker_context_artifact_id to an "
+                               "artifact holding a Dockerfile")
+        else:
+            folder = self.artifact(step, "docker_context_artifact_id",
+                                   step.get("docker_context_artifact_id"))
+            dockerfile = step.get("dockerfile_path", "Dockerfile")
+            if folder is not None and not (folder / dockerfile).is_file():
+                self.problem(step, f"artifacts/{folder.name}/ has no {dockerfile}; add it, or set "
+                                   "dockerfile_path")
+        self.containers.add((step.get("sandbox_name"), step.get("container_name", "task-container")))
+
+    def _run_container_unit_tests_verifier(self, step: Step) -> None:
+        if step.get("agent_name"):
+            if step.get("sandbox_name") or step.get("container_name"):
+                self.problem(step, "runs in the agent's box (agent_name) or in a container of a "
+                                   "sandbox (sandbox_name, container_name), not both")
+            self.agent(step)
+        elif not step.get("sandbox_name") or not step.get("container_name"):
+            self.problem(step, "names where the tests run: agent_name (the agent's box), or "
+                               "sandbox_name and container_name (a run_docker_container container)")
+        else:
+            self.sandbox(step)
+            where = (step.get("sandbox_name"), step.get("container_name"))
+            if where not in self.containers:
+                self.problem(step, f"Container {where[1]!r} not found on sandbox {where[0]!r}: no "
+                                   "earlier run_docker_container step runs it")
+        for key in step.get("env_vars", {}) if isinstance(step.get("env_vars"), dict) else []:
+            if not POSIX_NAME.fullmatch(key):
+                self.problem(step, f"env_vars key {key!r} is not a POSIX name "
+                                   "([A-Za-z_][A-Za-z0-9_]*)")
+
+    def _reset_env(self, step: Step) -> None:
+        if _resolve_env(step.get("env_id"), self.shelf.envs, self.task_id) is None:
+            self.problem(step, f"env_id: there is no env {step.get('env_id')!r} in the bundle; add "
+                               f"envs/{step.get('env_id')}/")
+
+    CHECKS: dict[str, Callable[[TaskCheck, Step], None]] = {
+        "deploy_env": _deploy_env, "apply_server_config": _apply_server_config,
+        "deploy_agent": _deploy_agent, "prompt_agent": _prompt_agent,
+        "env_outcome_verifier": _env_outcome_verifier,
+        "agent_prompt_response_verifier": _agent_prompt_response_verifier,
+        "deploy_sandbox": _deploy_sandbox, "add_skills": _add_skills,
+        "load_artifact": _load_artifact, "run_code": _run_code, "verify_sandbox": _verify_sandbox,
+        "aggregate_verifiers": _aggregate_verifiers, "run_docker_container": _run_docker_container,
+        "run_container_unit_tests_verifier": _run_container_unit_tests_verifier,
+        "reset_env": _reset_env,
+    }
+
+
+def _check_task(name: str, task_id: str, steps: list[Step], shelf: Shelf, reward: str | None,
+                problems: list[str]) -> Task | None:
     """Check how a task's steps refer to each other, its envs and its artifacts."""
     before = len(problems)
-    at = f"tasks/{name}.json: task {name!r}"
-    deployed: dict[str, str] = {}        # env_id as written -> env folder name
-    agents: dict[str, Step] = {}
-    prompt_ids: set[str] = set()
-    made_by: dict[tuple[str, str], str] = {}    # (kind, name) -> the step that makes it
-    last_turn: str | None = None
-    ancestors: dict[str, set[str]] = {}
-
-    def needs(step: Step, sat: str, kind: str, thing: Any) -> None:
-        # A step may use only what a step it waits for (directly or not) has made. (Defined once
-        # a task, and its message's words made only for a problem: a bundle has 10,000+ steps.)
-        maker = made_by.get((kind, thing))
-        if maker is not None and maker not in ancestors[step.id]:
-            problems.append(f"{sat}: uses {USED[kind]} {thing!r}, made by step {maker!r}, without "
-                            f"waiting for it; add {maker!r} to its depends_on")
-    for step in steps:
-        sat = f"{at} step {step.id!r}"
-        ancestors[step.id] = waits_for = set(step.depends_on)     # directly or not
-        for dep in step.depends_on:
-            waits_for |= ancestors[dep]
-        if step.type == "deploy_env":
-            env_id = step.get("env_id")
-            env = _resolve_env(env_id, envs, task_id)
-            if env is None:
-                problems.append(f"{sat}: env_id {env_id!r} names no env of the bundle; it has "
-                                f"{', '.join(envs) or 'none'} (add envs/{env_id}/)")
-            elif env_id in deployed:
-                problems.append(f"{sat}: deploys {env_id!r} a second time; deploy each env once")
-            else:
-                deployed[env_id] = env
-                made_by[("env", env_id)] = step.id
-        elif step.type in ("apply_server_config", "env_outcome_verifier"):
-            if step.get("env_id") not in deployed:
-                problems.append(f"{sat}: env_id {step.get('env_id')!r} is not deployed by an earlier "
-                                "deploy_env step of the task")
-            needs(step, sat, "env", step.get("env_id"))
-        if step.type == "apply_server_config":
-            _check_directives(step, sat, problems)
-        elif step.type == "deploy_agent":
-            agent = step.get("agent_name", DEFAULT_AGENT)
-            if agent in agents:
-                problems.append(f"{sat}: deploys agent {agent!r} a second time")
-            agents[agent] = step
-            made_by[("agent", agent)] = step.id
-            env_ids = step.get("env_ids", [])
-            if not isinstance(env_ids, list) or not all(isinstance(e, str) for e in env_ids):
-                problems.append(f"{sat}: env_ids must be a list of env ids")
-            else:
-                for env_id in env_ids:
-                    if env_id not in deployed:
-                        problems.append(f"{sat}: env_ids names {env_id!r}, which no earlier deploy_env "
-                                        "step of the task deploys")
-                    needs(step, sat, "env", env_id)
-        elif step.type == "prompt_agent":
-            agent = step.get("agent_name", DEFAULT_AGENT)
-            if agent not in agents:
-                problems.append(f"{sat}: prompts agent {agent!r}, which no earlier deploy_agent step "
-                                "deploys")
-            needs(step, sat, "agent", agent)
-            if not isinstance(step.get("prompt"), str) or not step.get("prompt").strip():
-                problems.append(f"{sat}: prompt must be non-empty text")
-            if step.get("prompt_id"):
-                prompt_ids.add(step.get("prompt_id"))
-                made_by[("prompt", step.get("prompt_id"))] = step.id
-            if last_turn is not None and last_turn not in ancestors[step.id]:
-                problems.append(f"{sat}: may open while turn {last_turn!r} is still open; the agent "
-                                f"plays one turn at a time, so add {last_turn!r} to its depends_on")
-            last_turn = step.id
-        elif step.type == "env_outcome_verifier":
-            artifact = step.get("file_artifact_id")
-            if artifact not in verifiers:
-                problems.append(f"{sat}: file_artifact_id {artifact!r} names no verifier artifact; "
-                                f"add artifacts/{artifact}/verify.py with `async def verify(mcp_url)`")
-        if step.type.endswith("verifier"):
-            agg = step.get("score_aggregator", "all_pass")
-            if agg not in SCORE_AGGREGATORS:
-                problems.append(f"{sat}: score_aggregator {agg!r} is not one of "
-                                f"{', '.join(SCORE_AGGREGATORS)}")
-        if step.type == "agent_prompt_response_verifier":
-            if step.get("prompt_id") not in prompt_ids:
-                problems.append(f"{sat}: prompt_id {step.get('prompt_id')!r} names no earlier "
-                                "prompt_agent step; give that step the same prompt_id")
-            needs(step, sat, "prompt", step.get("prompt_id"))
-            _check_criteria(step, sat, problems)
+    checked = TaskCheck(name, task_id, shelf, problems)
+    checked.check(steps)
+    at = checked.at
+    agents = checked.agents
     if len(agents) > 1:
         problems.append(f"{at}: deploys agents {', '.join(sorted(agents))}; agentenv.py plays one "
                         "agent from outside, so a task deploys exactly one")
     turns = [s for s in steps if s.type == "prompt_agent"]
     if not turns:
         problems.append(f"{at}: prompts no agent, so there is no turn to play; add a prompt_agent step")
-    scoring = tuple(s.id for s in steps if s.type.endswith("verifier"))
+    scoring = tuple(s.id for s in steps if s.type in SCORING_TYPES)
     reward_step = _choose_reward(at, scoring, reward, problems)
     if len(problems) > before:
         return None
     agent_name, agent_step = next(iter(agents.items()))
-    toolset = Toolset(tuple(sorted({deployed[e] for e in agent_step.get("env_ids", [])})))
-    return Task(task_id, name, tuple(steps), agent_name, toolset, reward_step)
+    sandboxed = works_in_sandbox(steps, agent_name)
+    toolset = Toolset(tuple(sorted({checked.deployed[e] for e in agent_step.get("env_ids", [])})),
+                      sandboxed)
+    return Task(task_id, name, tuple(steps), agent_name, toolset, reward_step, sandboxed)
 
 
 def _resolve_env(env_id: Any, envs: dict[str, EnvSpec], task_id: str) -> str | None:
@@ -1130,6 +1514,15 @@ class Sandbox(abc.ABC):
     async def end_episode(self, episode: str) -> None:
         """Let go of what the sandbox holds for an episode whose envs are all removed."""
 
+    async def prepare_box(self) -> None:
+        """Make the agent's box ready to open (its image built), for a bundle whose tasks use one."""
+
+    async def open_box(self, episode: str, name: str, limits: dict[str, Any],
+                       image: str | None = None) -> Box:
+        """Open a box for an episode: the agent's, or a deploy_sandbox's (``image``: its own)."""
+        raise EpisodeFailed(f"the {self.kind or 'this'} sandbox runs no boxes, and box {name!r} is "
+                            "one; serve with --sandbox docker (or local)", PROVIDER_UNAVAILABLE)
+
     async def close(self) -> None:
         """Wait for removals under way, and let go of what the sandbox holds."""
 
@@ -1325,6 +1718,28 @@ class LocalSandbox(Sandbox):
         record = self.records / str(proc.pid)
         record.write_text(_process_start(proc.pid))
         return LocalInstance(proc, port, record, scratch, lambda: self.ports.discard(port))
+
+    async def prepare_box(self) -> None:
+        log.warning("The agent's boxes are work folders on this machine (--sandbox local): its "
+                    "bash commands and the bundle's code run here, as this user, isolated from "
+                    "nothing. Serve only bundles you trust so, or use --sandbox docker.")
+
+    async def open_box(self, episode: str, name: str, limits: dict[str, Any],
+                       image: str | None = None) -> Box:
+        if image:
+            raise EpisodeFailed(f"box {name!r} runs the image {image!r}, and the local sandbox runs "
+                                "no images; serve with --sandbox docker", PROVIDER_UNAVAILABLE)
+        # beside the records, so a crashed run's folders are swept with them
+        self.records.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix=f"box-{plain_slug(name)}-", dir=self.records))
+        (folder / "app").mkdir()
+        (folder / "tmp").mkdir()
+        (folder / "home" / "skills").mkdir(parents=True)
+        return LocalBox(folder, name, self.owner)
+
+
+def plain_slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9_.-]", "-", name.lower())[:40] or "box"
 
 
 def wait_for_children_by_pidfd() -> None:
@@ -1725,6 +2140,104 @@ class DockerSandbox(Sandbox):
                                 PROVIDER_UNAVAILABLE) from None
         return DockerInstance(self, container, port)
 
+    async def prepare_box(self) -> None:
+        self.images[""] = await self.box_image()
+
+    async def build_context(self, folder: Path, dockerfile: str, name: str) -> str:
+        """An image of a bundle artifact's build context (run_docker_container), once per content."""
+        tag = f"agentenv-box/{plain_slug(name)}:{_digest(folder)}"
+        import docker.errors
+        with contextlib.suppress(docker.errors.ImageNotFound):
+            await self.call(self.client.images.get, tag, timeout=30)
+            return tag
+        try:
+            await self.call(self.client.images.build, path=str(folder), dockerfile=dockerfile,
+                            tag=tag, rm=True, forcerm=True, labels={"agentenv.box": name},
+                            timeout=1800)
+        except (docker.errors.BuildError, docker.errors.APIError) as exc:
+            raise EpisodeFailed(f"the image of artifacts/{name} did not build: {exc}; with no "
+                                "registry reachable, its FROM image must exist locally",
+                                PROVIDER_UNAVAILABLE) from None
+        return tag
+
+    async def box_image(self) -> str:
+        """The agent's box image, built once per content from BOX_BASE: bash, coreutils, a user
+        ``agent`` and /app. Its tag is agentenv-box/, never an env's agentenv/<env>."""
+        tag = f"agentenv-box/agent:{hashlib.sha256(BOX_DOCKERFILE.encode()).hexdigest()[:16]}"
+        import io
+        import docker.errors
+        try:
+            await self.call(self.client.images.get, tag, timeout=30)
+            return tag
+        except docker.errors.ImageNotFound:
+            pass
+        log.info("Building the agent's box image as %s, FROM %s.", tag, BOX_BASE)
+        try:
+            await self.call(self.client.images.build, fileobj=io.BytesIO(BOX_DOCKERFILE.encode()),
+                            tag=tag, rm=True, forcerm=True, labels={"agentenv.box": "agent"},
+                            timeout=600)
+        except (docker.errors.BuildError, docker.errors.APIError) as exc:
+            raise AgentEnvError(f"the agent's box image did not build FROM {BOX_BASE}: {exc}; with "
+                                f"no registry reachable, {BOX_BASE} must exist on this machine's "
+                                "Docker (the bundles' envs build FROM it too)") from None
+        return tag
+
+    def box_options(self, episode: str, name: str, limits: dict[str, Any],
+                    image: str) -> dict[str, Any]:
+        """How a box's container is made: the one place its isolation is chosen (no network)."""
+        memory = int(limits.get("memory_mb") or BOX_MEMORY_MB)
+        # Our own box: a read-only root, and its writable places tmpfs mounts of bounded sizes
+        # (within its memory), so a command that fills the disk fills only its box's share.
+        own = {} if image != self.images.get("") else dict(read_only=True, tmpfs={
+            "/app": f"size={memory // 2}m,uid=1000,gid=1000,mode=0755",
+            "/home/agent": f"size={max(16, memory // 16)}m,uid=1000,gid=1000,mode=0755",
+            "/tmp": f"size={max(16, memory // 8)}m,mode=1777",
+            "/var/tmp": f"size={max(16, memory // 32)}m,mode=1777"})
+        return dict(**own,
+            image=image, detach=True, init=True, network_mode="none", hostname="box",
+            labels={"agentenv.owner": self.owner, "agentenv.episode": episode,
+                    "agentenv.box": name},
+            security_opt=["no-new-privileges"], cap_drop=["ALL"], pids_limit=BOX_PIDS_LIMIT,
+            mem_limit=f"{memory}m", memswap_limit=f"{memory}m",
+            nano_cpus=int(float(limits.get("cpu") or 1.0) * 1e9),
+            environment=dict(limits.get("env_vars") or {}),
+            **({"command": list(limits["command_override"])} if limits.get("command_override")
+               else {}))
+
+    async def open_box(self, episode: str, name: str, limits: dict[str, Any],
+                       image: str | None = None) -> Box:
+        own = image is None
+        if own:
+            image = self.images[""] = self.images.get("") or await self.box_image()
+        options = self.box_options(episode, name, limits, image)
+
+        def create_and_start() -> Any:
+            container = self.client.containers.create(**options)
+            try:
+                container.start()
+                return container
+            except BaseException:
+                container.remove(force=True)
+                raise
+
+        def undo(container: Any) -> None:
+            task = asyncio.get_running_loop().create_task(self.remove(container))
+            self.removals.add(task)
+            task.add_done_callback(self.removals.discard)
+        job = await self.start(create_and_start)
+        self.creating.add(job)
+        job.add_done_callback(self.creating.discard)
+        try:
+            container = await asyncio.wait_for(guarded(job, undo), 120)
+        except asyncio.TimeoutError:
+            raise EpisodeFailed(f"box {name!r}: the Docker daemon did not create and start its "
+                                "container within 120s; it may be overloaded (lower "
+                                "--max-concurrent-envs)", PROVIDER_UNAVAILABLE) from None
+        except Exception as exc:                    # noqa: BLE001 - docker raises many kinds
+            raise EpisodeFailed(f"box {name!r} did not start: {short(str(exc), 1500)}",
+                                PROVIDER_UNAVAILABLE) from None
+        return DockerBox(self, container, name, "agent" if own else None)
+
     async def remove(self, container: Any) -> None:
         """Force-remove a container; retried, and reported if it still stands."""
         import docker.errors
@@ -1757,6 +2270,404 @@ class DockerSandbox(Sandbox):
                 log.error("Could not remove network %s; remove it with docker network rm %s.",
                           network.name, network.name)
         self.threads.shutdown(wait=False)
+
+
+# -- boxes: where the played agent works with bash, and where bundle code runs
+
+BOX_BASE = "python:3.11-slim"     # the image the bundles' envs build FROM: a box is built on it too
+BOX_PIDS_LIMIT = 256              # processes and threads in one box (a fork bomb stops there)
+BOX_MEMORY_MB = 2048              # a box's memory when its step sets no memory_mb
+BOX_DOCKERFILE = f"""FROM {BOX_BASE}
+RUN useradd --create-home --uid 1000 --user-group --shell /bin/bash agent \\
+ && mkdir -p /app /home/agent/skills && chown agent:agent /app /home/agent/skills
+WORKDIR /app
+USER agent
+CMD ["sleep", "infinity"]
+"""
+# Kills every process of one call, found by the marker in its environment, group and all: run as
+# the call's own user (a box's root has no CAP_KILL). Rounds, for a tree that forks meanwhile.
+BOX_KILLER = r"""m="AGENTENV_CALL=$0"
+for round in 1 2 3 4 5 6 7 8; do
+  found=
+  for d in /proc/[0-9]*; do
+    grep -qzx "$m" "$d/environ" 2>/dev/null || continue
+    s=$(cat "$d/stat" 2>/dev/null) || continue
+    s=${s##*) }; set -- $s
+    kill -9 "-$3" 2>/dev/null; kill -9 "${d#/proc/}" 2>/dev/null; found=1
+  done
+  [ -z "$found" ] && exit 0
+done"""
+
+
+class BoxGone(AgentEnvError):
+    """The box stopped (or was removed) under a command: the environment failed, not the model."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Ran:
+    """A command's run in a box: its exit code (None when killed at its deadline), its stdout and
+    stderr (each kept up to a cap), and how many bytes it printed in all."""
+
+    exit_code: int | None
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool = False
+    printed: int = 0
+
+    @property
+    def output(self) -> str:
+        return (self.stdout + self.stderr).decode(errors="replace")
+
+
+class Box(abc.ABC):
+    """A box an episode works in: the played agent's (its bash runs there) or a deploy_sandbox's.
+    Commands run as its user ``agent`` in ``/app`` (or as root for the bundle's own steps),
+    files are put in, and it is removed with its episode. Every command has a deadline, past
+    which every process it started is killed."""
+
+    kind = ""
+    user, home, workdir = "agent", "/home/agent", "/app"
+    has_bash = True
+
+    def __init__(self, name: str):
+        self.name = name
+
+    @abc.abstractmethod
+    async def run(self, argv: list[str], timeout: float, *, root: bool = False,
+                  cwd: str | None = None, env: dict[str, str] | None = None,
+                  cap: int = 1 << 20) -> Ran:
+        """Run a command to its end or its deadline; BoxGone if the box is gone."""
+
+    @abc.abstractmethod
+    async def put(self, files: dict[str, bytes], dest: str, agent_owns: bool = True) -> None:
+        """Write files (path inside ``dest`` -> bytes), making folders as needed."""
+
+    @abc.abstractmethod
+    async def stopped(self) -> str | None:
+        """None while the box runs; once it has stopped, a sentence saying how."""
+
+    @abc.abstractmethod
+    async def remove(self) -> None:
+        """Remove the box and every process in it."""
+
+    def path(self, path: str, base: str | None = None) -> str:
+        """A path in the box: absolute as given, else under ``base`` (the working folder)."""
+        return path if path.startswith("/") else f"{(base or self.workdir).rstrip('/')}/{path}"
+
+
+def box_tar(files: dict[str, bytes], dest: str, uid: int) -> bytes:
+    """Files as a tar rooted at /, for Docker's put_archive, owned by ``uid``; folders made."""
+    import io
+    import tarfile
+    buffer = io.BytesIO()
+    made: set[str] = set()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for rel, data in files.items():
+            full = (dest.rstrip("/") + "/" + rel).lstrip("/")
+            parts = full.split("/")
+            for n in range(1, len(parts)):
+                folder = "/".join(parts[:n])
+                if folder not in made:
+                    made.add(folder)
+                    info = tarfile.TarInfo(folder)
+                    info.type, info.mode, info.uid, info.gid = tarfile.DIRTYPE, 0o755, uid, uid
+                    tar.addfile(info)
+            info = tarfile.TarInfo(full)
+            info.size, info.mode, info.uid, info.gid = len(data), 0o644, uid, uid
+            info.mtime = int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+class DockerBox(Box):
+    """A box that is a container of its own: no network, every capability dropped, bounded
+    processes and memory; each command a ``docker exec``, its output read as it comes."""
+
+    kind = "docker"
+
+    def __init__(self, sandbox: DockerSandbox, container: Any, name: str, user: str | None = "agent"):
+        super().__init__(name)
+        self.sandbox, self.container = sandbox, container
+        self.user = user or "root"
+        self.exec_user = user          # None: the image's own user, in its own working folder
+        if user is None:
+            self.workdir = ((container.attrs or {}).get("Config") or {}).get("WorkingDir") or "/"
+
+    async def run(self, argv: list[str], timeout: float, *, root: bool = False,
+                  cwd: str | None = None, env: dict[str, str] | None = None,
+                  cap: int = 1 << 20) -> Ran:
+        import docker.errors
+        marker = uuid.uuid4().hex
+        user = "0" if root else self.exec_user
+        api = self.sandbox.client.api
+
+        def blocking() -> Ran:
+            # (docker runs each exec as a session leader of its own: its group is the call's)
+            created = api.exec_create(self.container.id, argv, stdout=True,
+                                      stderr=True, stdin=False, user=user or "",
+                                      workdir=cwd or (self.workdir if self.exec_user else None),
+                                      environment={**(env or {}), "AGENTENV_CALL": marker})
+            out, err, printed = bytearray(), bytearray(), 0
+            for chunks in api.exec_start(created["Id"], stream=True, demux=True):
+                for chunk, kept in zip(chunks, (out, err)):
+                    if chunk:
+                        printed += len(chunk)
+                        if len(kept) < cap:
+                            kept += chunk[:cap - len(kept)]
+            code = api.exec_inspect(created["Id"]).get("ExitCode")
+            return Ran(code, bytes(out), bytes(err), False, printed)
+        job = await self.sandbox.start(blocking)
+        try:
+            try:
+                return await asyncio.wait_for(asyncio.shield(job), timeout)
+            except asyncio.TimeoutError:
+                await self._kill(marker, user)
+                with contextlib.suppress(asyncio.TimeoutError, Exception):
+                    ran = await asyncio.wait_for(asyncio.shield(job), 5)
+                    return dataclasses.replace(ran, exit_code=None, timed_out=True)
+                return Ran(None, b"", b"", True)
+            except asyncio.CancelledError:        # the turn closed under it: it ends too
+                await asyncio.shield(self._kill(marker, user))
+                raise
+        except docker.errors.APIError as exc:
+            if why := await self.stopped():
+                raise BoxGone(f"box {self.name!r} stopped: {why}") from None
+            return Ran(126, b"", f"error: the command couldn't start: {short(str(exc), 300)}\n"
+                       .encode())
+        except (asyncio.CancelledError, AgentEnvError):
+            raise
+        except Exception as exc:                        # noqa: BLE001 - the daemon's stream broke
+            why = await self.stopped() or f"{type(exc).__name__}: {short(str(exc), 300)}"
+            raise BoxGone(f"box {self.name!r} failed under a command: {why}") from None
+
+    async def _kill(self, marker: str, user: str | None) -> None:
+        """Kill every process of the call marked ``marker``: from this machine when the daemon
+        runs here (no process of the box is needed, so a box out of processes can't refuse
+        it), else with a killer run in the box; within seconds either way."""
+        with contextlib.suppress(Exception):
+            if await self.sandbox.call(self._kill_from_host, marker, timeout=10):
+                return
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(10):
+                await self.sandbox.call(self.container.exec_run, ["sh", "-c", BOX_KILLER, marker],
+                                        user=user or "", timeout=10)
+                return
+        log.warning("Could not kill a command in box %r past its deadline (the box may be out of "
+                    "processes); it runs on until its episode ends.", self.name)
+
+    def _kill_from_host(self, marker: str) -> bool:
+        """The box's processes as this machine sees them (docker top), those with the marker in
+        their environment killed, group and all; False where this machine can't see them."""
+        needle = f"AGENTENV_CALL={marker}".encode()
+        for _ in range(10):                       # rounds, for a tree that forks meanwhile
+            found = 0
+            for row in self.container.top(ps_args="-eo pid").get("Processes") or []:
+                pid = int(row[0])
+                try:
+                    environ = Path(f"/proc/{pid}/environ").read_bytes()
+                except FileNotFoundError:
+                    continue
+                except OSError:                   # not ours to read: another user's daemon
+                    return False
+                if needle in environ.split(b"\0"):
+                    found += 1
+                    with contextlib.suppress(OSError):
+                        os.killpg(os.getpgid(pid), signal.SIGKILL)
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+            if not found:
+                return True
+        return True
+
+    async def put(self, files: dict[str, bytes], dest: str, agent_owns: bool = True) -> None:
+        data = box_tar(files, dest, 1000 if agent_owns and self.exec_user else 0)
+        try:
+            if self.exec_user is None:           # an image of the bundle's: its disk, as it is
+                await self.sandbox.call(self.container.put_archive, "/", data, timeout=120)
+                return
+            # Our own box's root is read-only, its writable places bounded tmpfs mounts, where
+            # Docker's archive API can't reach: tar reads the files from the exec's stdin. Root
+            # (with no capabilities) may write only in /tmp; elsewhere the agent owns the files.
+            root = not agent_owns and (dest == "/tmp" or dest.startswith("/tmp/"))
+            said = await self.sandbox.call(self._untar, data, "0" if root else "1000", timeout=120)
+        except Exception as exc:                        # noqa: BLE001 - docker raises many kinds
+            if why := await self.stopped():
+                raise BoxGone(f"box {self.name!r} stopped: {why}") from None
+            raise BoxGone(f"files could not be put in box {self.name!r} at {dest}: "
+                          f"{short(str(exc), 300)}") from None
+        if said is not None:
+            raise EpisodeFailed(f"the files could not be put in box {self.name!r} at {dest}: "
+                                f"{short(said, 500)}")
+
+    def _untar(self, data: bytes, user: str) -> str | None:
+        """Extract a tar in the box from the exec's stdin; None, or what tar said when it failed."""
+        api = self.sandbox.client.api
+        made = api.exec_create(self.container.id, ["tar", "-x", "-m", "--no-same-owner", "-C", "/"],
+                               stdin=True, stdout=True, stderr=True, user=user)
+        stream = api.exec_start(made["Id"], socket=True)
+        raw = getattr(stream, "_sock", stream)
+        try:
+            raw.sendall(data)
+            raw.shutdown(socket.SHUT_WR)
+            out = bytearray()
+            while chunk := raw.recv(65536):
+                out += chunk
+        finally:
+            stream.close()
+        if api.exec_inspect(made["Id"]).get("ExitCode") == 0:
+            return None
+        said, at = bytearray(), 0          # Docker's frames: an 8-byte header, then the bytes
+        while at + 8 <= len(out):
+            size = int.from_bytes(out[at + 4:at + 8], "big")
+            said += out[at + 8:at + 8 + size]
+            at += 8 + size
+        return said.decode(errors="replace").strip() or "tar failed"
+
+    async def stopped(self) -> str | None:
+        import docker.errors
+        try:
+            await self.sandbox.call(self.container.reload, timeout=10)
+        except docker.errors.NotFound:
+            return "its container is gone (removed from outside)"
+        except Exception:                               # noqa: BLE001 - a busy daemon
+            return None
+        state = self.container.attrs.get("State", {})
+        if state.get("Status") in ("exited", "dead"):
+            return (f"its container exited with code {state.get('ExitCode')}"
+                    + (" (killed for running out of memory)" if state.get("OOMKilled") else ""))
+        return None
+
+    async def remove(self) -> None:
+        await self.sandbox.remove(self.container)
+
+
+async def process_exit(proc: asyncio.subprocess.Process) -> int:
+    """A child's exit code once it exits, whether or not its pipes are still held open: Linux's
+    pidfd says when, and the loop's child watcher then records the code."""
+    if proc.returncode is None:
+        loop = asyncio.get_running_loop()
+        try:
+            fd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):        # no pidfds: the pipes' closing must do
+            return await proc.wait()
+        try:
+            exited = loop.create_future()
+            loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+            try:
+                await exited
+            finally:
+                loop.remove_reader(fd)
+        finally:
+            os.close(fd)
+        for _ in range(500):                    # the watcher's waitpid follows within moments
+            if proc.returncode is not None:
+                break
+            await asyncio.sleep(0.002)
+    return proc.returncode if proc.returncode is not None else await proc.wait()
+
+
+class LocalBox(Box):
+    """A box that is a work folder on this machine: commands run here, as this server's user,
+    with the folder for ``/app``. It isolates nothing; it is for bundles the user trusts."""
+
+    kind = "local"
+
+    def __init__(self, folder: Path, name: str, owner: str):
+        super().__init__(name)
+        self.folder, self.owner = folder, owner
+        self.workdir, self.home = str(folder / "app"), str(folder / "home")
+        self.has_bash = shutil.which("bash") is not None
+        # the commands whose group may still run (under way, or a background job holding their
+        # pipes): killed, group and all, when the box is removed
+        self.running: dict[int, asyncio.subprocess.Process] = {}
+
+    def here(self, path: str) -> str:
+        """A box path on this machine: /app and /home/agent are the work folder's."""
+        for box, local in (("/app", self.workdir), ("/home/agent", self.home),
+                           ("/tmp", str(self.folder / "tmp"))):
+            if path == box or path.startswith(box + "/"):
+                return local + path[len(box):]
+        return path
+
+    def _script(self, argv: list[str]) -> list[str]:
+        # the script of a `bash -c`: its /app and /home/agent paths are the work folder's too
+        if len(argv) >= 3 and argv[1] == "-c" and Path(argv[0]).name in ("bash", "sh"):
+            script = re.sub(r"(?<![\w.-])(/app|/home/agent|/tmp)(?=/|\b|$)",
+                            lambda m: self.here(m[1]), argv[2])
+            return [argv[0], "-c", script, *argv[3:]]
+        return [self.here(a) if a.startswith("/") else a for a in argv]
+
+    async def run(self, argv: list[str], timeout: float, *, root: bool = False,
+                  cwd: str | None = None, env: dict[str, str] | None = None,
+                  cap: int = 1 << 20) -> Ran:
+        environ = {**{k: v for k, v in os.environ.items() if k != "AGENTENV_TOKEN"},
+                   "HOME": self.home, "PWD": self.here(cwd or "/app"), "AGENTENV_OWNER": self.owner,
+                   **(env or {})}
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self._script(argv), cwd=self.here(cwd or "/app"), env=environ,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        except OSError as exc:
+            return Ran(126, b"", f"error: the command couldn't start: {exc}\n".encode())
+        self.running[proc.pid] = proc
+        printed = 0
+        out, err = bytearray(), bytearray()
+
+        async def drain(stream: asyncio.StreamReader, kept: bytearray) -> None:
+            nonlocal printed
+            while chunk := await stream.read(65536):
+                printed += len(chunk)
+                if len(kept) < cap:
+                    kept += chunk[:cap - len(kept)]
+        readers = [asyncio.ensure_future(drain(s, k)) for s, k in ((proc.stdout, out),
+                                                                  (proc.stderr, err))]
+        try:
+            try:
+                # its exit, not its pipes' closing (proc.wait() waits for both): a background
+                # job may hold them long after
+                code = await asyncio.wait_for(process_exit(proc), timeout)
+            except asyncio.TimeoutError:
+                self._kill(proc.pid)
+                await proc.wait()
+                await asyncio.wait(readers, timeout=1)
+                return Ran(None, b"", b"", True, printed)
+            # a background job that holds the pipes: read them a second longer, then let go
+            await asyncio.wait(readers, timeout=1)
+            return Ran(code, bytes(out), bytes(err), False, printed)
+        except asyncio.CancelledError:
+            self._kill(proc.pid)
+            raise
+        finally:
+            if all(r.done() for r in readers):      # nothing of it holds its pipes: it is over
+                self.running.pop(proc.pid, None)
+            for reader in readers:
+                reader.cancel()
+
+    @staticmethod
+    def _kill(group: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGKILL)
+
+    async def put(self, files: dict[str, bytes], dest: str, agent_owns: bool = True) -> None:
+        def write() -> None:
+            for rel, data in files.items():
+                path = Path(self.here(dest.rstrip("/") + "/" + rel))
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
+        await asyncio.to_thread(write)
+
+    async def stopped(self) -> str | None:
+        return None if self.folder.is_dir() else "its work folder is gone"
+
+    async def remove(self) -> None:
+        for group in self.running:
+            self._kill(group)
+        if self.running:                         # their pipes close once their jobs are dead
+            await asyncio.wait([asyncio.ensure_future(p.wait()) for p in self.running.values()],
+                               timeout=5)
+        self.running.clear()
+        await asyncio.to_thread(shutil.rmtree, self.folder, True)
 
 
 async def open_sandbox(kind: str, owner: str) -> Sandbox:
@@ -1912,6 +2823,44 @@ def tool_text(result: dict[str, Any]) -> str:
         text = (text[:MAX_TOOL_OUTPUT] + f"\n[output cut: the tool answered {len(text)} characters; "
                 f"agentenv.py passes on the first {MAX_TOOL_OUTPUT}]")
     return text
+
+
+# The agent's own tool when it works in a box: AgentEnv's descriptor, word for word.
+BASH_SCHEMA = {"type": "object", "properties": {"command": {"type": "string",
+                                                            "description": "The command."}},
+               "required": ["command"]}
+BASH_TOOL = {"name": "bash", "inputSchema": BASH_SCHEMA,
+             "description": "Run a bash command where the agent works, as its user, in its folder; "
+                            "returns its stdout, then its stderr."}
+SH_TOOL = {"name": "bash", "inputSchema": BASH_SCHEMA,
+           "description": "Run a command where the agent works, as its user, in its folder, with "
+                          "POSIX sh: this place has no bash, so bash-only syntax such as [[ ]], "
+                          "arrays or <(...) fails. Returns its stdout, then its stderr."}
+
+
+async def run_bash(box: Box, arguments: dict[str, Any], timeout: float) -> ToolResult:
+    """One bash call in the agent's box: a fresh shell in its folder as its user, stdin empty;
+    stdout then stderr, and ``exit code N`` after a failure, as AgentEnv's proxy answers. Past
+    ``timeout`` every process of the call is killed and the model reads that it timed out."""
+    command = arguments.get("command")
+    if not isinstance(command, str):
+        return ToolResult(f"tool 'bash' takes a command string, not {command!r}", BAD_ARGUMENTS)
+    ran = await box.run(["bash" if box.has_bash else "sh", "-c", command], timeout,
+                        cap=MAX_TOOL_OUTPUT)
+    if ran.timed_out:
+        return ToolResult(f"error: the command timed out after {timeout:g}s, so it was killed, with "
+                          "every process it started; run long jobs in the background or in steps",
+                          TOOL_ERROR)
+    out = ran.output
+    if ran.printed > len(ran.stdout) + len(ran.stderr):
+        out = out[:MAX_TOOL_OUTPUT] + (f"\n[output cut: the command printed {ran.printed} bytes; "
+                                       f"agentenv.py passes on the first {MAX_TOOL_OUTPUT} "
+                                       "characters of its stdout, then of its stderr]\n")
+    if ran.exit_code == 0:
+        return ToolResult(out)
+    out = out[:-1] if out.endswith("\n") else out
+    return ToolResult(f"{out}\nexit code {ran.exit_code}" if out else f"exit code {ran.exit_code}",
+                      TOOL_ERROR)
 
 
 def is_hidden(tool: dict[str, Any]) -> bool:
@@ -2073,6 +3022,98 @@ def response_rows(criteria: list[dict[str, Any]], response: str) -> list[dict[st
     return rows
 
 
+async def sandbox_rows(box: Box, criteria: list[dict[str, Any]], base_dir: str,
+                       timeout: float) -> list[dict[str, Any]]:
+    """Check a box against verify_sandbox criteria, one row per criterion, as AgentEnv does:
+    probes of paths and reads as root, shell checks as the box's user in ``base_dir``."""
+    rows = []
+    for n, criterion in enumerate(criteria):
+        kind = criterion.get("type")
+        row = {**criterion, "criterion_index": n}
+        if kind not in SANDBOX_CRITERIA:
+            rows.append({**row, "skipped": True,
+                         "justification": f"type {kind!r} not handled by verify_sandbox"})
+            continue
+        passed, why = await _criterion(box, criterion, base_dir, timeout)
+        rows.append({**row, "score": 1.0 if passed else 0.0, "result": passed,
+                     "justification": why, "skipped": False})
+    return rows
+
+
+async def _criterion(box: Box, criterion: dict[str, Any], base_dir: str,
+                     timeout: float) -> tuple[bool, str]:
+    kind, paths = criterion["type"], criterion.get("paths") or []
+    if kind in ("probe_file_exists", "probe_dir_exists"):
+        if not paths:
+            return False, "no paths specified"
+        missing = []
+        for path in paths:
+            ran = await box.run(["test", "-e" if kind == "probe_file_exists" else "-d",
+                                 box.path(path, base_dir)], timeout, root=True)
+            if ran.timed_out:
+                return False, f"timed out checking {path} after {timeout:g}s"
+            if ran.exit_code != 0:
+                missing.append(path)
+        return (False, f"Missing: {missing}") if missing else (True, "All paths exist")
+    if kind == "probe_file_contains":
+        if not paths:
+            return False, "no path"
+        pattern = str(criterion.get("expected", criterion.get("value", "")))
+        ran = await box.run(["cat", box.path(paths[0], base_dir)], timeout, root=True)
+        if ran.timed_out:
+            return False, f"timed out reading {paths[0]} after {timeout:g}s"
+        if ran.exit_code != 0:
+            return False, f"could not read {paths[0]}: {ran.stderr.decode(errors='replace')[:100]}"
+        try:
+            found = re.search(pattern, ran.stdout.decode(errors="replace")) is not None
+        except re.error as exc:
+            return False, f"invalid regex pattern {pattern!r}: {exc}"
+        return found, f"{'contains' if found else 'does not contain'} {pattern!r}"
+    command = criterion.get("bash_cmd")
+    if not command:
+        return False, "no bash_cmd"
+    ran = await box.run(["bash", "-c", command], timeout, cwd=box.path(base_dir))
+    if ran.timed_out:
+        return False, f"timed out after {timeout:g}s"
+    return ran.exit_code == 0, f"exit={ran.exit_code}; stderr={ran.stderr.decode(errors='replace')[:200]}"
+
+
+def unit_test_rows(ran: Ran, reward_path: str | None, reward: Any) -> tuple[list[dict[str, Any]], float]:
+    """The row and score of a run_container_unit_tests_verifier: the exit code, or the reward file."""
+    status = f"exit_code={ran.exit_code} timed_out={ran.timed_out}"
+    if not reward_path:
+        passed = ran.exit_code == 0 and not ran.timed_out
+        return [{"id": "exit_code", "score": float(passed), "result": passed, "message": status}], \
+            float(passed)
+    value = None
+    if not isinstance(reward, bool):
+        with contextlib.suppress(TypeError, ValueError):
+            value = float(reward)
+    if value is None or not math.isfinite(value):
+        return [{"id": "reward", "score": 0.0, "result": False,
+                 "message": f"reward file {reward_path!r} missing or non-numeric ({status})"}], 0.0
+    value = min(1.0, max(0.0, value))
+    return [{"id": "reward", "score": value, "result": value >= 1.0,
+             "message": f"reward={value:g} ({status})"}], value
+
+
+# run_code's runner: stdlib only, run in the box with the step's folder, entry function and script.
+RUN_CODE_RUNNER = """import importlib.util, json, os, sys
+folder, entry, script = sys.argv[1:4]
+path = os.path.join(folder, script)
+sys.path[:0] = [os.path.dirname(path), folder]
+spec = importlib.util.spec_from_file_location("agent_env_user_script", path)
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+with open(os.path.join(folder, "input.json")) as f:
+    given = json.load(f)
+result = getattr(module, entry)(given)
+with open(os.path.join(folder, "output.json"), "w") as f:
+    json.dump(result, f)
+"""
+RUN_CODE_RESULT_CAP = 50 * 2**20
+
+
 def load_verifier(path: Path) -> Callable:
     """Import an artifact's verifier module and return its ``verify``. Bundle code is trusted code."""
     name = "agentenv_verifier_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
@@ -2167,10 +3208,12 @@ class Turn:
     """One turn of the played agent: its prompt and tools, open until ``end`` hands its reply back."""
 
     def __init__(self, episode: Episode, step: Step, prompt: str, system_prompt: str | None,
-                 tools: list[dict[str, Any]], route: dict[str, McpSession]):
+                 tools: list[dict[str, Any]], route: dict[str, McpSession | None],
+                 box: Box | None = None):
         self.episode, self.step = episode, step
         self.prompt, self.system_prompt = prompt, system_prompt
         self.tools, self.route = tools, route
+        self.box = box                       # the agent's box, where its bash runs (route None)
         self.ended: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     @property
@@ -2194,6 +3237,8 @@ class Turn:
         env that fails fails the episode (EpisodeFailed)."""
         if not self.is_open:
             raise AgentEnvError(f"turn {self.id!r} has ended; call the tools of the current turn")
+        if name == "bash" and self.box is not None:
+            return await self._bash(arguments, timeout)
         session = self.route.get(name)
         if session is None:
             offered = ", ".join(self.route) or "none"
@@ -2214,6 +3259,27 @@ class Turn:
                                     f"{stopped.reason}", SESSION_LOST) from None
             failure = Failure(PEER_DROP, f"{name} failed because the env failed: "
                                          f"{await self.episode.env_trouble(exc)}")
+            self.episode.end(failure)
+            raise EpisodeFailed(failure) from None
+
+    async def _bash(self, arguments: Any, timeout: float | None) -> ToolResult:
+        """A bash call in the agent's box, within ``bash_timeout`` and inside the call's own
+        deadline (with room to kill it first): a command that runs too long is the model's
+        doing, answered as a tool error, and the episode goes on. A box that fails fails it."""
+        assert self.box is not None
+        if not isinstance(arguments, dict):
+            return ToolResult("the arguments of bash must be a JSON object such as "
+                              '{"command": "ls"}', BAD_ARGUMENTS)
+        limit = self.episode.runtime.bash_timeout
+        if timeout:
+            limit = min(limit, max(0.5, timeout - min(5.0, timeout / 5)))
+        try:
+            return await run_bash(self.box, arguments, limit)
+        except BoxGone as exc:
+            if stopped := self.episode.stopped:
+                raise EpisodeFailed(f"bash was cut short: the episode was ended, since "
+                                    f"{stopped.reason}", SESSION_LOST) from None
+            failure = Failure(PEER_DROP, f"bash failed because the agent's box failed: {exc}")
             self.episode.end(failure)
             raise EpisodeFailed(failure) from None
 
@@ -2239,6 +3305,12 @@ class Episode:
         self.envs: dict[str, DeployedEnv] = {}    # by env_id as the task writes it
         self.instances: list[Instance] = []       # every env launched, ready or not
         self.agent: Step | None = None
+        self.boxes: dict[str, Box] = {}           # deploy_sandbox boxes, by sandbox_name
+        self.agent_box: Box | None = None         # the played agent's, when it works in one
+        self.containers: dict[tuple[str, str], Box] = {}   # run_docker_container's, by (sandbox, name)
+        self.skills: set[str] = set()             # the names of the skills in the agent's box
+        self.verifications: dict[str, dict[str, Any]] = {}  # verifier_id -> {results, score}
+        self.script_results: dict[str, Any] = {}  # run_code's results, by result_id
         self.turn: Turn | None = None
         self.replies: dict[str, str] = {}         # prompt_id -> reply
         self.scores: dict[str, float] = {}
@@ -2375,8 +3447,12 @@ class Episode:
                 self.runtime.pool.release()
 
     async def _teardown(self) -> None:
-        """Remove every env launched, then what the sandbox held for the episode (its network)."""
-        await asyncio.gather(*(i.remove() for i in self.instances), return_exceptions=True)
+        """Remove every env launched and every box opened, then what the sandbox held for the
+        episode (its network)."""
+        boxes = [*self.boxes.values(), *self.containers.values(), *([self.agent_box] if
+                                                                   self.agent_box else [])]
+        await asyncio.gather(*(i.remove() for i in self.instances), *(b.remove() for b in boxes),
+                             return_exceptions=True)
         with contextlib.suppress(Exception):
             await self.runtime.sandbox.end_episode(self.id)
 
@@ -2425,6 +3501,8 @@ class Episode:
                                 TRANSPORT_TIMEOUT) from None
         except (aiohttp.ClientError, McpError, OSError) as exc:
             raise EpisodeFailed(await self.env_trouble(exc), PEER_DROP) from None
+        except BoxGone as exc:
+            raise EpisodeFailed(str(exc), PEER_DROP) from None
 
     # -- the step handlers, one per step type (HANDLERS, below)
 
@@ -2457,6 +3535,190 @@ class Episode:
 
     async def _deploy_agent(self, step: Step) -> None:
         self.agent = step
+        if self.task.sandboxed:
+            self.agent_box = await self._open_box(step.get("agent_name", DEFAULT_AGENT), step)
+            for skill in step.get("skills") or []:
+                await self._add_skill(skill)
+
+    async def _open_box(self, name: str, step: Step, image: str | None = None) -> Box:
+        limits = {k: step.get(k) for k in ("cpu", "memory_mb", "env_vars", "command_override")
+                  if step.get(k)}
+        async with self.runtime.starting.slot():
+            return await self.runtime.sandbox.open_box(self.id, name, limits, image)
+
+    def _box_of(self, step: Step, default_agent: str | None = DEFAULT_AGENT) -> Box:
+        """The box a step acts in: a deploy_sandbox's (sandbox_name), else the agent's."""
+        if step.get("sandbox_name"):
+            return self.boxes[step.get("sandbox_name")]
+        if self.agent_box is None:
+            raise EpisodeFailed(f"agent {step.get('agent_name', default_agent)!r} works in no box")
+        return self.agent_box
+
+    async def _add_skill(self, skill: dict[str, Any]) -> None:
+        """Put a skill in the agent's box at ~/skills/<name>/: its SKILL.md (written from an
+        inline skill as AgentEnv renders one) or the bundle's skills/<name>/ folder."""
+        assert self.agent_box is not None
+        if "skill_artifact_id" in skill:
+            name = skill["skill_artifact_id"]
+            folder = self.runtime.bundle.skills[name]
+            files = {rel: path.read_bytes() for rel, path in artifact_files(folder).items()}
+        else:
+            name = skill["name"]
+            lines = ["---", f"name: {name}", f"description: {skill['description']}"]
+            for key, label in (("license", "license"), ("compatibility", "compatibility")):
+                if skill.get(key):
+                    lines.append(f"{label}: {skill[key]}")
+            if isinstance(skill.get("metadata"), dict) and skill["metadata"]:
+                lines.append("metadata:")
+                lines += [f'  {k}: "{v}"' for k, v in skill["metadata"].items()]
+            if skill.get("allowed_tools"):
+                lines.append(f"allowed-tools: {skill['allowed_tools']}")
+            body = skill.get("body", skill.get("skill_md", skill.get("content", "")))
+            files = {"SKILL.md": "\n".join([*lines, "---", "", body]).encode()}
+        if name in self.skills:
+            raise EpisodeFailed(f"skill {name!r} is already added; give each skill its own name")
+        self.skills.add(name)
+        await self.agent_box.put(files, f"{self.agent_box.home}/skills/{name}")
+
+    async def _deploy_sandbox(self, step: Step) -> None:
+        mode, name = step.get("sandbox_mode"), step.get("sandbox_name")
+        self.boxes[name] = await self._open_box(name, step, step.get("image") if mode ==
+                                                "container" else None)
+
+    async def _add_skills(self, step: Step) -> None:
+        self._box_of(step)
+        for skill in step.get("skills"):
+            await self._add_skill(skill)
+
+    async def _load_artifact(self, step: Step) -> None:
+        box = self.containers[(step.get("sandbox_name"), step.get("container_name"))] \
+            if step.get("container_name") else self._box_of(step, None)
+        to_agent = not step.get("sandbox_name")
+        dest = box.path(step.get("destination_path") or ("/tmp/file_artifacts" if to_agent
+                                                          else "/loaded"))
+        names = [a["id"] for a in step.get("artifacts") or []] or [step.get("artifact_id")]
+        for name in names:
+            folder = self.runtime.bundle.artifacts[name]
+            files = await asyncio.to_thread(lambda f=folder: {
+                rel: path.read_bytes() for rel, path in artifact_files(f).items()})
+            # The agent owns what it is given, so it can edit the repository it is to repair.
+            await box.put(files, dest, agent_owns=to_agent)
+
+    async def _run_code(self, step: Step) -> None:
+        box = self._box_of(step)
+        folder = self.runtime.bundle.artifacts[step.get("script_artifact_id")]
+        scripts = {rel: path.read_bytes() for rel, path in artifact_files(folder).items()
+                   if rel.endswith(".py") and "/" not in rel}
+        script = step.get("script_file") or (next(iter(scripts)) if len(scripts) == 1 else "run.py")
+        run_dir = f"/tmp/agent_env_run_code/{step.id}"
+        given = {"args": step.get("args") or {}, "results": self.script_results}
+        await box.put({**scripts, "runner.py": RUN_CODE_RUNNER.encode(),
+                       "input.json": json.dumps(given).encode()}, run_dir, agent_owns=False)
+        timeout = float(step.get("timeout_seconds", 600))
+        where = f"run_code {step.id!r}"
+        ran = await box.run(["python3", f"{run_dir}/runner.py", run_dir,
+                             step.get("entrypoint", "run"), script], timeout, root=True)
+        if ran.timed_out:
+            raise EpisodeFailed(f"{where}: timed out after {timeout:g}s")
+        if ran.exit_code != 0:
+            raise EpisodeFailed(f"{where}: exited {ran.exit_code}: "
+                                f"{short(ran.stderr.decode(errors='replace'), 4000)}")
+        out = await box.run(["cat", f"{run_dir}/output.json"], 60, root=True,
+                            cap=RUN_CODE_RESULT_CAP + 1)
+        if out.exit_code != 0:
+            raise EpisodeFailed(f"{where}: wrote no result file: {out.stderr.decode(errors='replace')}")
+        if len(out.stdout) > RUN_CODE_RESULT_CAP:
+            raise EpisodeFailed(f"{where}: result exceeds {RUN_CODE_RESULT_CAP}-byte cap")
+        try:
+            self.script_results[step.get("result_id", step.id)] = json.loads(out.stdout)
+        except ValueError as exc:
+            raise EpisodeFailed(f"{where}: result is not valid JSON: {exc}") from None
+
+    async def _verify_sandbox(self, step: Step) -> None:
+        box = self._box_of(step)
+        rows = await sandbox_rows(box, step.get("criteria", []), step.get("base_dir", "/app"),
+                                  float(step.get("shell_timeout_seconds", 120)))
+        self._record(step, [r for r in rows if not r.get("skipped")], rows)
+
+    async def _aggregate_verifiers(self, step: Step) -> None:
+        wanted = step.get("verifier_ids", [])
+        if missing := [v for v in wanted if v not in self.verifications]:
+            raise EpisodeFailed(f"AggregateVerifiers: verifier_id(s) not found in the verifications: "
+                                f"{missing}. Available: {sorted(self.verifications)}")
+        rows = [r for v in wanted for r in self.verifications[v].get("results", [])
+                if not r.get("skipped")]
+        self._record(step, rows, None, "weighted_average")
+        # an aggregate adds no rows to an aggregate of it, only its score
+        self.verifications[step.get("verifier_id") or step.id] = {
+            "score": self.scores[step.id], "source_verifier_ids": wanted}
+
+    async def _run_docker_container(self, step: Step) -> None:
+        sandbox = self.runtime.sandbox
+        name = step.get("container_name", "task-container")
+        artifact = step.get("docker_context_artifact_id")
+        if not isinstance(sandbox, DockerSandbox):
+            raise EpisodeFailed(f"run_docker_container {step.id!r} builds and runs an image, and "
+                                "the local sandbox runs none; serve with --sandbox docker",
+                                PROVIDER_UNAVAILABLE)
+        image = await sandbox.build_context(self.runtime.bundle.artifacts[artifact],
+                                            step.get("dockerfile_path", "Dockerfile"), artifact)
+        box = await self._open_box(f"{step.get('sandbox_name')}/{name}", step, image)
+        self.containers[(step.get("sandbox_name"), name)] = box
+        if ready := step.get("ready_command"):
+            for _ in range(60):
+                if (await box.run(["sh", "-c", ready], 30, root=True)).exit_code == 0:
+                    return
+                await asyncio.sleep(2)       # polling, as AgentEnv does: a container sends no event
+            raise EpisodeFailed(f"container {name!r} was not ready: {ready!r} failed for 120s")
+
+    async def _run_container_unit_tests_verifier(self, step: Step) -> None:
+        if step.get("agent_name"):
+            box = self._box_of(step)
+        else:
+            box = self.containers[(step.get("sandbox_name"), step.get("container_name"))]
+        user, name = step.get("user", "root"), step.get("verifier_id", step.id)
+        if user not in ("root", box.user):
+            raise EpisodeFailed(f"user {user!r} is not one box {box.name!r} has; use root or "
+                                f"{box.user}")
+        root, env = user == "root", {k: str(v) for k, v in (step.get("env_vars") or {}).items()}
+        timeout = float(step.get("timeout_sec", 300))
+        for command in step.get("setup_commands", []):
+            ran = await box.run(["bash", "-c", command], timeout, root=root, env=env)
+            if ran.timed_out or ran.exit_code != 0:
+                raise EpisodeFailed(f"Verifier {name!r}: setup command {command!r} "
+                                    f"{'timed out' if ran.timed_out else f'exited {ran.exit_code}'}: "
+                                    f"{short(ran.output, 1500)}")
+        reward_path = step.get("reward_path")
+        if reward_path:
+            await box.run(["rm", "-f", reward_path], 30, root=root)
+        ran = await box.run(["bash", "-c", step.get("command")], timeout, root=root, env=env)
+        extracted: dict[str, Any] = {}
+        for path in [*step.get("result_paths", []), *([reward_path] if reward_path else [])]:
+            got = await box.run(["cat", box.path(path)], 60, root=True)
+            text = got.stdout.decode(errors="replace") if got.exit_code == 0 else None
+            try:
+                extracted[path] = json.loads(text) if text is not None else None
+            except ValueError:
+                extracted[path] = text
+        rows, score = unit_test_rows(ran, reward_path, extracted.get(reward_path))
+        self.scores[step.id] = score
+        self.verifications[name] = {
+            "results": rows, "score": score, "command": step.get("command"),
+            "exit_code": ran.exit_code, "timed_out": ran.timed_out,
+            "stdout_head": ran.stdout[:500].decode(errors="replace"),
+            "stderr_head": ran.stderr[:500].decode(errors="replace"), "extracted_files": extracted}
+        if ran.timed_out:
+            raise EpisodeFailed(f"Verifier {name!r} timed out after {timeout:g}s")
+        if ran.exit_code != 0 and not reward_path:
+            raise EpisodeFailed(f"Verifier {name!r} exited {ran.exit_code}; stderr (last 1500 "
+                                f"chars):\n{ran.stderr.decode(errors='replace')[-1500:]}")
+
+    async def _reset_env(self, step: Step) -> None:
+        env_id = step.get("env_id")
+        if env_id not in self.envs:
+            log.warning("reset_env: no deployed env %r in this episode; skipping.", env_id)
+        else:
+            log.info("reset_env: env %r does not support reset; skipping.", env_id)
 
     async def _prompt_agent(self, step: Step) -> None:
         agent = self.agent
@@ -2464,8 +3726,10 @@ class Episode:
         role = agent.get("role")
         headers = {ROLE_HEADER: role} if role else {}
         sessions: list[McpSession] = []
-        tools: list[dict[str, Any]] = []
-        route: dict[str, McpSession] = {}
+        box = self.agent_box
+        # bash first, where the agent works in a box; then each env's tools
+        tools: list[dict[str, Any]] = [BASH_TOOL if box.has_bash else SH_TOOL] if box else []
+        route: dict[str, McpSession | None] = {"bash": None} if box else {}
         try:
             for env_id in agent.get("env_ids", []):     # one MCP session per env per turn
                 env = self.envs[env_id]
@@ -2476,12 +3740,14 @@ class Episode:
                     if is_hidden(tool):
                         continue
                     if tool["name"] in route:
-                        raise EpisodeFailed(f"the tool {tool['name']!r} is offered by two envs of "
+                        twice = "the agent's box and an env" if route[tool["name"]] is None \
+                            else "two envs"
+                        raise EpisodeFailed(f"the tool {tool['name']!r} is offered by {twice} of "
                                             "the turn; tool names are unique within a turn")
                     route[tool["name"]] = session
                     tools.append(tool)
             turn = Turn(self, step, step.get("prompt"), step.get("system_prompt") or
-                        agent.get("system_prompt"), tools, route)
+                        agent.get("system_prompt"), tools, route, box)
             self.turn = turn
             self._signal()
             timeout = float(step.get("timeout_seconds", 600))
@@ -2519,13 +3785,25 @@ class Episode:
         "prompt_agent": _prompt_agent,
         "env_outcome_verifier": _env_outcome_verifier,
         "agent_prompt_response_verifier": _agent_prompt_response_verifier,
+        "deploy_sandbox": _deploy_sandbox,
+        "add_skills": _add_skills,
+        "load_artifact": _load_artifact,
+        "run_code": _run_code,
+        "verify_sandbox": _verify_sandbox,
+        "aggregate_verifiers": _aggregate_verifiers,
+        "run_docker_container": _run_docker_container,
+        "run_container_unit_tests_verifier": _run_container_unit_tests_verifier,
+        "reset_env": _reset_env,
     }
 
     # -- scoring
 
-    def _record(self, step: Step, rows: list[dict[str, Any]]) -> None:
+    def _record(self, step: Step, rows: list[dict[str, Any]], kept: list[dict[str, Any]] | None = None,
+                aggregator: str = "all_pass") -> None:
+        """Score a verifier's rows; the score is recorded under the step's id, and the rows (or
+        ``kept``, skipped rows too) under its verifier_id, for aggregate_verifiers to read."""
         try:
-            score = aggregate_score(rows, step.get("score_aggregator", "all_pass"))
+            score = aggregate_score(rows, step.get("score_aggregator", aggregator))
         except (TypeError, ValueError) as exc:
             raise EpisodeFailed(f"its rows can't be scored ({exc}); a row's score and weight are "
                                 "numbers", VERIFIER_ERROR) from None
@@ -2533,6 +3811,8 @@ class Episode:
             raise EpisodeFailed("its score is not a number (NaN); check the rows' scores",
                                 VERIFIER_ERROR)
         self.scores[step.id] = score
+        self.verifications[step.get("verifier_id") or step.id] = {
+            "results": rows if kept is None else kept, "score": score}
 
     def _score(self) -> Outcome:
         step = self.task.reward_step
@@ -2861,8 +4141,10 @@ class Runtime:
                  max_concurrent_envs: int = Settings.max_concurrent_envs,
                  deploy_timeout: float = Settings.deploy_timeout,
                  verifier_timeout: float = Settings.verifier_timeout, knob: str = SERVE_KNOB,
-                 warm: int = Settings.warm, warm_env: tuple[tuple[str, int], ...] = Settings.warm_env):
+                 warm: int = Settings.warm, warm_env: tuple[tuple[str, int], ...] = Settings.warm_env,
+                 bash_timeout: float = Settings.bash_timeout):
         self.bundle, self.sandbox_kind = bundle, sandbox
+        self.bash_timeout = bash_timeout
         self.pool = Pool(max_concurrent_envs, knob)
         self.deploy_timeout, self.verifier_timeout = deploy_timeout, verifier_timeout
         self.owner = owner_id()
@@ -2879,6 +4161,8 @@ class Runtime:
         self.sandbox = await open_sandbox(self.sandbox_kind, self.owner)
         # Every env is prepared now, never inside an episode: a deploy then only starts a process.
         await self.sandbox.prepare(list(self.bundle.envs.values()))
+        if self.bundle.boxed:
+            await self.sandbox.prepare_box()
         # MCP keeps its session in a header; a cookie jar would only cost every call its upkeep.
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False),
                                           cookie_jar=aiohttp.DummyCookieJar(),
@@ -4901,6 +6185,7 @@ def build_app(bundle: str | os.PathLike | collections.abc.Mapping[str, str | os.
               client_timeout: float = Settings.client_timeout,
               reply_margin: float = Settings.reply_margin,
               verifier_timeout: float = Settings.verifier_timeout,
+              bash_timeout: float = Settings.bash_timeout,
               warm: int = Settings.warm,
               warm_env: collections.abc.Mapping[str, int] | None = None,
               token: str | None = None) -> Any:
@@ -4919,7 +6204,8 @@ def build_app(bundle: str | os.PathLike | collections.abc.Mapping[str, str | os.
         max_concurrent_envs=max_concurrent_envs, deploy_timeout=deploy_timeout,
         tool_timeout=tool_timeout, reset_timeout=reset_timeout, idle_timeout=idle_timeout,
         client_timeout=client_timeout, reply_margin=reply_margin,
-        verifier_timeout=verifier_timeout), warm=warm_count(warm, f"warm={warm!r}"),
+        verifier_timeout=verifier_timeout, bash_timeout=bash_timeout),
+        warm=warm_count(warm, f"warm={warm!r}"),
         warm_env=warm_envs(dict(warm_env or {}), "warm_env"))
     return _server(bundle, reward=reward, sandbox=sandbox, token=token, settings=settings).app
 
@@ -4964,7 +6250,8 @@ def _server(bundle: Any, *, reward: str | None, sandbox: str | None, token: str 
                       deploy_timeout=settings.deploy_timeout,
                       verifier_timeout=settings.verifier_timeout,
                       knob="build_app's max_concurrent_envs" if host is None else SERVE_KNOB,
-                      warm=settings.warm, warm_env=settings.warm_env)
+                      warm=settings.warm, warm_env=settings.warm_env,
+                      bash_timeout=settings.bash_timeout)
     return Server(runtime, settings, host=host, port=port, token=token)
 
 
@@ -5009,7 +6296,7 @@ def run_gym_server() -> None:
                               max_concurrent_envs=settings.max_concurrent_envs,
                               deploy_timeout=settings.deploy_timeout,
                               knob=f"max_concurrent_envs in {where}", warm=settings.warm,
-                              warm_env=settings.warm_env)
+                              warm_env=settings.warm_env, bash_timeout=settings.bash_timeout)
             server = Server(runtime, settings, host=host, port=port)
         else:
             sys.exit("agentenv.py: the resources server's config names neither url: (a running "
@@ -5953,6 +7240,8 @@ SERVE_SETTINGS = {
                       "reply comes --reply-margin before it",
     "reply_margin": "how long before the client's timeout a call still running is ended with a "
                     "timeout error",
+    "bash_timeout": "one bash command in the agent's box (and within the call's own deadline); "
+                    "past it every process it started is killed, and the model reads it timed out",
 }
 
 

@@ -289,7 +289,7 @@ def test_a_gym_config_sets_the_settings_and_the_rest_keep_their_defaults():
     assert settings == agentenv.Settings(tool_timeout=5, deploy_timeout=30.5, max_concurrent_envs=16)
     assert settings.gym_config(bundle=True) == {
         "tool_timeout": 5, "reset_timeout": 600, "idle_timeout": 600, "max_concurrent_envs": 16,
-        "deploy_timeout": 30.5}
+        "deploy_timeout": 30.5, "bash_timeout": 300}
     assert agentenv.Settings().gym_config(bundle=False) == {
         "tool_timeout": 60, "reset_timeout": 600, "idle_timeout": 600}
 
@@ -433,9 +433,10 @@ def test_seeded_fills_placeholders_in_string_leaves(make_bundle):
 STEP_REFUSALS = {
     # case: (steps, parts the problem must have)
     "unknown step type": (
-        simple() + [{"id": "run", "type": "run_code", "code": "print(1)"}],
-        ["step 'run'", "type 'run_code'", "does not run", "deploy_env, apply_server_config, "
-         "deploy_agent, prompt_agent, env_outcome_verifier, agent_prompt_response_verifier"]),
+        simple() + [{"id": "run", "type": "snapshot_env", "env_id": "notes"}],
+        ["step 'run'", "type 'snapshot_env'", "does not run", "deploy_env, apply_server_config, "
+         "deploy_agent, prompt_agent, env_outcome_verifier, agent_prompt_response_verifier, "
+         "deploy_sandbox, add_skills, load_artifact, run_code"]),
     "a type that is not text": (
         simple() + [{"id": "run", "type": ["deploy_env"]}, {"id": "run2", "type": {"a": 1}}],
         ["step 'run'", "type ['deploy_env']", "does not run", "deploy_env, apply_server_config"]),
@@ -731,7 +732,7 @@ def test_env_toml_names_the_env_and_its_dockerfile(make_bundle):
 @pytest.mark.parametrize("stray, parts", [
     ("agents/helper/", ["agents/: agentenv.py plays the agent from outside and runs no agents",
                         "remove the folder"]),
-    ("skills/s/", ["skills/: agentenv.py plays the agent from outside and runs no skills"]),
+    ("skills/s/", ["skills/s/: has no SKILL.md", "a skill is a folder with its SKILL.md"]),
     ("bundle.toml", ["bundle.toml: reserved", "remove it"]),
 ])
 def test_folders_and_files_agentenv_does_not_run(make_bundle, stray, parts):
@@ -770,6 +771,121 @@ def test_a_step_that_does_not_depend_on_the_deploy_of_its_env_is_refused(make_bu
     root = make_bundle({"a": [deploy(), config({"greeting": "hi"}, depends_on=[]),
                               agent("main"), prompt(), outcome()]})
     problem_with(refused(root), "tasks/a.json", "step 'config'", "depends_on")
+
+
+# -- the agent's sandbox: its step types, checked
+
+def boxed(*steps, agent_name="solver"):
+    """A task whose agent ``solver`` works in a box: deploy it, ``steps``, a turn, a box check."""
+    return [{"id": "agent", "type": "deploy_agent", "agent_name": agent_name}, *steps,
+            prompt(agent_name=agent_name),
+            {"id": "check", "type": "verify_sandbox", "agent_name": agent_name,
+             "criteria": [{"type": "probe_file_exists", "paths": ["x"]}]}]
+
+
+def load(**fields):
+    return {"id": "load", "type": "load_artifact", **fields}
+
+
+@pytest.mark.parametrize("steps, parts", [
+    ([{"id": "i", "type": "install_agent", "sandbox_name": "vm"}],
+     ["step 'i' (install_agent): install_agent installs the agent from the network",
+      "deploy the agent with deploy_agent, whose box agentenv.py builds offline"]),
+    ([load(agent_name="solver", urls=["https://example.com/x.txt"])],
+     ["step 'load'", "urls are downloads, and agentenv.py runs without network",
+      "load them with artifact_id"]),
+    ([load(agent_name="solver", artifact_id="nope")],
+     ["step 'load'", "artifact 'nope' names no artifact of the bundle; add artifacts/nope/"]),
+    ([load(artifact_id="check")], ["step 'load'", "names where to load: set agent_name"]),
+    ([load(agent_name="solver")], ["step 'load'", "names nothing to load; set artifact_id"]),
+    ([{"id": "s", "type": "add_skills", "agent_name": "solver",
+       "skills": [{"name": "x", "description": "d", "object_url": "s3://b/x"}]}],
+     ["step 's'", "skill #0 is fetched from a URL, and boxes here have no network",
+      "skills/<name>/SKILL.md"]),
+    ([{"id": "s", "type": "add_skills", "agent_name": "solver",
+       "skills": [{"name": "Bad Name", "description": "d", "body": "b"}]}],
+     ["step 's'", "skill #0: name 'Bad Name' must be 1-64 of a-z, 0-9 and single hyphens"]),
+    ([{"id": "s", "type": "add_skills", "agent_name": "solver",
+       "skills": [{"skill_artifact_id": "ghost"}]}],
+     ["skill_artifact_id 'ghost' names no skill of the bundle"]),
+    ([{"id": "vm", "type": "deploy_sandbox", "sandbox_name": "vm", "sandbox_mode": "pod"}],
+     ["step 'vm'", "sandbox_mode must be one of ['container', 'vm'], got 'pod'"]),
+    ([{"id": "vm", "type": "deploy_sandbox", "sandbox_name": "vm", "sandbox_mode": "container"}],
+     ["step 'vm'", "a container-mode sandbox runs an image: set image"]),
+    ([{"id": "c", "type": "run_docker_container", "sandbox_name": "vm",
+       "docker_context_url": "https://example.com/c.zip"}],
+     ["step 'c'", "sandbox_name 'vm' is not deployed by an earlier deploy_sandbox step"]),
+    ([{"id": "u", "type": "run_container_unit_tests_verifier", "command": "true",
+       "sandbox_name": "vm", "container_name": "c"}],
+     ["step 'u'", "sandbox_name 'vm' is not deployed"]),
+    ([{"id": "u", "type": "run_container_unit_tests_verifier", "command": "true",
+       "agent_name": "solver", "env_vars": {"A-B": "1"}}],
+     ["env_vars key 'A-B' is not a POSIX name ([A-Za-z_][A-Za-z0-9_]*)"]),
+    ([{"id": "r", "type": "run_code", "agent_name": "solver", "script_artifact_id": "check",
+       "script_file": "run.py"}],
+     ["step 'r'", "script 'run.py' is not a .py file at the top of artifacts/check/", "verify.py"]),
+    ([{"id": "r", "type": "reset_env", "env_id": "ghost"}],
+     ["step 'r'", "env_id: there is no env 'ghost' in the bundle"]),
+    ([{"id": "t", "type": "aggregate_verifiers", "verifier_ids": ["later"]}],
+     ["step 't'", "verifier_ids names 'later', which no earlier scoring step records"]),
+    ([{"id": "v", "type": "verify_sandbox", "sandbox_name": "vm", "agent_name": "solver"}],
+     ["verify_sandbox: set either `agent_name` or `sandbox_name`, not both"]),
+])
+def test_a_sandbox_step_that_cant_run_is_refused_saying_why(make_bundle, steps, parts):
+    root = make_bundle({"t": boxed(*steps)}, envs=(), artifacts=("check",))
+    problem_with(refused(root, reward="check"), "tasks/t.json", *parts)
+
+
+def test_sandbox_steps_that_check_load_and_the_turns_offer_bash(make_bundle):
+    root = make_bundle({"t": boxed(
+        {"id": "vm", "type": "deploy_sandbox", "sandbox_name": "vm", "sandbox_mode": "vm",
+         "cpu": 2, "memory_mb": 1024, "network_policy": {"mode": "allow_all"}},
+        load(agent_name="solver", artifacts=[{"id": "check"}], destination_path="/app/in"),
+        {"id": "run", "type": "run_code", "sandbox_name": "vm", "script_artifact_id": "check",
+         "entrypoint": "verify", "args": {"n": 1}},
+        {"id": "reset", "type": "reset_env", "env_id": "main"})},
+        files={"skills/notes/SKILL.md": "---\nname: notes\ndescription: d\n---\nx\n"})
+    loaded = Bundle.load(root)
+    task = loaded.tasks["t"]
+    assert task.sandboxed and task.toolset == agentenv.Toolset((), True)
+    assert task.toolset.name == "bash" and task.reward_step == "check"
+    assert set(loaded.skills) == {"notes"} and set(loaded.artifacts) == {"check"}
+    reset = next(s for s in task.steps if s.id == "reset")
+    assert reset.fail_task_on_error is False                # reset_env is tolerant by default
+    assert loaded.boxed
+
+
+# AgentEnv's rule for when the played agent works in a box, the 12 cases the spec measured.
+@pytest.mark.parametrize("steps, sandboxed", [
+    ([], False),
+    ([{"id": "x", "type": "add_skills", "agent_name": "a", "skills": []}], True),
+    ([{"id": "x", "type": "load_artifact", "agent_name": "a", "artifact_id": "check"}], True),
+    ([{"id": "vm", "type": "deploy_sandbox", "sandbox_name": "vm", "sandbox_mode": "vm"},
+      {"id": "x", "type": "load_artifact", "sandbox_name": "vm", "artifact_id": "check"}], False),
+    ([{"id": "x", "type": "run_code", "agent_name": "a", "script_artifact_id": "check",
+       "script_file": "verify.py"}], True),
+    ([{"id": "x", "type": "verify_sandbox", "agent_name": "a"}], True),
+    ([{"id": "vm", "type": "deploy_sandbox", "sandbox_name": "vm", "sandbox_mode": "vm"},
+      {"id": "x", "type": "verify_sandbox", "sandbox_name": "vm"}], False),
+])
+def test_when_the_agent_works_in_a_sandbox(make_bundle, steps, sandboxed):
+    task = [{"id": "agent", "type": "deploy_agent", "agent_name": "a"}, *steps, prompt(agent_name="a"),
+            contains()]
+    root = make_bundle({"t": task}, envs=())
+    assert Bundle.load(root, reward="answer").tasks["t"].sandboxed is sandboxed
+
+
+def test_skills_on_deploy_make_the_agent_work_in_a_box_and_default_names_match_only_themselves():
+    step = agentenv.Step
+    deploy_ = step("agent", "deploy_agent", (), True, {"agent_name": "a", "skills": [{"name": "s"}]})
+    assert agentenv.works_in_sandbox([deploy_], "a")
+    placed = step("agent", "deploy_agent", (), True, {"agent_name": "a", "sandbox_name": "vm"})
+    assert not agentenv.works_in_sandbox([placed], "a")
+    verify = step("v", "verify_sandbox", (), True, {})          # the default agent's box
+    assert not agentenv.works_in_sandbox([verify], "a")
+    assert agentenv.works_in_sandbox([verify], agentenv.DEFAULT_AGENT)
+    run_code = step("r", "run_code", (), True, {"script_artifact_id": "x"})
+    assert not agentenv.works_in_sandbox([run_code], "a")
 
 
 # -- parse_dockerfile
@@ -1058,6 +1174,52 @@ def test_env_processes_a_crashed_run_had_not_recorded_yet_are_killed_at_start(ma
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+# -- the local box: a work folder, commands run here
+
+def local_box(tmp_path) -> agentenv.LocalBox:
+    folder = tmp_path / "box"
+    for sub in ("app", "tmp", "home/skills"):
+        (folder / sub).mkdir(parents=True)
+    return agentenv.LocalBox(folder, "solver", agentenv.owner_id())
+
+
+def test_a_local_box_stands_its_folder_for_app_and_answers_as_bash_does(tmp_path):
+    box = local_box(tmp_path)
+
+    async def go():
+        await box.put({"in/notes.txt": b"alpha\n"}, "/app")
+        said = {}
+        for command in ("cat /app/in/notes.txt; pwd", "echo out; echo err >&2; exit 4",
+                        "(sleep 20; echo late) & echo started", "sleep 20", "read x; echo [$x]"):
+            started = time.monotonic()
+            said[command] = (await agentenv.run_bash(box, {"command": command}, 2),
+                             time.monotonic() - started)
+        await box.remove()                          # the background job goes with it
+        return said
+    said = run(go())
+    text, took = said["cat /app/in/notes.txt; pwd"]
+    assert text == agentenv.ToolResult(f"alpha\n{box.workdir}\n")
+    assert said["echo out; echo err >&2; exit 4"][0] == agentenv.ToolResult(
+        "out\nerr\nexit code 4", agentenv.TOOL_ERROR)
+    started, took = said["(sleep 20; echo late) & echo started"]
+    assert started.text == "started\n" and took < 1.8       # the job holds the pipes: a 1 s grace
+    slow, took = said["sleep 20"]
+    assert slow.status == agentenv.TOOL_ERROR and slow.text.startswith(
+        "error: the command timed out after 2s, so it was killed") and took < 3
+    assert said["read x; echo [$x]"][0].text == "[]\n"
+    assert not box.folder.exists() and not box.running
+
+
+def test_a_box_without_bash_runs_sh_and_says_so(tmp_path):
+    box = local_box(tmp_path)
+    box.has_bash = False
+    result = run(agentenv.run_bash(box, {"command": "echo $0; [[ 1 == 1 ]] && echo bashism"}, 5))
+    assert result.text.startswith("sh\n") and "bashism" not in result.text and result.is_error
+    assert agentenv.SH_TOOL["name"] == "bash" and agentenv.SH_TOOL["description"].startswith(
+        "Run a command where the agent works, as its user, in its folder, with POSIX sh: this place "
+        "has no bash, so bash-only syntax such as [[ ]], arrays or <(...) fails.")
 
 
 # -- Docker calls (no daemon needed)

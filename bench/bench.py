@@ -1530,11 +1530,97 @@ def markdown(cmd: str, meta: dict, results: dict) -> str:
                 f"{m['env_processes_left_after_close']} left after close; the first calls (after all seeds) "
                 f"took {m['first_calls_after_seeding_wall_s']:.1f}s", ""]
     out += markdown_new(results)
+    if "bash" in results:
+        b = results["bash"]
+        out += [f"### bash: `true` in the agent's box, {b['calls']} calls each, interleaved (ms)", "",
+                "| target | p50 | p95 | p50 / direct |", "|---|---:|---:|---:|",
+                f"| ours: serve Gym POST /bash | {b['ours_ms']['p50']:.1f} | {b['ours_ms']['p95']:.1f} | "
+                f"{b['ratio_p50']:.2f}x (target <= 1.5x: {'met' if b['meets_target'] else 'NOT met'}) |",
+                f"| direct: docker exec to the box | {b['direct_ms']['p50']:.1f} | "
+                f"{b['direct_ms']['p95']:.1f} | 1.00x |", "",
+                "| start to first turn (OpenEnv reset) | p50 s | p95 s |", "|---|---:|---:|"]
+        for name, st in b["start_to_first_turn_s"].items():
+            out.append(f"| {name} | {st['p50']:.2f} | {st['p95']:.2f} |")
+        out.append("")
     return "\n".join(out)
 
 
+# ------------------------------------------------------------------ bash (the agent's box)
+
+PYFIX = ROOT / "bundles" / "pyfix-v1"
+
+
+async def box_start(url: str, split: str) -> float:
+    """Seconds from an OpenEnv reset to its first turn (a deploy, box or env), then closed."""
+    async with aiohttp.ClientSession() as http:
+        async with http.ws_connect(url + "/ws", max_msg_size=0) as ws:
+            t0 = time.perf_counter()
+            await ws.send_str(json.dumps({"type": "reset", "data": {"split": split, "index": 0}}))
+            reply = json.loads((await ws.receive(timeout=300)).data)
+            took = time.perf_counter() - t0
+            assert "prompt" in reply["data"]["observation"]["metadata"], reply
+            await ws.send_str(json.dumps({"type": "close"}))
+    return took
+
+
+async def bash(args) -> dict:
+    """A bash call through serve (Gym POST /bash) beside the same command run straight to the box
+    with docker exec (the SDK, as agent in /app); and box start to first turn beside an env deploy."""
+    import docker as docker_sdk
+    sys.path.insert(0, str(ROOT))
+    import agentenv  # noqa: PLC0415
+    task = agentenv.Bundle.load(str(PYFIX)).splits["eval"][0]
+    row = {"responses_create_params": {"input": [{"role": "user", "content": "fix it"}]},
+           "split": "eval", "index": 0, "task_id": task.id}
+    client_ = docker_sdk.from_env()
+    port, notes_port = free_port(), free_port()
+    ours, direct, starts = [], [], {"box (pyfix-v1)": [], "env (notes-v1)": []}
+    servers = [serve(PYFIX, port, sandbox="docker"), serve(NOTES, notes_port, sandbox="docker")]
+    try:
+        async with client() as http:
+            for proc, p in zip(servers, (port, notes_port)):
+                await wait_health(http, f"http://127.0.0.1:{p}", proc, timeout=180)
+            cookie = await seed(http, f"http://127.0.0.1:{port}", row)
+            headers = {"Cookie": f"{COOKIE}={cookie}"}
+            async with http.post(f"http://127.0.0.1:{port}/bash", json={"command": "true"},
+                                 headers=headers) as resp:       # waits for the box
+                await resp.read()
+            box = next(c for c in client_.containers.list(filters={"label": "agentenv.box"})
+                       if c.labels["agentenv.owner"].split(":")[1] == str(servers[0].pid))
+
+            def exec_direct() -> None:
+                made = client_.api.exec_create(box.id, ["bash", "-c", "true"], user="agent",
+                                               workdir="/app")
+                for _ in client_.api.exec_start(made["Id"], stream=True, demux=True):
+                    pass
+                client_.api.exec_inspect(made["Id"])
+            for _ in range(args.repeat):
+                for _ in range(args.bash_calls):
+                    t0 = time.perf_counter()
+                    async with http.post(f"http://127.0.0.1:{port}/bash", json={"command": "true"},
+                                         headers=headers) as resp:
+                        await resp.read()
+                    ours.append((time.perf_counter() - t0) * 1e3)
+                    t0 = time.perf_counter()
+                    await asyncio.to_thread(exec_direct)
+                    direct.append((time.perf_counter() - t0) * 1e3)
+            for _ in range(args.repeat):
+                starts["box (pyfix-v1)"].append(await box_start(f"http://127.0.0.1:{port}", "eval"))
+                starts["env (notes-v1)"].append(await box_start(f"http://127.0.0.1:{notes_port}",
+                                                                "all"))
+    finally:
+        for proc in servers:
+            proc.stop(grace=30)
+        client_.close()
+    o, d = summary(ours), summary(direct)
+    return {"calls": len(ours), "ours_ms": o, "direct_ms": d, "ratio_p50": o["p50"] / d["p50"],
+            "meets_target": o["p50"] / d["p50"] <= 1.5,
+            "start_to_first_turn_s": {k: summary(v) for k, v in starts.items()}}
+
+
 PARTS = {"hop": hop, "startup": startup, "memory": memory, "episodes": episodes,
-         "throughput": throughput, "deploys": deploys, "writegym": writegym, "profile": profile}
+         "throughput": throughput, "deploys": deploys, "writegym": writegym, "profile": profile,
+         "bash": bash}
 
 
 async def main_async(args) -> int:
@@ -1573,6 +1659,8 @@ def main() -> int:
                              "throughput: interleaved rounds; deploys: rounds per level (single "
                              "deploys get twice as many); writegym: runs (default 5)")
     parser.add_argument("--calls", type=int, default=300, help="hop: calls per target per round")
+    parser.add_argument("--bash-calls", type=int, default=20,
+                        help="bash: calls per target per round (needs Docker; default 20)")
     parser.add_argument("--sessions", type=int, default=50, help="memory: K Gym sessions on notes-v1")
     parser.add_argument("--noenv-sessions", type=int, default=1000,
                         help="memory: Gym sessions on the no-env quiz-v1 (0 skips; default 1000)")

@@ -1,0 +1,2 @@
+def clamp(x, lo, hi):
+    return max(lo, min(x, lo))

@@ -1,0 +1,4 @@
+def merge(base, override):
+    out = dict(override)
+    out.update(base)
+    return out

@@ -1,0 +1,11 @@
+PAIRS = [(1000, 'M'), (900, 'CM'), (500, 'D'), (400, 'CD'), (100, 'C'), (90, 'XC'),
+         (50, 'L'), (40, 'XL'), (10, 'X'), (9, 'IX'), (5, 'V'), (1, 'I')]
+
+
+def roman(n):
+    out = ''
+    for value, letters in PAIRS:
+        while n >= value:
+            out += letters
+            n -= value
+    return out

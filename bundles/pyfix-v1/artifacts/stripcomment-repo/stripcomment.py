@@ -1,0 +1,2 @@
+def strip_comment(line):
+    return line.split('#', 1)[0]

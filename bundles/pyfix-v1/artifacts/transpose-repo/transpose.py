@@ -1,0 +1,2 @@
+def transpose(rows):
+    return [list(col) for col in rows]

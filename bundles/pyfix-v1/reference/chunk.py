@@ -1,0 +1,2 @@
+def chunk(xs, n):
+    return [xs[i:i + n] for i in range(0, len(xs), n)]

@@ -1,0 +1,2 @@
+def to_fahrenheit(celsius):
+    return celsius * 9 / 5 + 32

@@ -1,0 +1,4 @@
+def merge(base, override):
+    out = dict(base)
+    out.update(override)
+    return out

@@ -1,0 +1,564 @@
+"""The agent's sandbox: tasks where the model works with bash in a box of its own.
+
+The worked examples of AgentEnv's played-agent spec (agentenv-framework 0.9.1364), rebuilt as test
+bundles and played in-process, must give its scores and its texts (where agentenv.py differs on
+purpose, the test says how); the repair bundle pyfix-v1 is played end to end over both wires;
+and the faults a model can cause (a command past its deadline, a flood of output, a fork bomb)
+cost its own rollout only, while a box that dies mid-turn masks it. Boxes run in Docker (the
+tests skip, or fail in CI, without a daemon and python:3.11-slim), and some in the local sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import agentenv  # noqa: E402
+from tests.harness import (REPO, Gym, Socket, client, gym_row, labelled, remove_quietly,  # noqa: E402
+                           run, serving)
+
+PYFIX = REPO / "bundles" / "pyfix-v1"
+
+
+@pytest.fixture
+def no_box_left(docker_client):
+    """Every test's boxes are gone at its end (labelled agentenv.box)."""
+    yield
+    left = [c for c in labelled(docker_client, "agentenv.box")
+            if agentenv.owner_alive(c.labels.get("agentenv.owner", "")) is not False]
+    remove_quietly(left)
+    assert not left, f"boxes left behind: {[c.name for c in left]}"
+
+
+def bundle(root: Path, tasks: dict[str, list[dict]], artifacts: dict[str, dict[str, str]] = (),
+           skills: dict[str, str] = ()) -> Path:
+    """A bundle of ``tasks`` with artifact files (name -> {path: text}) and skills (name -> SKILL.md)."""
+    for name, steps in tasks.items():
+        (root / "tasks").mkdir(parents=True, exist_ok=True)
+        (root / "tasks" / f"{name}.json").write_text(json.dumps(steps))
+    for name, files in dict(artifacts).items():
+        for rel, text in files.items():
+            (root / "artifacts" / name / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / "artifacts" / name / rel).write_text(text)
+    for name, text in dict(skills).items():
+        (root / "skills" / name).mkdir(parents=True)
+        (root / "skills" / name / "SKILL.md").write_text(text)
+    return root
+
+
+INPUTS = {"notes.txt": "alpha\nbeta\n", "sub/conf.ini": "[x]\n"}
+# (on the local sandbox, the path in its args is not the work folder's, as AgentEnv has it)
+PROBE = {"probe.py": "import os\n\ndef run(data):\n    base = data['args']['base']\n"
+                     "    return {'args': data['args'], 'uid': os.getuid(),\n"
+                     "            'listing': sorted(os.listdir(base)) if os.path.isdir(base) else None}\n"}
+
+
+# ================================================================ 8.1: verify_sandbox, aggregates
+
+def local_task(reward_turn: bool = True) -> list[dict]:
+    def exists(paths, **more):
+        return {"type": "probe_file_exists", "paths": paths, **more}
+    check = [exists(["notes.txt", "sub/conf.ini"]), exists(["notes.txt", "nope.txt"], weight=2),
+             {"type": "probe_dir_exists", "paths": ["sub"]},
+             {"type": "probe_dir_exists", "paths": ["notes.txt"]},
+             {"type": "probe_file_contains", "paths": ["notes.txt"], "expected": "^be.a$"},
+             {"type": "probe_file_contains", "paths": ["notes.txt"], "expected": "gamma"},
+             {"type": "probe_file_contains", "paths": ["/app/work/notes.txt"], "value": "alpha"},
+             {"type": "probe_file_contains", "paths": ["notes.txt"], "expected": "("},
+             {"type": "probe_file_contains", "paths": ["nope.txt"], "expected": "x"},
+             {"type": "bash_cmd_succeeds",
+              "bash_cmd": 'test "$(basename $PWD)" = work && grep -q alpha notes.txt'},
+             {"type": "bash_cmd_succeeds", "bash_cmd": "echo oops >&2; exit 3"},
+             {"type": "bash_cmd_succeeds", "bash_cmd": "sleep 10"},
+             {"type": "bash_cmd_succeeds", "bash_cmd": "true", "weight": -1},
+             {"type": "bash_cmd_succeeds", "bash_cmd": "false", "weight": -0.5},
+             {"type": "llm_judge", "rubric": "nice"},
+             exists([])]
+    return [
+        {"id": "box", "type": "deploy_sandbox", "sandbox_name": "box", "sandbox_mode": "vm"},
+        {"id": "load", "type": "load_artifact", "sandbox_name": "box", "artifact_id": "inputs",
+         "destination_path": "/app/work"},
+        {"id": "solver", "type": "deploy_agent", "agent_name": "solver",
+         "system_prompt": "You are a careful solver."},
+        {"id": "ask", "type": "prompt_agent", "agent_name": "solver", "prompt": "Say hello."},
+        {"id": "script", "type": "run_code", "sandbox_name": "box", "script_artifact_id": "probe",
+         "args": {"base": "/app/work"}},
+        {"id": "check", "type": "verify_sandbox", "sandbox_name": "box", "verifier_id": "check-v",
+         "base_dir": "/app/work", "score_aggregator": "weighted_average",
+         "shell_timeout_seconds": 3, "criteria": check},
+        {"id": "check2", "type": "verify_sandbox", "sandbox_name": "box", "verifier_id": "check2-v",
+         "criteria": [exists(["/app/work/notes.txt"]),
+                      {"type": "bash_cmd_succeeds", "bash_cmd": "grep -q beta /app/work/notes.txt"}]},
+        {"id": "check3", "type": "verify_sandbox", "sandbox_name": "box", "verifier_id": "check3-v",
+         "score_aggregator": "any_pass", "criteria": [{"type": "llm_judge"}]},
+        {"id": "total", "type": "aggregate_verifiers", "verifier_ids": ["check-v", "check2-v"]},
+        {"id": "anyof", "type": "aggregate_verifiers", "verifier_ids": ["check-v", "check2-v"],
+         "score_aggregator": "all_pass"},
+    ]
+
+
+@pytest.mark.parametrize("sandbox", ["local", "docker"])
+def test_verify_sandbox_and_aggregates_give_the_spec_scores(request, tmp_path, sandbox):
+    if sandbox == "docker":
+        request.getfixturevalue("no_box_left")
+    root = bundle(tmp_path / "sbx-local", {"local": local_task()},
+                  {"inputs": INPUTS, "probe": PROBE})
+    loaded = agentenv.Bundle.load(root, reward="total")
+    task = loaded.tasks["local"]
+    assert not task.sandboxed and task.toolset.name == "(no env)"   # the agent works in no box
+
+    async def play():
+        async with agentenv.Runtime(loaded, sandbox=sandbox) as runtime:
+            episode = runtime.episode(task)
+            turn = await episode.next_turn()
+            assert (turn.prompt, turn.system_prompt, turn.tools) == \
+                ("Say hello.", "You are a careful solver.", [])
+            assert (await turn.call("bash", {"command": "ls"})).status == agentenv.UNKNOWN_TOOL
+            turn.end("Hello from outside.")
+            return await episode.result(), episode
+    started = time.monotonic()
+    outcome, episode = run(play(), 120)
+    assert outcome.scores == {"check": 0.25, "check2": 1.0, "check3": 0.0, "total": 0.34375,
+                              "anyof": 0.0}, outcome
+    assert outcome.reward == 0.34375
+    rows = episode.verifications["check-v"]["results"]
+    said = [r["justification"] for r in rows]
+    assert said[:8] == ["All paths exist", "Missing: ['nope.txt']", "All paths exist",
+                        "Missing: ['notes.txt']", "does not contain '^be.a$'",
+                        "does not contain 'gamma'", "contains 'alpha'",
+                        "invalid regex pattern '(': missing ), unterminated subpattern at position 0"]
+    assert said[8].startswith("could not read nope.txt: cat: ")     # the first 100 characters
+    assert "No such file" in said[8] or sandbox == "local"           # (of a long local path)
+    assert said[9:14] == ["exit=0; stderr=", "exit=3; stderr=oops\n", "timed out after 3s",
+                          "exit=0; stderr=", "exit=1; stderr="]
+    assert rows[14] == {"type": "llm_judge", "rubric": "nice", "criterion_index": 14, "skipped": True,
+                        "justification": "type 'llm_judge' not handled by verify_sandbox"}
+    assert said[15] == "no paths specified"
+    result = episode.script_results["script"]
+    assert result["args"] == {"base": "/app/work"}
+    assert result["listing"] == (["notes.txt", "sub"] if sandbox == "docker" else None)
+    assert time.monotonic() - started < 60
+
+
+# ================================================================ 8.2: run_code's outcomes
+
+CODE = {"run.py": "import helper\n\ndef run(data):\n    return {'value': helper.VALUE}\n\n"
+                  "def other(data):\n    return {'entry': 'other', 'args': data['args'], "
+                  "'before': sorted(data['results'])}\n",
+        "helper.py": "VALUE = 42\n"}
+BOOM = {"boom.py": "def run(data):\n    raise ValueError('the script blew up')\n"}
+SLOW = {"slow.py": "import time\n\ndef run(data):\n    time.sleep(30)\n"}
+
+
+def test_run_code_results_and_failures(tmp_path):
+    def code(sid, artifact, **more):
+        return {"id": sid, "type": "run_code", "sandbox_name": "box", "script_artifact_id": artifact,
+                "fail_task_on_error": False, "depends_on": ["ask"], **more}
+    steps = [{"id": "box", "type": "deploy_sandbox", "sandbox_name": "box", "sandbox_mode": "vm"},
+             {"id": "solver", "type": "deploy_agent", "agent_name": "solver"},
+             {"id": "ask", "type": "prompt_agent", "agent_name": "solver", "prompt": "Hi."},
+             code("multi", "code"), code("other", "code", entrypoint="other", args={"n": 1},
+                                         depends_on=["multi"]),
+             code("boom", "boom"), code("missing-entry", "boom", entrypoint="nope"),
+             code("slow", "slow", timeout_seconds=2),
+             {"id": "check", "type": "verify_sandbox", "sandbox_name": "box", "depends_on": ["ask"],
+              "criteria": [{"type": "bash_cmd_succeeds", "bash_cmd": "true"}]}]
+    loaded = agentenv.Bundle.load(bundle(tmp_path / "sbx-code", {"code": steps},
+                                         {"code": CODE, "boom": BOOM, "slow": SLOW}))
+
+    async def play():
+        async with agentenv.Runtime(loaded, sandbox="local") as runtime:
+            episode = runtime.episode(loaded.tasks["code"])
+            (await episode.next_turn()).end("ok")
+            return await episode.result(), episode
+    started = time.monotonic()
+    outcome, episode = run(play(), 60)
+    assert outcome.scores == {"check": 1.0} and outcome.status == "scored"
+    assert episode.script_results == {"multi": {"value": 42},
+                                      "other": {"entry": "other", "args": {"n": 1}, "before": ["multi"]}}
+    boom = episode.errors["boom"]
+    assert boom.startswith("run_code 'boom': exited 1: ") and "Traceback" in boom
+    assert boom.endswith("ValueError: the script blew up")
+    assert "AttributeError: module 'agent_env_user_script' has no attribute 'nope'" in \
+        episode.errors["missing-entry"]
+    assert episode.errors["slow"] == "run_code 'slow': timed out after 2s"
+    assert time.monotonic() - started < 20
+
+
+# ================================================================ 8.3: bash in a sandboxed agent
+
+AGENT_TASK = [
+    {"id": "solver", "type": "deploy_agent", "agent_name": "solver",
+     "system_prompt": "You work in a sandbox.",
+     "skills": [{"name": "greeter", "description": "Greets people.", "body": "Say hello first."}]},
+    {"id": "load", "type": "load_artifact", "agent_name": "solver", "artifact_id": "inputs",
+     "destination_path": "/app/inputs"},
+    {"id": "skills", "type": "add_skills", "agent_name": "solver", "skills": [
+        {"skill_artifact_id": "notes"},
+        {"name": "inline-one", "description": "An inline skill.", "body": "Do the thing.",
+         "license": "MIT"}]},
+    {"id": "ask", "type": "prompt_agent", "agent_name": "solver",
+     "prompt": "Copy inputs/notes.txt to answer.txt, upper-cased."},
+    {"id": "grade", "type": "run_code", "agent_name": "solver", "script_artifact_id": "grade"},
+    {"id": "check", "type": "verify_sandbox", "agent_name": "solver", "verifier_id": "check-v",
+     "criteria": [{"type": "probe_file_exists", "paths": ["answer.txt"]},
+                  {"type": "probe_file_contains", "paths": ["answer.txt"], "expected": "ALPHA"},
+                  {"type": "bash_cmd_succeeds", "bash_cmd": "test $(wc -l < answer.txt) -eq 2"}]},
+    {"id": "total", "type": "aggregate_verifiers", "verifier_ids": ["check-v"],
+     "score_aggregator": "all_pass"},
+]
+GRADE = {"grade.py": "import os, getpass\n\ndef run(data):\n    return {'answer': open('/app/answer.txt')"
+                     ".read(), 'cwd': os.getcwd(), 'user': getpass.getuser()}\n"}
+NOTES_SKILL = "---\nname: notes\ndescription: How to read the notes file.\n---\nRead notes.txt line by line.\n"
+
+# command -> (text, is an error), as the spec measured them (docker box)
+BASH_TABLE = [
+    ("tr a-z A-Z < inputs/notes.txt > answer.txt && cat answer.txt", "ALPHA\nBETA\n", False),
+    ("echo to-out; echo to-err >&2; exit 7", "to-out\nto-err\nexit code 7", True),
+    ("exit 1", "exit code 1", True),
+    ("echo only-err >&2", "only-err\n", False),
+    ("ls /nonexistent", "ls: cannot access '/nonexistent': No such file or directory\nexit code 2",
+     True),
+    ("printf 'no newline'", "no newline", False),
+    ("printf 'two\\n\\n'; exit 2", "two\n\nexit code 2", True),
+    ("printf '\\xff\\xfe bad utf8\\n'", "\ufffd\ufffd bad utf8\n", False),
+    ("cd /tmp && pwd", "/tmp\n", False),
+    ("pwd; export FOO=1", "/app\n", False),
+    ("echo FOO=${FOO:-unset}; [[ 1 == 1 ]] && echo bashism-ok; echo $0", "FOO=unset\nbashism-ok\nbash\n",
+     False),
+    ("(sleep 30; echo late) & echo started-bg", "started-bg\n", False),
+    ("read x; echo got=[$x]", "got=[]\n", False),
+    ("echo o1; echo e1 >&2; echo o2; echo e2 >&2", "o1\no2\ne1\ne2\n", False),
+    ("", "", False),
+]
+
+
+def test_bash_in_the_agents_box_answers_as_the_spec_measured(tmp_path, no_box_left, docker_client):
+    root = bundle(tmp_path / "sbx-agent", {"agent": AGENT_TASK}, {"inputs": INPUTS, "grade": GRADE},
+                  {"notes": NOTES_SKILL})
+    loaded = agentenv.Bundle.load(root, reward="total")
+    task = loaded.tasks["agent"]
+    assert task.sandboxed and task.toolset.name == "bash"
+
+    async def play():
+        async with agentenv.Runtime(loaded, sandbox="docker", bash_timeout=3) as runtime:
+            episode = runtime.episode(task)
+            turn = await episode.next_turn()
+            assert turn.system_prompt == "You work in a sandbox."
+            assert turn.tool_specs == [{"name": "bash", "description": agentenv.BASH_TOOL["description"],
+                                        "input_schema": agentenv.BASH_SCHEMA}]
+            assert agentenv.BASH_TOOL["description"] == (
+                "Run a bash command where the agent works, as its user, in its folder; returns its "
+                "stdout, then its stderr.")
+            who = await turn.call("bash", {"command": "pwd; whoami; id; echo HOME=$HOME; ls -la"})
+            lines = who.text.splitlines()
+            assert lines[:4] == ["/app", "agent", "uid=1000(agent) gid=1000(agent) groups=1000(agent)",
+                                 "HOME=/home/agent"], who.text
+            # loaded files are the agent's (so it can edit what it is given): a deviation
+            assert any(line.endswith("inputs") and " agent agent " in line for line in lines)
+            skills = await turn.call("bash", {"command": "ls ~/skills; cat ~/skills/*/SKILL.md"})
+            assert skills.text == (
+                "greeter\ninline-one\nnotes\n---\nname: greeter\ndescription: Greets people.\n---\n\n"
+                "Say hello first.---\nname: inline-one\ndescription: An inline skill.\nlicense: MIT\n"
+                "---\n\nDo the thing." + NOTES_SKILL), skills.text
+            for command, text, error in BASH_TABLE:
+                result = await turn.call("bash", {"command": command})
+                assert (result.text, result.is_error) == (text, error), command
+            big = await turn.call("bash", {"command": "seq 1 200000"})
+            assert len(big.text) < agentenv.MAX_TOOL_OUTPUT + 300 and not big.is_error
+            assert big.text.startswith("1\n2\n3\n") and "[output cut: the command printed 1288895 " \
+                   "bytes; agentenv.py passes on the first 100000 characters" in big.text
+            assert (await turn.call("bash", {"command": 3})) == agentenv.ToolResult(
+                "tool 'bash' takes a command string, not 3", agentenv.BAD_ARGUMENTS)
+            assert (await turn.call("bash", {})).text == "tool 'bash' takes a command string, not None"
+            extra = await turn.call("bash", {"command": "echo extra", "timeout": 5})
+            assert extra.text == "extra\n"
+            killed = await turn.call("bash", {"command": "kill -9 $$"})
+            assert killed.text == "exit code 137" and killed.is_error    # Docker's code for -9
+            started = time.monotonic()
+            slow = await turn.call("bash", {"command": "sleep 41 & sleep 42; echo never"})
+            assert time.monotonic() - started < 8
+            assert slow.status == agentenv.TOOL_ERROR and slow.text.startswith(
+                "error: the command timed out after 3s, so it was killed, with every process it "
+                "started")
+            left = await turn.call("bash", {"command": "ls /proc | grep -c '^[0-9]'; "
+                                                       "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"})
+            assert "sleep 41" not in left.text and "sleep 42" not in left.text, left.text
+            assert episode.outcome is None           # a timed-out command is answered: it goes on
+            turn.end("Done: answer.txt written.")
+            return await episode.result(), episode
+    outcome, episode = run(play(), 180)
+    assert outcome.scores == {"check": 1.0, "total": 1.0}, outcome
+    assert episode.script_results["grade"] == {"answer": "ALPHA\nBETA\n", "cwd": "/app", "user": "root"}
+    assert [r["justification"] for r in episode.verifications["check-v"]["results"]] == \
+        ["All paths exist", "contains 'ALPHA'", "exit=0; stderr="]
+
+
+def test_two_turns_share_the_box_and_checks_run_as_the_agent(tmp_path, no_box_left, docker_client):
+    """... and a model that fills the disk fills only its box's share (memory_mb 256: /app 128 MiB)."""
+    steps = [{"id": "solver", "type": "deploy_agent", "agent_name": "solver", "memory_mb": 256},
+             {"id": "first", "type": "prompt_agent", "agent_name": "solver", "prompt": "Write turn1.txt."},
+             {"id": "second", "type": "prompt_agent", "agent_name": "solver", "prompt": "Write turn2.txt.",
+              "system_prompt": "Second system prompt."},
+             {"id": "check", "type": "verify_sandbox", "agent_name": "solver", "criteria": [
+                 {"type": "probe_file_exists", "paths": ["turn1.txt", "turn2.txt"]},
+                 {"type": "bash_cmd_succeeds", "bash_cmd": "test $(whoami) = agent"},
+                 {"type": "bash_cmd_succeeds", "bash_cmd": "test $PWD = /app"}]}]
+    loaded = agentenv.Bundle.load(bundle(tmp_path / "sbx-turns", {"turns": steps}))
+
+    async def play():
+        async with agentenv.Runtime(loaded, sandbox="docker") as runtime:
+            episode = runtime.episode(loaded.tasks["turns"])
+            turn = await episode.next_turn()
+            assert turn.system_prompt is None and turn.route == {"bash": None}
+            assert (await turn.call("bash", {"command": "echo one > turn1.txt"})).text == ""
+            full = await turn.call("bash", {"command": "head -c 200000000 /dev/zero > big; "
+                                                       "du -m big; rm big; touch /etc/x"})
+            assert "No space left on device" in full.text and "128\tbig" in full.text, full.text
+            assert "Read-only file system" in full.text and full.is_error
+            turn.end("Turn one done.")
+            turn = await episode.next_turn()
+            assert (turn.id, turn.system_prompt) == ("second", "Second system prompt.")
+            assert (await turn.call("bash", {"command": "cat turn1.txt; echo $FOO"})).text == "one\n\n"
+            await turn.call("bash", {"command": "echo two > turn2.txt"})
+            turn.end("")
+            return await episode.result()
+    assert run(play(), 120).scores == {"check": 1.0}
+
+
+# ================================================================ 8.7: containers and unit tests
+
+# (its own command exits at once: the step's command_override keeps it running)
+TASKBOX = {"Dockerfile": "FROM python:3.11-slim\nRUN mkdir -p /work /logs\nWORKDIR /work\n"
+                         "CMD [\"python3\", \"-c\", \"raise SystemExit(3)\"]\n"}
+UNIT_TESTS = {
+    "pass.sh": 'echo "user=$(whoami) pwd=$PWD greeting=$GREETING mode=${MODE:-unset}"\n',
+    "reward.sh": "echo 0.5 > /logs/reward.txt\nexit 1\n",
+    "env.sh": 'cat /work/setup.txt\necho "mode=$MODE user=$(whoami)"\necho warning on stderr >&2\n'
+              'echo \'{"passed": 3, "failed": 1}\' > /work/result.json\n',
+}
+
+
+def unit(sid: str, command: str, **more) -> dict:
+    # each after the turn alone: here a step after a failed one is skipped, even a tolerated one
+    return {"id": sid, "type": "run_container_unit_tests_verifier", "sandbox_name": "vm",
+            "container_name": "task-container", "command": command, "fail_task_on_error": False,
+            "depends_on": ["ask"], **more}
+
+
+def test_unit_test_verifiers_in_a_sandboxs_container(tmp_path, no_box_left, docker_client):
+    steps = [
+        {"id": "vm", "type": "deploy_sandbox", "sandbox_name": "vm", "sandbox_mode": "vm"},
+        {"id": "box", "type": "run_docker_container", "sandbox_name": "vm",
+         "docker_context_artifact_id": "taskbox", "env_vars": {"GREETING": "hi"},
+         "command_override": ["sleep", "infinity"],
+         "ready_command": "test -d /work"},
+        {"id": "tests", "type": "load_artifact", "sandbox_name": "vm", "container_name":
+         "task-container", "artifact_id": "tests", "destination_path": "/tests"},
+        {"id": "solver", "type": "deploy_agent", "agent_name": "solver", "sandbox_name": "vm"},
+        {"id": "ask", "type": "prompt_agent", "agent_name": "solver", "prompt": "Nothing to do."},
+        unit("unit-pass", "bash /tests/pass.sh"),
+        unit("unit-reward", "bash /tests/reward.sh", reward_path="/logs/reward.txt"),
+        unit("unit-env", "bash /tests/env.sh", env_vars={"MODE": "strict"},
+             setup_commands=["echo setup-ran > /work/setup.txt"],
+             result_paths=["setup.txt", "result.json", "missing.json"]),
+        unit("unit-fail", "echo bad >&2; exit 3"),
+        unit("unit-timeout", "sleep 20", timeout_sec=2),
+        {"id": "total", "type": "aggregate_verifiers", "depends_on": ["unit-pass", "unit-reward",
+                                                                      "unit-env"],
+         "verifier_ids": ["unit-pass", "unit-reward", "unit-env"]},
+    ]
+    root = bundle(tmp_path / "sbx-container", {"units": steps},
+                  {"taskbox": TASKBOX, "tests": UNIT_TESTS})
+    loaded = agentenv.Bundle.load(root, reward="total")
+    assert not loaded.tasks["units"].sandboxed       # placed on a sandbox only: no bash
+
+    async def play():
+        async with agentenv.Runtime(loaded, sandbox="docker") as runtime:
+            episode = runtime.episode(loaded.tasks["units"])
+            turn = await episode.next_turn()
+            assert turn.tools == []
+            turn.end("ok")
+            return await episode.result(), episode
+    outcome, episode = run(play(), 240)
+    # AgentEnv's scores; its total over all five is 0.5, here the passing three average 2.5 / 3
+    assert outcome.scores == {"unit-pass": 1.0, "unit-reward": 0.5, "unit-env": 1.0, "unit-fail": 0.0,
+                              "unit-timeout": 0.0, "total": 2.5 / 3}, (outcome, episode.errors)
+    seen = episode.verifications
+    assert seen["unit-pass"]["stdout_head"] == "user=root pwd=/work greeting=hi mode=unset\n"
+    assert seen["unit-pass"]["results"] == [{"id": "exit_code", "score": 1.0, "result": True,
+                                             "message": "exit_code=0 timed_out=False"}]
+    assert seen["unit-reward"]["results"] == [{"id": "reward", "score": 0.5, "result": False,
+                                               "message": "reward=0.5 (exit_code=1 timed_out=False)"}]
+    assert seen["unit-env"]["stdout_head"] == "setup-ran\nmode=strict user=root\n"
+    assert seen["unit-env"]["stderr_head"] == "warning on stderr\n"
+    assert seen["unit-env"]["extracted_files"] == {"setup.txt": "setup-ran\n", "missing.json": None,
+                                                   "result.json": {"passed": 3, "failed": 1}}
+    assert episode.errors["unit-fail"].endswith("Verifier 'unit-fail' exited 3; stderr (last 1500 "
+                                                "chars):\nbad\n")
+    assert episode.errors["unit-timeout"].endswith("Verifier 'unit-timeout' timed out after 2s")
+    assert seen["unit-timeout"]["timed_out"] is True
+
+
+# ================================================================ pyfix-v1, end to end
+
+def fix_command(name: str) -> str:
+    fixed = (PYFIX / "reference" / f"{name}.py").read_text()
+    return f"cat > {name}.py <<'AGENTENV_EOF'\n{fixed}AGENTENV_EOF\n"
+
+
+def test_pyfix_over_openenv_fix_scores_1_nothing_0_and_a_slow_command_is_answered(tmp_path,
+                                                                                   no_box_left,
+                                                                                   docker_client):
+    loaded = agentenv.Bundle.load(PYFIX)
+    name = loaded.splits["eval"][0].name
+    with serving(PYFIX, tmp_path, "--bash-timeout", "2", sandbox="docker") as server:
+        with Socket(server.ws_url + "/ws") as ws:
+            reset = ws.ask({"type": "reset", "data": {"split": "eval", "index": 0}}, 120)["data"]
+            assert name in reset["observation"]["metadata"]["prompt"]
+            tools = ws.ask({"type": "step", "data": {"type": "list_tools"}})["data"]["observation"]["tools"]
+            assert [t["name"] for t in tools] == ["bash", "end_turn"]
+
+            def bash(command: str) -> dict:
+                return ws.ask({"type": "step", "data": {"type": "call_tool", "tool_name": "bash",
+                                                        "arguments": {"command": command}}})["data"]
+            failing = bash("python3 -m unittest discover -s tests")["observation"]["result"]
+            assert failing["is_error"] and "FAILED" in failing["data"]
+            slow = bash("sleep 30")
+            assert not slow["done"] and slow["observation"]["result"]["is_error"]
+            assert slow["observation"]["result"]["data"].startswith("error: the command timed out after 2s")
+            assert not bash(fix_command(name))["observation"]["result"]["is_error"]
+            ended = ws.ask({"type": "step", "data": {"type": "call_tool", "tool_name": "end_turn",
+                                                     "arguments": {"response": "Fixed."}}}, 120)["data"]
+            assert ended["done"] is True and ended["reward"] == 1.0
+            ws.ask({"type": "reset", "data": {"split": "eval", "index": 0}}, 120)
+            ended = ws.ask({"type": "step", "data": {"type": "call_tool", "tool_name": "end_turn",
+                                                     "arguments": {"response": "No."}}}, 120)["data"]
+            assert ended["done"] is True and ended["reward"] == 0.0
+
+
+def test_pyfix_over_gym_and_a_dead_box_masks_only_its_rollout(tmp_path, no_box_left, docker_client):
+    loaded = agentenv.Bundle.load(PYFIX)
+    names = [t.name for t in loaded.splits["eval"]]
+    with serving(PYFIX, tmp_path, "--tool-timeout", "4", sandbox="docker") as server:
+        async def rollouts():
+            async with client() as http:
+                fixed, idle, dead, bomb = (Gym(server, gym_row(loaded, i, "eval", ["bash", "end_turn"]),
+                                               http) for i in range(4))
+                for gym in (fixed, idle, dead, bomb):
+                    await gym.seed()
+                assert (await fixed.call("bash", command="sleep 30")).text.startswith(
+                    "error: the command timed out after 3.2s")           # inside tool_timeout 4
+                assert (await fixed.call("bash", command=fix_command(names[0]))).status == 200
+                flood = await bomb.call("bash", command="yes | head -c 5000000")
+                assert "[output cut: the command printed 5000000 bytes" in flood.text
+                assert len(flood.text) < agentenv.MAX_TOOL_OUTPUT + 300
+                await bomb.call("bash", command=":(){ :|:& };:")
+                await dead.call("bash", command="true")
+                victims = labelled(docker_client, "agentenv.box=solver")
+                assert len(victims) == 4
+                for gym, words in ((fixed, "fixed"), (idle, "idle"), (bomb, "bomb")):
+                    assert (await gym.call("bash", command=f"echo {words}")).status == 200
+                # the box of `dead` dies: its rollout is masked, the others go on
+                await bomb.close()
+                ids = await _box_id(dead, victims)
+                box = next(c for c in victims if c.id in ids)
+                box.kill()
+                gone = await dead.call("bash", command="echo still there?")
+                assert "the rollout will be masked" in gone.text, gone.text
+                verdicts = [(await g.verify("Done.")).json() for g in (fixed, idle, dead)]
+                return verdicts
+        fixed, idle, dead = run(rollouts(), 300)
+    assert (fixed["reward"], fixed["mask_sample"]) == (1.0, False)
+    assert (idle["reward"], idle["mask_sample"]) == (0.0, False)
+    assert dead["mask_sample"] is True and dead["failure_kind"] == agentenv.PEER_DROP
+
+
+async def _box_id(gym: Gym, boxes: list) -> set[str]:
+    """The id of the box a rollout works in: the one where a marker its bash writes shows up."""
+    marker = f"mark-{time.monotonic_ns()}"
+    await gym.call("bash", command=f"echo {marker} > /tmp/marker")
+    found = set()
+    for box in boxes:
+        try:
+            ran = await asyncio.to_thread(box.exec_run, ["cat", "/tmp/marker"])
+        except Exception:                   # noqa: BLE001 - a box already removed
+            continue
+        if ran.output.decode().strip() == marker:
+            found.add(box.id)
+    return found
+
+
+# ================================================================ write-gym rows, and Gym's own simple_agent
+
+def test_write_gym_rows_offer_bash_first_and_gyms_simple_agent_plays_pyfix(tmp_path, no_box_left,
+                                                                           docker_client):
+    """The rows write-gym writes offer bash (the spec's descriptor) before end_turn; Gym 0.7's real
+    simple_agent with a scripted model plays them on the written resources server: the fix scores
+    1.0, nothing 0.0, and a command past its deadline is answered and the rollout goes on."""
+    from tests.gym import harness as gym_harness
+
+    gym_harness.skip_unless_gym_venv()
+    target = run(agentenv.write_gym(str(PYFIX), str(tmp_path / "root"), sandbox="docker",
+                                    out=lambda _: None), 180)
+    rows = [json.loads(line) for line in (target / "data" / "eval.jsonl").read_text().splitlines()]
+    tools = rows[0]["responses_create_params"]["tools"]
+    assert [t["name"] for t in tools] == ["bash", "end_turn"]
+    assert tools[0] == {"type": "function", "name": "bash", "strict": False,
+                        "description": agentenv.BASH_TOOL["description"],
+                        "parameters": agentenv.BASH_SCHEMA}
+    name = rows[0]["task_id"].rsplit("/", 1)[-1]
+
+    def scripted(row: dict, script: list[dict]) -> dict:
+        row = json.loads(json.dumps(row))
+        row["responses_create_params"].setdefault("metadata", {})["script"] = json.dumps(script)
+        return row
+    fix = {"tool": "bash", "args": {"command": fix_command(name)}}
+    played = gym_harness.run_lightest(tmp_path / "root", agentenv.gym_name("pyfix-v1"), [
+        scripted(rows[0], [fix, {"text": "Fixed."}]),
+        scripted(rows[0], [{"text": "Nothing to fix."}]),
+        scripted(rows[0], [{"tool": "bash", "args": {"command": "sleep 60"}}, fix, {"text": "Done."}]),
+    ], work_dir=tmp_path / "gym", resources_overrides={"tool_timeout": 6})
+    assert played.leftovers == []
+    fixed, nothing, slow = played.results
+    assert (fixed["reward"], fixed["mask_sample"]) == (1.0, False), fixed
+    assert (nothing["reward"], nothing["mask_sample"]) == (0.0, False), nothing
+    assert (slow["reward"], slow["mask_sample"]) == (1.0, False), slow
+    answered = [i["output"] for i in slow["response"]["output"] if i["type"] == "function_call_output"]
+    assert answered[0].startswith("error: the command timed out after 4.8s"), answered
+
+
+def test_boxes_go_with_their_episode_and_a_killed_servers_boxes_are_swept(tmp_path, no_box_left,
+                                                                          docker_client):
+    from tests.harness import Server, running
+
+    first = Server.serve(PYFIX, tmp_path / "first", sandbox="docker")
+    try:
+        with Socket(first.ws_url + "/ws") as ws:
+            ws.ask({"type": "reset", "data": {"split": "eval", "index": 1}}, 120)
+            mine = [c for c in labelled(docker_client, "agentenv.box")
+                    if c.labels.get("agentenv.owner", "").split(":")[1] == str(first.pid)]
+            assert len(mine) == 1 and mine[0].attrs["HostConfig"]["NetworkMode"] == "none"
+            host = mine[0].attrs["HostConfig"]
+            assert host["CapDrop"] == ["ALL"] and host["PidsLimit"] == agentenv.BOX_PIDS_LIMIT
+            assert host["Memory"] == agentenv.BOX_MEMORY_MB * 2**20 and host["Init"] is True
+            assert mine[0].image.tags[0].startswith("agentenv-box/agent:")
+            first.kill()                            # SIGKILL: no teardown
+    finally:
+        first.kill()
+    assert [c.id for c in labelled(docker_client, "agentenv.box")] == [mine[0].id]
+    with running(Server.serve(PYFIX, tmp_path / "second", sandbox="docker")) as second:
+        assert labelled(docker_client, "agentenv.box") == [], second.log()    # swept at start
+        with Socket(second.ws_url + "/ws") as ws:
+            ws.ask({"type": "reset", "data": {"split": "eval", "index": 1}}, 120)
+            assert len(labelled(docker_client, "agentenv.box")) == 1
+            ws.ask({"type": "reset", "data": {"split": "eval", "index": 2}}, 120)   # the first goes
+            assert len(labelled(docker_client, "agentenv.box")) == 1
+    assert labelled(docker_client, "agentenv.box") == []     # and the last with the server
