@@ -1140,6 +1140,23 @@ async def sse_server(handler) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}/mcp"
 
 
+def test_schema_misfit_tells_bad_arguments_from_a_tool_that_failed():
+    schema = {"type": "object", "additionalProperties": False, "required": ["title"],
+              "properties": {"title": {"type": "string"}, "count": {"type": ["integer", "null"]},
+                             "ratio": {"type": "number"}, "any": {}}}
+    fits = agentenv.schema_misfit
+    assert fits({"title": "a"}, schema) is None
+    assert fits({"title": "a", "count": 2.0, "ratio": 1, "any": [1]}, schema) is None
+    assert fits({"title": "a", "count": None}, schema) is None
+    assert fits({}, schema) == "missing title"
+    assert fits({"title": "a", "z": 1}, schema) == "it takes no z"
+    assert fits({"title": 5}, schema) == "title is not string"
+    assert fits({"title": "a", "count": True}, schema) == "count is not integer or null"
+    assert fits({"title": "a", "count": 1.5}, schema) == "count is not integer or null"
+    assert fits({"z": 1}, {"type": "object"}) is None            # open: anything fits
+    assert fits({"z": 1}, None) is None
+
+
 def test_mcp_client_reads_sse_replies_and_refusals():
     async def handler(request: web.Request) -> web.StreamResponse:
         msg = await request.json()
@@ -1661,8 +1678,10 @@ def test_a_hidden_tool_is_not_offered_but_the_verifier_uses_it(make_bundle):
             bad_args = await turn.call("say", ["hello"])
             assert bad_args == ToolResult("the arguments of say must be a JSON object, not list",
                                           agentenv.BAD_ARGUMENTS)
-            env_error = await turn.call("say", {})
-            assert env_error == ToolResult("say: text must be a string", agentenv.TOOL_ERROR)
+            env_error = await turn.call("say", {})     # the env's words; its schema says why
+            assert env_error == ToolResult("say: text must be a string", agentenv.BAD_ARGUMENTS)
+            wrong_type = await turn.call("say", {"text": 5})
+            assert wrong_type.status == agentenv.BAD_ARGUMENTS
             await turn.call("say", {"text": "hello"})
             turn.end("done")
             return await ep.result()
