@@ -2952,7 +2952,8 @@ class OpenEnvSession:
         task = self.task or self.runtime.bundle.splits["all"][0]
         try:
             async with asyncio.timeout(self.deadline):
-                tools = await self.runtime.toolset_tools(task.toolset, "its tools were listed")
+                tools = await self.runtime.toolset_tools(task.toolset,
+                                                         "its tools were listed before a reset")
         except asyncio.TimeoutError:
             return (f"listing the tools deploys {task.name}'s envs once, and that took longer than "
                     f"{self.deadline:g}s; ask again shortly (the deploy goes on), or reset first")

@@ -2260,6 +2260,42 @@ def test_closing_the_runtime_abandons_live_episodes(make_bundle):
     assert run(go()) == agentenv.Outcome("abandoned", {}, None, agentenv.Failure("session_lost", "the server shut down"))
 
 
+def test_a_toolsets_tools_are_found_once_and_listed_before_a_reset(make_bundle):
+    """What OpenEnv's list_tools answers with no episode live: the tools of the toolset of the
+    task played last, or before any reset of the first task's; each toolset deployed once."""
+    root = make_bundle({"a": simple(), "d": [deploy("other"), agent("other"), prompt(), contains()]},
+                       envs=("main", "other"))
+    bundle = Bundle.load(root)
+
+    async def go():
+        async with local(bundle) as rt:
+            played = []
+            probe = rt.first_turn_tools
+
+            async def counted(task, why):           # the real probe, counted
+                played.append(task.name)
+                return await probe(task, why)
+            rt.first_turn_tools = counted
+            main = bundle.tasks["a"].toolset
+            first = await rt.toolset_tools(main, "a test listed them")
+            assert await rt.toolset_tools(main, "a test listed them") == first
+            assert played == ["a"] and not rt.live            # probed once, torn down
+            session = agentenv.OpenEnvSession(rt, deadline=20)
+            listed = (await session.step({"type": "list_tools"}))["observation"]["tools"]
+            assert [t["name"] for t in listed] == [t["name"] for t in first] + ["end_turn"]
+            assert not any(t["name"].startswith("other_") for t in listed)
+            reset = await session.reset({"split": "all", "index": 1})        # d: the other toolset
+            assert reset["done"] is False
+            await session.close()
+            listed = (await session.step({"type": "list_tools"}))["observation"]["tools"]
+            assert [t["name"] for t in listed][-1] == "end_turn"
+            assert all(t["name"].startswith("other_") for t in listed[:-1]) and listed[:-1]
+            assert played == ["a", "d"]
+            assert (await session.step({"type": "list_tools"}))["observation"]["tools"] == listed
+            assert played == ["a", "d"] and not rt.live
+    run(go(), timeout=60)
+
+
 # ================================================================ CLI: check
 
 def test_check_prints_the_bundle_and_each_toolsets_tools(make_bundle, isolated):

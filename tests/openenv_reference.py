@@ -4,9 +4,10 @@ holds ``serve`` against, built with OpenEnv 0.10's own parts and nothing of ours
 ``python tests/openenv_reference.py --port P`` serves, with ``openenv.core.env_server``'s
 ``create_app`` (``CallToolAction`` / ``CallToolObservation``, as OpenEnv's MCP envs are built), an
 ``MCPEnvironment`` whose FastMCP tools are notes-v1's notebook (``write_note``, ``read_note``,
-``list_notes``; with REFERENCE_TOOL_TIMEOUT set, also ``sleep``, and
-OpenEnv's tool deadline that many seconds) and its ``end_turn``; ``reset(split, index)`` opens a task of a small task list
-that the task API (splits, tasks, num_tasks, task, task_range) serves. A tool raises on a missing
+``list_notes``; with REFERENCE_TOOL_TIMEOUT set, also ``sleep``, and OpenEnv's tool deadline
+that many seconds) and its ``end_turn``, which ends the episode with a score;
+``reset(split, index)`` opens a task of a small task list that the task API (splits, tasks,
+num_tasks, task, task_range) serves. A tool raises on a missing
 note, as a Python tool does, and FastMCP checks the arguments against the signature.
 
 It runs under uvicorn until SIGTERM, like an OpenEnv env's ``server/app.py``.
