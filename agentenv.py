@@ -150,7 +150,7 @@ class EpisodeFailed(AgentEnvError):
 OK = "ok"
 TOOL_ERROR = "tool_error"            # the tool answered with an error, or its server refused the call
 UNKNOWN_TOOL = "unknown_tool"        # the turn offers no tool of that name
-BAD_ARGUMENTS = "bad_arguments"      # the arguments are not a JSON object
+BAD_ARGUMENTS = "bad_arguments"      # the arguments don't fit the tool's input schema (or aren't an object)
 NO_TURN = "no_turn"                  # the episode has no open turn to call tools in
 TIMEOUT = "timeout"                  # the call missed its deadline, and the episode ended
 
@@ -2862,6 +2862,36 @@ async def run_bash(box: Box, arguments: dict[str, Any], timeout: float) -> ToolR
     return ToolResult(f"{out}\nexit code {ran.exit_code}" if out else f"exit code {ran.exit_code}",
                       TOOL_ERROR)
 
+JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool) or
+    isinstance(v, float) and v.is_integer(),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "array": lambda v: isinstance(v, list), "object": lambda v: isinstance(v, dict),
+    "null": lambda v: v is None}
+
+
+def schema_misfit(arguments: dict[str, Any], schema: Any) -> str | None:
+    """How arguments break a tool's input schema at its top level (a required one missing, one it
+    doesn't take, one of another JSON type), or None: what tells bad arguments from a tool that
+    failed, when the env's answer is only an error text."""
+    if not isinstance(schema, dict):
+        return None
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    missing = [k for k in schema.get("required") or [] if isinstance(k, str) and k not in arguments]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    if schema.get("additionalProperties") is False:
+        if extra := [k for k in arguments if k not in properties]:
+            return f"it takes no {', '.join(extra)}"
+    for key, value in arguments.items():
+        kinds = properties.get(key, {}).get("type") if isinstance(properties.get(key), dict) else None
+        kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
+        known = [JSON_TYPES[k] for k in kinds if k in JSON_TYPES]
+        if known and not any(fits(value) for fits in known):
+            return f"{key} is not {' or '.join(kinds)}"
+    return None
+
 
 def is_hidden(tool: dict[str, Any]) -> bool:
     return isinstance(tool.get("_meta"), dict) and tool["_meta"].get(HIDDEN_META) is True
@@ -3248,7 +3278,10 @@ class Turn:
                               f"{type(arguments).__name__}", BAD_ARGUMENTS)
         try:
             async with asyncio.timeout(timeout):
-                return await session.call_tool(name, arguments)
+                result = await session.call_tool(name, arguments)
+            if result.status == TOOL_ERROR and schema_misfit(arguments, self._schema(name)):
+                return ToolResult(result.text, BAD_ARGUMENTS)     # the env's words, our status
+            return result
         except asyncio.TimeoutError:
             result = ToolResult(missed(name, timeout or 0), TIMEOUT)
             self.episode.end(result.failure)
@@ -3282,6 +3315,9 @@ class Turn:
             failure = Failure(PEER_DROP, f"bash failed because the agent's box failed: {exc}")
             self.episode.end(failure)
             raise EpisodeFailed(failure) from None
+
+    def _schema(self, name: str) -> Any:
+        return next((t.get("inputSchema") for t in self.tools if t.get("name") == name), None)
 
     def end(self, response: str | None) -> None:
         """End the turn with the agent's reply; the episode goes on to its next step."""
@@ -4155,6 +4191,7 @@ class Runtime:
         self._verifier_loops = VerifierLoops()
         self.starting = StartGate()
         self.warm = WarmPool(self, warm_plan(bundle, warm, warm_env))
+        self._toolset_tools: dict[Toolset, asyncio.Future] = {}
 
     async def start(self) -> Runtime:
         """Open the sandbox (sweeping what a crashed run left, building images) and the client."""
@@ -4190,6 +4227,18 @@ class Runtime:
             return turn.tool_specs
         finally:
             await episode.abandon(why)
+
+    async def toolset_tools(self, toolset: Toolset, why: str) -> list[dict[str, Any]]:
+        """The tools a toolset's turns offer, found by playing its first task as far as its first
+        turn (one deploy) the first time they are asked for, and kept for every later ask; a probe
+        that failed is tried again on the next."""
+        probe = self._toolset_tools.get(toolset)
+        if probe is None or (probe.done() and (probe.cancelled() or probe.exception())):
+            task = self.bundle.toolsets[toolset][0]
+            probe = self._toolset_tools[toolset] = asyncio.ensure_future(
+                self.first_turn_tools(task, why))
+            probe.add_done_callback(lambda done: done.cancelled() or done.exception())  # read: no warning
+        return list(await asyncio.shield(probe))
 
     async def verify(self, artifact: str, mcp_url: str) -> list[dict[str, Any]]:
         """Run an artifact's ``verify(mcp_url)`` on a verifier loop, within the verifier deadline."""
@@ -4402,6 +4451,87 @@ ENDED = "the episode has ended; call reset"
 SPLIT_TYPES = {"train", "validation", "test"}
 
 
+# What OpenEnv 0.10's pydantic models let a message hold: per /ws message, action, JSON-RPC request
+# and task-API body, each field's JSON types and whether it must be there. A message that breaks
+# its shape is refused as OpenEnv refuses it (VALIDATION_ERROR on /ws, 422 over HTTP, -32600 in
+# JSON-RPC), with every problem listed as pydantic lists them (type, loc, msg, input).
+Shape = dict[str, tuple[tuple[str, ...], bool]]
+OBJECT, TEXT, WHOLE, NULL = ("object",), ("string",), ("integer",), ("null",)
+WS_MESSAGES: dict[str, Shape] = {
+    "reset": {"type": (TEXT, True), "data": (OBJECT, False)},
+    "step": {"type": (TEXT, True), "data": (OBJECT, True)},
+    "state": {"type": (TEXT, True)}, "close": {"type": (TEXT, True)},
+    "mcp": {"type": (TEXT, True), "data": (OBJECT, True)}}
+ACTIONS: dict[str, Shape] = {   # a missing type is call_tool, as CallToolAction's schema has it
+    "list_tools": {"type": (TEXT, False), "metadata": (OBJECT, False)},
+    "call_tool": {"type": (TEXT, False), "tool_name": (TEXT, True), "arguments": (OBJECT, False),
+                  "metadata": (OBJECT, False)}}
+RPC_REQUEST: Shape = {"jsonrpc": (TEXT, True), "method": (TEXT, True), "params": (OBJECT, False),
+                      "id": (TEXT + WHOLE + NULL, False)}
+TASK_BODIES: dict[str, Shape] = {
+    "tasks": {"split": (TEXT, True)}, "num_tasks": {"split": (TEXT, True)},
+    "task": {"split": (TEXT, True), "index": (WHOLE, True)},
+    "task_range": {"split": (TEXT, True), "start": (WHOLE + NULL, False),
+                   "stop": (WHOLE + NULL, False)}}
+PYDANTIC_WORDS = {"object": ("dict_type", "Input should be a valid dictionary"),
+                  "string": ("string_type", "Input should be a valid string"),
+                  "integer": ("int_type", "Input should be a valid integer"),
+                  "number": ("float_type", "Input should be a valid number")}
+
+
+def shape_problems(value: dict[str, Any], shape: Shape, open_: bool = False) -> list[dict[str, Any]]:
+    """How a JSON object breaks a shape: fields missing, of another type, or (unless ``open_``)
+    not in it; [] when it fits."""
+    problems = []
+    for key, (kinds, required) in shape.items():
+        if key not in value:
+            if required:
+                problems.append({"type": "missing", "loc": [key], "msg": "Field required",
+                                 "input": value})
+        elif not any(JSON_TYPES[kind](value[key]) for kind in kinds):
+            code, msg = PYDANTIC_WORDS[kinds[0]]
+            problems.append({"type": code, "loc": [key], "msg": msg, "input": value[key]})
+    if not open_:
+        problems += [{"type": "extra_forbidden", "loc": [key], "msg": "Extra inputs are not permitted",
+                      "input": value[key]} for key in value if key not in shape]
+    return problems
+
+
+def action_problems(action: Any) -> list[dict[str, Any]]:
+    """How an action breaks OpenEnv's ListToolsAction / CallToolAction; [] when it fits."""
+    if not isinstance(action, dict):
+        return [{"type": "model_type", "loc": [], "input": action,
+                 "msg": 'Input should be an action object, such as {"type": "list_tools"}'}]
+    kind = action.get("type", "call_tool")
+    if kind not in ACTIONS:
+        return [{"type": "literal_error", "loc": ["type"], "input": kind,
+                 "msg": "Input should be 'list_tools' or 'call_tool'"}]
+    return shape_problems(action, ACTIONS[kind])
+
+
+def told(problems: list[dict[str, Any]]) -> str:
+    """Problems in a sentence: where each is, and what it should be."""
+    return "; ".join(f"{'.'.join(str(p) for p in problem['loc']) or 'the value'}: {problem['msg']}"
+                     for problem in problems)
+
+
+def invalid_frame(problems: list[dict[str, Any]]) -> dict[str, Any]:
+    """OpenEnv's VALIDATION_ERROR frame, its message saying what to fix."""
+    return {"type": "error", "data": {"message": f"Invalid message: {told(problems)}",
+                                      "code": "VALIDATION_ERROR", "errors": problems}}
+
+
+def unprocessable(problems: list[dict[str, Any]]) -> Any:
+    """FastAPI's 422 for a body that breaks its shape."""
+    return json_reply({"detail": [{**p, "loc": ["body", *p["loc"]]} for p in problems]}, 422)
+
+
+# What each refused tool call is on OpenEnv's wire: its observation's error_type, and its
+# JSON-RPC code (JSON-RPC's "Invalid params" for arguments that don't fit, else "Internal error").
+TOOL_ERRORS = {UNKNOWN_TOOL: ("tool_not_found", -32603), BAD_ARGUMENTS: ("invalid_args", -32602),
+               TOOL_ERROR: ("execution_error", -32603), TIMEOUT: ("timeout", -32603)}
+
+
 def envelope(observation: dict[str, Any], reward: float | None = None, done: bool = False,
              ) -> dict[str, Any]:
     """An OpenEnv observation as the wire carries it: reward and done at the top, metadata twice."""
@@ -4412,10 +4542,8 @@ def envelope(observation: dict[str, Any], reward: float | None = None, done: boo
 
 
 def rpc_error(rid: Any, code: int, message: str, data: Any = None) -> dict[str, Any]:
-    error: dict[str, Any] = {"code": code, "message": message}
-    if data is not None:
-        error["data"] = data
-    return {"jsonrpc": "2.0", "id": rid, "error": error}
+    """A JSON-RPC error as OpenEnv sends one: ``data`` always there, null when there is none."""
+    return {"jsonrpc": "2.0", "id": rid, "error": {"code": code, "message": message, "data": data}}
 
 
 class Capacity(AgentEnvError):
@@ -4447,6 +4575,7 @@ class OpenEnvSession:
         self.runtime, self.deadline = runtime, deadline
         self.id = sid or uuid.uuid4().hex
         self.episode: Episode | None = None
+        self.task: Task | None = None              # the task played last, if any
         self.where: dict[str, Any] | None = None
         self.episode_id: str | None = None         # the id the caller gave at reset, if any
         self.step_count = 0
@@ -4466,31 +4595,38 @@ class OpenEnvSession:
     async def reset(self, data: dict[str, Any]) -> dict[str, Any]:
         return self._observation(await self._reset(data))
 
-    async def step(self, action: Any) -> dict[str, Any]:
-        if not isinstance(action, dict):      # a malformed step leaves a live episode as it was
-            return self._error('a step\'s data is an action such as {"type": "list_tools"}',
-                               done=not self.live)
-        if not self.live:
-            return self._error(ENDED)
-        self.step_count += 1
-        kind = action.get("type")
-        if kind == "list_tools":
+    async def step(self, action: dict[str, Any]) -> dict[str, Any]:
+        """Play an action that fits OpenEnv's schema (``action_problems`` found nothing wrong)."""
+        if action.get("type", "call_tool") == "list_tools":
+            if not self.live:
+                offered = await self._offered()
+                if isinstance(offered, str):      # as OpenEnv's MCPEnvironment says so
+                    return envelope({"tools": [], "metadata": {
+                        "error": offered, "error_type": "list_tools_failed"}}, 0.0)
+                return envelope({"tools": offered, "metadata": {}}, 0.0)
+            self.step_count += 1
             return envelope({"tools": self._tools(), "metadata": {}}, 0.0)
-        if kind != "call_tool":
-            return self._error(f"unknown action type {kind!r}; use list_tools or call_tool",
-                               done=False)
-        name = action.get("tool_name")
-        return self._observation(await self._call(name, action.get("arguments") or {}), name)
+        if not self.live:
+            return self._error(ENDED, step=True)
+        self.step_count += 1
+        name = action["tool_name"]
+        return self._observation(await self._call(name, action.get("arguments", {})), name)
 
     async def mcp(self, method: str, params: dict[str, Any], rid: Any) -> dict[str, Any]:
         """tools/list and tools/call on this session's episode, as JSON-RPC."""
         if method == "tools/list":
+            offered = self._tools() if self.live else await self._offered()
+            if isinstance(offered, str):
+                return rpc_error(rid, -32603, offered)
             tools = [{"name": t["name"], "description": t["description"],
-                      "inputSchema": t["input_schema"]} for t in self._tools()] if self.live else []
+                      "inputSchema": t["input_schema"]} for t in offered]
             return {"jsonrpc": "2.0", "id": rid, "result": {"tools": tools}}
         name = params.get("name")
-        if not isinstance(name, str) or not name:
+        if not name:
             return rpc_error(rid, -32602, "tools/call needs params.name, the tool to call")
+        if not isinstance(name, str):
+            return rpc_error(rid, -32603, f"there is no tool {name!r}: a tool's name is a string",
+                             {"error_type": "tool_not_found", "message": f"no tool {name!r}"})
         if not self.live:
             return rpc_error(rid, -32603, ENDED)
         self.step_count += 1
@@ -4527,6 +4663,7 @@ class OpenEnvSession:
         except LookupError as exc:
             return str(exc)
         self.where = {"id": task.id, "name": task.name, "split": split, "index": index}
+        self.task = task
         self.episode = self.runtime.episode(task)
         return await self._advance("the deploy and the opening of the turn")
 
@@ -4571,19 +4708,38 @@ class OpenEnvSession:
         assert self.episode is not None and self.episode.turn is not None
         return [*self.episode.turn.tool_specs, END_TURN]
 
+    async def _offered(self) -> list[dict[str, Any]] | str:
+        """The tools a reset would offer, listed with no episode live (OpenEnv's clients list
+        tools before they reset, and keep what they got): those of the toolset of the task played
+        last, or before any reset of the first task (what a reset with neither split nor index
+        plays). The runtime deploys each toolset once to find them, and keeps them; the reason,
+        when they could not be found."""
+        task = self.task or self.runtime.bundle.splits["all"][0]
+        try:
+            async with asyncio.timeout(self.deadline):
+                tools = await self.runtime.toolset_tools(task.toolset,
+                                                         "its tools were listed before a reset")
+        except asyncio.TimeoutError:
+            return (f"listing the tools deploys {task.name}'s envs once, and that took longer than "
+                    f"{self.deadline:g}s; ask again shortly (the deploy goes on), or reset first")
+        except AgentEnvError as exc:
+            return f"the tools could not be listed: playing {task.name} to its first turn failed: {exc}"
+        return [*tools, END_TURN]
+
     # -- rendering
 
     def _observation(self, played: Played, tool_name: str | None = None) -> dict[str, Any]:
         """What the play gave, as an OpenEnv observation: a reset's or a step's."""
         called = {"tool_name": tool_name, "error": None} if tool_name else {}
         if isinstance(played, ToolResult):
-            if played.status == UNKNOWN_TOOL:
-                return envelope({**called, "result": None, "metadata": {}, "error": {
-                    "error_type": "tool_not_found", "message": played.text}}, 0.0)
-            if played.failure:
+            error_type = TOOL_ERRORS.get(played.status, ("execution_error", -32603))[0]
+            if played.failure:                  # the episode ended with the call
                 timed_out = self._error(played.failure, tool_name)
-                timed_out["observation"]["error"] = {"error_type": "timeout", "message": played.text}
+                timed_out["observation"]["error"] = {"error_type": error_type, "message": played.text}
                 return timed_out
+            if played.is_error:                 # the episode goes on: the model reads why
+                return envelope({**called, "result": None, "metadata": {}, "error": {
+                    "error_type": error_type, "message": played.text}}, 0.0)
             return envelope({**called, "metadata": {}, "result": tool_content(played)}, 0.0)
         if isinstance(played, Turn):
             prompt = {"prompt": played.prompt, "system_prompt": played.system_prompt}
@@ -4602,10 +4758,10 @@ class OpenEnvSession:
     def _rpc(self, rid: Any, played: Played) -> dict[str, Any]:
         """What the play gave, as the JSON-RPC reply to tools/call."""
         if isinstance(played, ToolResult):
-            if played.status == UNKNOWN_TOOL or played.failure:
-                error = {"error_type": "tool_not_found" if played.status == UNKNOWN_TOOL else "timeout",
-                         "message": played.text}
-                return rpc_error(rid, -32603, played.text, error)
+            if played.is_error:
+                error_type, code = TOOL_ERRORS.get(played.status, ("execution_error", -32603))
+                return rpc_error(rid, code, played.text, {"error_type": error_type,
+                                                          "message": played.text})
             return {"jsonrpc": "2.0", "id": rid, "result": tool_content(played)}
         if isinstance(played, Turn):
             data = {"prompt": played.prompt, "system_prompt": played.system_prompt}
@@ -4616,16 +4772,17 @@ class OpenEnvSession:
         return rpc_error(rid, -32603, str(played.failure if isinstance(played, Outcome) else played))
 
     def _error(self, why: str | Failure | None, tool_name: str | None = None,
-               done: bool = True) -> dict[str, Any]:
-        """An error observation: the episode's failure (with its kind, for a resources server
-        playing over /ws), or a refusal of what was asked."""
+               step: bool = False) -> dict[str, Any]:
+        """An error observation, which ends the episode: its failure (with its kind, for a
+        resources server playing over /ws), or a refusal of what was asked. A step's carries the
+        reward 0.0, as every step's does (OpenEnv's graders want a number); a reset's none."""
         observation: dict[str, Any] = {"metadata": {"status": "error", "error": str(why),
                                                     "task": self.where}}
         if isinstance(why, Failure):
             observation["metadata"]["failure_kind"] = why.kind
         if tool_name:
             observation.update(tool_name=tool_name, result=None, error=None)
-        return envelope(observation, None, done)
+        return envelope(observation, 0.0 if tool_name or step else None, True)
 
 
 # What a play of an OpenEnv session gives: a tool's result, the next turn, the scored outcome, the
@@ -4712,14 +4869,21 @@ class OpenEnvSurface:
     async def openapi(self, request: Any) -> Any:
         return json_reply(openapi_document())
 
+    @staticmethod
+    def _over_http(body: dict[str, Any]) -> dict[str, Any]:
+        """An observation as OpenEnv's HTTP routes send it: metadata on top even when empty (null)."""
+        return {**body, "metadata": body.get("metadata")}
+
     async def http_reset(self, request: Any) -> Any:
         """Stateless, as OpenEnv has it: a fresh session, reset (a full deploy), then closed."""
         data, problem = await json_body(request, allow_empty=True)
         if problem:
             return problem
+        if problems := reset_problems(data):
+            return unprocessable(problems)
         session = OpenEnvSession(self.runtime, self.deadline)
         try:
-            return json_reply(await session.reset(data or {}))
+            return json_reply(self._over_http(await session.reset(data or {})))
         finally:
             await session.close("a stateless /reset ends its episode")
 
@@ -4727,14 +4891,12 @@ class OpenEnvSurface:
         data, problem = await json_body(request)
         if problem:
             return problem
-        if "action" not in data:
-            return json_reply({"detail": [{"type": "missing", "loc": ["body", "action"],
-                                           "msg": "Field required: the action to take"}]}, 422)
-        if not isinstance(data["action"], dict):
-            return json_reply({"detail": [{"type": "model_attributes_type", "loc": ["body", "action"],
-                                           "msg": 'the action is an object, such as {"type": '
-                                                  '"list_tools"}'}]}, 422)
-        return json_reply(await OpenEnvSession(self.runtime, self.deadline).step(data["action"]))
+        if problems := shape_problems(data, STEP_BODY, open_=True) + step_problems(data):
+            return unprocessable(problems)
+        if problems := action_problems(data["action"]):      # loc within the action, as OpenEnv's
+            return json_reply({"detail": problems}, 422)
+        return json_reply(self._over_http(
+            await OpenEnvSession(self.runtime, self.deadline).step(data["action"])))
 
     async def http_state(self, request: Any) -> Any:
         return json_reply(OpenEnvSession(self.runtime, self.deadline).state())
@@ -4745,8 +4907,9 @@ class OpenEnvSurface:
         return json_reply([self.env_name])
 
     def _not_ours(self, request: Any) -> Any:
-        """The 404 for a task-API path naming another environment, or None when it names ours."""
-        if request.match_info["env"] == self.env_name:
+        """The 404 for a task-API path naming another environment, or None when it names ours
+        (in any case, as OpenEnv matches it)."""
+        if request.match_info["env"].lower() == self.env_name.lower():
             return None
         return json_reply({"detail": f"no environment {request.match_info['env']!r}; this server "
                                      f"serves {self.env_name!r}"}, 404)
@@ -4764,8 +4927,10 @@ class OpenEnvSurface:
         if problem:
             return problem
         route = request.path.rsplit("/", 1)[1]
-        bundle, split = self.runtime.bundle, data.get("split")
-        if not isinstance(split, str) or split not in bundle.splits:
+        if problems := shape_problems(data, TASK_BODIES[route]):
+            return unprocessable(problems)
+        bundle, split = self.runtime.bundle, data["split"]
+        if split not in bundle.splits:
             return json_reply({"detail": f"Invalid task index: there is no split {split!r}; the "
                                          f"splits are {', '.join(bundle.splits)}"}, 400)
         tasks = bundle.splits[split]
@@ -4776,16 +4941,15 @@ class OpenEnvSurface:
                                "env_name": self.env_name})
         if route == "task":
             try:
-                return json_reply({"task": task_row(bundle.task(split, data.get("index")),
-                                                    data.get("index"))})
+                index = int(data["index"])
+                return json_reply({"task": task_row(bundle.task(split, index), index)})
             except LookupError as exc:
                 return json_reply({"detail": f"Invalid task index: {exc}"}, 400)
         start, stop = data.get("start"), data.get("stop")
-        start = 0 if start is None else start
-        if not isinstance(start, int) or isinstance(start, bool) or start < 0 or \
-                (stop is not None and (not isinstance(stop, int) or isinstance(stop, bool))):
-            return json_reply({"detail": "start is a whole number from 0, and stop a whole number or "
-                                         "null"}, 400)
+        start = 0 if start is None else int(start)
+        stop = None if stop is None else int(stop)
+        if start < 0:
+            return json_reply({"detail": "Invalid task index: start is a whole number from 0"}, 400)
         return json_reply({"tasks": [task_row(t, start + i) for i, t in enumerate(tasks[start:stop])]})
 
     # -- JSON-RPC on POST /mcp and WebSocket /mcp
@@ -4801,20 +4965,33 @@ class OpenEnvSurface:
                   ) -> dict[str, Any]:
         """Answer one JSON-RPC request; ``owned`` is the session of the socket it came on, whose
         lock the caller already ``held`` when it came inside a /ws message."""
-        if not isinstance(message, dict) or message.get("jsonrpc") != "2.0" or \
-                not isinstance(message.get("method"), str):
-            rid = message.get("id") if isinstance(message, dict) else None
-            return rpc_error(rid, -32600, "Invalid Request: send {\"jsonrpc\": \"2.0\", \"method\": "
-                                          "..., \"params\": {...}, \"id\": ...}")
-        rid, method, params = message.get("id"), message["method"], message.get("params") or {}
-        if not isinstance(params, dict):
-            return rpc_error(rid, -32602, "params must be an object")
+        if not isinstance(message, dict):     # a batch too: OpenEnv reads one request at a time
+            return rpc_error(None, -32700, "Parse error: a request is one JSON object, {\"jsonrpc\": "
+                                           "\"2.0\", \"method\": ..., \"params\": {...}, \"id\": ...} "
+                                           "(batches are not read)")
+        problems = shape_problems(message, RPC_REQUEST)
+        if not problems and message["jsonrpc"] != "2.0":
+            problems = [{"type": "literal_error", "loc": ["jsonrpc"], "msg": "Input should be '2.0'",
+                         "input": message["jsonrpc"]}]
+        if problems:
+            return rpc_error(None, -32600, f"Invalid Request: {told(problems)}; send {{\"jsonrpc\": "
+                                           "\"2.0\", \"method\": ..., \"params\": {...}, \"id\": ...}")
+        rid, method, params = message.get("id"), message["method"], message.get("params", {})
+        rid = int(rid) if isinstance(rid, float) else rid      # 1.0 is the id 1, as pydantic reads it
         if method == "openenv/session/create":
+            if owned is not None:      # a socket's session is the one its messages play on
+                return {"jsonrpc": "2.0", "id": rid, "result": {"session_id": owned.id}}
             try:
                 return {"jsonrpc": "2.0", "id": rid, "result": {"session_id": self.open_session().id}}
             except Capacity as exc:
                 return rpc_error(rid, -32000, str(exc), exc.data)
         if method == "openenv/session/close":
+            if not params.get("session_id"):
+                return rpc_error(rid, -32602, "Invalid params: session_id is required, the session to "
+                                              "close")
+            if owned is not None and params["session_id"] == owned.id:
+                return rpc_error(rid, -32600, "this socket's own session closes with the socket: "
+                                              "close the socket (or send {\"type\": \"close\"})")
             session = self.sessions.get(str(params.get("session_id")))
             if session is None:
                 return rpc_error(rid, -32602, f"no session {params.get('session_id')!r}")
@@ -4828,8 +5005,8 @@ class OpenEnvSurface:
             return rpc_error(rid, -32601, f"Method not found: {method}; this server answers "
                                           "tools/list, tools/call, openenv/session/create and "
                                           "openenv/session/close")
-        session = owned
-        if params.get("session_id") is not None:
+        session = owned        # a socket's calls play on its own session, whatever they name
+        if owned is None and params.get("session_id") is not None:
             session = self.sessions.get(str(params["session_id"]))
             if session is None:
                 return rpc_error(rid, -32602, f"no session {params['session_id']!r}; create one "
@@ -4924,28 +5101,29 @@ class OpenEnvSurface:
             message = loads(text)
         except ValueError as exc:
             return {"type": "error", "data": {"message": f"Invalid JSON: {exc}", "code": "INVALID_JSON"}}
-        if not isinstance(message, dict):
-            return {"type": "error", "data": {"message": "Invalid message: send a JSON object with "
-                                                         "a type", "code": "VALIDATION_ERROR"}}
-        kind, data = message.get("type"), message.get("data")
-        try:
-            if kind == "reset":
-                if data is not None and not isinstance(data, dict):
-                    raise TypeError("reset's data is an object of keyword arguments")
-                return {"type": "observation", "data": await session.reset(data or {})}
-            if kind == "step":
-                return {"type": "observation", "data": await session.step(data)}
-            if kind == "state":
-                return {"type": "state", "data": session.state()}
-            if kind == "mcp":
-                return {"type": "mcp", "data": await self.rpc(data, session, held=True)}
-            if kind == "close":
-                return None
-        except TypeError as exc:
-            return {"type": "error", "data": {"message": f"Invalid message: {exc}",
-                                              "code": "VALIDATION_ERROR"}}
-        return {"type": "error", "data": {"message": f"Unknown message type: {kind}",
-                                          "code": "UNKNOWN_TYPE"}}
+        if not isinstance(message, dict):     # (OpenEnv drops the session for this; we answer)
+            return invalid_frame([{"type": "model_type", "loc": [], "input": message,
+                                   "msg": 'Input should be a message object, such as {"type": '
+                                          '"state"}'}])
+        kind, data = message.get("type", ""), message.get("data", {})
+        if not isinstance(kind, str) or kind not in WS_MESSAGES:
+            return {"type": "error", "data": {"message": f"Unknown message type: {kind}; send reset, "
+                                                         "step, state, mcp or close",
+                                              "code": "UNKNOWN_TYPE"}}
+        problems = shape_problems(message, WS_MESSAGES[kind])
+        if kind == "step" and not problems:
+            problems = action_problems(data)
+        if problems:
+            return invalid_frame(problems)
+        if kind == "reset":
+            return {"type": "observation", "data": await session.reset(data)}
+        if kind == "step":
+            return {"type": "observation", "data": await session.step(data)}
+        if kind == "state":
+            return {"type": "state", "data": session.state()}
+        if kind == "mcp":
+            return {"type": "mcp", "data": await self.rpc(data, session, held=True)}
+        return None                                                          # close
 
     ROUTES = [("GET", "/health", health), ("GET", "/metadata", metadata), ("GET", "/schema", schema),
               ("GET", "/openapi.json", openapi), ("GET", "/ws", ws), ("GET", "/mcp", mcp_ws),
@@ -4954,6 +5132,37 @@ class OpenEnvSurface:
               ("GET", "/{env}/splits", splits), ("POST", "/{env}/tasks", task_api),
               ("POST", "/{env}/num_tasks", task_api), ("POST", "/{env}/task", task_api),
               ("POST", "/{env}/task_range", task_api)]
+
+
+STEP_BODY: Shape = {"action": (OBJECT, True), "timeout_s": (("number", "null"), False),
+                    "request_id": (TEXT + NULL, False)}
+
+
+def step_problems(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """What OpenEnv's StepRequest bounds beyond types: timeout_s above 0, request_id ≤255."""
+    problems = []
+    if isinstance(body.get("timeout_s"), (int, float)) and not isinstance(body["timeout_s"], bool) \
+            and not body["timeout_s"] > 0:
+        problems.append({"type": "greater_than", "loc": ["timeout_s"],
+                         "msg": "Input should be greater than 0", "input": body["timeout_s"]})
+    if isinstance(body.get("request_id"), str) and len(body["request_id"]) > 255:
+        problems.append({"type": "string_too_long", "loc": ["request_id"],
+                         "msg": "String should have at most 255 characters", "input": body["request_id"]})
+    return problems
+
+
+def reset_problems(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """How a stateless reset's body breaks OpenEnv's ResetRequest (any other keys are the reset's):
+    seed a whole number from 0, episode_id text of at most 255 characters."""
+    problems = shape_problems(body, {"seed": (WHOLE + NULL, False), "episode_id": (TEXT + NULL, False)},
+                              open_=True)
+    if not problems and body.get("seed") is not None and body["seed"] < 0:
+        problems.append({"type": "greater_than_equal", "loc": ["seed"],
+                         "msg": "Input should be greater than or equal to 0", "input": body["seed"]})
+    if not problems and isinstance(body.get("episode_id"), str) and len(body["episode_id"]) > 255:
+        problems.append({"type": "string_too_long", "loc": ["episode_id"],
+                         "msg": "String should have at most 255 characters", "input": body["episode_id"]})
+    return problems
 
 
 def task_row(task: Task, index: int) -> dict[str, Any]:
@@ -5013,7 +5222,10 @@ def openapi_document() -> dict[str, Any]:
     }
     return {"openapi": "3.1.0", "info": {"title": "agentenv.py", "version": "1.0.0",
                                          "description": f"agentenv.py {__version__}"},
-            "paths": paths}
+            "paths": paths, "components": {"schemas": {}},
+            "tags": [{"name": "Environment Control"}, {"name": "State Management"},
+                     {"name": "Environment Info"}, {"name": "Schema"}, {"name": "Health"},
+                     {"name": "Task API"}]}
 
 
 # ================================================================ 10. Gym surface
@@ -6348,13 +6560,13 @@ def function_tool(tool: dict[str, Any]) -> dict[str, Any]:
 
 async def _toolsets_here(bundle: Bundle, sandbox: str,
                          runtime: Runtime | None = None) -> dict[str, list[dict[str, Any]]]:
-    """Play one task of each toolset as far as its first turn, to list the tools it offers (on
-    ``runtime`` when given, else on a runtime of its own)."""
+    """The tools each toolset's first turn offers (one probe episode each, as far as that turn),
+    on ``runtime`` when given, else on a runtime of its own."""
     async with contextlib.AsyncExitStack() as stack:
         if runtime is None:
             runtime = await stack.enter_async_context(Runtime(bundle, sandbox=sandbox))
-        return {toolset.name: await runtime.first_turn_tools(tasks[0], "the tools were listed")
-                for toolset, tasks in bundle.toolsets.items()}
+        return {toolset.name: await runtime.toolset_tools(toolset, "the tools were listed")
+                for toolset in bundle.toolsets}
 
 
 async def _catalog_there(url: str) -> tuple[str, dict[str, list[dict[str, Any]]],

@@ -1324,6 +1324,23 @@ async def sse_server(handler) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}/mcp"
 
 
+def test_schema_misfit_tells_bad_arguments_from_a_tool_that_failed():
+    schema = {"type": "object", "additionalProperties": False, "required": ["title"],
+              "properties": {"title": {"type": "string"}, "count": {"type": ["integer", "null"]},
+                             "ratio": {"type": "number"}, "any": {}}}
+    fits = agentenv.schema_misfit
+    assert fits({"title": "a"}, schema) is None
+    assert fits({"title": "a", "count": 2.0, "ratio": 1, "any": [1]}, schema) is None
+    assert fits({"title": "a", "count": None}, schema) is None
+    assert fits({}, schema) == "missing title"
+    assert fits({"title": "a", "z": 1}, schema) == "it takes no z"
+    assert fits({"title": 5}, schema) == "title is not string"
+    assert fits({"title": "a", "count": True}, schema) == "count is not integer or null"
+    assert fits({"title": "a", "count": 1.5}, schema) == "count is not integer or null"
+    assert fits({"z": 1}, {"type": "object"}) is None            # open: anything fits
+    assert fits({"z": 1}, None) is None
+
+
 def test_mcp_client_reads_sse_replies_and_refusals():
     async def handler(request: web.Request) -> web.StreamResponse:
         msg = await request.json()
@@ -1845,8 +1862,10 @@ def test_a_hidden_tool_is_not_offered_but_the_verifier_uses_it(make_bundle):
             bad_args = await turn.call("say", ["hello"])
             assert bad_args == ToolResult("the arguments of say must be a JSON object, not list",
                                           agentenv.BAD_ARGUMENTS)
-            env_error = await turn.call("say", {})
-            assert env_error == ToolResult("say: text must be a string", agentenv.TOOL_ERROR)
+            env_error = await turn.call("say", {})     # the env's words; its schema says why
+            assert env_error == ToolResult("say: text must be a string", agentenv.BAD_ARGUMENTS)
+            wrong_type = await turn.call("say", {"text": 5})
+            assert wrong_type.status == agentenv.BAD_ARGUMENTS
             await turn.call("say", {"text": "hello"})
             turn.end("done")
             return await ep.result()
@@ -2613,6 +2632,42 @@ def test_closing_the_runtime_abandons_live_episodes(make_bundle):
         return ep.outcome
 
     assert run(go()) == agentenv.Outcome("abandoned", {}, None, agentenv.Failure("session_lost", "the server shut down"))
+
+
+def test_a_toolsets_tools_are_found_once_and_listed_before_a_reset(make_bundle):
+    """What OpenEnv's list_tools answers with no episode live: the tools of the toolset of the
+    task played last, or before any reset of the first task's; each toolset deployed once."""
+    root = make_bundle({"a": simple(), "d": [deploy("other"), agent("other"), prompt(), contains()]},
+                       envs=("main", "other"))
+    bundle = Bundle.load(root)
+
+    async def go():
+        async with local(bundle) as rt:
+            played = []
+            probe = rt.first_turn_tools
+
+            async def counted(task, why):           # the real probe, counted
+                played.append(task.name)
+                return await probe(task, why)
+            rt.first_turn_tools = counted
+            main = bundle.tasks["a"].toolset
+            first = await rt.toolset_tools(main, "a test listed them")
+            assert await rt.toolset_tools(main, "a test listed them") == first
+            assert played == ["a"] and not rt.live            # probed once, torn down
+            session = agentenv.OpenEnvSession(rt, deadline=20)
+            listed = (await session.step({"type": "list_tools"}))["observation"]["tools"]
+            assert [t["name"] for t in listed] == [t["name"] for t in first] + ["end_turn"]
+            assert not any(t["name"].startswith("other_") for t in listed)
+            reset = await session.reset({"split": "all", "index": 1})        # d: the other toolset
+            assert reset["done"] is False
+            await session.close()
+            listed = (await session.step({"type": "list_tools"}))["observation"]["tools"]
+            assert [t["name"] for t in listed][-1] == "end_turn"
+            assert all(t["name"].startswith("other_") for t in listed[:-1]) and listed[:-1]
+            assert played == ["a", "d"]
+            assert (await session.step({"type": "list_tools"}))["observation"]["tools"] == listed
+            assert played == ["a", "d"] and not rt.live
+    run(go(), timeout=60)
 
 
 # ================================================================ The app: build_app

@@ -23,7 +23,9 @@ What is here, and which suite uses it:
   ``signal``/``terminate`` (SIGTERM, once)/``kill`` (and its envs), and ``stop()``: SIGTERM, the
   exit code, no env process nor record left. ``running(server)`` stops it at the end of a block,
   having exited 0 (killed if the block fails); ``serving(bundle, folder, *flags)`` is
-  ``running(Server.serve(...))``. test_load subclasses it for its memory and fd figures.
+  ``running(Server.serve(...))``. ``Server.openenv_reference(folder)`` is the reference OpenEnv
+  server built with OpenEnv's own create_app (tests/openenv_reference.py: test_openenv_parity).
+  test_load subclasses it for its memory and fd figures.
 * HTTP: ``request()``, one request on a fresh connection with bytes as they are (a body, a
   chunked body, a cookie that isn't text), and its ``Reply`` (status, headers, body, text,
   json(), elapsed): test_bad_input, test_gym_surface, test_openenv, tests/gym.
@@ -348,6 +350,14 @@ class Server:
         return cls([sys.executable, str(REPO / "agentenv.py"), "serve", str(bundle), "--sandbox",
                     sandbox, "--port", "{port}", *flags], folder, state=state, env=env,
                    headers=headers)
+
+    @classmethod
+    def openenv_reference(cls, folder: Path, env: dict[str, str] | None = None) -> Server:
+        """The reference OpenEnv server (tests/openenv_reference.py: OpenEnv 0.10's own
+        ``create_app`` and ``MCPEnvironment``, notes-v1's tools) that test_openenv_parity holds
+        ``serve`` against; ``env`` e.g. MAX_CONCURRENT_ENVS or REFERENCE_TOOL_TIMEOUT."""
+        return cls([sys.executable, str(REPO / "tests" / "openenv_reference.py"), "--port", "{port}"],
+                   folder, env=env, ready_within=120)
 
     @classmethod
     def gym(cls, folder: Path, config: dict, instance: str | None = None, *,

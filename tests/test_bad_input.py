@@ -207,8 +207,8 @@ def test_malformed_json_is_422(server):
 
 
 def test_non_object_json_bodies(server):
-    """422 on the JSON routes, text on a tool's route ([1, 2] is covered elsewhere), -32600 on
-    POST /mcp (a batch too: the server takes one request at a time)."""
+    """422 on the JSON routes, text on a tool's route ([1, 2] is covered elsewhere), -32700 on
+    POST /mcp as OpenEnv answers it (a batch too: the server takes one request at a time)."""
     with survivor(server):
         for route in JSON_BODY_ROUTES:
             for raw in (b"[1, 2]", b'"split"', b"null", b"5", b"true", b"[]"):
@@ -227,8 +227,9 @@ def test_non_object_json_bodies(server):
                     b'[{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}]'):
             reply = request(server.url + "/mcp", body=raw)
             assert reply.status == 200            # JSON-RPC over HTTP: always 200, the error inside
-            assert reply.json()["error"]["code"] == -32600
-            assert reply.json()["error"]["message"].startswith("Invalid Request: send {")
+            assert reply.json()["error"]["code"] == -32700
+            assert reply.json()["error"]["message"].startswith("Parse error: a request is one JSON "
+                                                               "object")
 
 
 NON_UTF8 = [b'{"split": "\xff\xfe", "index": 0}', b'{"title": "caf\xe9"}', b"\xc3\x28",
@@ -422,28 +423,37 @@ def test_step_action_not_an_object(server):
             assert reply.status == 422
             detail = reply.json()["detail"][0]
             assert detail["loc"] == ["body", "action"]
-            assert detail["type"] != "missing" and "object" in detail["msg"], (action, detail)
+            assert (detail["type"], detail["msg"]) == ("dict_type", "Input should be a valid dictionary")
 
 
 def test_task_api_wrong_types_and_missing_fields(server):
     url = f"{server.url}/{ENV}"
     with survivor(server):
-        for route in ("tasks", "num_tasks", "task", "task_range"):
+        for route in ("tasks", "num_tasks", "task", "task_range"):       # as FastAPI: 422
             for data in ({}, {"split": None}, {"split": 3}, {"index": 0}):
                 reply = request(f"{url}/{route}", body=data)
-                assert reply.status == 400, (route, data, reply.text)
-                assert reply.json()["detail"].startswith("Invalid task index: there is no split ")
-                assert "the splits are all, smoke" in reply.json()["detail"]
+                assert reply.status == 422, (route, data, reply.text)
+                assert ["body", "split"] in [d["loc"] for d in reply.json()["detail"]]
+            reply = request(f"{url}/{route}", body={"split": "nope", "index": 0})
+            if route != "task":                                       # a field they don't take
+                assert reply.status == 422 and reply.json()["detail"][0]["type"] == "extra_forbidden"
+            else:                                                     # no such split: 400
+                assert reply.status == 400 and "the splits are all, smoke" in reply.json()["detail"]
         for data in ({"split": "all"}, {"split": "all", "index": "1"}, {"split": "all", "index": None},
-                     {"split": "all", "index": True}, {"split": "all", "index": 1.0}):
+                     {"split": "all", "index": True}, {"split": "all", "index": 1.5}):
             reply = request(f"{url}/task", body=data)
-            assert reply.status == 400, (data, reply.text)
-            assert "Invalid task index: " in reply.json()["detail"]
-            assert "give an index from 0 to 2" in reply.json()["detail"]
+            assert reply.status == 422, (data, reply.text)
+            assert reply.json()["detail"][0]["loc"] == ["body", "index"]
+        reply = request(f"{url}/task", body={"split": "all", "index": 1.0})   # pydantic's 1
+        assert reply.status == 200 and reply.json()["task"]["index"] == 1
+        reply = request(f"{url}/task", body={"split": "all", "index": 3})
+        assert reply.status == 400 and "give an index from 0 to 2" in reply.json()["detail"]
         for data in ({"split": "all", "start": "a"}, {"split": "all", "stop": "2"},
                      {"split": "all", "start": 1.5}, {"split": "all", "start": [0]}):
             reply = request(f"{url}/task_range", body=data)
-            assert (reply.status, reply.json()) == (400, {"detail": "start is a whole number from 0, and stop a whole number or null"})
+            assert reply.status == 422, (data, reply.text)
+        reply = request(f"{url}/task_range", body={"split": "all", "start": -1})
+        assert reply.json() == {"detail": "Invalid task index: start is a whole number from 0"}
         # another environment's name: 404, naming ours
         reply = request(f"{server.url}/notes-v9/task", body={"split": "all", "index": 0})
         assert reply.status == 404 and "this server serves 'notes-v1'" in reply.json()["detail"]
@@ -453,24 +463,28 @@ def test_task_api_a_split_that_is_an_array(server):
     with survivor(server):
         for route in TASK_API:
             reply = request(server.url + route, body={"split": ["all"], "index": 0})
-            assert reply.status == 400, (route, reply.status, reply.text)
-            assert "the splits are all, smoke" in reply.json()["detail"]
+            assert reply.status == 422, (route, reply.status, reply.text)
+            assert {"type": "string_type", "loc": ["body", "split"], "input": ["all"],
+                    "msg": "Input should be a valid string"} in reply.json()["detail"]
 
 
 def test_mcp_post_bad_requests(server):
-    invalid = ("Invalid Request: send {\"jsonrpc\": \"2.0\", \"method\": ..., \"params\": {...}, "
-               "\"id\": ...}")
-    cases = [
-        ({"jsonrpc": "2.0", "id": 1}, -32600, invalid),                           # no method
-        ({"jsonrpc": "2.0", "id": 2, "method": 5}, -32600, invalid),              # not text
-        ({"jsonrpc": "1.0", "id": 3, "method": "tools/list"}, -32600, invalid),
-        ({"id": 4, "method": "tools/list"}, -32600, invalid),                      # no jsonrpc
-        ({"jsonrpc": "2.0", "id": 5, "method": "tools/list", "params": "x"}, -32602,
-         "params must be an object"),
+    def invalid(problems: str) -> str:
+        return (f"Invalid Request: {problems}; send {{\"jsonrpc\": \"2.0\", \"method\": ..., "
+                "\"params\": {...}, \"id\": ...}")
+    cases = [       # a request that is not one answers id null, as OpenEnv does (JSON-RPC too)
+        ({"jsonrpc": "2.0", "id": 1}, -32600, invalid("method: Field required")),
+        ({"jsonrpc": "2.0", "id": 2, "method": 5}, -32600,
+         invalid("method: Input should be a valid string")),
+        ({"jsonrpc": "1.0", "id": 3, "method": "tools/list"}, -32600,
+         invalid("jsonrpc: Input should be '2.0'")),
+        ({"id": 4, "method": "tools/list"}, -32600, invalid("jsonrpc: Field required")),
+        ({"jsonrpc": "2.0", "id": 5, "method": "tools/list", "params": "x"}, -32600,
+         invalid("params: Input should be a valid dictionary")),
         ({"jsonrpc": "2.0", "id": 6, "method": "tools/call", "params": {}}, -32602,
          "tools/call needs params.name, the tool to call"),
-        ({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": 5}}, -32602,
-         "tools/call needs params.name, the tool to call"),
+        ({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": 5}}, -32603,
+         "there is no tool 5: a tool's name is a string"),
         ({"jsonrpc": "2.0", "id": 8, "method": "tools/call",
           "params": {"name": "list_notes", "session_id": "forged"}}, -32602,
          "no session 'forged'; create one with openenv/session/create"),
@@ -484,7 +498,8 @@ def test_mcp_post_bad_requests(server):
             reply = request(server.url + "/mcp", body=message)
             assert reply.status == 200
             body = reply.json()
-            assert body["jsonrpc"] == "2.0" and body["id"] == message.get("id"), body
+            rid = None if code == -32600 else message.get("id")
+            assert body["jsonrpc"] == "2.0" and body["id"] == rid, body
             assert (body["error"]["code"], body["error"]["message"]) == (code, text), body
 
 
@@ -637,7 +652,9 @@ def test_huge_frames_close_1009(server):
             kind, code = asyncio.run(too_big(path))
             assert (kind, code) == (aiohttp.WSMsgType.CLOSE, aiohttp.WSCloseCode.MESSAGE_TOO_BIG)
         with Socket(server.ws_url + "/ws") as sock:
-            assert sock.ask({"type": "state", "pad": "a" * (MAX_BODY - 200)})["type"] == "state"
+            under = sock.ask({"type": "mcp", "data": {"jsonrpc": "2.0", "id": 1, "method": "pad",
+                                                      "params": {"pad": "a" * (MAX_BODY - 300)}}})
+            assert under["type"] == "mcp" and under["data"]["error"]["code"] == -32601
 
 
 # ================================================================ 6. non-UTF-8 in tool arguments
@@ -704,11 +721,14 @@ def test_invalid_utf8_text_frames_close_1007(server):
 
 def test_ws_bad_messages(server):
     """OpenEnv's codes: INVALID_JSON, VALIDATION_ERROR, UNKNOWN_TYPE; the session goes on."""
-    shape = {"message": "Invalid message: send a JSON object with a type", "code": "VALIDATION_ERROR"}
     with survivor(server), Socket(server.ws_url + "/ws") as sock:
         sock.ask({"type": "reset", "data": {"split": "all", "index": RECALL}})
         for text in ("[1, 2]", "[]", '"reset"', "null", "42", '[{"type": "state"}]'):
-            assert sock.ask(text) == {"type": "error", "data": shape}, text
+            frame = sock.ask(text)
+            assert frame["data"]["code"] == "VALIDATION_ERROR", text
+            assert frame["data"]["message"] == ('Invalid message: the value: Input should be a '
+                                                'message object, such as {"type": "state"}')
+            assert frame["data"]["errors"][0]["input"] == json.loads(text)
         for text in ("", "   ", "{", "reset", "{'type': 'state'}"):
             frame = sock.ask(text)
             assert frame["type"] == "error" and frame["data"]["code"] == "INVALID_JSON", text
@@ -717,24 +737,27 @@ def test_ws_bad_messages(server):
                         {"data": {"type": "list_tools"}}):
             frame = sock.ask(message)
             assert frame["type"] == "error" and frame["data"]["code"] == "UNKNOWN_TYPE", message
-            assert frame["data"]["message"] == f"Unknown message type: {message.get('type')}"
+            assert frame["data"]["message"] == \
+                f"Unknown message type: {message.get('type', '')}; send reset, step, state, mcp or close"
         frame = sock.ask({"type": "reset", "data": "all"})
         assert frame == {"type": "error", "data": {
-            "message": "Invalid message: reset's data is an object of keyword arguments",
-            "code": "VALIDATION_ERROR"}}
+            "message": "Invalid message: data: Input should be a valid dictionary",
+            "code": "VALIDATION_ERROR", "errors": [{"type": "dict_type", "loc": ["data"],
+                                                    "msg": "Input should be a valid dictionary",
+                                                    "input": "all"}]}}
         for data in (None, [1], "list_tools", 3):                     # a step that is no action
             frame = sock.ask({"type": "step", "data": data})
-            meta = frame["data"]["observation"]["metadata"]
-            assert meta["status"] == "error"
-            assert meta["error"] == 'a step\'s data is an action such as {"type": "list_tools"}'
-            assert frame["data"]["done"] is False          # the episode is still there to play
+            assert frame["data"]["code"] == "VALIDATION_ERROR"
+            assert frame["data"]["errors"][0]["loc"] == ["data"]
         frame = sock.ask({"type": "step", "data": {"type": "list_tool"}})
-        assert frame["data"]["observation"]["metadata"]["error"] == \
-            "unknown action type 'list_tool'; use list_tools or call_tool"
-        assert frame["data"]["done"] is False
-        for data in (None, [1], "tools/list", {"method": "tools/list"}):   # mcp that is no JSON-RPC
+        assert frame["data"]["message"] == \
+            "Invalid message: type: Input should be 'list_tools' or 'call_tool'"
+        assert sock.ask({"type": "state"})["data"]["done"] is False    # the episode is still there
+        for data in (None, [1], "tools/list"):                         # mcp that is no object
             frame = sock.ask({"type": "mcp", "data": data})
-            assert frame["type"] == "mcp" and frame["data"]["error"]["code"] == -32600, frame
+            assert frame["type"] == "error" and frame["data"]["code"] == "VALIDATION_ERROR", frame
+        frame = sock.ask({"type": "mcp", "data": {"method": "tools/list"}})   # no JSON-RPC
+        assert frame["type"] == "mcp" and frame["data"]["error"]["code"] == -32600, frame
         # after all that, the episode reset before it plays on and scores
         assert tool_data(sock.ask(step_call("read_note", title="pancakes"))) == \
             "2 eggs, 1 cup milk, 1 cup flour"
@@ -743,27 +766,28 @@ def test_ws_bad_messages(server):
 
 
 def test_mcp_ws_bad_messages(server):
-    invalid = ("Invalid Request: send {\"jsonrpc\": \"2.0\", \"method\": ..., \"params\": {...}, "
-               "\"id\": ...}")
+    invalid = ("Parse error: a request is one JSON object, {\"jsonrpc\": \"2.0\", \"method\": ..., "
+               "\"params\": {...}, \"id\": ...} (batches are not read)")
     with survivor(server), Socket(server.ws_url + "/mcp") as sock:
         for text in ("[]", "[1, 2]", "null", '"tools/list"', "7",
                      '[{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}]'):
             assert sock.ask(text) == {"jsonrpc": "2.0", "id": None,
-                                      "error": {"code": -32600, "message": invalid}}, text
+                                      "error": {"code": -32700, "message": invalid, "data": None}}, text
         for text in ("", "{", "tools/list"):
             assert sock.ask(text)["error"]["code"] == -32700, text
         for message, code in (({"jsonrpc": "2.0", "id": 1, "method": "reset"}, -32601),
                               ({"jsonrpc": "2.0", "id": 2, "method": "step"}, -32601),
                               ({"jsonrpc": "2.0", "id": 3, "method": None}, -32600),
                               ({"jsonrpc": "2.0", "id": 4, "method": "tools/call",
-                                "params": []}, -32602),
+                                "params": []}, -32600),
                               ({"jsonrpc": "2.0", "id": 5, "method": "tools/call",
                                 "params": {"name": ""}}, -32602),
                               ({"type": "reset"}, -32600)):      # a /ws message on /mcp
             reply = sock.ask(message)
-            assert reply["error"]["code"] == code and reply["id"] == message.get("id"), reply
-        assert sock.ask({"jsonrpc": "2.0", "id": 9, "method": "tools/list"}) == \
-            {"jsonrpc": "2.0", "id": 9, "result": {"tools": []}}        # still answering
+            rid = None if code == -32600 else message.get("id")
+            assert reply["error"]["code"] == code and reply["id"] == rid, reply
+        listed = sock.ask({"jsonrpc": "2.0", "id": 9, "method": "tools/list"}, timeout=60)
+        assert listed["id"] == 9 and listed["result"]["tools"][-1]["name"] == "end_turn"   # answering
 
 
 def binary_frame_answer(server: Server, path: str) -> Any:
@@ -1372,7 +1396,8 @@ def test_token_every_http_route_is_401_without_it(locked):
         assert request(locked.url + "/health", "GET", headers=AUTH).status == 200
         reply = request(locked.url + "/mcp", body={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
                         headers=AUTH)
-        assert reply.json() == {"jsonrpc": "2.0", "id": 1, "result": {"tools": []}}
+        assert [t["name"] for t in reply.json()["result"]["tools"]] == \
+            ["write_note", "read_note", "list_notes", "end_turn"]
 
 
 @pytest.mark.parametrize("path", ["/ws", "/mcp"])
@@ -1387,8 +1412,8 @@ def test_token_websockets_are_401_without_it(locked, path):
             if path == "/ws":
                 assert sock.ask({"type": "state"})["type"] == "state"
             else:
-                assert sock.ask({"jsonrpc": "2.0", "id": 1, "method": "tools/list"})["result"] == \
-                    {"tools": []}
+                listed = sock.ask({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}, timeout=60)
+                assert listed["result"]["tools"][-1]["name"] == "end_turn"
 
 
 def test_token_from_agentenv_token(tmp_path):

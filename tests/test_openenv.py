@@ -322,8 +322,9 @@ def test_mcp_message_inside_ws(tmp_path):
 
 def test_websocket_mcp_is_one_session_per_connection(notes):
     with Socket(notes.ws_url + "/mcp") as mcp:
-        assert mcp.ask({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}) == \
-            {"jsonrpc": "2.0", "id": 1, "result": {"tools": []}}      # no episode: no tools
+        listed = mcp.ask({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}, timeout=60)
+        assert [t["name"] for t in listed["result"]["tools"]] == \
+            ["write_note", "read_note", "list_notes", "end_turn"]      # no episode: a reset's tools
         answer = mcp.ask({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
                           "params": {"name": "list_notes"}})
         assert answer["error"]["code"] == -32603 and ENDED in answer["error"]["message"]
@@ -351,8 +352,13 @@ def test_openenv_validate_url_passes(notes):
         "schema_endpoint": True, "mcp_endpoint": True, "mode_endpoint_consistency": True}
 
 
-def collect_evidence(url: str):
-    """One episode as OpenEnv 0.10's runtime validator collects it: raw frames over /ws."""
+GRADED = [{"type": "list_tools"}, call("write_note", title="groceries", text="eggs, milk"),
+          call("end_turn", response="done")]
+
+
+def collect_evidence(url: str, actions: list[dict] | None = None):
+    """One episode as OpenEnv 0.10's runtime validator collects it: raw frames over /ws, playing
+    ``actions`` (by default GRADED) after a reset of save-groceries."""
     import warnings
     warnings.filterwarnings("ignore", "connect\\(\\) must be used as a context manager",
                             DeprecationWarning)          # openenv's collector, on websockets 17
@@ -361,8 +367,7 @@ def collect_evidence(url: str):
     plan = RuntimePlan.model_validate({
         "plan_schema_version": "1",
         "reset": {"episode_id": "grader-1", "seed": 3, "options": {"split": "all", "index": SAVE}},
-        "actions": [{"type": "list_tools"}, call("write_note", title="groceries", text="eggs, milk"),
-                    call("end_turn", response="done")]})
+        "actions": actions or GRADED})
     evidence = collect_runtime_evidence(url, plan, episode_timeout_s=60)
     assert evidence.failure_reason is None, evidence.failure_reason
     return types.SimpleNamespace(runtime_evidence=evidence, manifest=types.SimpleNamespace(
@@ -386,6 +391,26 @@ def test_runtime_grader_reward_well_formed(notes):
     result = RewardWellFormedGrader().run(collect_evidence(notes.url))
     notes.no_envs()
     assert result.status.value == "pass", result.evidence
+
+
+def test_runtime_graders_with_bad_actions_mid_episode(notes):
+    """Arguments that don't fit, an unknown tool, a tool that fails and an action with no type
+    mid-episode: each an observation with a number reward, and the episode still scores."""
+    from openenv.validation.graders.runtime.basic import (ObservationSchemaGrader,
+                                                          RewardWellFormedGrader, StateContractGrader)
+    subject = collect_evidence(notes.url, [
+        {"type": "list_tools"}, call("write_note", title="groceries"), call("nope"),
+        call("read_note", title="nothing"), {"tool_name": "list_notes"},
+        call("write_note", title="groceries", text="eggs, milk"), call("end_turn", response="done")])
+    for grader in (ObservationSchemaGrader(), StateContractGrader(), RewardWellFormedGrader()):
+        result = grader.run(subject)
+        assert result.status.value == "pass", (grader.check_id, result.evidence)
+    steps = [json.loads(e.response_json)["data"] for e in subject.runtime_evidence.exchanges
+             if e.operation == "step"]
+    assert [(s["observation"].get("error") or {}).get("error_type") for s in steps[1:5]] == \
+        ["invalid_args", "tool_not_found", "execution_error", None]
+    assert steps[-1]["done"] is True and steps[-1]["reward"] == 1.0
+    notes.no_envs()
 
 
 # ================================================================ 4. capacity
@@ -441,8 +466,13 @@ def test_capacity_refusals_over_ws_and_mcp_then_a_slot_frees(oe, tmp_path):
 
 def test_reset_errors_are_observations(oe, notes):
     with oe.GenericEnvClient(base_url=notes.url) as env:
-        step = env.step({"type": "list_tools"})                    # before any reset
-        assert step.done is True and step.observation["metadata"]["error"] == ENDED
+        step = env.step(call("list_notes"))                        # before any reset
+        assert step.done is True and step.reward == 0.0
+        assert step.observation["metadata"]["error"] == ENDED
+        listed = env.step({"type": "list_tools"})                 # the tools a reset would offer
+        assert listed.done is False and [t["name"] for t in listed.observation["tools"]][-1] == \
+            "end_turn"
+        notes.no_envs()                                           # found by a deploy, torn down
         only = env.reset(split="all")
         assert only.done is True and only.reward is None
         assert only.observation["metadata"]["status"] == "error"
@@ -470,18 +500,24 @@ def test_step_errors_tools_and_frames(oe, notes):
             assert missing.observation["error"]["error_type"] == "tool_not_found"
             assert f"no tool {name!r}" in missing.observation["error"]["message"]
             assert "write_note, read_note, list_notes" in missing.observation["error"]["message"]
-        wrong = env.step(call("read_note", title="nothing"))       # the tool's own error: a result
-        assert wrong.done is False and wrong.observation["error"] is None
-        assert wrong.observation["result"]["is_error"] is True
-        odd = env.step({"type": "dance"})
-        assert "unknown action type 'dance'" in odd.observation["metadata"]["error"]
+        wrong = env.step(call("read_note", title="nothing"))       # the tool's own error
+        assert wrong.done is False and wrong.reward == 0.0 and wrong.observation["result"] is None
+        assert wrong.observation["error"] == {"error_type": "execution_error",
+                                              "message": "no note titled 'nothing'; the notes are: "}
+        missing = env.step(call("write_note", title="groceries"))   # arguments that don't fit
+        assert missing.observation["error"]["error_type"] == "invalid_args"
+        assert "'text' is required" in missing.observation["error"]["message"]
+        with pytest.raises(RuntimeError, match="VALIDATION_ERROR"):
+            env.step({"type": "dance"})
+        assert env.step({"tool_name": "list_notes"}).observation["result"]["data"] == "(no notes)"
         assert env.step(call("list_notes")).done is False           # the episode goes on
     with Socket(notes.ws_url + "/ws") as raw:
         broken = raw.ask("{not json")
         assert broken["type"] == "error" and broken["data"]["code"] == "INVALID_JSON"
         unknown = raw.ask({"type": "dance"})
-        assert unknown == {"type": "error", "data": {"message": "Unknown message type: dance",
-                                                     "code": "UNKNOWN_TYPE"}}
+        assert unknown == {"type": "error", "data": {
+            "message": "Unknown message type: dance; send reset, step, state, mcp or close",
+            "code": "UNKNOWN_TYPE"}}
         assert raw.ask({"type": "state"})["type"] == "state"          # still open after errors
     notes.no_envs()
 
@@ -559,12 +595,14 @@ def test_metadata_schema_openapi_and_mcp_probe(notes):
     assert status == 200 and spec["info"]["version"] == "1.0.0"
     assert {"/reset", "/step", "/state", "/mcp", "/ws", "/health"} <= set(spec["paths"])
     assert http(notes.url + "/mcp", "POST", {}) == (200, {"jsonrpc": "2.0", "id": None, "error": {
-        "code": -32600, "message": "Invalid Request: send {\"jsonrpc\": \"2.0\", \"method\": ..., "
-                                   "\"params\": {...}, \"id\": ...}"}})
+        "code": -32600, "data": None,
+        "message": "Invalid Request: jsonrpc: Field required; method: Field required; send "
+                   "{\"jsonrpc\": \"2.0\", \"method\": ..., \"params\": {...}, \"id\": ...}"}})
     status, parse = http(notes.url + "/mcp", "POST", raw=b"{nope")
     assert status == 200 and parse["error"]["code"] == -32700
     assert rpc(notes.url, "resources/list")["error"]["code"] == -32601
-    assert rpc(notes.url, "tools/list") == {"jsonrpc": "2.0", "id": 1, "result": {"tools": []}}
+    listed = rpc(notes.url, "tools/list")["result"]["tools"]          # before any reset too
+    assert [t["name"] for t in listed] == ["write_note", "read_note", "list_notes", "end_turn"]
 
 
 def test_stateless_http_reset_step_state(notes):
@@ -573,8 +611,12 @@ def test_stateless_http_reset_step_state(notes):
     assert reset["observation"]["metadata"]["task"]["name"] == "save-groceries"
     assert reset["metadata"] == reset["observation"]["metadata"]
     notes.no_envs()                                         # stateless: its episode ended
-    status, step = http(notes.url + "/step", "POST", {"action": {"type": "list_tools"}})
+    status, step = http(notes.url + "/step", "POST", {"action": call("list_notes")})
     assert status == 200 and step["done"] is True and step["observation"]["metadata"]["error"] == ENDED
+    assert step["reward"] == 0.0 and "metadata" in step
+    status, step = http(notes.url + "/step", "POST", {"action": {"type": "list_tools"}})
+    assert status == 200 and step["done"] is False and step["metadata"] is None
+    assert [t["name"] for t in step["observation"]["tools"]][-1] == "end_turn"
     status, missing = http(notes.url + "/step", "POST", {})
     assert status == 422 and missing["detail"][0]["loc"] == ["body", "action"]
     status, state = http(notes.url + "/state")
@@ -630,7 +672,7 @@ def test_a_call_that_runs_too_long_answers_timeout_inside_the_client_timeout(oe,
             slow = env.step(call("sleep", seconds="30"))
             took = time.monotonic() - started
             assert 1.8 <= took < 2.9, took                  # 3 s client timeout - 1 s margin
-            assert slow.done is True and slow.reward is None
+            assert slow.done is True and slow.reward == 0.0            # a step's: a number
             assert slow.observation["error"]["error_type"] == "timeout"
             assert "didn't answer within 2s" in slow.observation["error"]["message"]
             server.no_envs()                                # the episode ended: env torn down
