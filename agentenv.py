@@ -320,38 +320,47 @@ class Metrics:
             "wire", ["wire"], registry=registry)
         self.recent_deploys, self.recent_tool_calls = Recent(), Recent()
         self._readings: dict[str, Any] = {}
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+
+    def _of(self, metric: Any, *labels: str) -> Any:
+        """The series of ``metric`` with these label values, looked up once: the library checks
+        the values on every lookup, which would be half of what recording a tool call costs."""
+        key = (metric, labels)
+        if (child := self._children.get(key)) is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     # -- recording, where things happen
 
     def deployed(self, env: str, sandbox: str, seconds: float) -> None:
-        self.deploys.labels(env, sandbox).inc()
-        self.deploy_seconds.labels(env, sandbox).observe(seconds)
+        self._of(self.deploys, env, sandbox).inc()
+        self._of(self.deploy_seconds, env, sandbox).observe(seconds)
         self.recent_deploys.add(seconds)
 
     def deploy_failed(self, env: str, sandbox: str, kind: str) -> None:
-        self.deploy_failures.labels(env, sandbox, kind).inc()
+        self._of(self.deploy_failures, env, sandbox, kind).inc()
 
     def tool_called(self, tool: str, status: str, seconds: float | None) -> None:
-        self.tool_calls.labels(tool, status).inc()
+        self._of(self.tool_calls, tool, status).inc()
         if seconds is not None:
-            self.tool_seconds.labels(tool).observe(seconds)
+            self._of(self.tool_seconds, tool).observe(seconds)
             self.recent_tool_calls.add(seconds)
 
     def verified(self, verifier: str, seconds: float, failed: bool) -> None:
-        self.verifier_seconds.labels(verifier).observe(seconds)
+        self._of(self.verifier_seconds, verifier).observe(seconds)
         if failed:
-            self.verifier_failures.labels(verifier).inc()
+            self._of(self.verifier_failures, verifier).inc()
 
     def ended(self, outcome: str, split: str, reward: float | None) -> None:
-        self.episodes.labels(outcome).inc()
+        self._of(self.episodes, outcome).inc()
         if isinstance(reward, (int, float)) and math.isfinite(reward):
-            self.rewards.labels(split).observe(reward)
+            self._of(self.rewards, split).observe(reward)
 
     def mask(self, wire: str, failure: Failure) -> None:
-        self.masked.labels(wire, failure.kind).inc()
+        self._of(self.masked, wire, failure.kind).inc()
 
     def reaped(self, wire: str) -> None:
-        self.idle_reaps.labels(wire).inc()
+        self._of(self.idle_reaps, wire).inc()
 
     def watch(self, name: str, doc: str, read: Callable[[], float | dict[str, float]],
               label: str | None = None) -> None:

@@ -57,7 +57,9 @@ metrics    (not in the default --parts) what counting costs: two serves of notes
            more often than Prometheus' default 15 s) and the one at git revision --before (before
            metrics), each with a Gym session per client: the hop (sequential list_notes, one
            session) and calls/s with --metrics-sessions sessions calling back to back, in
-           --repeat interleaved rounds (the order swapped every round). Reports after/before.
+           --repeat interleaved rounds (the order swapped every round), and each server's own CPU
+           per call over those windows (from /proc, so the least swayed by a loaded machine).
+           Reports after/before.
 profile    (not in the default --parts) the hot path of a Gym tool call: 8 sessions of list_notes
            against serve (run under a cProfile switched on by SIGUSR1), measured three ways for
            --profile-seconds each: serve's CPU per call from /proc, py-spy --nonblocking samples of
@@ -911,13 +913,17 @@ async def metrics_cost(args) -> dict:
                 scraping = asyncio.create_task(scraper(http))
                 hop: dict[str, list[float]] = {"after": [], "before": []}
                 rate: dict[str, list[float]] = {"after": [], "before": []}
+                cpu = {name: {"ticks": 0, "calls": 0} for name in urls}
                 for r in range(args.repeat):
                     for name in (["after", "before"] if r % 2 == 0 else ["before", "after"]):
                         one = await hammer(http, urls[name], "list_notes", {}, cookies[name][:1],
                                            args.seconds, pancakes)
                         hop[name] += one["latency_ms"]
+                        ticks = sum(cpu_ticks(servers[name].pid))
                         many = await hammer(http, urls[name], "list_notes", {}, cookies[name][1:],
                                             args.seconds, pancakes)
+                        cpu[name]["ticks"] += sum(cpu_ticks(servers[name].pid)) - ticks
+                        cpu[name]["calls"] += many["calls"]
                         rate[name].append(many["calls_per_s"])
                     say(f"metrics: round {r + 1}: hop p50 after {statistics.median(hop['after']):.3f}"
                         f" / before {statistics.median(hop['before']):.3f} ms; {k} sessions: after "
@@ -929,7 +935,9 @@ async def metrics_cost(args) -> dict:
         finally:
             for proc in procs:
                 proc.stop()
-    stats = {name: {"hop_ms": summary(hop[name]), "calls_per_s": summary(rate[name])}
+    hz = os.sysconf("SC_CLK_TCK")
+    stats = {name: {"hop_ms": summary(hop[name]), "calls_per_s": summary(rate[name]),
+                    "cpu_us_per_call": cpu[name]["ticks"] / hz / max(cpu[name]["calls"], 1) * 1e6}
              for name in hop}
     return {"before": args.before, "sessions": k, "window_s": args.seconds, "rounds": args.repeat,
             "scrape_every_s": args.scrape_every, "scrape_ms": summary(scrapes), "stats": stats,
@@ -937,7 +945,9 @@ async def metrics_cost(args) -> dict:
                 "hop_p50": stats["after"]["hop_ms"]["p50"] / stats["before"]["hop_ms"]["p50"],
                 "hop_p95": stats["after"]["hop_ms"]["p95"] / stats["before"]["hop_ms"]["p95"],
                 "calls_per_s_p50": (stats["after"]["calls_per_s"]["p50"]
-                                    / stats["before"]["calls_per_s"]["p50"])}}
+                                    / stats["before"]["calls_per_s"]["p50"]),
+                "cpu_per_call": (stats["after"]["cpu_us_per_call"]
+                                 / stats["before"]["cpu_us_per_call"])}}
 
 
 def markdown_metrics(m: dict) -> list[str]:
@@ -950,7 +960,9 @@ def markdown_metrics(m: dict) -> list[str]:
             f"{r['hop_p95']:.2f}x |",
             f"| calls/s, {m['sessions']} sessions (median of rounds) | "
             f"{a['calls_per_s']['p50']:.0f} | {b['calls_per_s']['p50']:.0f} | "
-            f"{r['calls_per_s_p50']:.2f}x |", "",
+            f"{r['calls_per_s_p50']:.2f}x |",
+            f"| server CPU per call (us, {m['sessions']} sessions) | {a['cpu_us_per_call']:.0f} | "
+            f"{b['cpu_us_per_call']:.0f} | {r['cpu_per_call']:.2f}x |", "",
             f"A scrape of /metrics took p50 {m['scrape_ms']['p50']:.2f} ms, p95 "
             f"{m['scrape_ms']['p95']:.2f} ms ({m['scrape_ms']['n']} scrapes).", ""]
 
