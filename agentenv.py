@@ -366,24 +366,9 @@ class Metrics:
               label: str | None = None) -> None:
         """A gauge read at scrape time: ``read()`` gives the value, or (with ``label``) the value
         of each label. Watching a name again replaces the reading."""
-        from prometheus_client.core import GaugeMetricFamily
         if name in self._readings:
             self.registry.unregister(self._readings.pop(name))
-
-        class Reading:
-            def collect(self) -> Any:
-                family = GaugeMetricFamily(name, doc, labels=[label] if label else None)
-                value = read()
-                if isinstance(value, dict):
-                    for key, each in value.items():
-                        family.add_metric([key], each)
-                else:
-                    family.add_metric([], value)
-                yield family
-
-            def describe(self) -> Any:
-                return [GaugeMetricFamily(name, doc, labels=[label] if label else None)]
-        self._readings[name] = Reading()
+        self._readings[name] = Reading(name, doc, read, label)
         self.registry.register(self._readings[name])
 
     # -- reading
@@ -420,6 +405,26 @@ class Metrics:
         return line + ("; since the last line: " + "; ".join(timings) if timings else "") + "."
 
 
+class Reading:
+    """A gauge whose value is read from its holder at scrape time (a collector, in
+    prometheus-client's terms), so a level such as the live episodes is never kept twice."""
+
+    def __init__(self, name: str, doc: str, read: Callable[[], float | dict[str, float]],
+                 label: str | None):
+        self.name, self.doc, self.read, self.label = name, doc, read, label
+
+    def describe(self) -> list[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+        return [GaugeMetricFamily(self.name, self.doc, labels=[self.label] if self.label else None)]
+
+    def collect(self) -> list[Any]:
+        (family,) = self.describe()
+        value = self.read()
+        for key, each in (value.items() if isinstance(value, dict) else [(None, value)]):
+            family.add_metric([key] if key is not None else [], each)
+        return [family]
+
+
 class Progress:
     """How far a long job has got (write-gym's deploys, eval's rows), told on stderr, apart from
     the job's result on stdout: on a terminal one bar rewritten in place; elsewhere (or to
@@ -434,7 +439,7 @@ class Progress:
         self.out = out or (lambda line: print(line, file=sys.stderr, flush=True))
         self.tty = out is None and sys.stderr.isatty()
         self.done = 0
-        self.started = self._said = time.monotonic()
+        self._said = time.monotonic()
 
     def step(self, detail: str = "") -> None:
         """One more done; ``detail`` says which."""
@@ -451,10 +456,6 @@ class Progress:
         elif self.done in (1, self.total) or now - self._said >= self.every:
             self.out(line)
             self._said = now
-
-    @property
-    def seconds(self) -> float:
-        return time.monotonic() - self.started
 
 
 # ================================================================ 2. Bundle
