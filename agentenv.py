@@ -34,8 +34,7 @@ unchanged, and only the route renders it.
 
 Only the standard library, aiohttp, prometheus-client (for /metrics), the docker SDK (for the
 Docker sandbox) and PyYAML (for Gym's YAML) are used at run time, the last two imported only where
-needed. Blocking calls (the docker
-SDK, verifier code) run in threads so the event loop never stalls.
+needed. Blocking calls (the docker SDK, verifier code) run in threads so the event loop never stalls.
 """
 
 from __future__ import annotations
@@ -180,7 +179,7 @@ class Settings:
     client_timeout: float = 60.0      # how long OpenEnv clients wait for a reply
     reply_margin: float = 5.0         # every OpenEnv reply comes this long before that
     verifier_timeout: float = 300.0   # a verifier's run
-    status_interval: float = 60.0     # serve's status line, while episodes are live
+    status_interval: float = 60.0     # how often serve logs its status line while episodes are live
 
     # The keys a Gym config carries, with the resources server serving the bundle (bundle:) or
     # playing on a running serve (url:).
@@ -230,12 +229,14 @@ DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
                     30.0, 60.0, 180.0, 600.0)
 REWARD_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 UNKNOWN_TOOL_LABEL = "(unknown)"     # a name the model made up: never a label of its own
-ENV_FAILED_CALL = "env_failed"       # a tool call's status in the metrics when its env failed it,
-CANCELLED_CALL = "cancelled"         # and when its episode was ended under it
+# A tool call's status in the metrics, beside a ToolResult's: its env failed it, or its episode
+# was ended under it.
+ENV_FAILED_CALL = "env_failed"
+CANCELLED_CALL = "cancelled"
 
 
 class Recent:
-    """Durations since the last status line, for its p50 and p95: a uniform sample of at most
+    """Durations since the status line last took them, for its p50 and p95: a uniform sample of at most
     ``size`` of them (reservoir sampling), so a busy minute costs no more memory than a quiet one."""
 
     def __init__(self, size: int = 1024):
@@ -277,10 +278,14 @@ class Metrics:
     scrape time from whoever holds them (``watch``)."""
 
     def __init__(self) -> None:
-        import prometheus_client as prom
+        try:
+            import prometheus_client as prom
+        except ImportError:
+            raise AgentEnvError("agentenv.py counts what it serves with prometheus-client, which is "
+                                "not installed: pip install prometheus-client") from None
         self.registry = registry = prom.CollectorRegistry(auto_describe=True)
         prom.ProcessCollector(registry=registry)
-        prom.Info("agentenv", "The agentenv.py serving", registry=registry).info(
+        prom.Info("agentenv", "The version of agentenv.py serving", registry=registry).info(
             {"version": __version__})
         self.episodes = prom.Counter(
             "agentenv_episodes", "Episodes ended, by outcome: scored, failed (the environment "
@@ -298,7 +303,8 @@ class Metrics:
         self.tool_calls = prom.Counter(
             "agentenv_tool_calls", "Tool calls, by tool and status: ok; tool_error (the tool "
             "answered with an error); the model's own mistakes unknown_tool and bad_arguments; "
-            "the env's failures timeout and env_failed", ["tool", "status"], registry=registry)
+            "the env's failures timeout and env_failed; cancelled (its episode was ended under it)",
+            ["tool", "status"], registry=registry)
         self.tool_seconds = prom.Histogram(
             "agentenv_tool_call_duration_seconds", "How long a tool call took, by tool",
             ["tool"], buckets=DURATION_BUCKETS, registry=registry)
@@ -384,9 +390,9 @@ class Metrics:
         return {tuple(s.labels.values()): s.value for family in counter.collect()
                 for s in family.samples if s.name.endswith("_total")}
 
-    def status(self, live: int, waiting: int, limit: int) -> str:
+    def status(self, live: int, waiting: int, limit: int, interval: float) -> str:
         """The status line: episodes played, live, waiting, masked by kind, and the deploy and
-        tool-call p50/p95 since the last line (whose durations it then forgets)."""
+        tool-call p50/p95 of the last ``interval`` seconds (whose durations it then forgets)."""
         played = {key[0]: int(n) for key, n in self.totals(self.episodes).items()}
         kinds: collections.Counter[str] = collections.Counter()
         for (_, kind), n in self.totals(self.masked).items():
@@ -402,7 +408,7 @@ class Metrics:
             if taken := recent.take():
                 count, p50, p95 = taken
                 timings.append(f"{_many(count, what)} p50 {_seconds(p50)}, p95 {_seconds(p95)}")
-        return line + ("; since the last line: " + "; ".join(timings) if timings else "") + "."
+        return line + (f"; over the last {interval:g}s: " + "; ".join(timings) if timings else "") + "."
 
 
 class Reading:
@@ -1652,8 +1658,8 @@ class DockerSandbox(Sandbox):
             self.images[env.name], fresh = await self.build(env, f"{n} of {len(envs)}")
             built += fresh
         if built:
-            build_log.info("The images of %d env(s) are ready (%d built, %d already there) after %.1fs.",
-                     len(envs), built, len(envs) - built, time.monotonic() - started)
+            build_log.info("The images of %d env(s) are ready (%d built, %d already there) after "
+                           "%.1fs.", len(envs), built, len(envs) - built, time.monotonic() - started)
 
     async def sweep(self) -> None:
         # sparse: the list as the daemon gave it, with no inspect of each container, which fails
@@ -1680,7 +1686,7 @@ class DockerSandbox(Sandbox):
         except docker.errors.ImageNotFound:
             pass
         build_log.info("Building the image of env %r as %s%s (once per content of envs/%s).",
-                 env.name, tag, f", image {which}" if which else "", env.name)
+                       env.name, tag, f", image {which}" if which else "", env.name)
         started = time.monotonic()
         building = asyncio.ensure_future(self.call(
             self.client.images.build, path=str(env.folder), dockerfile=env.dockerfile.name, tag=tag,
@@ -4307,8 +4313,10 @@ class Server:
         goes; quiet when idle (the durations of a quiet interval are dropped all the same)."""
         while True:
             await asyncio.sleep(self.settings.status_interval)   # a clock: nothing else ticks
-            line = self.metrics.status(runtime.pool.in_use, runtime.pool.waiting, runtime.pool.limit)
-            if runtime.pool.in_use or runtime.pool.waiting:
+            pool = runtime.pool
+            line = self.metrics.status(pool.in_use, pool.waiting, pool.limit,
+                                       self.settings.status_interval)
+            if pool.in_use or pool.waiting:
                 log.info(line)
 
     async def _shutdown(self, app: Any) -> None:
@@ -4317,7 +4325,8 @@ class Server:
         if self.runtime is not None:
             pool = self.runtime.pool
             if self.metrics.totals(self.metrics.episodes) or pool.in_use or pool.waiting:
-                log.info(self.metrics.status(pool.in_use, pool.waiting, pool.limit))
+                log.info(self.metrics.status(pool.in_use, pool.waiting, pool.limit,
+                                             self.settings.status_interval))
             log.info("Shutting down: ending %d live episode(s) and tearing their envs down.",
                      len(self.runtime.live))
         for surface in reversed(self.surfaces):

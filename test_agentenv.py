@@ -343,7 +343,7 @@ def test_recent_durations_give_p50_p95_once_and_stay_bounded():
 
 def test_the_status_line_says_what_was_played_and_masked_in_one_sentence():
     metrics = agentenv.Metrics()
-    assert metrics.status(0, 0, 8) == "Status: 0 episodes played; 0 live of 8, 0 waiting; masked: none."
+    assert metrics.status(0, 0, 8, 60) == "Status: 0 episodes played; 0 live of 8, 0 waiting; masked: none."
     for _ in range(3):
         metrics.ended("scored", "all", 1.0)
     metrics.ended("failed", "all", None)
@@ -353,11 +353,11 @@ def test_the_status_line_says_what_was_played_and_masked_in_one_sentence():
     metrics.deployed("notebook", "local", 0.25)
     metrics.tool_called("write_note", "ok", 0.002)
     metrics.tool_called("(unknown)", "unknown_tool", None)        # not timed: it never ran
-    assert metrics.status(2, 1, 8) == (
+    assert metrics.status(2, 1, 8, 60) == (
         "Status: 4 episodes played (3 scored, 1 failed); 2 live of 8, 1 waiting; masked: 2 "
-        "transport_timeout, 1 session_lost; since the last line: 1 deploy p50 250.0ms, p95 250.0ms; "
+        "transport_timeout, 1 session_lost; over the last 60s: 1 deploy p50 250.0ms, p95 250.0ms; "
         "1 tool call p50 2.0ms, p95 2.0ms.")
-    assert metrics.status(0, 0, 8).endswith("masked: 2 transport_timeout, 1 session_lost.")
+    assert metrics.status(0, 0, 8, 60).endswith("masked: 2 transport_timeout, 1 session_lost.")
 
 
 def test_two_metrics_count_apart_and_the_page_parses():
