@@ -4516,9 +4516,9 @@ async def write_gym(source: str, gym_root: str,
         partial = path.with_name(path.name + ".partial")
         partial.write_text(text)
         partial.replace(path)      # a file is replaced whole, never left half written
-    out(f"wrote {Path(gym_root) / 'resources_servers' / name}: " + ", ".join(
-        f"data/{split}.jsonl {len(split_rows):,} row{'s' if len(split_rows) != 1 else ''}"
-        for split, split_rows in rows.items()))
+    out("; ".join(f"data/{split}.jsonl: {len(split_rows):,} row{'s' if len(split_rows) != 1 else ''}"
+                  for split, split_rows in rows.items()))
+    out(f"wrote {Path(gym_root) / 'resources_servers' / name}")     # last: scripts read the path
     return target
 
 

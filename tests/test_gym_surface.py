@@ -68,6 +68,10 @@ def write_gym_cli(source: str, root: str | Path, state: Path, *flags: str, cwd: 
     return done
 
 
+# what write-gym says of notes-v1's rows, before the line naming the folder it wrote
+NOTES_ROWS = "data/all.jsonl: 3 rows; data/smoke.jsonl: 1 row\n"
+
+
 # ================================================================ files written
 
 def read_rows(folder: Path, split: str) -> list[dict]:
@@ -245,7 +249,7 @@ def url_app(url_written, work):
 
 def test_write_gym_cli_writes_the_server_folder_the_page_lists(written):
     folder, done = written.folder, written.done
-    assert done.stdout == f"wrote {written.root.resolve()}/resources_servers/notes_v1: data/all.jsonl 3 rows, data/smoke.jsonl 1 row\n"
+    assert done.stdout == NOTES_ROWS + f"wrote {written.root.resolve()}/resources_servers/notes_v1\n"
     # how far the deploys have got goes to stderr: one toolset, one line
     assert re.fullmatch(r"write-gym: listing each toolset's tools: 1/1 \(notebook: deployed "
                         r"recall-recipe in \d+\.\d\ds\)\n", done.stderr), done.stderr
@@ -317,7 +321,7 @@ def test_write_gym_in_process_writes_the_same_rows(written, tmp_path):
     target = run(agentenv.write_gym(str(NOTES), str(tmp_path / "root"), max_concurrent_envs=16,
                                     sandbox="local", out=lines.append))
     assert target == (tmp_path / "root").resolve() / "resources_servers" / "notes_v1"
-    assert lines == [f"wrote {target}: data/all.jsonl 3 rows, data/smoke.jsonl 1 row"]
+    assert lines == [NOTES_ROWS.strip(), f"wrote {target}"]
     for rel in ("data/all.jsonl", "data/smoke.jsonl", "app.py", "agentenv.py", "pyproject.toml"):
         assert (target / rel).read_text() == (written.folder / rel).read_text(), rel
     server = yaml.safe_load((target / "configs/notes_v1.yaml").read_text())["notes_v1"]
@@ -327,7 +331,7 @@ def test_write_gym_in_process_writes_the_same_rows(written, tmp_path):
 def test_write_gym_prints_the_root_as_the_user_gave_it(tmp_path):
     done = write_gym_cli(str(NOTES), "gym-root", tmp_path / "state", "--sandbox", "local", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "wrote gym-root/resources_servers/notes_v1: data/all.jsonl 3 rows, data/smoke.jsonl 1 row\n"
+    assert done.stdout == NOTES_ROWS + "wrote gym-root/resources_servers/notes_v1\n"
 
 
 def test_gridsim_writes_2200_2000_200_rows_with_one_deploy(tmp_path, monkeypatch):
@@ -444,7 +448,7 @@ def test_a_tool_gym_cant_route_to_is_refused_with_the_fix(tmp_path, name, fix):
 # ================================================================ 2. write-gym from a URL
 
 def test_write_gym_from_a_url_names_the_url_and_writes_the_same_rows(url_written, written, serve1):
-    assert url_written.done.stdout == f"wrote {url_written.folder}: data/all.jsonl 3 rows, data/smoke.jsonl 1 row\n"
+    assert url_written.done.stdout == NOTES_ROWS + f"wrote {url_written.folder}\n"
     server = url_written.config["notes_v1"]["resources_servers"]["notes_v1"]
     assert server["url"] == serve1.url
     assert "bundle" not in server and "max_concurrent_envs" not in server
