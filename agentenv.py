@@ -9,7 +9,8 @@ takes its *turns*, calling the env's tools), and the task's own *verifier* score
 The file reads top to bottom in the order data flows; a section uses only the sections above it:
 
 1. Values, errors      the shapes every layer passes on: a Failure (kind, reason), a ToolResult
-                        with its status, the Settings with every default, errors that say the fix.
+                        with its status, the Settings with every default, errors that say the fix;
+                        the Metrics every section records into, and a Progress line for long work.
 2. Bundle               loading and checking a bundle: envs, artifacts, skills, tasks, steps (a
                         check per step type), splits, toolsets, reward.
 3. Sandbox              where an env runs (a Docker container on a network that reaches nothing
@@ -41,9 +42,9 @@ A Gym tool call, for instance, goes: the route (10) → the session → its roll
 open turn (6) → the env's MCP session (4) → the env; the ToolResult it gives comes back up
 unchanged, and only the route renders it.
 
-Only the standard library, aiohttp, the docker SDK (for the Docker sandbox) and PyYAML (for Gym's
-YAML) are used at run time, the last two imported only where needed. Blocking calls (the docker
-SDK, verifier code) run in threads so the event loop never stalls.
+Only the standard library, aiohttp, prometheus-client (for /metrics), the docker SDK (for the
+Docker sandbox) and PyYAML (for Gym's YAML) are used at run time, the last two imported only where
+needed. Blocking calls (the docker SDK, verifier code) run in threads so the event loop never stalls.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ __version__ = "0.1.0"
 log = logging.getLogger("agentenv")
 
 
-# ================================================================ 1. Values, errors and defaults
+# ================================================================ 1. Values, errors, defaults and metrics
 
 class AgentEnvError(Exception):
     """A failure a user can act on. Its message says what happened, why, and what to do."""
@@ -199,6 +200,7 @@ class Settings:
                                       # the bundle's env specs by how many tasks use each
     warm_env: tuple[tuple[str, int], ...] = ()   # (env, count): those envs warmed, the split aside
     bash_timeout: float = 300.0       # one bash command in the agent's box (within the call's own)
+    status_interval: float = 60.0     # how often serve logs its status line while episodes are live
 
     # The keys a Gym config carries, with the resources server serving the bundle (bundle:) or
     # playing on a running serve (url:).
@@ -281,6 +283,246 @@ def short(text: str, limit: int = 2000) -> str:
     """Clip text for a message, keeping the end, which is where tracebacks say what went wrong."""
     text = text.strip()
     return text if len(text) <= limit else "…" + text[-limit:]
+
+
+# Prometheus' histogram buckets: durations from a fast tool call to a slow deploy, and rewards.
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                    30.0, 60.0, 180.0, 600.0)
+REWARD_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+UNKNOWN_TOOL_LABEL = "(unknown)"     # a name the model made up: never a label of its own
+# A tool call's status in the metrics, beside a ToolResult's: its env failed it, or its episode
+# was ended under it.
+ENV_FAILED_CALL = "env_failed"
+CANCELLED_CALL = "cancelled"
+
+
+class Recent:
+    """Durations since the status line last took them, for its p50 and p95: a uniform sample of at most
+    ``size`` of them (reservoir sampling), so a busy minute costs no more memory than a quiet one."""
+
+    def __init__(self, size: int = 1024):
+        self.size = size
+        self.count = 0
+        self.values: list[float] = []
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        if len(self.values) < self.size:
+            self.values.append(seconds)
+        elif (slot := random.randrange(self.count)) < self.size:
+            self.values[slot] = seconds
+
+    def take(self) -> tuple[int, float, float] | None:
+        """How many there were, their p50 and p95 (None if none); then start afresh."""
+        count, values = self.count, sorted(self.values)
+        self.count, self.values = 0, []
+        if not values:
+            return None
+        return count, values[round(0.5 * (len(values) - 1))], values[round(0.95 * (len(values) - 1))]
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1000:.1f}ms" if value < 1 else f"{value:.2f}s"
+
+
+def _many(count: int, what: str) -> str:
+    return f"{count:,} {what}" + ("" if count == 1 else "s")
+
+
+class Metrics:
+    """What a server counts, for ``GET /metrics`` in Prometheus' text format and for the status
+    line. It owns a CollectorRegistry of its own, never the library's global one, so two servers in
+    one process (or the tests) count apart; counters start at zero with the process, as Prometheus
+    expects. Each part records where the thing happens, once: a deploy and an episode's end in the
+    episode, a tool call in its turn, a verifier's run in the runtime, a mask where a wire renders
+    the failure, an idle reap in the sweep; the levels (live, waiting, sessions) are read at
+    scrape time from whoever holds them (``watch``)."""
+
+    def __init__(self) -> None:
+        try:
+            import prometheus_client as prom
+        except ImportError:
+            raise AgentEnvError("agentenv.py counts what it serves with prometheus-client, which is "
+                                "not installed: pip install prometheus-client") from None
+        self.registry = registry = prom.CollectorRegistry(auto_describe=True)
+        prom.ProcessCollector(registry=registry)
+        prom.Info("agentenv", "The version of agentenv.py serving", registry=registry).info(
+            {"version": __version__})
+        self.episodes = prom.Counter(
+            "agentenv_episodes", "Episodes ended, by outcome: scored, failed (the environment "
+            "failed it, and a trainer masks it) or abandoned (its caller ended it)", ["outcome"],
+            registry=registry)
+        self.deploys = prom.Counter(
+            "agentenv_deploys", "Envs deployed and answering, by env and sandbox",
+            ["env", "sandbox"], registry=registry)
+        self.deploy_seconds = prom.Histogram(
+            "agentenv_deploy_duration_seconds", "From an env's launch until it answers, by env and "
+            "sandbox", ["env", "sandbox"], buckets=DURATION_BUCKETS, registry=registry)
+        self.deploy_failures = prom.Counter(
+            "agentenv_deploy_failures", "Deploys that failed, by env, sandbox and failure kind",
+            ["env", "sandbox", "kind"], registry=registry)
+        self.tool_calls = prom.Counter(
+            "agentenv_tool_calls", "Tool calls, by tool and status: ok; tool_error (the tool "
+            "answered with an error); the model's own mistakes unknown_tool and bad_arguments; "
+            "the env's failures timeout and env_failed; cancelled (its episode was ended under it)",
+            ["tool", "status"], registry=registry)
+        self.tool_seconds = prom.Histogram(
+            "agentenv_tool_call_duration_seconds", "How long a tool call took, by tool",
+            ["tool"], buckets=DURATION_BUCKETS, registry=registry)
+        self.verifier_seconds = prom.Histogram(
+            "agentenv_verifier_duration_seconds", "How long a verifier's run took, by verifier "
+            "artifact", ["verifier"], buckets=DURATION_BUCKETS, registry=registry)
+        self.verifier_failures = prom.Counter(
+            "agentenv_verifier_failures", "Verifier runs that raised, hung or gave no rows, by "
+            "verifier artifact", ["verifier"], registry=registry)
+        self.rewards = prom.Histogram(
+            "agentenv_reward", "The rewards of scored episodes, by split", ["split"],
+            buckets=REWARD_BUCKETS, registry=registry)
+        self.masked = prom.Counter(
+            "agentenv_masked_rollouts", "Rollouts answered as failed by the environment (Gym: a "
+            "masked verify; OpenEnv: an error observation with its failure_kind), by wire and "
+            "failure kind", ["wire", "kind"], registry=registry)
+        self.idle_reaps = prom.Counter(
+            "agentenv_idle_reaps", "Sessions ended for having no request past idle_timeout, by "
+            "wire", ["wire"], registry=registry)
+        self.recent_deploys, self.recent_tool_calls = Recent(), Recent()
+        self._readings: dict[str, Any] = {}
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+
+    def _of(self, metric: Any, *labels: str) -> Any:
+        """The series of ``metric`` with these label values, looked up once: the library checks
+        the values on every lookup, which would be half of what recording a tool call costs."""
+        key = (metric, labels)
+        if (child := self._children.get(key)) is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    # -- recording, where things happen
+
+    def deployed(self, env: str, sandbox: str, seconds: float) -> None:
+        self._of(self.deploys, env, sandbox).inc()
+        self._of(self.deploy_seconds, env, sandbox).observe(seconds)
+        self.recent_deploys.add(seconds)
+
+    def deploy_failed(self, env: str, sandbox: str, kind: str) -> None:
+        self._of(self.deploy_failures, env, sandbox, kind).inc()
+
+    def tool_called(self, tool: str, status: str, seconds: float | None) -> None:
+        self._of(self.tool_calls, tool, status).inc()
+        if seconds is not None:
+            self._of(self.tool_seconds, tool).observe(seconds)
+            self.recent_tool_calls.add(seconds)
+
+    def verified(self, verifier: str, seconds: float, failed: bool) -> None:
+        self._of(self.verifier_seconds, verifier).observe(seconds)
+        if failed:
+            self._of(self.verifier_failures, verifier).inc()
+
+    def ended(self, outcome: str, split: str, reward: float | None) -> None:
+        self._of(self.episodes, outcome).inc()
+        if isinstance(reward, (int, float)) and math.isfinite(reward):
+            self._of(self.rewards, split).observe(reward)
+
+    def mask(self, wire: str, failure: Failure) -> None:
+        self._of(self.masked, wire, failure.kind).inc()
+
+    def reaped(self, wire: str) -> None:
+        self._of(self.idle_reaps, wire).inc()
+
+    def watch(self, name: str, doc: str, read: Callable[[], float | dict[str, float]],
+              label: str | None = None) -> None:
+        """A gauge read at scrape time: ``read()`` gives the value, or (with ``label``) the value
+        of each label. Watching a name again replaces the reading."""
+        if name in self._readings:
+            self.registry.unregister(self._readings.pop(name))
+        self._readings[name] = Reading(name, doc, read, label)
+        self.registry.register(self._readings[name])
+
+    # -- reading
+
+    def page(self, accept: str | None) -> tuple[bytes, str]:
+        """The metrics in the format the scraper asks for (Accept), and its content type."""
+        from prometheus_client.exposition import choose_encoder
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
+
+    def totals(self, counter: Any) -> dict[tuple[str, ...], float]:
+        """A counter's values by label values (from the library's public collect())."""
+        return {tuple(s.labels.values()): s.value for family in counter.collect()
+                for s in family.samples if s.name.endswith("_total")}
+
+    def status(self, live: int, waiting: int, limit: int, interval: float) -> str:
+        """The status line: episodes played, live, waiting, masked by kind, and the deploy and
+        tool-call p50/p95 of the last ``interval`` seconds (whose durations it then forgets)."""
+        played = {key[0]: int(n) for key, n in self.totals(self.episodes).items()}
+        kinds: collections.Counter[str] = collections.Counter()
+        for (_, kind), n in self.totals(self.masked).items():
+            kinds[kind] += int(n)
+        outcomes = ", ".join(f"{played[o]:,} {o}" for o in ("scored", "failed", "abandoned")
+                             if played.get(o))
+        masks = ", ".join(f"{n:,} {kind}" for kind, n in kinds.most_common()) or "none"
+        line = (f"Status: {_many(sum(played.values()), 'episode')} played"
+                + (f" ({outcomes})" if outcomes else "")
+                + f"; {live} live of {limit}, {waiting} waiting; masked: {masks}")
+        timings = []
+        for what, recent in (("deploy", self.recent_deploys), ("tool call", self.recent_tool_calls)):
+            if taken := recent.take():
+                count, p50, p95 = taken
+                timings.append(f"{_many(count, what)} p50 {_seconds(p50)}, p95 {_seconds(p95)}")
+        return line + (f"; over the last {interval:g}s: " + "; ".join(timings) if timings else "") + "."
+
+
+class Reading:
+    """A gauge whose value is read from its holder at scrape time (a collector, in
+    prometheus-client's terms), so a level such as the live episodes is never kept twice."""
+
+    def __init__(self, name: str, doc: str, read: Callable[[], float | dict[str, float]],
+                 label: str | None):
+        self.name, self.doc, self.read, self.label = name, doc, read, label
+
+    def describe(self) -> list[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+        return [GaugeMetricFamily(self.name, self.doc, labels=[self.label] if self.label else None)]
+
+    def collect(self) -> list[Any]:
+        (family,) = self.describe()
+        value = self.read()
+        for key, each in (value.items() if isinstance(value, dict) else [(None, value)]):
+            family.add_metric([key] if key is not None else [], each)
+        return [family]
+
+
+class Progress:
+    """How far a long job has got (write-gym's deploys, eval's rows), told on stderr, apart from
+    the job's result on stdout: on a terminal one bar rewritten in place; elsewhere (or to
+    ``out``) a line for the first step, the last, and at most one every ``every`` seconds between,
+    so a log gets a few lines, not a wall."""
+
+    BAR = 24
+
+    def __init__(self, what: str, total: int, out: Callable[[str], None] | None = None,
+                 every: float = 10.0):
+        self.what, self.total, self.every = what, total, every
+        self.out = out or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.tty = out is None and sys.stderr.isatty()
+        self.done = 0
+        self._said = time.monotonic()
+
+    def step(self, detail: str = "") -> None:
+        """One more done; ``detail`` says which."""
+        self.done += 1
+        now = time.monotonic()
+        line = f"{self.what}: {self.done}/{self.total}" + (f" ({detail})" if detail else "")
+        if self.tty:
+            filled = self.BAR * self.done // max(self.total, 1)
+            sys.stderr.write(f"\r\033[K{self.what}: [{'#' * filled}{'.' * (self.BAR - filled)}] "
+                             f"{self.done}/{self.total} {detail}"[:200])
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+        elif self.done in (1, self.total) or now - self._said >= self.every:
+            self.out(line)
+            self._said = now
 
 
 # ================================================================ 2. Bundle
@@ -1435,6 +1677,10 @@ def _load_evals(root: Path, tasks: dict[str, Task], id_root: str,
 
 # ================================================================ 3. Sandbox
 
+# Image builds say how far they have got to every command (check and write-gym build at start
+# too, and otherwise log only trouble).
+build_log = logging.getLogger("agentenv.build")
+
 DOCKER_PIDS_LIMIT = 1024          # processes and threads in one env container (a fork bomb stops)
 ENV_PORT = 18765                  # the port an env's MCP server listens on in its container
 OUTPUT_LINES = 40                 # how much of an env's last output a failure quotes
@@ -1969,8 +2215,13 @@ class DockerSandbox(Sandbox):
 
     async def prepare(self, envs: list[EnvSpec]) -> None:
         await self.sweep()
-        for env in envs:
-            self.images[env.name] = await self.build(env)
+        started, built = time.monotonic(), 0
+        for n, env in enumerate(envs, 1):
+            self.images[env.name], fresh = await self.build(env, f"{n} of {len(envs)}")
+            built += fresh
+        if built:
+            build_log.info("The images of %d env(s) are ready (%d built, %d already there) after "
+                           "%.1fs.", len(envs), built, len(envs) - built, time.monotonic() - started)
         if any(env.network == "isolated" for env in envs):
             try:
                 await self._network("")
@@ -2056,21 +2307,32 @@ class DockerSandbox(Sandbox):
             return network
         return None
 
-    async def build(self, env: EnvSpec) -> str:
+    BUILD_NEWS = 30.0            # seconds between the lines that say a build is still going
+
+    async def build(self, env: EnvSpec, which: str = "") -> tuple[str, bool]:
+        """The env's image tag, built first if no image of its content exists; and whether it was
+        built now."""
         tag = f"agentenv/{re.sub(r'[^a-z0-9_.-]', '-', env.name.lower())}:{env.digest}"
         import docker.errors
         try:
             await self.call(self.client.images.get, tag, timeout=30)
-            return tag
+            return tag, False
         except docker.errors.ImageNotFound:
             pass
-        log.info("Building the image of env %r as %s (once per content of envs/%s).",
-                 env.name, tag, env.name)
+        build_log.info("Building the image of env %r as %s%s (once per content of envs/%s).",
+                       env.name, tag, f", image {which}" if which else "", env.name)
         started = time.monotonic()
+        building = asyncio.ensure_future(self.call(
+            self.client.images.build, path=str(env.folder), dockerfile=env.dockerfile.name, tag=tag,
+            rm=True, forcerm=True, labels={"agentenv.env": env.name}, timeout=1800))
         try:
-            await self.call(self.client.images.build, path=str(env.folder),
-                            dockerfile=env.dockerfile.name, tag=tag, rm=True, forcerm=True,
-                            labels={"agentenv.env": env.name}, timeout=1800)
+            while not (await asyncio.wait({building}, timeout=self.BUILD_NEWS))[0]:
+                build_log.info("Still building %s: %.0fs so far.", tag, time.monotonic() - started)
+        except BaseException:                   # cancelled: the build's thread runs on, unwaited
+            building.cancel()
+            raise
+        try:
+            building.result()
         except docker.errors.BuildError as exc:
             lines = "".join(str(c.get("stream", c.get("error", ""))) for c in exc.build_log)
             raise AgentEnvError(f"the image of env {env.name!r} did not build: {exc.msg}\n"
@@ -2078,12 +2340,12 @@ class DockerSandbox(Sandbox):
                                 "with no registry reachable, its FROM image must exist locally") from None
         except docker.errors.APIError as exc:
             raise AgentEnvError(f"the image of env {env.name!r} did not build: {exc}") from None
-        log.info("Built %s in %.1fs.", tag, time.monotonic() - started)
-        return tag
+        build_log.info("Built %s in %.1fs.", tag, time.monotonic() - started)
+        return tag, True
 
     async def launch(self, env: EnvSpec, episode: str, limits: dict[str, Any]) -> Instance:
         options: dict[str, Any] = dict(
-            image=self.images.get(env.name) or await self.build(env), detach=True,
+            image=self.images.get(env.name) or (await self.build(env))[0], detach=True,
             ports={f"{ENV_PORT}/tcp": ("127.0.0.1", None)},
             environment={"ENVIRONMENT_NAME": env.environment_name, "MCP_HOST": "0.0.0.0",
                          "DATABASE_URL": f"sqlite:////tmp/{env.environment_name}.sqlite"},
@@ -3264,18 +3526,33 @@ class Turn:
     async def call(self, name: str, arguments: Any, timeout: float | None = None) -> ToolResult:
         """Call a tool of this turn. The model's mistakes and the tool's errors come back as results
         it can learn from; past ``timeout`` the episode ends and the result says so (TIMEOUT); an
-        env that fails fails the episode (EpisodeFailed)."""
+        env that fails fails the episode (EpisodeFailed). Every call is counted, by its status."""
         if not self.is_open:
             raise AgentEnvError(f"turn {self.id!r} has ended; call the tools of the current turn")
-        if name == "bash" and self.box is not None:
-            return await self._bash(arguments, timeout)
+        metrics = self.episode.runtime.metrics
         session = self.route.get(name)
-        if session is None:
-            offered = ", ".join(self.route) or "none"
+        if session is None and not (name == "bash" and self.box is not None):
+            offered = ", ".join(t["name"] for t in self.tools) or "none"
+            metrics.tool_called(UNKNOWN_TOOL_LABEL, UNKNOWN_TOOL, None)
             return ToolResult(f"there is no tool {name!r}; the tools are: {offered}", UNKNOWN_TOOL)
         if not isinstance(arguments, dict):
+            metrics.tool_called(name, BAD_ARGUMENTS, None)
             return ToolResult(f"the arguments of {name} must be a JSON object, not "
                               f"{type(arguments).__name__}", BAD_ARGUMENTS)
+        started, status = time.monotonic(), CANCELLED_CALL
+        try:
+            result = await (self._bash(arguments, timeout) if session is None else
+                            self._call(session, name, arguments, timeout))
+            status = result.status
+            return result
+        except EpisodeFailed as exc:
+            status = CANCELLED_CALL if exc.failure.kind == SESSION_LOST else ENV_FAILED_CALL
+            raise
+        finally:
+            metrics.tool_called(name, status, time.monotonic() - started)
+
+    async def _call(self, session: McpSession, name: str, arguments: dict[str, Any],
+                    timeout: float | None) -> ToolResult:
         try:
             async with asyncio.timeout(timeout):
                 result = await session.call_tool(name, arguments)
@@ -3335,8 +3612,9 @@ class Episode:
     ``end`` (or ``abandon``, which waits for the teardown) is the one way to stop it early.
     """
 
-    def __init__(self, runtime: Runtime, task: Task, seed: dict[str, Any] | None = None):
-        self.runtime, self.task = runtime, task.seeded(seed)
+    def __init__(self, runtime: Runtime, task: Task, seed: dict[str, Any] | None = None,
+                 split: str = "all"):
+        self.runtime, self.task, self.split = runtime, task.seeded(seed), split
         self.id = uuid.uuid4().hex
         self.envs: dict[str, DeployedEnv] = {}    # by env_id as the task writes it
         self.instances: list[Instance] = []       # every env launched, ready or not
@@ -3438,6 +3716,7 @@ class Episode:
     def _settle(self, outcome: Outcome) -> None:
         if self.outcome is None:
             self.outcome = outcome
+            self.runtime.metrics.ended(outcome.status, self.split, outcome.reward)
             if outcome.status == "failed":
                 log.warning("Episode %s of task %r failed: %s", self.id[:8], self.task.name,
                             outcome.failure)
@@ -3546,17 +3825,28 @@ class Episode:
         env = self.runtime.bundle.envs[_resolve_env(step.get("env_id"), self.runtime.bundle.envs,
                                                     self.task.id)]
         limits = step.limits
-        # A warm env of the same spec, when there is one: booted and ready, so the deploy is done;
-        # what the task sets up in it (apply_server_config) still follows, for this episode.
-        if warm := await self.runtime.warm.take(env, limits):
-            self.instances.append(warm.instance)
-            self.envs[step.get("env_id")] = warm
-            return
-        async with self.runtime.starting.slot():
-            instance = await self.runtime.sandbox.launch(env, self.id, limits)
-            self.instances.append(instance)
-            self.envs[step.get("env_id")] = await wait_ready(
-                self.runtime.http, instance, env, self.runtime.deploy_timeout)
+        metrics, sandbox = self.runtime.metrics, self.runtime.sandbox
+        started = time.monotonic()
+        try:
+            # A warm env of the same spec, when there is one: booted and ready, so the deploy is
+            # done; what the task sets up in it (apply_server_config) still follows, for this episode.
+            if warm := await self.runtime.warm.take(env, limits):
+                self.instances.append(warm.instance)
+                self.envs[step.get("env_id")] = warm
+            else:
+                async with self.runtime.starting.slot():
+                    instance = await sandbox.launch(env, self.id, limits)
+                    self.instances.append(instance)
+                    self.envs[step.get("env_id")] = await wait_ready(
+                        self.runtime.http, instance, env, self.runtime.deploy_timeout)
+        except EpisodeFailed as exc:
+            metrics.deploy_failed(env.name, sandbox.kind, exc.failure.kind)
+            raise
+        except (aiohttp.ClientError, McpError, OSError) as exc:    # as _run_step tells them
+            metrics.deploy_failed(env.name, sandbox.kind, TRANSPORT_TIMEOUT
+                                  if isinstance(exc, asyncio.TimeoutError) else PEER_DROP)
+            raise
+        metrics.deployed(env.name, sandbox.kind, time.monotonic() - started)
 
     async def _apply_server_config(self, step: Step) -> None:
         env = self.envs[step.get("env_id")]
@@ -4178,10 +4468,18 @@ class Runtime:
                  deploy_timeout: float = Settings.deploy_timeout,
                  verifier_timeout: float = Settings.verifier_timeout, knob: str = SERVE_KNOB,
                  warm: int = Settings.warm, warm_env: tuple[tuple[str, int], ...] = Settings.warm_env,
-                 bash_timeout: float = Settings.bash_timeout):
+                 bash_timeout: float = Settings.bash_timeout, metrics: Metrics | None = None):
         self.bundle, self.sandbox_kind = bundle, sandbox
         self.bash_timeout = bash_timeout
         self.pool = Pool(max_concurrent_envs, knob)
+        self.metrics = metrics or Metrics()
+        pool = self.pool
+        self.metrics.watch("agentenv_episodes_live", "Episodes holding a slot of the pool "
+                           "(deploying, playing or scoring)", lambda: pool.in_use)
+        self.metrics.watch("agentenv_episodes_waiting", "Episodes waiting for a slot of the pool",
+                           lambda: pool.waiting)
+        self.metrics.watch("agentenv_episodes_limit", "Episodes live at once at most "
+                           "(max_concurrent_envs)", lambda: pool.limit)
         self.deploy_timeout, self.verifier_timeout = deploy_timeout, verifier_timeout
         self.owner = owner_id()
         self.live: set[Episode] = set()
@@ -4191,6 +4489,9 @@ class Runtime:
         self._verifier_loops = VerifierLoops()
         self.starting = StartGate()
         self.warm = WarmPool(self, warm_plan(bundle, warm, warm_env))
+        if self.warm.target:
+            self.metrics.watch("agentenv_warm_envs", "Warm envs started ahead of demand: ready, "
+                               "booting, and the pool's target", lambda: self.warm.counts, "state")
         self._toolset_tools: dict[Toolset, asyncio.Future] = {}
 
     async def start(self) -> Runtime:
@@ -4213,9 +4514,9 @@ class Runtime:
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
-    def episode(self, task: Task, seed: dict[str, Any] | None = None) -> Episode:
-        """Start an episode of a task; it waits for a slot, then deploys."""
-        return Episode(self, task, seed).start()
+    def episode(self, task: Task, seed: dict[str, Any] | None = None, split: str = "all") -> Episode:
+        """Start an episode of a task (played from ``split``); it waits for a slot, then deploys."""
+        return Episode(self, task, seed, split).start()
 
     async def first_turn_tools(self, task: Task, why: str) -> list[dict[str, Any]]:
         """Play a task as far as its first turn and list the tools that turn offers; then end it.
@@ -4253,15 +4554,23 @@ class Runtime:
             raise EpisodeFailed(f"{where} did not import: {type(exc).__name__}: {exc}",
                                 VERIFIER_ERROR) from None
         job = self._verifier_loops.run(verify, mcp_url, self.verifier_timeout)
+        started, failed = time.monotonic(), True     # None: cancelled (its episode ended)
         try:
             # the loop's own deadline comes first; this one is for a verifier that blocks it
-            rows = await asyncio.wait_for(job, self.verifier_timeout + 5)
+            rows = check_rows(await asyncio.wait_for(job, self.verifier_timeout + 5), where)
+            failed = False
+            return rows
         except asyncio.TimeoutError:
             raise EpisodeFailed(f"{where} did not finish within {self.verifier_timeout:g}s",
                                 VERIFIER_ERROR) from None
+        except (EpisodeFailed, asyncio.CancelledError) as exc:
+            failed = None if isinstance(exc, asyncio.CancelledError) else True
+            raise
         except Exception as exc:                        # noqa: BLE001 - bundle code may raise anything
             raise EpisodeFailed(f"{where} raised {type(exc).__name__}: {exc}", VERIFIER_ERROR) from None
-        return check_rows(rows, where)
+        finally:
+            if failed is not None:
+                self.metrics.verified(artifact, time.monotonic() - started, failed)
 
     async def close(self, reason: str = "the server shut down") -> None:
         """Abandon every live episode, wait for their teardown, remove the warm envs, and close
@@ -4277,7 +4586,7 @@ class Runtime:
 # ================================================================ 8. Plumbing
 
 # What both wires share: the HTTP helpers and the JSON reader, the bearer token, the sessions
-# table that counts both wires against the one pool, and the idle sweep.
+# table that counts both wires against the one pool, the idle sweep, and the /metrics route.
 
 MAX_BODY = 16 * 2**20          # a request body or WebSocket frame past this is refused (413 / close)
 BINARY_FRAME = "a binary frame was sent; this socket reads JSON text frames only"
@@ -4409,7 +4718,7 @@ class Lease:
 
 
 async def sweep_idle(what: str, knob: str, sessions: dict[str, Any], idle_timeout: float,
-                     end: Callable[[Any, str], Any]) -> None:
+                     end: Callable[[Any, str], Any], metrics: Metrics, wire: str) -> None:
     """End sessions with no request for ``idle_timeout``: one timer for all, never a busy one."""
     period = max(0.05, min(idle_timeout / 4, 30.0))
     while True:
@@ -4419,6 +4728,7 @@ async def sweep_idle(what: str, knob: str, sessions: dict[str, Any], idle_timeou
             if not session.lease.busy and now - session.lease.last_used > idle_timeout:
                 log.info("Ended %s session with no request for %gs (%s), freeing its episode.",
                          what, idle_timeout, knob)
+                metrics.reaped(wire)
                 try:
                     await end(session, f"the session was idle past {idle_timeout:g}s")
                 except Exception:                    # noqa: BLE001 - one failure must not stop reaping
@@ -4437,6 +4747,20 @@ class Sessions:
     @property
     def active(self) -> int:
         return len(self.openenv) + len(self.gym)
+
+    def by_wire(self) -> dict[str, float]:
+        return {"openenv": len(self.openenv), "gym": len(self.gym)}
+
+
+def metrics_route(metrics: Metrics) -> Callable:
+    """GET /metrics: the server's metrics in Prometheus' text format (or OpenMetrics, if the
+    scraper asks for it), behind the bearer token like every route."""
+    from aiohttp import web
+
+    async def scrape(request: Any) -> Any:
+        body, content_type = metrics.page(request.headers.get("Accept"))
+        return web.Response(body=body, headers={"Content-Type": content_type})
+    return scrape
 
 
 # ================================================================ 9. OpenEnv surface
@@ -4664,7 +4988,7 @@ class OpenEnvSession:
             return str(exc)
         self.where = {"id": task.id, "name": task.name, "split": split, "index": index}
         self.task = task
-        self.episode = self.runtime.episode(task)
+        self.episode = self.runtime.episode(task, split=split)
         return await self._advance("the deploy and the opening of the turn")
 
     async def _call(self, name: Any, arguments: Any) -> Played:
@@ -4728,8 +5052,18 @@ class OpenEnvSession:
 
     # -- rendering
 
+    def _counted(self, played: Played) -> Played:
+        """What the play gave, a failure of the environment counted as a masked rollout (what a
+        trainer does with the error observation that carries it)."""
+        failure = played if isinstance(played, Failure) else \
+            played.failure if isinstance(played, (Outcome, ToolResult)) else None
+        if failure is not None:
+            self.runtime.metrics.mask("openenv", failure)
+        return played
+
     def _observation(self, played: Played, tool_name: str | None = None) -> dict[str, Any]:
         """What the play gave, as an OpenEnv observation: a reset's or a step's."""
+        self._counted(played)
         called = {"tool_name": tool_name, "error": None} if tool_name else {}
         if isinstance(played, ToolResult):
             error_type = TOOL_ERRORS.get(played.status, ("execution_error", -32603))[0]
@@ -4757,6 +5091,7 @@ class OpenEnvSession:
 
     def _rpc(self, rid: Any, played: Played) -> dict[str, Any]:
         """What the play gave, as the JSON-RPC reply to tools/call."""
+        self._counted(played)
         if isinstance(played, ToolResult):
             if played.is_error:
                 error_type, code = TOOL_ERRORS.get(played.status, ("execution_error", -32603))
@@ -4840,7 +5175,7 @@ class OpenEnvSurface:
     async def start(self) -> None:
         self._sweeper = asyncio.create_task(
             sweep_idle("an OpenEnv", "--idle-timeout", self.sessions, self.idle_timeout,
-                       self.end_session))
+                       self.end_session, self.runtime.metrics, "openenv"))
 
     async def stop(self) -> None:
         if self._sweeper:
@@ -5214,6 +5549,7 @@ def openapi_document() -> dict[str, Any]:
                  "get": op("WebSocket JSON-RPC, one session per connection")},
         "/ws": {"get": op("WebSocket OpenEnv session: reset, step, state, mcp, close")},
         "/list_environments": {"get": op("The environment served")},
+        "/metrics": {"get": op("Prometheus metrics: episodes, deploys, tool calls, masks, process")},
         "/{env}/splits": {"get": op("The splits: all, and one per eval")},
         "/{env}/tasks": {"post": op("The tasks of a split", True)},
         "/{env}/num_tasks": {"post": op("How many tasks a split has", True)},
@@ -5364,8 +5700,8 @@ class Rollout(abc.ABC):
 class LocalRollout(Rollout):
     """A rollout played on this server's own runtime."""
 
-    def __init__(self, runtime: Runtime, task: Task):
-        self.episode = runtime.episode(task)
+    def __init__(self, runtime: Runtime, task: Task, split: str = "all"):
+        self.episode = runtime.episode(task, split=split)
 
     async def open(self) -> tuple[str, list[str]]:
         turn = await self.episode.next_turn()
@@ -5457,7 +5793,7 @@ class LocalRollouts(Rollouts):
         return self.runtime.bundle.task(split, index).id
 
     def rollout(self, split: str, index: int) -> Rollout:
-        return LocalRollout(self.runtime, self.runtime.bundle.task(split, index))
+        return LocalRollout(self.runtime, self.runtime.bundle.task(split, index), split)
 
 
 class RemoteRollouts(Rollouts):
@@ -6043,8 +6379,9 @@ class GymSurface:
     /close_session and /aggregate_metrics, by a session cookie, each answering within its bound.
     Its rollouts are played where ``rollouts`` plays them; its sessions count in ``sessions``."""
 
-    def __init__(self, rollouts: Rollouts, sessions: Sessions, settings: Settings):
-        self.rollouts, self.settings = rollouts, settings
+    def __init__(self, rollouts: Rollouts, sessions: Sessions, settings: Settings,
+                 metrics: Metrics):
+        self.rollouts, self.settings, self.metrics = rollouts, settings, metrics
         self.sessions = sessions.gym
         self.by_resources_id: dict[str, str] = {}
         # Ids of sessions that ended (or were closed before any seed): a seed naming one is refused,
@@ -6060,7 +6397,7 @@ class GymSurface:
         # Gym never verifies a rollout whose run failed or was cancelled: the sweep frees it.
         self._sweeper = asyncio.create_task(
             sweep_idle("a NeMo Gym", "idle_timeout", self.sessions, self.settings.idle_timeout,
-                       self._end))
+                       self._end, self.metrics, "gym"))
 
     async def stop(self) -> None:
         if self._sweeper:
@@ -6189,15 +6526,18 @@ class GymSurface:
             async with session.lease.using():        # a second verify waits for the first's verdict
                 if token not in self.verdicts:
                     outcome = await session.verify(reply)
-                    self.verdicts[token] = Verdict.of(reply, outcome, session.failure)
+                    verdict = self.verdicts[token] = Verdict.of(reply, outcome, session.failure)
+                    if verdict.failure is not None:
+                        self.metrics.mask("gym", verdict.failure)
                     while len(self.verdicts) > VERDICTS_KEPT:
                         self.verdicts.popitem(last=False)
                     await self._end(session, "verified")
         verdict = self.verdicts.get(token)
         if verdict is None:
-            return json_reply(masked(body, Failure(SESSION_LOST, (
-                "this server holds no session for the rollout (it was closed, ended after "
-                "idle_timeout, or the server restarted)"))))
+            lost = Failure(SESSION_LOST, "this server holds no session for the rollout (it was "
+                                         "closed, ended after idle_timeout, or the server restarted)")
+            self.metrics.mask("gym", lost)
+            return json_reply(masked(body, lost))
         if verdict.digest != digest(reply):
             return json_reply({"detail": "this rollout was verified already, with another response; a "
                                          "session scores once: seed a new session for a new rollout"}, 409)
@@ -6326,7 +6666,9 @@ class Server:
     """The one aiohttp application: OpenEnv's and NeMo Gym's routes side by side on one runtime
     and its pool, so both kinds of trainer share one pool of episodes (or, for a Gym resources
     server in url: mode, Gym's routes alone, playing on a running serve). The app's start-up
-    starts the runtime and the surfaces; its shutdown ends every session and tears down."""
+    starts the runtime and the surfaces; its shutdown ends every session and tears down. It
+    serves the runtime's metrics at /metrics (a Gym server in url: mode keeps metrics of its own),
+    and while episodes are live it logs a status line every ``status_interval`` seconds."""
 
     def __init__(self, runtime: Runtime | None, settings: Settings = Settings(), *,
                  url: str | None = None, host: str | None = "127.0.0.1", port: int | None = 8000,
@@ -6336,11 +6678,15 @@ class Server:
         self.app = web.Application(client_max_size=MAX_BODY, middlewares=[
             json_errors(), *([bearer_token(token)] if token else [])])
         sessions = Sessions(runtime.pool.limit if runtime else settings.max_concurrent_envs)
+        self.metrics = runtime.metrics if runtime else Metrics()
+        self.metrics.watch("agentenv_sessions", "Live sessions, by wire", sessions.by_wire, "wire")
         self.openenv = OpenEnvSurface(runtime, sessions, settings) if runtime else None
         rollouts: Rollouts = LocalRollouts(runtime) if runtime else RemoteRollouts(str(url), settings)
-        self.gym = GymSurface(rollouts, sessions, settings)
+        self.gym = GymSurface(rollouts, sessions, settings, self.metrics)
         self.surfaces = [s for s in (self.openenv, self.gym) if s is not None]
+        self._status: asyncio.Task | None = None
         router = self.app.router
+        _add_route(router, "GET", "/metrics", metrics_route(self.metrics))
         for surface in self.surfaces:
             for method, path, handler in surface.ROUTES:
                 _add_route(router, method, path, handler.__get__(surface))
@@ -6364,16 +6710,35 @@ class Server:
             bundle = self.runtime.bundle
             url = f"http://{self.host}:{self.port}" if self.host is not None else ""
             log.info("Serving %s: %d tasks in the splits %s, up to %d episodes at once, envs in the "
-                     "%s sandbox, %s(OpenEnv: %s/ws; NeMo Gym: %s/seed_session).", bundle.name,
-                     len(bundle.tasks), ", ".join(bundle.splits), self.runtime.pool.limit,
-                     self.runtime.sandbox.kind, f"at {url} " if url else "", url, url)
+                     "%s sandbox, %s(OpenEnv: %s/ws; NeMo Gym: %s/seed_session; metrics: "
+                     "%s/metrics).", bundle.name, len(bundle.tasks), ", ".join(bundle.splits),
+                     self.runtime.pool.limit, self.runtime.sandbox.kind,
+                     f"at {url} " if url else "", url, url, url)
             if warm := self.runtime.warm.counts["target"]:
                 log.info("Keeping %d warm env(s) started and ready ahead of demand (%s), beside the "
                          "%d episode slots.", warm, self.runtime.warm.describe(),
                          self.runtime.pool.limit)
+            self._status = asyncio.create_task(self._status_lines(self.runtime))
+
+    async def _status_lines(self, runtime: Runtime) -> None:
+        """Every status_interval, while episodes are live or waiting, one sentence of how the run
+        goes; quiet when idle (the durations of a quiet interval are dropped all the same)."""
+        while True:
+            await asyncio.sleep(self.settings.status_interval)   # a clock: nothing else ticks
+            pool = runtime.pool
+            line = self.metrics.status(pool.in_use, pool.waiting, pool.limit,
+                                       self.settings.status_interval)
+            if pool.in_use or pool.waiting:
+                log.info(line)
 
     async def _shutdown(self, app: Any) -> None:
+        if self._status is not None:
+            self._status.cancel()
         if self.runtime is not None:
+            pool = self.runtime.pool
+            if self.metrics.totals(self.metrics.episodes) or pool.in_use or pool.waiting:
+                log.info(self.metrics.status(pool.in_use, pool.waiting, pool.limit,
+                                             self.settings.status_interval))
             log.info("Shutting down: ending %d live episode(s) and tearing their envs down, and "
                      "removing %d warm env(s).", len(self.runtime.live),
                      self.runtime.warm.live)
@@ -6558,20 +6923,29 @@ def function_tool(tool: dict[str, Any]) -> dict[str, Any]:
             "strict": False}
 
 
-async def _toolsets_here(bundle: Bundle, sandbox: str,
-                         runtime: Runtime | None = None) -> dict[str, list[dict[str, Any]]]:
-    """The tools each toolset's first turn offers (one probe episode each, as far as that turn),
-    on ``runtime`` when given, else on a runtime of its own."""
+async def _toolsets_here(bundle: Bundle, sandbox: str, out: Callable[[str], None] | None = None,
+                         runtime: Runtime | None = None, who: str = "write-gym",
+                         ) -> dict[str, list[dict[str, Any]]]:
+    """The tools each toolset's first turn offers (one probe episode each, as far as that turn,
+    cached by the runtime), on ``runtime`` when given, else on a runtime of its own; saying how
+    far it has got."""
+    toolsets: dict[str, list[dict[str, Any]]] = {}
     async with contextlib.AsyncExitStack() as stack:
         if runtime is None:
             runtime = await stack.enter_async_context(Runtime(bundle, sandbox=sandbox))
-        return {toolset.name: await runtime.toolset_tools(toolset, "the tools were listed")
-                for toolset in bundle.toolsets}
+        progress = Progress(f"{who}: listing each toolset's tools", len(bundle.toolsets), out)
+        for toolset, tasks in bundle.toolsets.items():
+            started = time.monotonic()
+            toolsets[toolset.name] = await runtime.toolset_tools(toolset, "the tools were listed")
+            progress.step(f"{toolset.name}: deployed {tasks[0].name} in "
+                          f"{time.monotonic() - started:.2f}s")
+    return toolsets
 
 
-async def _catalog_there(url: str) -> tuple[str, dict[str, list[dict[str, Any]]],
-                                            dict[str, list[dict[str, Any]]]]:
-    """A running server's bundle name, its splits' task rows, and the tools of each toolset."""
+async def _catalog_there(url: str, out: Callable[[str], None] | None = None,
+                         ) -> tuple[str, dict[str, list[dict[str, Any]]], dict[str, list[dict[str, Any]]]]:
+    """A running server's bundle name, its splits' task rows, and the tools of each toolset (one
+    task of each played there as far as its first turn, saying how far it has got)."""
     base = url.rstrip("/")
     async with aiohttp.ClientSession(headers=client_headers()) as http:
         env = await environment_at(http, url)
@@ -6582,11 +6956,14 @@ async def _catalog_there(url: str) -> tuple[str, dict[str, list[dict[str, Any]]]
             async with http.post(f"{base}/{env}/tasks", json={"split": split}) as resp:
                 rows[split] = (await resp.json())["tasks"]
         toolsets: dict[str, list[dict[str, Any]]] = {}
+        progress = Progress(f"write-gym: listing each toolset's tools at {url}",
+                            len({row.get("toolset", "(all)") for row in rows["all"]}), out)
         for row in rows["all"]:
             key = row.get("toolset", "(all)")
             if key in toolsets:
                 continue
             client = OpenEnvClient(http, url, Settings.reset_timeout)
+            started = time.monotonic()
             try:
                 await client.reset("all", row["index"])
                 toolsets[key] = await client.list_tools()
@@ -6594,6 +6971,7 @@ async def _catalog_there(url: str) -> tuple[str, dict[str, list[dict[str, Any]]]
                 raise AgentEnvError(f"the server at {url} could not play {row['name']}: {exc}") from None
             finally:
                 await client.close()
+            progress.step(f"{key}: played {row['name']} in {time.monotonic() - started:.2f}s")
     return env, rows, toolsets
 
 
@@ -6605,24 +6983,24 @@ def _bundle_rows(bundle: Bundle) -> dict[str, list[dict[str, Any]]]:
 async def write_gym(source: str, gym_root: str,
                     max_concurrent_envs: int = Settings.max_concurrent_envs, sandbox: str = "auto",
                     reward: str | None = None, keep_prompts: bool = False,
-                    out: Callable[[str], None] = print) -> Path:
+                    out: Callable[[str], None] = print,
+                    progress: Callable[[str], None] | None = None) -> Path:
     """Write ``GYM_ROOT/resources_servers/<name>/``: app.py, a copy of agentenv.py, the venv's
-    pyproject.toml, configs/<name>.yaml and data/<split>.jsonl for every split."""
+    pyproject.toml, configs/<name>.yaml and data/<split>.jsonl for every split. What it wrote goes
+    to ``out``; how far its deploys have got to ``progress`` (stderr by default)."""
     remote = source.startswith(("http://", "https://"))
     if remote:
-        bundle_name, rows, toolsets = await _catalog_there(source)
+        bundle_name, rows, toolsets = await _catalog_there(source, progress)
         where: dict[str, Any] = {"url": source}
     else:
         bundle = Bundle.load(source, reward)
         bundle_name, rows = bundle.name, _bundle_rows(bundle)
-        toolsets = await _toolsets_here(bundle, sandbox)
+        _writable(gym_root, gym_name(bundle_name))       # refused before a deploy, if it is not
+        toolsets = await _toolsets_here(bundle, sandbox, progress)
         where = {"bundle": str(bundle.root), "sandbox": sandbox, **({"reward": reward} if reward else {})}
     check_tool_names(toolsets)
     name = gym_name(bundle_name)
-    target = Path(gym_root).expanduser().resolve() / "resources_servers" / name
-    if (target / "app.py").exists() and WRITTEN_BY not in (target / "app.py").read_text():
-        raise AgentEnvError(f"{target} holds a resources server that write-gym did not write; move "
-                            "it away or write into another Gym root")
+    target = _writable(gym_root, name)
     kept = _prompts_in(target / "data") if keep_prompts else {}
     settings = Settings(max_concurrent_envs=max_concurrent_envs).gym_config(bundle=not remote)
     files = _server_files(name, bundle_name, {**where, **settings})
@@ -6640,7 +7018,18 @@ async def write_gym(source: str, gym_root: str,
         partial = path.with_name(path.name + ".partial")
         partial.write_text(text)
         partial.replace(path)      # a file is replaced whole, never left half written
-    out(f"wrote {Path(gym_root) / 'resources_servers' / name}")
+    out("; ".join(f"data/{split}.jsonl: {len(split_rows):,} row{'s' if len(split_rows) != 1 else ''}"
+                  for split, split_rows in rows.items()))
+    out(f"wrote {Path(gym_root) / 'resources_servers' / name}")     # last: scripts read the path
+    return target
+
+
+def _writable(gym_root: str, name: str) -> Path:
+    """The resources server's folder, unless it holds one write-gym did not write."""
+    target = Path(gym_root).expanduser().resolve() / "resources_servers" / name
+    if (target / "app.py").exists() and WRITTEN_BY not in (target / "app.py").read_text():
+        raise AgentEnvError(f"{target} holds a resources server that write-gym did not write; move "
+                            "it away or write into another Gym root")
     return target
 
 
@@ -6667,7 +7056,8 @@ def _server_files(name: str, bundle_name: str, server: dict[str, Any]) -> dict[s
         "agentenv.py": Path(__file__).read_text(),
         "pyproject.toml": f'[project]\nname = "{name.replace("_", "-")}-resources-server"\n'
                           f'version = "{__version__}"\nrequires-python = ">=3.11"\n'
-                          'dependencies = ["aiohttp>=3.9", "pyyaml>=6.0", "docker>=7.0"]\n\n'
+                          'dependencies = ["aiohttp>=3.9", "pyyaml>=6.0", "docker>=7.0", '
+                          '"prometheus-client>=0.17"]\n\n'
                           '[build-system]\nrequires = ["setuptools>=68"]\n'
                           'build-backend = "setuptools.build_meta"\n\n'
                           '[tool.setuptools]\npy-modules = ["agentenv", "app"]\n',
@@ -7186,8 +7576,9 @@ class RolloutsFile:
             self._fd = None
 
 
-class Progress:
-    """The live progress line: done/total, rate, ETA, mean reward and masked so far. On a TTY it is
+class EvalProgress:
+    """eval's live progress line: done/total, rate, ETA, mean reward and masked so far (more than
+    Progress, section 1, says for a plain job). On a TTY it is
     rewritten in place; elsewhere it is a line every PROGRESS_EVERY seconds, and at the end."""
 
     def __init__(self, total: int, stream: Any = None):
@@ -7332,7 +7723,7 @@ async def surface_for(source: str, plan: EvalPlan) -> AsyncIterator[tuple[str, d
             port = site._server.sockets[0].getsockname()[1]          # type: ignore[union-attr]
             url = f"http://127.0.0.1:{port}"
             bundle_name, task_rows = bundle.name, _bundle_rows(bundle)
-            toolsets = await _toolsets_here(bundle, plan.sandbox, runtime)
+            toolsets = await _toolsets_here(bundle, plan.sandbox, runtime=runtime, who="eval")
         except BaseException:
             await runner.cleanup()
             raise
@@ -7404,7 +7795,7 @@ async def evaluate(plan: EvalPlan, out: Callable[[str], None] = print,
 async def play_all(player: Player, todo: list[Planned], file: RolloutsFile, concurrency: int,
                    stream: Any = None) -> None:
     """Play the rollouts, ``concurrency`` at once, each written to the file as it finishes."""
-    progress = Progress(len(todo), stream)
+    progress = EvalProgress(len(todo), stream)
     queue = collections.deque(todo)
 
     async def worker() -> None:
@@ -7454,6 +7845,8 @@ SERVE_SETTINGS = {
                     "timeout error",
     "bash_timeout": "one bash command in the agent's box (and within the call's own deadline); "
                     "past it every process it started is killed, and the model reads it timed out",
+    "status_interval": "log a status line this often while episodes are live (and one at "
+                       "shutdown)",
 }
 
 
@@ -7479,16 +7872,19 @@ async def check(folder: str, sandbox: str, reward: str | None, out: Callable[[st
             out(f"  {env.name}: {runtime.sandbox.network_mode(env)}")
         out("toolsets:")
         failed = []
-        for toolset, tasks in bundle.toolsets.items():
+        count = len(bundle.toolsets)
+        for n, (toolset, tasks) in enumerate(bundle.toolsets.items(), 1):
             started = time.monotonic()
+            # with many toolsets each line says how far check has got
+            at = f"[{n}/{count}] " if count > 1 else ""
             try:
                 tools = await runtime.first_turn_tools(tasks[0], "check is done")
                 shown = ", ".join(t["name"] for t in tools) or "(none)"
-                out(f"  {toolset.name} ({len(tasks)} task{'s' if len(tasks) != 1 else ''}), played "
-                    f"with {tasks[0].name} in {time.monotonic() - started:.2f}s: {shown}")
+                out(f"  {at}{toolset.name} ({len(tasks)} task{'s' if len(tasks) != 1 else ''}), "
+                    f"played with {tasks[0].name} in {time.monotonic() - started:.2f}s: {shown}")
             except EpisodeFailed as exc:
                 failed.append(toolset.name)
-                out(f"  {toolset.name}: the episode of {tasks[0].name} failed: {exc}")
+                out(f"  {at}{toolset.name}: the episode of {tasks[0].name} failed: {exc}")
         if failed:
             raise AgentEnvError(f"the toolsets {', '.join(failed)} did not play; see above")
         out("ok: every toolset deployed, and every env was torn down")
@@ -7552,6 +7948,7 @@ def main(argv: list[str] | None = None) -> int:
     # serve narrates what it does; check prints its own report and logs only trouble
     logging.getLogger("agentenv").setLevel(
         logging.INFO if args.verbose or args.command == "serve" else logging.WARNING)
+    build_log.setLevel(logging.INFO)
     if args.verbose:
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     try:

@@ -319,10 +319,78 @@ def test_serve_shows_the_settings_defaults_in_its_help(capsys):
                         ("--reset-timeout", defaults.reset_timeout),
                         ("--idle-timeout", defaults.idle_timeout),
                         ("--client-timeout", defaults.client_timeout),
-                        ("--reply-margin", defaults.reply_margin)]:
+                        ("--reply-margin", defaults.reply_margin),
+                        ("--status-interval", defaults.status_interval)]:
         after = text.rsplit(flag + " SECONDS", 1)[1]        # the help, not the usage line
         assert f"({value:g}) --" in after.split(" SECONDS", 1)[0] + " --", (flag, after[:200])
     assert f"MAX_CONCURRENT_ENVS, else {defaults.max_concurrent_envs})" in text
+
+
+# ================================================================ Metrics and progress
+
+def test_recent_durations_give_p50_p95_once_and_stay_bounded():
+    recent = agentenv.Recent(size=128)
+    assert recent.take() is None
+    for n in range(101):
+        recent.add(n / 100)
+    assert recent.take() == (101, 0.5, 0.95)        # under the size: every one kept, exact
+    assert recent.take() is None                     # taken: the next line starts afresh
+    recent = agentenv.Recent(size=64)
+    for n in range(10_000):
+        recent.add(n % 100 / 100)
+    count, p50, p95 = recent.take()
+    assert count == 10_000 and len(recent.values) == 0
+    assert 0.3 <= p50 <= 0.7 and 0.8 <= p95 <= 0.99   # a uniform sample of 64, not the last 64
+
+
+def test_the_status_line_says_what_was_played_and_masked_in_one_sentence():
+    metrics = agentenv.Metrics()
+    assert metrics.status(0, 0, 8, 60) == "Status: 0 episodes played; 0 live of 8, 0 waiting; masked: none."
+    for _ in range(3):
+        metrics.ended("scored", "all", 1.0)
+    metrics.ended("failed", "all", None)
+    metrics.mask("gym", agentenv.Failure("transport_timeout", "slow"))
+    metrics.mask("openenv", agentenv.Failure("transport_timeout", "slow"))
+    metrics.mask("gym", agentenv.Failure("session_lost", "gone"))
+    metrics.deployed("notebook", "local", 0.25)
+    metrics.tool_called("write_note", "ok", 0.002)
+    metrics.tool_called("(unknown)", "unknown_tool", None)        # not timed: it never ran
+    assert metrics.status(2, 1, 8, 60) == (
+        "Status: 4 episodes played (3 scored, 1 failed); 2 live of 8, 1 waiting; masked: 2 "
+        "transport_timeout, 1 session_lost; over the last 60s: 1 deploy p50 250.0ms, p95 250.0ms; "
+        "1 tool call p50 2.0ms, p95 2.0ms.")
+    assert metrics.status(0, 0, 8, 60).endswith("masked: 2 transport_timeout, 1 session_lost.")
+
+
+def test_two_metrics_count_apart_and_the_page_parses():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    one, two = agentenv.Metrics(), agentenv.Metrics()
+    one.tool_called("write_note", "ok", 0.01)
+    one.watch("agentenv_sessions", "Live sessions, by wire", lambda: {"gym": 3}, "wire")
+    one.watch("agentenv_sessions", "Live sessions, by wire", lambda: {"gym": 4}, "wire")   # replaced
+    page, content_type = one.page(None)
+    assert content_type.startswith("text/plain")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(page.decode()) for s in f.samples}
+    assert samples[("agentenv_tool_calls_total", (("status", "ok"), ("tool", "write_note")))] == 1
+    assert samples[("agentenv_sessions", (("wire", "gym"),))] == 4
+    assert b"write_note" not in two.page(None)[0]
+    openmetrics, kind = one.page("application/openmetrics-text; version=1.0.0")
+    assert kind.startswith("application/openmetrics-text") and openmetrics.endswith(b"# EOF\n")
+
+
+def test_progress_says_the_first_and_last_step_and_little_between():
+    lines: list[str] = []
+    progress = agentenv.Progress("write-gym: listing", 50, lines.append, every=3600)
+    for n in range(50):
+        progress.step(f"toolset {n}")
+    assert lines == ["write-gym: listing: 1/50 (toolset 0)", "write-gym: listing: 50/50 (toolset 49)"]
+    lines.clear()
+    every = agentenv.Progress("eval", 3, lines.append, every=0)
+    for _ in range(3):
+        every.step()
+    assert lines == ["eval: 1/3", "eval: 2/3", "eval: 3/3"]
 
 
 # ================================================================ Bundle
@@ -2840,10 +2908,11 @@ def test_check_prints_the_bundle_and_each_toolsets_tools(make_bundle, isolated):
                            "  main: the host's network: the local sandbox isolates nothing",
                            "  other: the host's network: the local sandbox isolates nothing",
                            "toolsets:"]
-    assert re.fullmatch(r"  main \(2 tasks\), played with a in \d+\.\d\ds: say, whoami, get_config, "
-                        r"sleep, crash", lines[11])
-    assert re.fullmatch(r"  main\+other \(1 task\), played with c in \d+\.\d\ds: say, .*, other_crash",
-                        lines[12])
+    # with more than one toolset, each line says how far check has got
+    assert re.fullmatch(r"  \[1/2\] main \(2 tasks\), played with a in \d+\.\d\ds: say, whoami, "
+                        r"get_config, sleep, crash", lines[11])
+    assert re.fullmatch(r"  \[2/2\] main\+other \(1 task\), played with c in \d+\.\d\ds: say, .*, "
+                        r"other_crash", lines[12])
     assert lines[13:] == ["ok: every toolset deployed, and every env was torn down"]
     assert len(list(isolated.iterdir())) == 3 and all(gone(int(p.name)) for p in isolated.iterdir())
 
@@ -2853,8 +2922,8 @@ def test_check_raises_when_a_toolset_fails(make_bundle):
     lines: list[str] = []
     with pytest.raises(AgentEnvError, match=r"^the toolsets broken did not play; see above$"):
         run(agentenv.check(str(root), "local", None, out=lines.append))
-    assert any(line.startswith("  main (1 task), played with a in ") for line in lines)
-    failed = [line for line in lines if line.startswith("  broken: the episode of z failed: ")]
+    assert any(line.startswith("  [1/2] main (1 task), played with a in ") for line in lines)
+    failed = [line for line in lines if line.startswith("  [2/2] broken: the episode of z failed: ")]
     assert failed and "its process exited with code 4" in failed[0]
     assert "FAKE_MODE=exit" in failed[0]
     assert not any(line.startswith("ok:") for line in lines)

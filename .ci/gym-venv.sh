@@ -11,7 +11,7 @@
 #   2. download  pip download --no-deps --ignore-requires-python nemo-gym==0.7.0
 #                (the wheel is kept in $VENV.wheels/ for re-runs)
 #   3. install   pip install --ignore-requires-python <that wheel> aiohttp pyyaml docker
-#                (aiohttp, pyyaml and docker are agentenv.py's own run-time needs:
+#                prometheus-client (agentenv.py's own run-time needs:
 #                Gym runs our copied agentenv.py with this venv's python)
 #   4. check     pip check; import nemo_gym and simple_agent; the `gym` CLI answers
 #   5. marker    $VENV/.agentenv-gym-complete, written only once all of the above passed
@@ -30,7 +30,7 @@ PY_VERSION=3.13.0
 VENV=${AGENTENV_GYM_VENV:-$HOME/.cache/agentenv-tests/nemo-gym-0.7}
 WHEELS=$VENV.wheels
 MARKER=$VENV/.agentenv-gym-complete
-EXTRA_PKGS=(aiohttp pyyaml docker)
+EXTRA_PKGS=(aiohttp pyyaml docker prometheus-client)
 
 T_START=$EPOCHREALTIME
 secs() { awk -v a="$1" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }'; }
@@ -68,7 +68,7 @@ want = sys.argv[1]
 have = md.version("nemo-gym")
 if have != want:
     sys.exit(f"nemo-gym {have} is installed, not {want}")
-import nemo_gym, aiohttp, yaml, docker  # noqa: F401
+import nemo_gym, aiohttp, yaml, docker, prometheus_client  # noqa: F401
 import responses_api_agents.simple_agent as sa
 app = os.path.join(os.path.dirname(sa.__file__), "app.py")
 if not os.path.isfile(app):

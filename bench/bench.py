@@ -52,6 +52,14 @@ writegym   `python agentenv.py write-gym bundles/gridsim-v1 ROOT --sandbox local
            CLI's wall time, and beside it write_gym() run in-process with Bundle.load,
            Runtime.start/close and Runtime.first_turn_tools (its deploys, one per toolset) timed by
            wrappers: the deploys' share. --repeat runs of each, into fresh temp roots.
+metrics    (not in the default --parts) what counting costs: two serves of notes-v1 side by side,
+           this agentenv.py (metrics on, /metrics scraped every --scrape-every s meanwhile, far
+           more often than Prometheus' default 15 s) and the one at git revision --before (before
+           metrics), each with a Gym session per client: the hop (sequential list_notes, one
+           session) and calls/s with --metrics-sessions sessions calling back to back, in
+           --repeat interleaved rounds (the order swapped every round), and each server's own CPU
+           per call over those windows (from /proc, so the least swayed by a loaded machine).
+           Reports after/before.
 profile    (not in the default --parts) the hot path of a Gym tool call: 8 sessions of list_notes
            against serve (run under a cProfile switched on by SIGUSR1), measured three ways for
            --profile-seconds each: serve's CPU per call from /proc, py-spy --nonblocking samples of
@@ -71,6 +79,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import platform
@@ -848,6 +857,116 @@ async def throughput(args) -> dict:
     return out
 
 
+# ------------------------------------------------------------------ metrics: before and after
+
+def before_agentenv(rev: str, tmp: Path) -> Path:
+    """agentenv.py as of git revision ``rev``, in a folder of its own."""
+    done = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:agentenv.py"],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"git show {rev}:agentenv.py failed: {done.stderr.strip()}")
+    path = tmp / "before" / "agentenv.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(done.stdout)
+    return path
+
+
+async def metrics_cost(args) -> dict:
+    """The hop and throughput of serve with metrics (scraped meanwhile) beside serve before them."""
+    procs: list[Proc] = []
+    k = args.metrics_sessions
+    with tempfile.TemporaryDirectory(prefix="agentenv-bench-") as tmp:
+        try:
+            ports = {"after": free_port(), "before": free_port()}
+            programs = {"after": AGENTENV, "before": before_agentenv(args.before, Path(tmp))}
+            servers = {name: Proc([sys.executable, str(programs[name]), "serve", str(NOTES),
+                                   "--sandbox", "local", "--port", str(port),
+                                   "--max-concurrent-envs", str(k + 8)])
+                       for name, port in ports.items()}
+            procs = list(servers.values())
+            urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+            async with aiohttp.ClientSession() as probe:
+                for name in servers:
+                    await wait_health(probe, urls[name], servers[name])
+            row, pancakes = notes_row(NOTES, 0), (lambda t: t == "pancakes")
+            scrapes: list[float] = []
+            stop_scraping = asyncio.Event()
+
+            async def scraper(http: aiohttp.ClientSession) -> None:
+                while not stop_scraping.is_set():
+                    t = time.perf_counter()
+                    async with http.get(urls["after"] + "/metrics") as resp:
+                        if resp.status != 200:
+                            raise RuntimeError(f"/metrics answered {resp.status}")
+                        await resp.read()
+                    scrapes.append((time.perf_counter() - t) * 1e3)
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(stop_scraping.wait(), args.scrape_every)
+
+            async with client() as http:
+                say(f"metrics: seeding 1 + {k} sessions on each serve")
+                cookies = {name: await seed_many(http, urls[name], row, k + 1) for name in urls}
+                for name in urls:
+                    first = await post_each(http, urls[name], "/list_notes", cookies[name], {})
+                    if any(a != "pancakes" for a in first):
+                        raise RuntimeError(f"{name}'s first calls answered e.g. {first[0]!r}")
+                scraping = asyncio.create_task(scraper(http))
+                hop: dict[str, list[float]] = {"after": [], "before": []}
+                rate: dict[str, list[float]] = {"after": [], "before": []}
+                cpu = {name: {"ticks": 0, "calls": 0} for name in urls}
+                for r in range(args.repeat):
+                    for name in (["after", "before"] if r % 2 == 0 else ["before", "after"]):
+                        one = await hammer(http, urls[name], "list_notes", {}, cookies[name][:1],
+                                           args.seconds, pancakes)
+                        hop[name] += one["latency_ms"]
+                        ticks = sum(cpu_ticks(servers[name].pid))
+                        many = await hammer(http, urls[name], "list_notes", {}, cookies[name][1:],
+                                            args.seconds, pancakes)
+                        cpu[name]["ticks"] += sum(cpu_ticks(servers[name].pid)) - ticks
+                        cpu[name]["calls"] += many["calls"]
+                        rate[name].append(many["calls_per_s"])
+                    say(f"metrics: round {r + 1}: hop p50 after {statistics.median(hop['after']):.3f}"
+                        f" / before {statistics.median(hop['before']):.3f} ms; {k} sessions: after "
+                        f"{rate['after'][-1]:.0f}/s, before {rate['before'][-1]:.0f}/s")
+                stop_scraping.set()
+                await scraping
+                for name in urls:
+                    await post_each(http, urls[name], "/close_session", cookies[name], {})
+        finally:
+            for proc in procs:
+                proc.stop()
+    hz = os.sysconf("SC_CLK_TCK")
+    stats = {name: {"hop_ms": summary(hop[name]), "calls_per_s": summary(rate[name]),
+                    "cpu_us_per_call": cpu[name]["ticks"] / hz / max(cpu[name]["calls"], 1) * 1e6}
+             for name in hop}
+    return {"before": args.before, "sessions": k, "window_s": args.seconds, "rounds": args.repeat,
+            "scrape_every_s": args.scrape_every, "scrape_ms": summary(scrapes), "stats": stats,
+            "ratio_after_before": {
+                "hop_p50": stats["after"]["hop_ms"]["p50"] / stats["before"]["hop_ms"]["p50"],
+                "hop_p95": stats["after"]["hop_ms"]["p95"] / stats["before"]["hop_ms"]["p95"],
+                "calls_per_s_p50": (stats["after"]["calls_per_s"]["p50"]
+                                    / stats["before"]["calls_per_s"]["p50"]),
+                "cpu_per_call": (stats["after"]["cpu_us_per_call"]
+                                 / stats["before"]["cpu_us_per_call"])}}
+
+
+def markdown_metrics(m: dict) -> list[str]:
+    a, b, r = m["stats"]["after"], m["stats"]["before"], m["ratio_after_before"]
+    return [f"### metrics: serve with metrics (scraped every {m['scrape_every_s']:g} s) beside serve "
+            f"at {m['before']}, {m['rounds']} interleaved rounds of {m['window_s']:g} s windows", "",
+            "| measure | with metrics | before | after / before |", "|---|---:|---:|---:|",
+            f"| hop p50 / p95 (ms, one session) | {a['hop_ms']['p50']:.3f} / {a['hop_ms']['p95']:.3f} "
+            f"| {b['hop_ms']['p50']:.3f} / {b['hop_ms']['p95']:.3f} | {r['hop_p50']:.2f}x / "
+            f"{r['hop_p95']:.2f}x |",
+            f"| calls/s, {m['sessions']} sessions (median of rounds) | "
+            f"{a['calls_per_s']['p50']:.0f} | {b['calls_per_s']['p50']:.0f} | "
+            f"{r['calls_per_s_p50']:.2f}x |",
+            f"| server CPU per call (us, {m['sessions']} sessions) | {a['cpu_us_per_call']:.0f} | "
+            f"{b['cpu_us_per_call']:.0f} | {r['cpu_per_call']:.2f}x |", "",
+            f"A scrape of /metrics took p50 {m['scrape_ms']['p50']:.2f} ms, p95 "
+            f"{m['scrape_ms']['p95']:.2f} ms ({m['scrape_ms']['n']} scrapes).", ""]
+
+
 # ------------------------------------------------------------------ memory, no env
 
 async def memory_noenv(args) -> dict:
@@ -1542,6 +1661,8 @@ def markdown(cmd: str, meta: dict, results: dict) -> str:
         for name, st in b["start_to_first_turn_s"].items():
             out.append(f"| {name} | {st['p50']:.2f} | {st['p95']:.2f} |")
         out.append("")
+    if "metrics" in results:
+        out += markdown_metrics(results["metrics"])
     return "\n".join(out)
 
 
@@ -1620,7 +1741,8 @@ async def bash(args) -> dict:
 
 PARTS = {"hop": hop, "startup": startup, "memory": memory, "episodes": episodes,
          "throughput": throughput, "deploys": deploys, "writegym": writegym, "profile": profile,
-         "bash": bash}
+         "bash": bash,
+         "metrics": metrics_cost}
 
 
 async def main_async(args) -> int:
@@ -1653,7 +1775,8 @@ async def main_async(args) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default="hop,startup,memory,episodes,throughput,deploys,writegym",
-                        help=f"comma-separated, of: {', '.join(PARTS)} (default: all but profile)")
+                        help=f"comma-separated, of: {', '.join(PARTS)} (default: all but profile "
+                             "and metrics)")
     parser.add_argument("--repeat", type=int, default=5,
                         help="hop: interleaved rounds; startup: runs per target; episodes, "
                              "throughput: interleaved rounds; deploys: rounds per level (single "
@@ -1690,6 +1813,13 @@ def main() -> int:
     parser.add_argument("--profile-out", default=str(ROOT / "bench" / "profile.txt"),
                         help="profile: the summary written (default bench/profile.txt; the raw "
                              "stacks beside it as .folded)")
+    parser.add_argument("--before", default="5cb72ae",
+                        help="metrics: the git revision whose agentenv.py is the baseline (default "
+                             "5cb72ae, the last before metrics)")
+    parser.add_argument("--metrics-sessions", type=int, default=32,
+                        help="metrics: live Gym sessions calling at once (default 32)")
+    parser.add_argument("--scrape-every", type=float, default=1.0,
+                        help="metrics: seconds between scrapes of /metrics (default 1)")
     parser.add_argument("--json", help="write the results here as JSON")
     args = parser.parse_args()
     try:

@@ -271,6 +271,9 @@ async def soak(args: argparse.Namespace) -> dict:
                 await served.idle()
                 sample = served.sample(done, started, peak)
                 samples.append(sample)
+                if args.signal:
+                    os.kill(served.pid, getattr(signal, "SIG" + args.signal.upper().removeprefix("SIG")))
+                    await asyncio.sleep(5)        # the profiler's dump, before the next batch
                 print(f"soak: {done} episodes, RSS {sample['rss_mib']} MiB (peak "
                       f"{sample['peak_rss_mib']}, {peak} envs live at most), threads "
                       f"{sample['threads']}, fds {sample['fds']}, live envs {sample['children']}, "
@@ -339,6 +342,9 @@ def main() -> int:
     parser.add_argument("--agentenv", default=str(ROOT / "agentenv.py"),
                         help="the agentenv.py to serve with (another copy is a baseline)")
     parser.add_argument("--json", help="write the result here (after every sample too)")
+    parser.add_argument("--signal", metavar="NAME",
+                        help="send the server this signal (USR1, say) at every sample, while it is "
+                             "idle: for a profiler the server is wrapped in (see --agentenv)")
     parser.add_argument("--plot", help="plot RSS against episodes here (needs matplotlib)")
     parser.add_argument("--from", dest="results", nargs="+", metavar="JSON",
                         help="no run: plot (--plot) the results these --json files hold")

@@ -3,22 +3,22 @@
 
 What is here, and which suite uses it:
 
-* ``LoopbackNamespace``: a network namespace whose only interface is loopback, where anything
-  that starts Ray runs (tests/gym's full-CLI run); ``NamespaceUnavailable`` where none can be made.
+* ``LoopbackNamespace``: a network namespace whose only interface is loopback, where anything that
+  starts Ray runs (tests/gym's full-CLI run); ``NamespaceUnavailable`` where none can be made.
 * Running things: ``run(coro, timeout)`` (a coroutine to its end on a fresh loop, within a
   deadline: test_docker, test_faults, test_gridsim, test_gym_surface, test_isolation, test_load,
-  test_warm), ``free_port()`` (test_bad_input, test_gym_surface) and ``free_ports(n)``
-  (tests/gym), ``wait_until`` (test_faults, test_gym_surface, test_load, test_openenv,
-  test_warm), ``alive(pid)`` (test_faults, test_load), ``gone(pid, within)`` (test_gym_surface),
-  ``processes_with_env`` (a /proc scan: test_gym_real, tests/gym) and ``environ(state)`` (a
-  child's environment: test_gym_surface, test_gym_real).
+  test_metrics, test_warm), ``free_port()`` (test_bad_input, test_gym_surface, test_metrics) and
+  ``free_ports(n)`` (tests/gym), ``wait_until`` (test_faults, test_gym_surface, test_load,
+  test_metrics, test_openenv, test_warm), ``alive(pid)`` (test_faults, test_load),
+  ``gone(pid, within)`` (test_gym_surface), ``processes_with_env`` (a /proc scan: test_gym_real,
+  tests/gym) and ``environ(state)`` (a child's environment: test_gym_surface, test_gym_real).
 * ``Server``: a server of ours as a subprocess, to start, break and stop (test_bad_input,
-  test_faults, test_gym_surface, test_load, test_openenv, test_gym_real). ``Server.serve(bundle,
-  folder, *flags)`` is ``agentenv.py serve``; ``Server.gym(folder, config)`` the resources server as
-  NeMo Gym starts it (``python app.py`` in a folder write-gym wrote, or this repository's
-  ``run_gym_server()``); both take extra env vars (``env=``), the headers every request of ours
-  carries (``headers=``: a bearer token) and a state dir to share (``serve``). A Server has
-  ``url``/``ws_url``, ``log()`` (stdout and stderr), ``healthy()``, its env processes
+  test_faults, test_gym_surface, test_load, test_metrics, test_openenv, test_gym_real).
+  ``Server.serve(bundle, folder, *flags)`` is ``agentenv.py serve``; ``Server.gym(folder, config)``
+  the resources server as NeMo Gym starts it (``python app.py`` in a folder write-gym wrote, or
+  this repository's ``run_gym_server()``); both take extra env vars (``env=``), the headers every
+  request of ours carries (``headers=``: a bearer token) and a state dir to share (``serve``). A
+  Server has ``url``/``ws_url``, ``log()`` (stdout and stderr), ``healthy()``, its env processes
   (``env_pids()``, by /proc, and ``records()``, the local sandbox's), ``wait_envs``/``no_envs``,
   ``signal``/``terminate`` (SIGTERM, once)/``kill`` (and its envs), and ``stop()``: SIGTERM, the
   exit code, no env process nor record left. ``running(server)`` stops it at the end of a block,
@@ -28,21 +28,22 @@ What is here, and which suite uses it:
   test_load subclasses it for its memory and fd figures.
 * HTTP: ``request()``, one request on a fresh connection with bytes as they are (a body, a
   chunked body, a cookie that isn't text), and its ``Reply`` (status, headers, body, text,
-  json(), elapsed): test_bad_input, test_gym_surface, test_openenv, tests/gym.
+  json(), elapsed): test_bad_input, test_gym_surface, test_metrics, test_openenv, tests/gym.
 * ``Gym``: the one NeMo Gym client, a rollout as simple_agent plays it (seed; tools with the
   session cookie, recorded as Responses items; verify; close), async over aiohttp (test_faults,
-  test_gym_surface, test_load); ``SyncGym`` is the same client for code with no event loop
-  (test_bad_input). ``client()`` its aiohttp session; ``gym_row``/``gym_rows`` the rows of a bundle
-  as write-gym writes them (test_bad_input, test_load / test_faults, test_gym_surface);
-  ``responses(text)`` a Responses object (test_bad_input, test_gym_surface).
-* ``Socket``: the one OpenEnv socket client, a raw WebSocket on /ws or WebSocket /mcp: send,
-  recv, ask, closed_with, close, drop (test_bad_input, test_openenv, test_faults).
+  test_gym_surface, test_load, test_metrics); ``SyncGym`` is the same client for code with no event
+  loop (test_bad_input). ``client()`` its aiohttp session; ``gym_row``/``gym_rows`` the rows of a
+  bundle as write-gym writes them (test_bad_input, test_load, test_metrics / test_faults,
+  test_gym_surface); ``responses(text)`` a Responses object (test_bad_input, test_gym_surface).
+* ``Socket``: the one OpenEnv socket client, a raw WebSocket on /ws or WebSocket /mcp: send, recv,
+  ask, closed_with, close, drop (test_bad_input, test_openenv, test_faults).
 * Bundles and files: ``copy_bundle`` (a private copy to change: test_bad_input, test_docker,
-  test_faults, test_gym_real, test_gym_surface, test_openenv), ``patch`` (test_gym_surface),
-  ``with_sleep_tool`` (notes-v1's notebook with a ``sleep`` tool: test_faults, test_openenv),
-  ``one_turn_task`` and ``resources_config`` (test_faults, test_gym_surface), ``read_jsonl`` /
-  ``write_jsonl`` (test_gym_real, test_gym_surface, tests/gym), and ``labelled`` /
-  ``remove_quietly`` for Docker containers (test_docker, test_faults, test_isolation, test_warm).
+  test_faults, test_gym_real, test_gym_surface, test_metrics, test_openenv), ``patch``
+  (test_gym_surface), ``with_sleep_tool`` (notes-v1's notebook with a ``sleep`` tool: test_faults,
+  test_metrics, test_openenv), ``one_turn_task`` and ``resources_config`` (test_faults,
+  test_gym_surface, test_metrics), ``read_jsonl`` / ``write_jsonl`` (test_gym_real,
+  test_gym_surface, tests/gym), and ``labelled`` / ``remove_quietly`` for Docker containers
+  (test_docker, test_faults, test_isolation, test_warm).
 
 A server runs as ``sys.executable`` (signals to pyenv's ``python`` shim never reach the server), in
 a session of its own, with its own AGENTENV_STATE_DIR, so its env processes can be found by that

@@ -1363,7 +1363,7 @@ LOCKED_ROUTES = [("GET", "/health"), ("GET", "/metadata"), ("GET", "/schema"), (
                  ("GET", "/"), ("POST", "/reset"), ("POST", "/step"), ("POST", "/mcp"),
                  *[("POST", r) for r in TASK_API], ("POST", "/seed_session"), ("POST", "/verify"),
                  ("POST", "/close_session"), ("POST", "/aggregate_metrics"), ("POST", "/list_notes"),
-                 ("POST", "/ng-rollout/r1/seed_session"), ("GET", "/nowhere")]
+                 ("POST", "/ng-rollout/r1/seed_session"), ("GET", "/metrics"), ("GET", "/nowhere")]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -238,8 +240,15 @@ def test_container_settings_and_limits(docker_client, tmp_path):
 
 # ---------------------------------------------------------------- 3. image built once per content
 
-def test_image_built_once_per_content(docker_client, tmp_path, monkeypatch, built_images):
+def test_image_built_once_per_content(docker_client, tmp_path, monkeypatch, built_images, caplog):
     from docker.models.images import ImageCollection
+
+    caplog.set_level(logging.INFO, logger="agentenv.build")
+
+    def said() -> list[str]:
+        lines = [r.getMessage() for r in caplog.records if r.name == "agentenv.build"]
+        caplog.clear()
+        return lines
 
     builds: list[str] = []
     real_build = ImageCollection.build
@@ -272,9 +281,18 @@ def test_image_built_once_per_content(docker_client, tmp_path, monkeypatch, buil
     assert tag1.startswith("agentenv/notebook:") and used1 == tag1
     assert builds == [tag1], "the first Runtime builds the env's image"
     id1 = docker_client.images.get(tag1).id
+    # the build says which image, how far, how long, and when all are ready
+    lines = said()
+    assert lines[0] == (f"Building the image of env 'notebook' as {tag1}, image 1 of 1 (once per "
+                        "content of envs/notebook).")
+    assert re.fullmatch(rf"Built {re.escape(tag1)} in \d+\.\ds\.", lines[-2]), lines
+    assert re.fullmatch(r"The images of 1 env\(s\) are ready \(1 built, 0 already there\) after "
+                        r"\d+\.\ds\.", lines[-1]), lines
+    assert all(line.startswith(f"Still building {tag1}: ") for line in lines[1:-2]), lines
 
     tag2, used2 = run(open_and_play("saved"))
     assert builds == [tag1], "a second Runtime on the same content builds nothing"
+    assert said() == [], "and says nothing of images"
     assert (tag2, used2) == (tag1, tag1)
     assert docker_client.images.get(tag1).id == id1, "the image is the very same one"
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -66,6 +67,10 @@ def write_gym_cli(source: str, root: str | Path, state: Path, *flags: str, cwd: 
                           cwd=cwd, env=environ(state), capture_output=True, text=True, timeout=120)
     done.seconds = time.monotonic() - started
     return done
+
+
+# what write-gym says of notes-v1's rows, before the line naming the folder it wrote
+NOTES_ROWS = "data/all.jsonl: 3 rows; data/smoke.jsonl: 1 row\n"
 
 
 # ================================================================ files written
@@ -245,8 +250,10 @@ def url_app(url_written, work):
 
 def test_write_gym_cli_writes_the_server_folder_the_page_lists(written):
     folder, done = written.folder, written.done
-    assert done.stdout == f"wrote {written.root.resolve()}/resources_servers/notes_v1\n"
-    assert done.stderr == ""
+    assert done.stdout == NOTES_ROWS + f"wrote {written.root.resolve()}/resources_servers/notes_v1\n"
+    # how far the deploys have got goes to stderr: one toolset, one line
+    assert re.fullmatch(r"write-gym: listing each toolset's tools: 1/1 \(notebook: deployed "
+                        r"recall-recipe in \d+\.\d\ds\)\n", done.stderr), done.stderr
     assert written_files(folder) == {"app.py", "agentenv.py", "pyproject.toml",
                                      "configs/notes_v1.yaml", "data/all.jsonl", "data/smoke.jsonl"}
     # Gym takes a folder with pyproject.toml or requirements.txt, and refuses one with both
@@ -257,7 +264,7 @@ def test_write_gym_cli_writes_the_server_folder_the_page_lists(written):
     assert (folder / "agentenv.py").read_bytes() == AGENTENV.read_bytes()
     project = tomllib.loads((folder / "pyproject.toml").read_text())
     deps = {d.split(">")[0].split("=")[0].strip().lower() for d in project["project"]["dependencies"]}
-    assert deps == {"aiohttp", "pyyaml", "docker"}
+    assert deps == {"aiohttp", "pyyaml", "docker", "prometheus-client"}
     assert project["project"]["name"] and project["project"]["version"] == agentenv.__version__
     assert project["build-system"]["build-backend"] == "setuptools.build_meta"
     assert set(project["tool"]["setuptools"]["py-modules"]) == {"agentenv", "app"}
@@ -315,7 +322,7 @@ def test_write_gym_in_process_writes_the_same_rows(written, tmp_path):
     target = run(agentenv.write_gym(str(NOTES), str(tmp_path / "root"), max_concurrent_envs=16,
                                     sandbox="local", out=lines.append))
     assert target == (tmp_path / "root").resolve() / "resources_servers" / "notes_v1"
-    assert lines == [f"wrote {target}"]
+    assert lines == [NOTES_ROWS.strip(), f"wrote {target}"]
     for rel in ("data/all.jsonl", "data/smoke.jsonl", "app.py", "agentenv.py", "pyproject.toml"):
         assert (target / rel).read_text() == (written.folder / rel).read_text(), rel
     server = yaml.safe_load((target / "configs/notes_v1.yaml").read_text())["notes_v1"]
@@ -325,7 +332,7 @@ def test_write_gym_in_process_writes_the_same_rows(written, tmp_path):
 def test_write_gym_prints_the_root_as_the_user_gave_it(tmp_path):
     done = write_gym_cli(str(NOTES), "gym-root", tmp_path / "state", "--sandbox", "local", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "wrote gym-root/resources_servers/notes_v1\n"
+    assert done.stdout == NOTES_ROWS + "wrote gym-root/resources_servers/notes_v1\n"
 
 
 def test_gridsim_writes_2200_2000_200_rows_with_one_deploy(tmp_path, monkeypatch):
@@ -436,13 +443,13 @@ def test_a_tool_gym_cant_route_to_is_refused_with_the_fix(tmp_path, name, fix):
     if name == "verify":            # and from the CLI: exit 1, the message on stderr
         done = write_gym_cli(str(bundle), tmp_path / "root", tmp_path / "state", "--sandbox", "local")
         assert done.returncode == 1 and done.stdout == ""
-        assert done.stderr == f"agentenv.py write-gym: {caught.value}\n"
+        assert done.stderr.endswith(f"\nagentenv.py write-gym: {caught.value}\n")
 
 
 # ================================================================ 2. write-gym from a URL
 
 def test_write_gym_from_a_url_names_the_url_and_writes_the_same_rows(url_written, written, serve1):
-    assert url_written.done.stdout == f"wrote {url_written.folder}\n"
+    assert url_written.done.stdout == NOTES_ROWS + f"wrote {url_written.folder}\n"
     server = url_written.config["notes_v1"]["resources_servers"]["notes_v1"]
     assert server["url"] == serve1.url
     assert "bundle" not in server and "max_concurrent_envs" not in server
@@ -678,6 +685,21 @@ def test_aggregate_metrics_answers_gyms_shape(notes_app):
         {"mean/reward": 0.5, "min/reward": 0.0, "max/reward": 1.0, "median/reward": 0.5,
          "num_repeats": 3}
     assert body["agent_metrics"]["std/reward"] == pytest.approx(0.5 ** 0.5)
+
+
+def test_the_written_server_serves_its_metrics_in_prometheus_format(notes_app, url_app):
+    """The resources server write-gym wrote answers GET /metrics (tests/test_metrics.py checks
+    what it counts): in bundle mode with the pool's gauges, in url: mode with its own counters."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for app, pooled in ((notes_app, True), (url_app, False)):
+        with urllib.request.urlopen(app.url + "/metrics") as resp:
+            assert resp.headers.get_content_type() == "text/plain"
+            names = {f.name for f in text_string_to_metric_families(resp.read().decode())}
+        assert {"agentenv_sessions", "agentenv_masked_rollouts", "process_resident_memory_bytes",
+                "agentenv_info"} <= names
+        assert ("agentenv_episodes_live" in names) is pooled
+        assert ("agentenv_deploys" in names) is True        # declared, at 0 until a deploy
 
 
 def test_ng_rollout_prefixed_routes_play_a_rollout(notes_app, written):
