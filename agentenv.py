@@ -2113,6 +2113,25 @@ EPISODE_NETWORK_OPTIONS = {"com.docker.network.bridge.enable_ip_masquerade": "fa
 BRIDGE_PREFIX = "ae-"
 
 
+async def container_exit(sandbox: DockerSandbox, container: Any) -> str | None:
+    """None while a container runs (or the daemon is too busy to say); once it has stopped, a
+    sentence saying how: an env's or a box's, read the same way."""
+    import docker.errors
+    try:
+        await sandbox.call(container.reload, timeout=10)
+    except docker.errors.NotFound:
+        return "its container is gone (removed from outside)"
+    except Exception as exc:                        # noqa: BLE001 - a busy daemon is not a dead env
+        log.info("Could not inspect container %s (%s); taking it to be still up.",
+                 container.short_id, exc)
+        return None
+    state = container.attrs.get("State", {})
+    if state.get("Status") in ("exited", "dead"):
+        return (f"its container exited with code {state.get('ExitCode')}"
+                + (" (killed for running out of memory)" if state.get("OOMKilled") else ""))
+    return None
+
+
 class DockerInstance(Instance):
     """An env's container, published on a random port of 127.0.0.1."""
 
@@ -2125,20 +2144,7 @@ class DockerInstance(Instance):
         if not settle and time.monotonic() - self._checked < 0.5:   # a daemon call twice a second
             return None
         self._checked = time.monotonic()
-        import docker.errors
-        try:
-            await self.sandbox.call(self.container.reload, timeout=10)
-        except docker.errors.NotFound:
-            return "its container is gone (removed from outside)"
-        except Exception as exc:                        # noqa: BLE001 - a busy daemon is not a dead env
-            log.info("Could not inspect container %s (%s); taking it to be still up.",
-                     self.container.short_id, exc)
-            return None
-        state = self.container.attrs.get("State", {})
-        if state.get("Status") in ("exited", "dead"):
-            return (f"its container exited with code {state.get('ExitCode')}"
-                    + (" (killed for running out of memory)" if state.get("OOMKilled") else ""))
-        return None
+        return await container_exit(self.sandbox, self.container)
 
     async def output(self) -> str:
         try:
@@ -2786,18 +2792,7 @@ class DockerBox(Box):
         return said.decode(errors="replace").strip() or "tar failed"
 
     async def stopped(self) -> str | None:
-        import docker.errors
-        try:
-            await self.sandbox.call(self.container.reload, timeout=10)
-        except docker.errors.NotFound:
-            return "its container is gone (removed from outside)"
-        except Exception:                               # noqa: BLE001 - a busy daemon
-            return None
-        state = self.container.attrs.get("State", {})
-        if state.get("Status") in ("exited", "dead"):
-            return (f"its container exited with code {state.get('ExitCode')}"
-                    + (" (killed for running out of memory)" if state.get("OOMKilled") else ""))
-        return None
+        return await container_exit(self.sandbox, self.container)
 
     async def remove(self) -> None:
         await self.sandbox.remove(self.container)
