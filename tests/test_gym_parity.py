@@ -7,8 +7,8 @@ status, body kind (a JSON object, a JSON value, text) and the top-level keys of 
 Gym's own reward profiler (``compute_aggregate_metrics``) on the same verify replies.
 
 Every difference left is a deliberate deviation: it is listed in ``DEVIATIONS`` with exactly what
-each side answers, and a row of the README's "Deliberate deviations" table (first cell
-``gym:<case>``) says why. The test fails on a difference not listed, on a listed one that no
+each side answers, and a row of the README's table "Deliberate deviations from the reference
+servers" (first cell ``gym:<case>``) says why. The test fails on a difference not listed, on a listed one that no
 longer happens as listed, and on a README row with no case here (or a case with no row).
 
 Skipped when the Gym venv isn't built (``bash .ci/gym-venv.sh``); an error instead with
