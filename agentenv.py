@@ -207,27 +207,40 @@ class Settings:
     GYM_KEYS = ("tool_timeout", "reset_timeout", "idle_timeout")
     BUNDLE_KEYS = ("max_concurrent_envs", "deploy_timeout", "bash_timeout", "warm", "warm_env")
 
+    # The settings counted in whole numbers; every other number is seconds.
+    WHOLE_KEYS = ("max_concurrent_envs", "model_retries", "eval_concurrency", "max_steps")
+
+    @classmethod
+    def checked(cls, given: dict[str, Any], said: Callable[[str, Any], str]) -> Settings:
+        """Settings from the values a user gave (None: not given), the others at their defaults.
+        Every way in (serve's flags, build_app's arguments, a Gym config) checks them here, and a
+        bad one raises AgentEnvError naming it as the user wrote it: ``said(key, value)`` (value
+        None: the name alone)."""
+        values: dict[str, Any] = {}
+        for key, value in given.items():
+            if value is None:
+                continue
+            if key == "warm":
+                values[key] = warm_count(value, said(key, value))
+            elif key == "warm_env":                     # its messages quote the value
+                values[key] = warm_envs(value, said(key, None))
+            else:
+                whole = key in cls.WHOLE_KEYS
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                        not math.isfinite(value) or value <= 0 or \
+                        (whole and not float(value).is_integer()):
+                    what = "a whole number of at least 1" if whole else "a positive number of seconds"
+                    raise AgentEnvError(f"{said(key, value)}: it must be {what}, such as "
+                                        f"{_plain(getattr(cls, key))}")
+                values[key] = int(value) if whole else float(value)
+        return cls(**values)
+
     @classmethod
     def from_config(cls, config: dict[str, Any], where: str) -> Settings:
         """The settings a Gym config gives, the others at their defaults; a bad value says so."""
-        given: dict[str, Any] = {}
-        for key in (*cls.GYM_KEYS, *cls.BUNDLE_KEYS):
-            if config.get(key) is None:
-                continue
-            if key == "warm":
-                given[key] = warm_count(config[key], f"warm: {config[key]!r} in {where}")
-                continue
-            if key == "warm_env":
-                given[key] = warm_envs(config[key], f"warm_env in {where}")
-                continue
-            value, whole = config[key], key == "max_concurrent_envs"
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                    not math.isfinite(value) or value <= 0 or (whole and not float(value).is_integer()):
-                what = "whole number of at least 1" if whole else "positive number of seconds"
-                raise AgentEnvError(f"{key}: {value!r} in {where} is not a {what}; set it to one, "
-                                    f"such as {getattr(cls, key):g}")
-            given[key] = int(value) if whole else float(value)
-        return cls(**given)
+        return cls.checked({key: config.get(key) for key in (*cls.GYM_KEYS, *cls.BUNDLE_KEYS)},
+                           lambda key, value: f"{key} in {where}" if value is None else
+                           f"{key}: {value!r} in {where}")
 
     def gym_config(self, bundle: bool) -> dict[str, Any]:
         """The settings as a Gym config writes them (a warm pool only when there is one)."""
@@ -6772,26 +6785,14 @@ def build_app(bundle: str | os.PathLike | collections.abc.Mapping[str, str | os.
     The deadlines are ``serve``'s, in seconds; ``warm`` and ``warm_env`` ({env: count}) are its
     --warm and --warm-env. A bad argument raises AgentEnvError, saying the fix, before anything
     starts."""
-    settings = dataclasses.replace(_settings(
+    settings = Settings.checked(dict(
         max_concurrent_envs=max_concurrent_envs, deploy_timeout=deploy_timeout,
         tool_timeout=tool_timeout, reset_timeout=reset_timeout, idle_timeout=idle_timeout,
         client_timeout=client_timeout, reply_margin=reply_margin,
-        verifier_timeout=verifier_timeout, bash_timeout=bash_timeout),
-        warm=warm_count(warm, f"warm={warm!r}"),
-        warm_env=warm_envs(dict(warm_env or {}), "warm_env"))
+        verifier_timeout=verifier_timeout, bash_timeout=bash_timeout, warm=warm,
+        warm_env=dict(warm_env) if warm_env else None),
+        lambda key, value: key if value is None else f"{key}={value!r}")
     return _server(bundle, reward=reward, sandbox=sandbox, token=token, settings=settings).app
-
-
-def _settings(**given: Any) -> Settings:
-    """Settings from build_app's (or serve's) arguments; AgentEnvError for a value out of range."""
-    for key, value in given.items():
-        whole = key == "max_concurrent_envs"
-        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or \
-                not math.isfinite(value) or value <= 0:
-            what = "a whole number of at least 1" if whole else "a positive number of seconds"
-            raise AgentEnvError(f"{key}={value!r}: it must be {what}, such as "
-                                f"{_plain(getattr(Settings, key))}")
-    return Settings(**given)
 
 
 def _server(bundle: Any, *, reward: str | None, sandbox: str | None, token: str | None,
@@ -7887,18 +7888,12 @@ async def check(folder: str, sandbox: str, reward: str | None, out: Callable[[st
 
 def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
-    for key in SERVE_SETTINGS:
-        if not getattr(args, key) > 0:
-            raise AgentEnvError(f"--{key.replace('_', '-')} must be a positive number of seconds, not "
-                                f"{getattr(args, key)!r}")
     limit = args.max_concurrent_envs or _env_int("MAX_CONCURRENT_ENVS", Settings.max_concurrent_envs)
-    if limit < 1:
-        raise AgentEnvError(f"--max-concurrent-envs (or MAX_CONCURRENT_ENVS) is {limit}; run at "
-                            "least 1 episode at once")
-    settings = dataclasses.replace(
-        _settings(max_concurrent_envs=limit, **{key: getattr(args, key) for key in SERVE_SETTINGS}),
-        warm=warm_count(args.warm, f"--warm {args.warm}"),
-        warm_env=warm_envs(args.warm_env or [], "--warm-env"))
+    flags = {key: getattr(args, key) for key in SERVE_SETTINGS}
+    settings = Settings.checked(
+        {"max_concurrent_envs": limit, **flags, "warm": args.warm, "warm_env": args.warm_env or None},
+        lambda key, value: f"--{key.replace('_', '-')}" + ("" if value is None else f" {value}") + (
+            " (or MAX_CONCURRENT_ENVS)" if key == "max_concurrent_envs" else ""))
     token = args.token or os.environ.get("AGENTENV_TOKEN") or None
     if not is_loopback(args.host) and not token:
         log.warning("Serving on %s with no token: anyone who can reach this port can run the "

@@ -295,13 +295,13 @@ def test_a_gym_config_sets_the_settings_and_the_rest_keep_their_defaults():
 
 
 @pytest.mark.parametrize("key, value, says", [
-    ("tool_timeout", 0, "tool_timeout: 0 in configs/x.yaml is not a positive number of seconds; "
-                        "set it to one, such as 60"),
-    ("deploy_timeout", "soon", "deploy_timeout: 'soon' in configs/x.yaml is not a positive number"),
-    ("reset_timeout", float("nan"), "reset_timeout: nan in configs/x.yaml is not a positive number"),
-    ("max_concurrent_envs", 2.5, "max_concurrent_envs: 2.5 in configs/x.yaml is not a whole number "
-                                 "of at least 1; set it to one, such as 8"),
-    ("max_concurrent_envs", True, "max_concurrent_envs: True in configs/x.yaml is not a whole number"),
+    ("tool_timeout", 0, "tool_timeout: 0 in configs/x.yaml: it must be a positive number of seconds, "
+                        "such as 60"),
+    ("deploy_timeout", "soon", "deploy_timeout: 'soon' in configs/x.yaml: it must be a positive number"),
+    ("reset_timeout", float("nan"), "reset_timeout: nan in configs/x.yaml: it must be a positive number"),
+    ("max_concurrent_envs", 2.5, "max_concurrent_envs: 2.5 in configs/x.yaml: it must be a whole number "
+                                 "of at least 1, such as 8"),
+    ("max_concurrent_envs", True, "max_concurrent_envs: True in configs/x.yaml: it must be a whole number"),
 ])
 def test_a_bad_setting_in_a_gym_config_says_which_and_the_fix(key, value, says):
     with pytest.raises(AgentEnvError) as caught:
@@ -324,6 +324,24 @@ def test_serve_shows_the_settings_defaults_in_its_help(capsys):
         after = text.rsplit(flag + " SECONDS", 1)[1]        # the help, not the usage line
         assert f"({value:g}) --" in after.split(" SECONDS", 1)[0] + " --", (flag, after[:200])
     assert f"MAX_CONCURRENT_ENVS, else {defaults.max_concurrent_envs})" in text
+
+
+@pytest.mark.parametrize("argv, env, says", [
+    (["--tool-timeout", "0"], {}, "--tool-timeout 0.0: it must be a positive number of seconds, such as 60"),
+    (["--bash-timeout", "-3"], {}, "--bash-timeout -3.0: it must be a positive number of seconds"),
+    ([], {"MAX_CONCURRENT_ENVS": "0"}, "--max-concurrent-envs 0 (or MAX_CONCURRENT_ENVS): it must be a "
+                                       "whole number of at least 1, such as 8"),
+    (["--warm", "-1"], {}, "--warm -1 is not a whole number of warm envs (0 or more)"),
+    (["--warm-env", "main"], {}, "--warm-env: main='' is not a whole number of warm envs"),
+])
+def test_serve_refuses_a_bad_setting_before_it_starts_saying_the_flag(make_bundle, monkeypatch, capsys,
+                                                                     argv, env, says):
+    """serve's flags go through the same check as build_app's arguments and a Gym config's keys."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code = agentenv.main(["serve", str(make_bundle({"a": simple()})), "--sandbox", "local", *argv])
+    assert code == 1
+    assert says in capsys.readouterr().err
 
 
 # ================================================================ Metrics and progress
