@@ -11,7 +11,8 @@ The file reads top to bottom in the order data flows; a section uses only the se
 1. Values, errors      the shapes every layer passes on: a Failure (kind, reason), a ToolResult
                         with its status, the Settings with every default, errors that say the fix.
 2. Bundle               loading and checking a bundle: envs, tasks, steps, splits, toolsets, reward.
-3. Sandbox              where an env runs: a Docker container, or a local process.
+3. Sandbox              where an env runs: a Docker container, a local process, or a local
+                        process on the Ray node a placement group picked.
 4. Env client           an MCP client on aiohttp, readiness, and the env's card and extensions.
 5. Verifiers            the two verifier kinds and AgentEnv's score aggregators.
 6. Episode              one play of a task: its steps as a graph (a handler per step type), its
@@ -1725,8 +1726,11 @@ class RayInstance(Instance):
         self.sandbox, self.node, self.key, self.group = sandbox, node, key, group
         self.base_url = base_url
         self._checked = 0.0
+        self._gone: str | None = None         # why the env's host is gone, once it is
 
     async def exited(self, settle: float = 0.0) -> str | None:
+        if self._gone:
+            return self._gone
         if not settle and time.monotonic() - self._checked < 0.25:   # an actor call 4 times a second
             return None
         self._checked = time.monotonic()
@@ -1738,10 +1742,13 @@ class RayInstance(Instance):
                      "still up.", self.node.address, settle + RAY_LIVENESS_TIMEOUT)
             return None
         except Exception as exc:                        # noqa: BLE001 - Ray raises many kinds
-            return f"the host actor of node {self.node.address} is gone ({type(exc).__name__}), " \
-                   "and its envs with it"
+            self._gone = f"the host actor of node {self.node.address} is gone " \
+                         f"({type(exc).__name__}), and its envs with it"
+            return self._gone
 
     async def output(self) -> str:
+        if self._gone:                   # its output went with it; a restarting host is slow to ask
+            return "(its output went with its host actor)"
         try:
             return await self.sandbox.ask(self.node.host.output.remote(self.key), RAY_CALL_TIMEOUT)
         except Exception as exc:                        # noqa: BLE001
@@ -1783,6 +1790,8 @@ class RaySandbox(Sandbox):
         self.Host = host_actor(ray)
         self._view: tuple[float, list[dict[str, Any]]] = (0.0, [])
         self._hosting: dict[str, asyncio.Future] = {}
+        # where the latest envs landed (episode, env, node address), for check to say
+        self.placed: collections.deque[tuple[str, str, str]] = collections.deque(maxlen=256)
 
     @classmethod
     async def connect(cls, owner: str, options: RayOptions) -> RaySandbox:
@@ -1898,6 +1907,7 @@ class RaySandbox(Sandbox):
             raise
         log.info("Episode %s: env %r placed on Ray node %s at %s.", episode[:8], env.name,
                  node.address, url)
+        self.placed.append((episode, env.name, node.address))
         return RayInstance(self, node, key, url, group)
 
     async def _placed(self, env: EnvSpec, group: Any, want: dict[str, float]) -> RayNode:
@@ -4722,15 +4732,24 @@ async def check(folder: str, sandbox: str, reward: str | None, out: Callable[[st
         out(f"  ... and {len(bundle.tasks) - len(shown)} more")
     async with Runtime(bundle, sandbox=sandbox, ray=ray) as runtime:
         out(f"sandbox: {runtime.sandbox.kind}")
+        placed = getattr(runtime.sandbox, "placed", None)
+        if isinstance(runtime.sandbox, RaySandbox):
+            out(f"nodes of the Ray cluster at {runtime.sandbox.options.address}:")
+            for node in runtime.sandbox.nodes.values():
+                out(f"  {node.address}  " + ", ".join(
+                    f"{k} {_amount(k, v)}" for k, v in sorted(node.resources.items())
+                    if not k.startswith(("node:", "object_store"))))
         out("toolsets:")
         failed = []
         for toolset, tasks in bundle.toolsets.items():
-            started = time.monotonic()
+            started, before = time.monotonic(), len(placed or ())
             try:
                 tools = await runtime.first_turn_tools(tasks[0], "check is done")
                 shown = ", ".join(t["name"] for t in tools) or "(none)"
+                where = "" if placed is None else " on " + ", ".join(
+                    f"{env} at {address}" for _, env, address in list(placed)[before:])
                 out(f"  {toolset.name} ({len(tasks)} task{'s' if len(tasks) != 1 else ''}), played "
-                    f"with {tasks[0].name} in {time.monotonic() - started:.2f}s: {shown}")
+                    f"with {tasks[0].name}{where} in {time.monotonic() - started:.2f}s: {shown}")
             except EpisodeFailed as exc:
                 failed.append(toolset.name)
                 out(f"  {toolset.name}: the episode of {tasks[0].name} failed: {exc}")

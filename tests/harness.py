@@ -190,6 +190,7 @@ class LoopbackNamespace:
             raise NamespaceUnavailable(f"unshare --net did not make a namespace: {said or 'no output'}"
                                        f"{(' ' + self.holder.stdout.read().decode(errors='replace')).rstrip()}")
         self.path = f"/proc/{self.holder.pid}/ns/net"
+        self.inode = os.readlink(self.path)      # the namespace, even once its holder is gone
 
     def argv(self, argv: list[str]) -> list[str]:
         return ["nsenter", f"--net={self.path}", "--", *argv]
@@ -226,12 +227,11 @@ class LoopbackNamespace:
 
     def processes(self) -> list[int]:
         """Every live process in the namespace but its holder (all of them ours: we made it)."""
-        inode = os.readlink(self.path)
-        return [pid for pid in in_namespace(inode) if pid != self.holder.pid]
+        return [pid for pid in in_namespace(self.inode) if pid != self.holder.pid]
 
     def sweep(self) -> list[int]:
         """SIGKILL every process left in the namespace (Ray's, say); the pids it killed."""
-        return kill_namespace(os.readlink(self.path))
+        return kill_namespace(self.inode)
 
     def close(self) -> None:
         self.sweep()
@@ -313,11 +313,8 @@ class RayCluster:
         self.nodes: list[tuple[str, subprocess.Popen, Path]] = []
         self.resources = resources or {}
         try:
-            self._start(0, start_within)
-            for n in range(1, workers + 1):
-                self._spawn(n)
-            for n in range(1, workers + 1):
-                self._ready(n, start_within)
+            for n in range(workers + 1):      # one at a time: together they load the machine more
+                self._start(n, start_within)
         except BaseException:
             self.close()
             raise
@@ -340,9 +337,9 @@ class RayCluster:
 
     def _spawn(self, n: int) -> None:
         log = self.folder / f"ray-node-{n}.log"
-        proc = subprocess.Popen(self._argv(n), env=self.env, stdin=subprocess.DEVNULL,
-                                stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        with open(log, "w") as out:
+            proc = subprocess.Popen(self._argv(n), env=self.env, stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.nodes.append((f"127.0.0.{n + 1}", proc, log))
 
     def _ready(self, n: int, within: float) -> bool:
@@ -359,16 +356,19 @@ class RayCluster:
         return True
 
     def _start(self, n: int, within: float) -> None:
-        """The head, tried up to five times: on a loaded machine a node may miss Ray's own 30 s
-        start-up deadline."""
+        """Node n, tried up to five times: on a loaded machine a node may miss Ray's own 30 s
+        start-up deadline (hard-coded in Ray 2.60), and then its ``ray start`` exits."""
         for attempt in range(5):
             self._spawn(n)
             if self._ready(n, within):
                 return
             tail = self.nodes[n][2].read_text(errors="replace")[-2000:]
             self.nodes.pop()
-            kill_namespace(self.inode, spare=self._ancestors())
-        raise AssertionError(f"the Ray head did not start in five tries:\n{tail}")
+            for pid in self.node_pids(n):     # what the failed start left of the node
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(f"/tmp/ae-ray-{os.getpid()}-{n}", ignore_errors=True)
+        raise AssertionError(f"Ray node {n} did not start in five tries:\n{tail}")
 
     @staticmethod
     def _ancestors() -> set[int]:

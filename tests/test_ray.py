@@ -46,9 +46,8 @@ GROCERIES = {"title": "groceries", "text": "eggs and milk"}
 if os.environ.get(INSIDE) != "1":
     def test_the_ray_suite_in_a_loopback_only_namespace(tmp_path):
         """Re-run this module inside a fresh loopback-only namespace, where Ray may run."""
-        try:
-            import ray  # noqa: F401
-        except ImportError:
+        import importlib.util
+        if importlib.util.find_spec("ray") is None:
             ray_unavailable("Ray is not installed: these tests need it; pip install -e '.[ray]'")
         try:
             namespace = LoopbackNamespace()
@@ -56,7 +55,7 @@ if os.environ.get(INSIDE) != "1":
             ray_unavailable(f"no loopback-only network namespace can be made here ({exc}): Ray "
                             "runs only in one; run the tests as root where unshare --net works")
         try:
-            argv = namespace.argv([sys.executable, "-m", "pytest", __file__, "-x", "-q", "-ra",
+            argv = namespace.argv([sys.executable, "-m", "pytest", __file__, "-x", "-q", "-s", "-ra",
                                    "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'inside'}"])
             started = time.monotonic()
             done = subprocess.run(argv, cwd=REPO, env={**os.environ, INSIDE: "1",
@@ -171,6 +170,9 @@ else:
         async def wave_gym(http):
             rollouts = [Gym(server.url, row, http, strict=True) for _ in range(3)]
             await asyncio.gather(*(r.seed() for r in rollouts))
+            # a seed answers at once; the first call waits for the deploy
+            for reply in await asyncio.gather(*(r.call("list_notes") for r in rollouts)):
+                assert reply.text == "(no notes)", reply.text
             seen.append(set(hosts(server).values()))
             for r in rollouts:
                 assert (await r.call("write_note", **GROCERIES)).text == "saved note 'groceries'"
@@ -233,6 +235,7 @@ else:
             async with client(180) as http:
                 victim = Gym(server.url, row, http, strict=True)
                 await victim.seed()
+                assert (await victim.call("list_notes")).text == "(no notes)"
                 [(env, address)] = hosts(server).items()
                 actor = int(Path(f"/proc/{env}/stat").read_text().rsplit(")", 1)[1].split()[1])
                 assert Path(f"/proc/{actor}/cmdline").read_bytes().startswith(b"ray::EnvHost")
@@ -243,9 +246,9 @@ else:
                 masked = (await victim.verify()).json()
                 took = time.monotonic() - killed
                 again = await asyncio.gather(*(gym_play(server.url, row, http) for _ in range(3)))
-                return address, after, masked, took, again, hosts
+                return address, after, masked, took, again
 
-        address, after, masked, took, again, _ = run(go(), 300)
+        address, after, masked, took, again = run(go(), 300)
         assert after.startswith("error: the environment failed: write_note failed because the env "
                                 "failed"), after
         assert masked["mask_sample"] is True and masked["failure_kind"] == "transport_peer_drop", masked
@@ -263,8 +266,10 @@ else:
                 victim, sibling = Gym(server.url, row, http, strict=True), \
                     Gym(server.url, row, http, strict=True)
                 await victim.seed()
+                assert (await victim.call("list_notes")).text == "(no notes)"
                 [env] = hosts(server)
                 await sibling.seed()
+                assert (await sibling.call("list_notes")).text == "(no notes)"
                 os.kill(env, signal.SIGKILL)
                 wait_until(lambda: not alive(env), 5, "the killed env is dead")
                 after = (await victim.call("write_note", **GROCERIES)).text
@@ -295,7 +300,8 @@ else:
                     seeded, fine = await asyncio.gather(
                         greedy.post("/seed_session", greedy.row, cookie=None),
                         gym_play(served.url, rows["save-groceries"], http))
-                    return seeded, time.monotonic() - started, fine, (await greedy.verify()).json()
+                    masked = (await greedy.verify()).json()
+                    return seeded, time.monotonic() - started, fine, masked
 
             seeded, took, fine, masked = run(go(), 200)
             assert (fine["reward"], fine["mask_sample"]) == (1.0, False), fine
@@ -322,3 +328,18 @@ else:
                                  env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1"})
         assert checked.returncode == 1 and "no Ray cluster answers at 127.0.0.1:1" in checked.stderr, \
             checked.stderr
+
+    def test_check_prints_the_nodes_and_where_each_probe_ran(cluster, tmp_path):
+        done = subprocess.run([sys.executable, str(AGENTENV), "check", str(NOTES), "--sandbox", "ray",
+                               "--ray-address", cluster.address], cwd=REPO, capture_output=True,
+                              text=True, timeout=300,
+                              env={**os.environ, "AGENTENV_STATE_DIR": str(tmp_path / "state")})
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines = done.stdout.splitlines()
+        assert f"nodes of the Ray cluster at {cluster.address}:" in lines, done.stdout
+        for address in NODES:
+            assert any(line.startswith(f"  {address}  ") and "CPU 1" in line for line in lines), \
+                done.stdout
+        [probe] = [line for line in lines if line.startswith("  notebook (3 tasks), played with ")]
+        assert any(f" on notebook at {address} in " in probe for address in NODES), probe
+        assert lines[-1] == "ok: every toolset deployed, and every env was torn down"
