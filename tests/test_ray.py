@@ -10,9 +10,10 @@ installed or no namespace can be made; with AGENTENV_REQUIRE_RAY=1 (CI) it fails
 
 Inside, the cluster and one ``serve --sandbox ray`` start once for the module: rows of notes-v1
 play on both wires with envs on every node, more episodes than the cluster's CPUs wait and all
-score, and the faults (a host actor killed, an env killed, a placement no node can meet, an
-unreachable cluster) are each masked or refused with a reason; at the end nothing is left: no
-env process, no host actor, no placement group.
+score, ``check`` prints the nodes and where its probe ran, and the faults (a host actor killed, an
+env killed, a placement no node can meet, an unreachable cluster, and last a worker's raylet
+killed) are each masked or refused with a reason; at the end nothing is left: no env process, no
+host actor, no placement group. The whole module takes about two minutes here.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ if str(REPO) not in sys.path:
 from tests.harness import (Gym, LoopbackNamespace, NamespaceUnavailable, RayCluster,  # noqa: E402
                            Server, alive, client, copy_bundle, gym_rows, in_namespace,
                            ray_unavailable, run, running, wait_until)
+
+import agentenv  # noqa: E402
 
 NOTES = REPO / "bundles" / "notes-v1"
 AGENTENV = REPO / "agentenv.py"
@@ -155,7 +158,6 @@ else:
             return last["data"]
 
     def save_at() -> int:
-        import agentenv
         return [t.name for t in agentenv.Bundle.load(NOTES).splits["all"]].index("save-groceries")
 
     # ============================================================ playing
@@ -343,3 +345,47 @@ else:
         [probe] = [line for line in lines if line.startswith("  notebook (3 tasks), played with ")]
         assert any(f" on notebook at {address} in " in probe for address in NODES), probe
         assert lines[-1] == "ok: every toolset deployed, and every env was torn down"
+
+    def test_a_worker_raylet_killed_masks_only_its_rollouts_within_15s(cluster, server, monkeypatch):
+        """SIGKILL the raylet of the node at 127.0.0.3 while a rollout lives on each node: that
+        node's rollout is masked within 15 s (its host actor and env go with the node), the two on
+        the other nodes score 1.0, and a rollout started afterwards scores on a node still up.
+        (The last test of the module: the cluster has two nodes after it.)"""
+        row = gym_rows(NOTES)["save-groceries"]
+
+        async def go():
+            async with client(180) as http:
+                rollouts = [Gym(server.url, row, http, strict=True) for _ in range(3)]
+                await asyncio.gather(*(r.seed() for r in rollouts))
+                for reply in await asyncio.gather(*(r.call("list_notes") for r in rollouts)):
+                    assert reply.text == "(no notes)", reply.text
+                assert set(hosts(server).values()) == NODES
+                by_host = {address: pid for pid, address in hosts(server).items()}
+                [raylet] = [pid for pid in cluster.node_pids(2)
+                            if b"/raylet" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]]
+                os.kill(raylet, signal.SIGKILL)
+                killed = time.monotonic()
+                wait_until(lambda: not alive(by_host["127.0.0.3"]), 15, "the env on the dead node died")
+                outcomes = await asyncio.gather(*(r.call("write_note", **GROCERIES) for r in rollouts))
+                bodies = [(await r.verify()).json() for r in rollouts]
+                took = time.monotonic() - killed
+                after = await gym_play(server.url, row, http)
+                return outcomes, bodies, took, after
+
+        outcomes, bodies, took, after = run(go(), 300)
+        masked = [b for b in bodies if b["mask_sample"]]
+        scored = [b for b in bodies if not b["mask_sample"]]
+        assert len(masked) == 1 and masked[0]["failure_kind"] == "transport_peer_drop", bodies
+        assert [b["reward"] for b in scored] == [1.0, 1.0], bodies
+        assert sum(o.text == "saved note 'groceries'" for o in outcomes) == 2, [o.text for o in outcomes]
+        assert took < 15, f"the rollout on the dead node was masked {took:.1f}s after its raylet died"
+        assert (after["reward"], after["mask_sample"]) == (1.0, False), after
+        wait_until(lambda: not server.env_pids(), 30, "no env process of the server is left")
+        # The dead node's host could not remove its env's record; the next host on that node
+        # sweeps it at its start, as here (on one machine the nodes share the state folder).
+        left = server.records()
+        assert len(left) == 1 and all(agentenv.owner_alive(r.parent.name) is False
+                                      for r in left.values()), left
+        monkeypatch.setenv("AGENTENV_STATE_DIR", str(server.state))
+        agentenv.LocalSandbox(agentenv.owner_id())._sweep()
+        assert not server.records()
