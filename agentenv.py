@@ -2861,7 +2861,8 @@ class Runtime:
                  verifier_timeout: float = Settings.verifier_timeout, knob: str = SERVE_KNOB,
                  ray: RayOptions | None = None):
         self.bundle, self.sandbox_kind = bundle, sandbox
-        self.ray = dataclasses.replace(ray or RayOptions(), deploy_timeout=deploy_timeout)
+        self.ray = dataclasses.replace(ray or RayOptions(RayOptions.address_from(None)),
+                                       deploy_timeout=deploy_timeout)
         self.pool = Pool(max_concurrent_envs, knob)
         self.deploy_timeout, self.verifier_timeout = deploy_timeout, verifier_timeout
         self.owner = owner_id()
@@ -4876,7 +4877,7 @@ def command_line() -> argparse.ArgumentParser:
     writer.add_argument("--max-concurrent-envs", type=int, default=None, metavar="N",
                         help="with a bundle: episodes the resources server runs at once "
                              f"({Settings.max_concurrent_envs})")
-    writer.add_argument("--sandbox", choices=("auto", "docker", "local"), default="auto",
+    writer.add_argument("--sandbox", choices=("auto", "docker", "local", "ray"), default="auto",
                         help="with a bundle: where its envs run")
     writer.add_argument("--reward", metavar="STEP", default=None,
                         help="with a bundle: the scoring step whose score is the reward")

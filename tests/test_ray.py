@@ -35,7 +35,7 @@ if str(REPO) not in sys.path:
 
 from tests.harness import (Gym, LoopbackNamespace, NamespaceUnavailable, RayCluster,  # noqa: E402
                            Server, alive, client, copy_bundle, gym_rows, in_namespace,
-                           ray_unavailable, run, running, wait_until)
+                           ray_unavailable, resources_config, run, running, wait_until)
 
 import agentenv  # noqa: E402
 
@@ -345,6 +345,25 @@ else:
         [probe] = [line for line in lines if line.startswith("  notebook (3 tasks), played with ")]
         assert any(f" on notebook at {address} in " in probe for address in NODES), probe
         assert lines[-1] == "ok: every toolset deployed, and every env was torn down"
+
+    def test_the_gym_resources_server_with_sandbox_ray_joins_the_cluster_gym_names(cluster, tmp_path):
+        """The resources server as NeMo Gym starts it, in bundle: mode with sandbox: ray and no
+        RAY_ADDRESS: it joins the cluster at the ray_head_node_address of Gym's config, and a
+        rollout scores 1.0 on an env placed on a node of it."""
+        config = resources_config("notes_v1", bundle=str(NOTES), sandbox="ray")
+        config["ray_head_node_address"] = cluster.address          # as Gym passes it, top level
+        assert "RAY_ADDRESS" not in os.environ
+        with running(Server.gym(tmp_path, config)) as served:
+            async def go():
+                async with client(180) as http:
+                    return await gym_play(served.url, gym_rows(NOTES)["save-groceries"], http)
+
+            body = run(go(), 200)
+            assert (body["reward"], body["mask_sample"]) == (1.0, False), body
+            assert "envs in the ray sandbox" in served.log()
+            assert any(f" placed on Ray node {address} " in served.log() for address in NODES)
+            served.no_envs(30)
+
 
     def test_a_worker_raylet_killed_masks_only_its_rollouts_within_15s(cluster, server, monkeypatch):
         """SIGKILL the raylet of the node at 127.0.0.3 while a rollout lives on each node: that
