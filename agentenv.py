@@ -14,8 +14,9 @@ The file reads top to bottom in the order data flows; a section uses only the se
 2. Bundle               loading and checking a bundle: envs, artifacts, skills, tasks, steps (a
                         check per step type), splits, toolsets, reward.
 3. Sandbox              where an env runs (a Docker container on a network that reaches nothing
-                        it should not, or a local process), and the boxes the agent works in
-                        with bash (a container of its own, or a work folder).
+                        it should not, a local process, or a local process on the Ray node a
+                        placement group picked), and the boxes the agent works in with bash
+                        (a container of its own, or a work folder).
 4. Env client           an MCP client on aiohttp, readiness, the env's card and extensions; bash.
 5. Verifiers            the verifier kinds (an env's outcome, a reply, a box's state, unit tests)
                         and AgentEnv's score aggregators.
@@ -1749,6 +1750,7 @@ class Sandbox(abc.ABC):
     """Where envs run. ``prepare`` once at start-up, ``launch`` per env per episode, then ``close``."""
 
     kind = ""
+    gates_its_boots = False     # True where the sandbox bounds its own envs' boots (Ray: per node)
 
     def __init__(self, owner: str):
         self.owner = owner
@@ -1815,10 +1817,10 @@ class LocalInstance(Instance):
     (its TMPDIR and database); its output kept in a ring."""
 
     def __init__(self, proc: asyncio.subprocess.Process, port: int, record: Path, scratch: Path,
-                 release: Callable[[], None] = lambda: None):
+                 release: Callable[[], None] = lambda: None, host: str = "127.0.0.1"):
         self.proc, self.port, self.record, self.scratch = proc, port, record, scratch
         self.release = release
-        self.base_url = f"http://127.0.0.1:{port}"
+        self.base_url = f"http://{host}:{port}"
         self.lines: collections.deque[str] = collections.deque(maxlen=OUTPUT_LINES)
         self.reader = asyncio.create_task(self._read())
 
@@ -1880,12 +1882,15 @@ class LocalSandbox(Sandbox):
 
     It is the embedded default where no Docker daemon answers: no isolation, but the same wire.
     Every process is recorded under the state folder, so the next start kills what a crash left.
+    ``host`` is the address envs bind (a Ray node's own, say); with ``die_with_parent`` each env
+    is killed by Linux the moment the thread that started it ends (a Ray host actor killed).
     """
 
     kind = "local"
 
-    def __init__(self, owner: str):
+    def __init__(self, owner: str, host: str = "127.0.0.1", die_with_parent: bool = False):
         super().__init__(owner)
+        self.host, self.die_with_parent = host, die_with_parent
         self.records = state_dir() / "local" / owner
         self.ports: set[int] = set()        # handed to envs still running: never handed twice
 
@@ -1932,9 +1937,9 @@ class LocalSandbox(Sandbox):
         return killed
 
     async def launch(self, env: EnvSpec, episode: str, limits: dict[str, Any]) -> Instance:
-        port = free_port()
+        port = free_port(self.host)
         while port in self.ports:             # the kernel hands a closed port out again at once
-            port = free_port()
+            port = free_port(self.host)
         self.ports.add(port)                  # taken now: another launch may be under way
         try:
             return await self._launch(env, port)
@@ -1954,12 +1959,13 @@ class LocalSandbox(Sandbox):
         environ = {**{k: v for k, v in os.environ.items() if k != "AGENTENV_TOKEN"}, **env.image_env,
                    "AGENTENV_OWNER": self.owner,
                    "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-                   "ENVIRONMENT_NAME": env.environment_name, "MCP_HOST": "127.0.0.1",
+                   "ENVIRONMENT_NAME": env.environment_name, "MCP_HOST": self.host,
                    "MCP_PORT": str(port), "PYTHONUNBUFFERED": "1", "TMPDIR": str(scratch),
                    "DATABASE_URL": f"sqlite:///{scratch}/{env.environment_name}.sqlite"}
         spawn = asyncio.create_subprocess_exec(
             *command, cwd=env.folder, env=environ, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+            preexec_fn=die_with_parent if self.die_with_parent else None)
 
         def kill(proc: asyncio.subprocess.Process) -> None:
             with contextlib.suppress(ProcessLookupError):
@@ -1976,7 +1982,16 @@ class LocalSandbox(Sandbox):
             raise
         record = self.records / str(proc.pid)
         record.write_text(_process_start(proc.pid))
-        return LocalInstance(proc, port, record, scratch, lambda: self.ports.discard(port))
+        return LocalInstance(proc, port, record, scratch, lambda: self.ports.discard(port), self.host)
+
+
+def die_with_parent() -> None:
+    """In a child between fork and exec: have Linux SIGKILL it when the thread that started it
+    ends. An env in a session of its own escapes its parent's process group, so this is what
+    ties it to its parent's life."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
     async def prepare_box(self) -> None:
         log.warning("The agent's boxes are work folders on this machine (--sandbox local): its "
@@ -2018,8 +2033,8 @@ def wait_for_children_by_pidfd() -> None:
 LOCAL_PORTS_FROM = 20000          # local envs listen from here up to the ephemeral range
 
 
-def free_port() -> int:
-    """A loopback port that nothing holds, below the kernel's ephemeral range where it can.
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port of ``host`` that nothing holds, below the kernel's ephemeral range where it can.
 
     The kernel takes a connection's source port from the ephemeral range, so a port picked there
     can be taken by any client's connection before the env binds it (6 of 30,000 deploys failed
@@ -2029,10 +2044,10 @@ def free_port() -> int:
         for _ in range(64) if ephemeral - LOCAL_PORTS_FROM >= 1000 else ():
             port = random.randrange(LOCAL_PORTS_FROM, ephemeral)
             with socket.socket() as sock, contextlib.suppress(OSError):
-                sock.bind(("127.0.0.1", port))
+                sock.bind((host, port))
                 return port
     with socket.socket() as sock:                 # no such range here: the kernel's choice
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
@@ -2940,14 +2955,458 @@ class LocalBox(Box):
         await asyncio.to_thread(shutil.rmtree, self.folder, True)
 
 
-async def open_sandbox(kind: str, owner: str) -> Sandbox:
-    """The sandbox ``--sandbox`` names; ``auto`` is Docker when a daemon answers, else local."""
+# -- Ray: envs placed across a cluster
+#
+# Ray places, nothing of ours schedules: each episode's env gets a placement group sized by its
+# deploy_env step, Ray picks a node with room (or queues it while the cluster is full), and the
+# node's host actor (one per node, long-lived, no CPU of its own) starts the env there as a local
+# process bound to the node's address. Tool calls then go straight to that address; only the
+# env's liveness and output go through the actor. Docker on each node is for a later change.
+
+RAY_INSTALL = "pip install 'agentenv-py[ray]' (or: pip install 'ray[default]>=2.50,<3')"
+RAY_ENV_CPU = 1.0                 # a deploy_env step's cpu when it names none: Ray's task default
+RAY_ENV_MEMORY_MB = 256           # its memory_mb when it names none (placement bookkeeping only)
+RAY_RESOURCE_SHARE = 0.001        # of --ray-resource each env asks, so declaring 1 marks a node
+RAY_CONNECT_TIMEOUT = 30.0        # joining the cluster at start-up
+RAY_CALL_TIMEOUT = 10.0           # a call to a host actor (output, a port's owner)
+RAY_LIVENESS_TIMEOUT = 2.0        # a host's answer whether an env still runs (else: taken as up)
+RAY_BOOT_HOLD = 10.0              # a boot stops counting against its node's gate after this
+
+
+@dataclasses.dataclass(frozen=True)
+class RayOptions:
+    """Where the Ray sandbox finds its cluster and nodes: the cluster's address, the custom
+    resource that marks env nodes (none: any node with CPUs), and the deploy deadline a placement
+    no node can ever meet is given before it fails."""
+
+    address: str = "auto"
+    resource: str | None = None
+    deploy_timeout: float = Settings.deploy_timeout
+
+    @staticmethod
+    def address_from(given: str | None, gym: str | None = None) -> str:
+        """``--ray-address``, else RAY_ADDRESS, else the ray_head_node_address Gym passes, else
+        ``auto`` (the cluster this machine's ``ray start`` made)."""
+        return given or os.environ.get("RAY_ADDRESS") or gym or "auto"
+
+
+def env_archive(env: EnvSpec) -> bytes:
+    """An env's folder as a gzipped tar, for a node that may not share this machine's files."""
+    import io
+    import tarfile
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        tar.add(env.folder, arcname=".", filter=lambda i: None if "__pycache__" in i.name else i)
+    return buffer.getvalue()
+
+
+def node_env(env: dict[str, Any], archive: bytes) -> EnvSpec:
+    """On a node: an env's spec, its folder unpacked once per content under the state folder."""
+    import io
+    import tarfile
+    folder = state_dir() / "ray-envs" / f"{env['name']}-{env['digest']}"
+    if not folder.is_dir():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        unpacking = Path(tempfile.mkdtemp(prefix=".unpacking-", dir=folder.parent))
+        with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
+            tar.extractall(unpacking, filter="data")
+        try:
+            unpacking.rename(folder)
+        except OSError:                       # another host on this machine unpacked it first
+            shutil.rmtree(unpacking, ignore_errors=True)
+    return EnvSpec(**{**env, "folder": folder, "dockerfile": folder / env["dockerfile"]})
+
+
+class EnvHost:
+    """A node's host actor, run by Ray on that node: the local sandbox there, its envs by key, and
+    the node's boot gate (sized by the node's cores, held until an env listens).
+
+    Ray runs it from this file's own text (``host_actor``), so a node needs Ray, not agentenv.py;
+    it lives as long as the server's connection to the cluster, and its envs die with it."""
+
+    def __init__(self, address: str, envs: dict[str, tuple[dict[str, Any], bytes]],
+                 state: str | None):
+        if state:
+            os.environ["AGENTENV_STATE_DIR"] = state
+        self.address, self.cores = address, os.cpu_count() or 2
+        self.sandbox = LocalSandbox(owner_id(), host=address, die_with_parent=True)
+        swept = self.sandbox._sweep()          # what a host of an earlier run left on this node
+        if swept:
+            log.warning("Killed %d env process group(s) that an earlier host on node %s left.",
+                        swept, address)
+        self.envs = {name: node_env(spec, archive) for name, (spec, archive) in envs.items()}
+        self.instances: dict[str, LocalInstance] = {}
+        self.boot_slots = 2 * self.cores     # as the runtime's own gate is sized on one machine
+        self.gate = asyncio.Semaphore(self.boot_slots)
+
+    async def node(self) -> dict[str, Any]:
+        """What the node is: its address, its cores, its boot gate, the envs it can start."""
+        return {"address": self.address, "cores": self.cores, "boot_slots": self.boot_slots,
+                "pid": os.getpid(), "envs": sorted(self.envs)}
+
+    async def launch(self, env: str, episode: str, limits: dict[str, Any]) -> tuple[str, str]:
+        """Start an env; its key and base URL, once it listens (or has had the gate's hold)."""
+        async with self.gate:
+            instance = await self.sandbox.launch(self.envs[env], episode, limits)
+            key = uuid.uuid4().hex
+            self.instances[key] = instance
+            deadline = time.monotonic() + RAY_BOOT_HOLD
+            while time.monotonic() < deadline and instance.proc.returncode is None and \
+                    not listens(instance.proc.pid, instance.port):
+                await asyncio.sleep(0.02)     # polling: a port being bound sends no event
+        return key, instance.base_url
+
+    async def exited(self, key: str, settle: float = 0.0) -> str | None:
+        instance = self.instances.get(key)
+        if instance is None:
+            return "its node's host actor restarted, and the envs it ran went with the old one"
+        return await instance.exited(settle)
+
+    async def output(self, key: str) -> str:
+        instance = self.instances.get(key)
+        return await instance.output() if instance else ""
+
+    async def answers_itself(self, key: str) -> bool:
+        instance = self.instances.get(key)
+        return instance is not None and await instance.answers_itself()
+
+    async def remove(self, key: str) -> None:
+        if instance := self.instances.pop(key, None):
+            await instance.remove()
+
+    async def live(self) -> int:
+        return len(self.instances)
+
+
+def host_actor(ray: Any) -> Any:
+    """EnvHost as a Ray actor class that runs this file's text on its node: nodes need not have
+    agentenv.py (or the same copy), and the class pickles by value. No CPU of its own; restarted
+    in place if its process dies, on that node only."""
+    source = Path(__file__).read_text()
+
+    class NodeHost:
+        def __init__(self, *args: Any) -> None:
+            import types
+            module = types.ModuleType("agentenv_node")
+            module.__file__ = "agentenv.py"
+            sys.modules[module.__name__] = module      # dataclasses look their module up
+            exec(compile(source, "agentenv.py", "exec"), module.__dict__)
+            self.host = module.EnvHost(*args)
+
+    for name in ("node", "launch", "exited", "output", "answers_itself", "remove", "live"):
+        async def forward(self: Any, *args: Any, _name: str = name) -> Any:
+            return await getattr(self.host, _name)(*args)
+        forward.__name__ = name
+        setattr(NodeHost, name, forward)
+    NodeHost.__name__ = NodeHost.__qualname__ = "EnvHost"
+    return ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(NodeHost)
+
+
+@dataclasses.dataclass
+class RayNode:
+    """A node of the cluster as the sandbox sees it: its id, address, resources, its host."""
+
+    id: str
+    address: str
+    resources: dict[str, float]
+    host: Any = None
+    facts: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class RayInstance(Instance):
+    """An env on a Ray node: reached straight at the node's address; its liveness, output and
+    removal asked of the node's host actor, each within a deadline; its placement group freed
+    with it."""
+
+    def __init__(self, sandbox: RaySandbox, node: RayNode, key: str, base_url: str, group: Any):
+        self.sandbox, self.node, self.key, self.group = sandbox, node, key, group
+        self.base_url = base_url
+        self._checked = 0.0
+        self._gone: str | None = None         # why the env's host is gone, once it is
+
+    async def exited(self, settle: float = 0.0) -> str | None:
+        if self._gone:
+            return self._gone
+        if not settle and time.monotonic() - self._checked < 0.25:   # an actor call 4 times a second
+            return None
+        self._checked = time.monotonic()
+        try:
+            return await self.sandbox.ask(self.node.host.exited.remote(self.key, settle),
+                                          settle + RAY_LIVENESS_TIMEOUT)
+        except asyncio.TimeoutError:
+            log.info("The host actor of node %s did not answer within %gs; taking its env to be "
+                     "still up.", self.node.address, settle + RAY_LIVENESS_TIMEOUT)
+            return None
+        except Exception as exc:                        # noqa: BLE001 - Ray raises many kinds
+            self._gone = f"the host actor of node {self.node.address} is gone " \
+                         f"({type(exc).__name__}), and its envs with it"
+            return self._gone
+
+    async def output(self) -> str:
+        if self._gone:                   # its output went with it; a restarting host is slow to ask
+            return "(its output went with its host actor)"
+        try:
+            return await self.sandbox.ask(self.node.host.output.remote(self.key), RAY_CALL_TIMEOUT)
+        except Exception as exc:                        # noqa: BLE001
+            return f"(its output could not be read from node {self.node.address}: " \
+                   f"{type(exc).__name__})"
+
+    async def answers_itself(self) -> bool:
+        try:
+            return await self.sandbox.ask(self.node.host.answers_itself.remote(self.key),
+                                          RAY_CALL_TIMEOUT)
+        except Exception:                               # noqa: BLE001 - a busy host is not a taken port
+            return True
+
+    async def remove(self) -> None:
+        try:
+            await self.sandbox.ask(self.node.host.remove.remote(self.key), 30)
+        except Exception as exc:                        # noqa: BLE001 - a dead host took its envs along
+            log.info("Node %s's host could not remove env %s (%s); its envs die with it.",
+                     self.node.address, self.key[:8], type(exc).__name__)
+        finally:
+            await self.sandbox.release(self.group)
+
+
+class RaySandbox(Sandbox):
+    """Runs envs across a Ray cluster: a host actor per node, a placement group per env.
+
+    Ray queues a placement while the cluster is full; one no live node could ever meet fails
+    after the deploy deadline. The actors are not detached, so they (and their envs) end with
+    this server's connection to the cluster, even on SIGKILL."""
+
+    kind = "ray"
+    gates_its_boots = True
+
+    def __init__(self, owner: str, ray: Any, options: RayOptions):
+        super().__init__(owner)
+        self.ray, self.options = ray, options
+        self.nodes: dict[str, RayNode] = {}
+        self.envs: Any = None                 # the env folders, in the object store once
+        self.Host = host_actor(ray)
+        self._view: tuple[float, list[dict[str, Any]]] = (0.0, [])
+        self._hosting: dict[str, asyncio.Future] = {}
+        # where the latest envs landed (episode, env, node address), for check to say
+        self.placed: collections.deque[tuple[str, str, str]] = collections.deque(maxlen=256)
+
+    @classmethod
+    async def connect(cls, owner: str, options: RayOptions) -> RaySandbox:
+        try:
+            import ray
+        except ImportError:
+            raise AgentEnvError(f"--sandbox ray needs Ray installed in this Python: {RAY_INSTALL}"
+                                ) from None
+        address = options.address
+        fix = ("start the cluster (ray start --head on one machine, ray start --address=HEAD:PORT "
+               "on the others), or pass its address with --ray-address (or RAY_ADDRESS)")
+        if address != "auto" and not await _answers(address):
+            raise AgentEnvError(f"no Ray cluster answers at {address}: nothing listens there; {fix}")
+        try:
+            await asyncio.wait_for(in_daemon_thread(lambda: ray.init(
+                address=address, log_to_driver=False, logging_level=logging.WARNING,
+                configure_logging=False)), RAY_CONNECT_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise AgentEnvError(f"the Ray cluster at {address} did not let this server join within "
+                                f"{RAY_CONNECT_TIMEOUT:g}s (with token auth on, RAY_AUTH_TOKEN or "
+                                f"~/.ray/auth_token must hold the cluster's token); {fix}") from None
+        except Exception as exc:                        # noqa: BLE001 - Ray raises many kinds
+            raise AgentEnvError(f"could not join the Ray cluster at {address} "
+                                f"({short(str(exc), 300)}); {fix}") from None
+        return cls(owner, ray, options)
+
+    async def ask(self, ref: Any, timeout: float) -> Any:
+        """A Ray call's result, within a deadline."""
+        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
+
+    async def cluster(self, fresh: bool = False) -> list[dict[str, Any]]:
+        """The live nodes, as Ray lists them; asked at most once a second."""
+        at, nodes = self._view
+        if fresh or time.monotonic() - at > 1.0:
+            nodes = [n for n in await asyncio.to_thread(self.ray.nodes) if n.get("Alive")]
+            self._view = (time.monotonic(), nodes)
+        return nodes
+
+    def env_node(self, node: dict[str, Any]) -> bool:
+        resources = node.get("Resources") or {}
+        wanted = self.options.resource
+        return resources.get("CPU", 0) > 0 and (not wanted or resources.get(wanted, 0) > 0)
+
+    async def prepare(self, envs: list[EnvSpec]) -> None:
+        """Put the env folders in the object store, start a host on every env node, and say
+        what each node runs."""
+        archives = {}
+        for env in envs:
+            spec = {f.name: getattr(env, f.name) for f in dataclasses.fields(env)}
+            spec.update(folder="", dockerfile=env.dockerfile.name)
+            archives[env.name] = (spec, await asyncio.to_thread(env_archive, env))
+        self.envs = await asyncio.to_thread(self.ray.put, archives)
+        nodes = [n for n in await self.cluster(fresh=True) if self.env_node(n)]
+        if not nodes:
+            wanted = f" that declares the resource {self.options.resource!r}" \
+                if self.options.resource else " with CPUs"
+            raise AgentEnvError(f"the Ray cluster at {self.options.address} has no live node"
+                                f"{wanted}; start one (ray start --address=HEAD:PORT"
+                                f"{' --resources=' + json.dumps({self.options.resource: 1}) if self.options.resource else ''})")
+        await asyncio.gather(*(self.host(n) for n in nodes))
+
+    async def host(self, node: dict[str, Any]) -> RayNode:
+        """The node's host, started (once) the first time the node is needed."""
+        node_id = node["NodeID"]
+        if node_id not in self._hosting:
+            self._hosting[node_id] = asyncio.ensure_future(self._start_host(node))
+        try:
+            return await asyncio.shield(self._hosting[node_id])
+        except Exception:
+            self._hosting.pop(node_id, None)           # the next episode there tries again
+            raise
+
+    async def _start_host(self, node: dict[str, Any]) -> RayNode:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        address = node["NodeManagerAddress"]
+        state = os.environ.get("AGENTENV_STATE_DIR")
+        actor = self.Host.options(
+            name=f"agentenv-host-{node['NodeID'][:12]}-{os.getpid()}",
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+        ).remote(address, self.envs, state)
+        try:
+            facts = await self.ask(actor.node.remote(), 120)
+        except Exception as exc:                        # noqa: BLE001
+            self.ray.kill(actor)
+            raise EpisodeFailed(f"the host actor of Ray node {address} did not start within 120s "
+                                f"({type(exc).__name__}: {short(str(exc), 300)})",
+                                PROVIDER_UNAVAILABLE) from None
+        found = RayNode(node["NodeID"], address, dict(node.get("Resources") or {}), actor, facts)
+        self.nodes[found.id] = found
+        log.info("Ray node %s (%g CPUs, %d cores): envs run there as local processes bound to "
+                 "%s, up to %d booting at once (Docker per node is not supported yet).", address,
+                 found.resources.get("CPU", 0), facts["cores"], address, facts["boot_slots"])
+        return found
+
+    def demand(self, limits: dict[str, Any]) -> dict[str, float]:
+        """What one env's placement asks of a node."""
+        want = {"CPU": float(limits.get("cpu") or RAY_ENV_CPU),
+                "memory": float(limits.get("memory_mb") or RAY_ENV_MEMORY_MB) * 2**20}
+        if self.options.resource:
+            want[self.options.resource] = RAY_RESOURCE_SHARE
+        return want
+
+    async def launch(self, env: EnvSpec, episode: str, limits: dict[str, Any]) -> Instance:
+        from ray.util.placement_group import placement_group
+        want = self.demand(limits)
+        group = await asyncio.to_thread(placement_group, [want], strategy="STRICT_PACK",
+                                        name=f"agentenv-{episode[:12]}-{env.name}")
+        try:
+            node = await self._placed(env, group, want)
+            key, url = await self.ask(node.host.launch.remote(env.name, episode, limits), 120)
+        except BaseException:
+            await self.release(group)
+            raise
+        log.info("Episode %s: env %r placed on Ray node %s at %s.", episode[:8], env.name,
+                 node.address, url)
+        self.placed.append((episode, env.name, node.address))
+        return RayInstance(self, node, key, url, group)
+
+    async def _placed(self, env: EnvSpec, group: Any, want: dict[str, float]) -> RayNode:
+        """Wait for Ray to place the group (as long as the cluster could ever meet it) and
+        answer the node it chose."""
+        from ray.util.placement_group import placement_group_table
+        ready = asyncio.wrap_future(group.ready().future())
+        hopeless_since: float | None = None
+        while not ready.done():
+            await asyncio.wait({ready}, timeout=1.0)
+            if ready.done():
+                break
+            nodes = await self.cluster()
+            if any(all((n.get("Resources") or {}).get(k, 0) >= v for k, v in want.items())
+                   for n in nodes):
+                hopeless_since = None
+                continue
+            hopeless_since = hopeless_since or time.monotonic()
+            if time.monotonic() - hopeless_since >= self.options.deploy_timeout:
+                offered = "; ".join(f"{n['NodeManagerAddress']}: " + ", ".join(
+                    f"{k} {_amount(k, v)}" for k, v in sorted((n.get("Resources") or {}).items())
+                    if k in want) for n in nodes) or "no live node"
+                asked = ", ".join(f"{k} {_amount(k, v)}" for k, v in want.items())
+                raise EpisodeFailed(
+                    f"env {env.name!r} asks a Ray node for {asked}, which no live node of the "
+                    f"cluster has ({offered}), so it could not be placed within "
+                    f"{self.options.deploy_timeout:g}s (the deploy deadline); lower the deploy_env "
+                    "step's cpu or memory_mb, or add a node that has them", PROVIDER_UNAVAILABLE)
+        ready.result()
+        table = await asyncio.to_thread(placement_group_table, group)
+        node_id = table["bundles_to_node_id"][0]
+        if node_id in self.nodes:
+            return self.nodes[node_id]
+        node = next((n for n in await self.cluster(fresh=True) if n["NodeID"] == node_id), None)
+        if node is None:
+            raise EpisodeFailed(f"Ray placed env {env.name!r} on node {node_id[:12]}, which is gone",
+                                PROVIDER_UNAVAILABLE)
+        return await self.host(node)              # a node that joined after start-up
+
+    async def release(self, group: Any) -> None:
+        from ray.util.placement_group import remove_placement_group
+        with contextlib.suppress(Exception):     # a cluster going away takes its groups along
+            await asyncio.wait_for(asyncio.to_thread(remove_placement_group, group), 30)
+
+    async def close(self) -> None:
+        """End every host (their envs die with them) and leave the cluster."""
+        for node in self.nodes.values():
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.ray.kill, node.host)
+        self.nodes.clear()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.to_thread(self.ray.shutdown), 30)
+
+
+def _amount(resource: str, value: float) -> str:
+    return f"{value / 2**20:g} MiB" if resource == "memory" else f"{value:g}"
+
+
+async def _answers(address: str) -> bool:
+    """Whether anything listens at HOST:PORT."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return True                            # not HOST:PORT (ray://...): let Ray say
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), 5)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
+def in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
+    """Run a blocking call that may never return on a daemon thread: a deadline can give up on
+    it, and the process can still exit (the default executor's threads are waited for)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def run() -> None:
+        try:
+            result: Any = (True, fn())
+        except BaseException as exc:                    # noqa: BLE001 - handed to the waiter
+            result = (False, exc)
+
+        def settle() -> None:
+            if not future.done():
+                future.set_result(result[1]) if result[0] else future.set_exception(result[1])
+        with contextlib.suppress(RuntimeError):         # the loop has closed: nothing waits
+            loop.call_soon_threadsafe(settle)
+    threading.Thread(target=run, name="ray-connect", daemon=True).start()
+    return future
+
+
+async def open_sandbox(kind: str, owner: str, ray: RayOptions | None = None) -> Sandbox:
+    """The sandbox ``--sandbox`` names; ``auto`` is Docker when a daemon answers, else local;
+    ``ray`` places envs across the Ray cluster ``ray`` names."""
     if kind == "local":
         return LocalSandbox(owner)
     if kind == "docker":
         return await DockerSandbox.connect(owner)
+    if kind == "ray":
+        return await RaySandbox.connect(owner, ray or RayOptions())
     if kind != "auto":
-        raise AgentEnvError(f"--sandbox {kind!r} is not a sandbox; use auto, docker or local")
+        raise AgentEnvError(f"--sandbox {kind!r} is not a sandbox; use auto, docker, local or ray")
     try:
         return await DockerSandbox.connect(owner)
     except AgentEnvError as exc:
@@ -4476,9 +4935,12 @@ class Runtime:
                  deploy_timeout: float = Settings.deploy_timeout,
                  verifier_timeout: float = Settings.verifier_timeout, knob: str = SERVE_KNOB,
                  warm: int = Settings.warm, warm_env: tuple[tuple[str, int], ...] = Settings.warm_env,
-                 bash_timeout: float = Settings.bash_timeout, metrics: Metrics | None = None):
+                 bash_timeout: float = Settings.bash_timeout, metrics: Metrics | None = None,
+                 ray: RayOptions | None = None):
         self.bundle, self.sandbox_kind = bundle, sandbox
         self.bash_timeout = bash_timeout
+        self.ray = dataclasses.replace(ray or RayOptions(RayOptions.address_from(None)),
+                                       deploy_timeout=deploy_timeout)
         self.pool = Pool(max_concurrent_envs, knob)
         self.metrics = metrics or Metrics()
         pool = self.pool
@@ -4504,7 +4966,9 @@ class Runtime:
 
     async def start(self) -> Runtime:
         """Open the sandbox (sweeping what a crashed run left, building images) and the client."""
-        self.sandbox = await open_sandbox(self.sandbox_kind, self.owner)
+        self.sandbox = await open_sandbox(self.sandbox_kind, self.owner, self.ray)
+        if self.sandbox.gates_its_boots:      # each node gates its own boots: only the pool bounds
+            self.starting = StartGate(self.pool.limit)
         # Every env is prepared now, never inside an episode: a deploy then only starts a process.
         await self.sandbox.prepare(list(self.bundle.envs.values()))
         if self.bundle.boxed:
@@ -6756,7 +7220,7 @@ class Server:
             await self.runtime.close()
 
 
-SANDBOXES = ("auto", "docker", "local")
+SANDBOXES = ("auto", "docker", "local", "ray")
 
 
 def build_app(bundle: str | os.PathLike | collections.abc.Mapping[str, str | os.PathLike], *,
@@ -6796,12 +7260,13 @@ def build_app(bundle: str | os.PathLike | collections.abc.Mapping[str, str | os.
 
 
 def _server(bundle: Any, *, reward: str | None, sandbox: str | None, token: str | None,
-            settings: Settings, host: str | None = None, port: int | None = None) -> Server:
+            settings: Settings, host: str | None = None, port: int | None = None,
+            ray: RayOptions | None = None) -> Server:
     """build_app's Server (serve's too, which knows where it listens): checked, loaded, unstarted."""
     kind = "auto" if sandbox is None else sandbox
     if kind not in SANDBOXES:
         raise AgentEnvError(f"sandbox={sandbox!r} is not a sandbox agentenv.py runs envs in; pass "
-                            "'docker', 'local', or None (docker when a daemon answers, else local)")
+                            "'docker', 'local', 'ray', or None (docker when a daemon answers, else local)")
     if token is not None and (not isinstance(token, str) or not token):
         raise AgentEnvError("token must be non-empty text (what clients send as Authorization: "
                             "Bearer TOKEN), or None for no token")
@@ -6824,7 +7289,7 @@ def _server(bundle: Any, *, reward: str | None, sandbox: str | None, token: str 
                       verifier_timeout=settings.verifier_timeout,
                       knob="build_app's max_concurrent_envs" if host is None else SERVE_KNOB,
                       warm=settings.warm, warm_env=settings.warm_env,
-                      bash_timeout=settings.bash_timeout)
+                      bash_timeout=settings.bash_timeout, ray=ray)
     return Server(runtime, settings, host=host, port=port, token=token)
 
 
@@ -6865,11 +7330,15 @@ def run_gym_server() -> None:
             server = Server(None, settings, url=str(config["url"]), host=host, port=port)
         elif config.get("bundle"):
             bundle = Bundle.load(Path(str(config["bundle"])).expanduser(), config.get("reward"))
+            ray = RayOptions(RayOptions.address_from(config.get("ray_address"),
+                                                     full.get("ray_head_node_address")),
+                             config.get("ray_resource") or None)
             runtime = Runtime(bundle, sandbox=str(config.get("sandbox", "auto")),
                               max_concurrent_envs=settings.max_concurrent_envs,
                               deploy_timeout=settings.deploy_timeout,
                               knob=f"max_concurrent_envs in {where}", warm=settings.warm,
-                              warm_env=settings.warm_env, bash_timeout=settings.bash_timeout)
+                              warm_env=settings.warm_env, bash_timeout=settings.bash_timeout,
+                              ray=ray)
             server = Server(runtime, settings, host=host, port=port)
         else:
             sys.exit("agentenv.py: the resources server's config names neither url: (a running "
@@ -7846,7 +8315,8 @@ SERVE_SETTINGS = {
 }
 
 
-async def check(folder: str, sandbox: str, reward: str | None, out: Callable[[str], None] = print) -> None:
+async def check(folder: str, sandbox: str, reward: str | None, out: Callable[[str], None] = print,
+                ray: RayOptions | None = None) -> None:
     """Load a bundle, show its splits, tasks and toolsets, and play one episode per toolset as far
     as its first turn to list the tools that turn offers; then tear down."""
     bundle = Bundle.load(folder, reward)
@@ -7861,23 +8331,32 @@ async def check(folder: str, sandbox: str, reward: str | None, out: Callable[[st
             f"reward {task.reward_step}")
     if len(bundle.tasks) > len(shown):
         out(f"  ... and {len(bundle.tasks) - len(shown)} more")
-    async with Runtime(bundle, sandbox=sandbox) as runtime:
+    async with Runtime(bundle, sandbox=sandbox, ray=ray) as runtime:
         out(f"sandbox: {runtime.sandbox.kind}")
         out("networks:")
         for env in bundle.envs.values():
             out(f"  {env.name}: {runtime.sandbox.network_mode(env)}")
+        placed = getattr(runtime.sandbox, "placed", None)
+        if isinstance(runtime.sandbox, RaySandbox):
+            out(f"nodes of the Ray cluster at {runtime.sandbox.options.address}:")
+            for node in runtime.sandbox.nodes.values():
+                out(f"  {node.address}  " + ", ".join(
+                    f"{k} {_amount(k, v)}" for k, v in sorted(node.resources.items())
+                    if not k.startswith(("node:", "object_store"))))
         out("toolsets:")
         failed = []
         count = len(bundle.toolsets)
         for n, (toolset, tasks) in enumerate(bundle.toolsets.items(), 1):
-            started = time.monotonic()
+            started, before = time.monotonic(), len(placed or ())
             # with many toolsets each line says how far check has got
             at = f"[{n}/{count}] " if count > 1 else ""
             try:
                 tools = await runtime.first_turn_tools(tasks[0], "check is done")
                 shown = ", ".join(t["name"] for t in tools) or "(none)"
+                where = "" if placed is None else " on " + ", ".join(
+                    f"{env} at {address}" for _, env, address in list(placed)[before:])
                 out(f"  {at}{toolset.name} ({len(tasks)} task{'s' if len(tasks) != 1 else ''}), "
-                    f"played with {tasks[0].name} in {time.monotonic() - started:.2f}s: {shown}")
+                    f"played with {tasks[0].name}{where} in {time.monotonic() - started:.2f}s: {shown}")
             except EpisodeFailed as exc:
                 failed.append(toolset.name)
                 out(f"  {at}{toolset.name}: the episode of {tasks[0].name} failed: {exc}")
@@ -7900,10 +8379,15 @@ def serve(args: argparse.Namespace) -> None:
                     "bundle's envs and tools. Pass --token (or set AGENTENV_TOKEN) so every request "
                     "must carry it, or bind 127.0.0.1.", args.host or "every interface")
     server = _server(args.bundle, reward=args.reward, sandbox=args.sandbox, token=token,
-                     settings=settings, host=args.host, port=args.port)
+                     settings=settings, host=args.host, port=args.port, ray=ray_options(args))
     wait_for_children_by_pidfd()
     web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None,
                 shutdown_timeout=30)
+
+
+def ray_options(args: argparse.Namespace) -> RayOptions:
+    """The Ray cluster and env nodes ``--ray-address`` and ``--ray-resource`` name."""
+    return RayOptions(RayOptions.address_from(args.ray_address), args.ray_resource or None)
 
 
 def eval_plan(args: argparse.Namespace) -> EvalPlan:
@@ -7943,7 +8427,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     try:
         if args.command == "check":
-            asyncio.run(check(args.bundle, args.sandbox, args.reward))
+            asyncio.run(check(args.bundle, args.sandbox, args.reward, ray=ray_options(args)))
         elif args.command == "serve":
             serve(args)
         elif args.command == "write-gym":
@@ -7979,9 +8463,19 @@ def command_line() -> argparse.ArgumentParser:
 
     def bundle_options(cmd: argparse.ArgumentParser) -> None:
         cmd.add_argument("bundle", metavar="BUNDLE", help="the bundle's folder")
-        cmd.add_argument("--sandbox", choices=("auto", "docker", "local"), default="auto",
-                         help="where envs run: docker, local processes, or auto (docker when a "
-                              "daemon answers, else local; the default)")
+        cmd.add_argument("--sandbox", choices=("auto", "docker", "local", "ray"), default="auto",
+                         help="where envs run: docker, local processes, auto (docker when a "
+                              "daemon answers, else local; the default), or ray (placed across "
+                              "a Ray cluster, as local processes on its nodes)")
+        cmd.add_argument("--ray-address", default=None, metavar="HOST:PORT",
+                         help="with --sandbox ray: the cluster's address (default: RAY_ADDRESS, "
+                              "else auto, the cluster ray start made on this machine)")
+        cmd.add_argument("--ray-resource", default=None, metavar="NAME",
+                         help="with --sandbox ray: place envs only on nodes declaring this custom "
+                              f"resource (each env asks {RAY_RESOURCE_SHARE:g} of it), keeping "
+                              "them off trainer nodes; an env asks a node for its deploy_env "
+                              f"step's cpu ({RAY_ENV_CPU:g}) and memory_mb ({RAY_ENV_MEMORY_MB}) "
+                              "where the step names none")
         cmd.add_argument("--reward", metavar="STEP", default=None,
                          help="the scoring step whose score is the reward, for tasks with several")
 
@@ -8029,7 +8523,7 @@ def command_line() -> argparse.ArgumentParser:
     writer.add_argument("--max-concurrent-envs", type=int, default=None, metavar="N",
                         help="with a bundle: episodes the resources server runs at once "
                              f"({Settings.max_concurrent_envs})")
-    writer.add_argument("--sandbox", choices=("auto", "docker", "local"), default="auto",
+    writer.add_argument("--sandbox", choices=("auto", "docker", "local", "ray"), default="auto",
                         help="with a bundle: where its envs run")
     writer.add_argument("--reward", metavar="STEP", default=None,
                         help="with a bundle: the scoring step whose score is the reward")

@@ -1026,9 +1026,57 @@ def test_an_unknown_sandbox_is_refused(make_bundle):
         async with Runtime(bundle, sandbox="cloud"):
             pass
 
-    with pytest.raises(AgentEnvError, match="--sandbox 'cloud' is not a sandbox; use auto, docker or "
-                                            "local"):
+    with pytest.raises(AgentEnvError, match="--sandbox 'cloud' is not a sandbox; use auto, docker, "
+                                            "local or ray"):
         run(go())
+
+
+def test_the_ray_sandbox_without_ray_says_how_to_install_it(make_bundle, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)         # import ray raises ImportError
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+
+    async def go():
+        async with Runtime(bundle, sandbox="ray"):
+            pass
+
+    with pytest.raises(AgentEnvError, match=r"--sandbox ray needs Ray installed in this Python: "
+                                            r"pip install 'agentenv-py\[ray\]'"):
+        run(go())
+
+
+def test_the_ray_address_comes_from_the_flag_then_ray_address_then_gym_then_auto(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    address = agentenv.RayOptions.address_from
+    assert address(None) == "auto"
+    assert address(None, "10.0.0.5:6379") == "10.0.0.5:6379"
+    monkeypatch.setenv("RAY_ADDRESS", "head:6379")
+    assert address(None, "10.0.0.5:6379") == "head:6379"
+    assert address("other:1") == "other:1"
+    args = agentenv.command_line().parse_args(["serve", str(NOTES), "--sandbox", "ray",
+                                               "--ray-resource", "envs"])
+    assert agentenv.ray_options(args) == agentenv.RayOptions("head:6379", "envs")
+
+
+def test_a_local_env_binds_the_host_it_is_given_and_only_that(tmp_path):
+    """What a Ray node's host does: an env bound to 127.0.0.2 answers there, not on 127.0.0.1."""
+    env = Bundle.load(NOTES).envs["notebook"]
+
+    async def go():
+        sandbox = agentenv.LocalSandbox("test:1:1", host="127.0.0.2", die_with_parent=True)
+        instance = await sandbox.launch(env, "episode", {})
+        try:
+            assert instance.base_url.startswith("http://127.0.0.2:")
+            async with aiohttp.ClientSession() as http:
+                deployed = await agentenv.wait_ready(http, instance, env, 30)
+                assert deployed.mcp_url.startswith("http://127.0.0.2:")
+                with pytest.raises(aiohttp.ClientConnectionError):
+                    async with http.get(instance.base_url.replace("127.0.0.2", "127.0.0.1") +
+                                        "/.well-known/agent-env.json"):
+                        pass
+        finally:
+            await instance.remove()
+
+    run(go())
 
 
 def test_auto_sandbox_without_docker_falls_back_to_local_and_says_why(make_bundle, monkeypatch,
@@ -1136,7 +1184,7 @@ def test_an_env_whose_port_another_process_took_fails_and_never_plays_on_the_oth
             await turn.call("say", {"text": "mine"})
             [instance] = theirs.instances
             ports = iter([instance.port])
-            monkeypatch.setattr(agentenv, "free_port", lambda: next(ports, None) or real_free_port())
+            monkeypatch.setattr(agentenv, "free_port", lambda *host: next(ports, None) or real_free_port())
             ours = second.episode(bundle.tasks["a"])
             with pytest.raises(EpisodeFailed) as failed:
                 await ours.next_turn()
@@ -2766,7 +2814,7 @@ def test_a_toolsets_tools_are_found_once_and_listed_before_a_reset(make_bundle):
     ({"tool_timeout": -1}, "tool_timeout=-1: it must be a positive number of seconds, such as 60"),
     ({"idle_timeout": float("inf")}, "idle_timeout=inf: it must be a positive number of seconds"),
     ({"sandbox": "cloud"}, "sandbox='cloud' is not a sandbox agentenv.py runs envs in; pass 'docker', "
-                           "'local', or None"),
+                           "'local', 'ray', or None"),
     ({"token": ""}, "token must be non-empty text"),
     ({"bundle": {}}, "the mapping of splits to bundle folders is empty"),
     ({"bundle": {"all": "x"}}, "'all' cannot name a split"),

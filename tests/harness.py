@@ -194,6 +194,7 @@ class LoopbackNamespace:
             raise NamespaceUnavailable(f"unshare --net did not make a namespace: {said or 'no output'}"
                                        f"{(' ' + self.holder.stdout.read().decode(errors='replace')).rstrip()}")
         self.path = f"/proc/{self.holder.pid}/ns/net"
+        self.inode = os.readlink(self.path)      # the namespace, even once its holder is gone
 
     def argv(self, argv: list[str]) -> list[str]:
         return ["nsenter", f"--net={self.path}", "--", *argv]
@@ -228,7 +229,16 @@ class LoopbackNamespace:
             raise value
         return value
 
+    def processes(self) -> list[int]:
+        """Every live process in the namespace but its holder (all of them ours: we made it)."""
+        return [pid for pid in in_namespace(self.inode) if pid != self.holder.pid]
+
+    def sweep(self) -> list[int]:
+        """SIGKILL every process left in the namespace (Ray's, say); the pids it killed."""
+        return kill_namespace(self.inode)
+
     def close(self) -> None:
+        self.sweep()
         if self.holder.poll() is None:
             self.holder.kill()
             self.holder.wait(10)
@@ -239,6 +249,162 @@ class LoopbackNamespace:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def in_namespace(inode: str) -> list[int]:
+    """The live processes whose network namespace is ``inode`` (as /proc/PID/ns/net reads)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and alive(int(entry.name)):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{entry.name}/ns/net") == inode:
+                    found.append(int(entry.name))
+    return found
+
+
+def loopback_only(pid: int | str = "self") -> bool:
+    """Whether the network namespace of a process has no interface but loopback."""
+    lines = Path(f"/proc/{pid}/net/dev").read_text().splitlines()[2:]
+    return {line.split(":")[0].strip() for line in lines} == {"lo"}
+
+
+def kill_namespace(inode: str, spare: Iterable[int] = ()) -> list[int]:
+    """SIGKILL every process of a namespace of our own but ``spare``; never in a namespace with
+    any interface but loopback (the host's), where other processes than ours run."""
+    pids = set(in_namespace(inode)) - set(spare) - {os.getpid()}
+    if any(not loopback_only(pid) for pid in list(pids)[:1]):
+        raise AssertionError("refusing to sweep a network namespace with more than loopback")
+    killed = []
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+    return killed
+
+
+# ================================================================ a Ray cluster on loopback addresses
+
+def ray_unavailable(reason: str) -> None:
+    """Skip a test that needs Ray (or its namespace), saying why; fail when CI requires Ray
+    (AGENTENV_REQUIRE_RAY=1)."""
+    import pytest
+    if os.environ.get("AGENTENV_REQUIRE_RAY") == "1":
+        pytest.fail(f"{reason} (AGENTENV_REQUIRE_RAY=1, so this is an error, not a skip)",
+                    pytrace=False)
+    pytest.skip(reason)
+
+
+class RayCluster:
+    """A Ray cluster on one machine: the head on 127.0.0.1, workers on 127.0.0.2, 127.0.0.3...,
+    each ``ray start --block`` with its own temp dir and ports and ``cpus`` CPUs, all sharing a
+    fresh auth token (RAY_AUTH_MODE=token: no node takes one of ~/.ray). Only ever made inside a
+    loopback-only namespace (it refuses the host's), where every process is ours: ``close``
+    stops the nodes and then kills whatever of Ray is left in the namespace."""
+
+    STARTED = "Ray runtime started"
+
+    def __init__(self, folder: Path, workers: int = 2, cpus: int = 1, resources: dict | None = None,
+                 start_within: float = 120):
+        self.inode = os.readlink("/proc/self/ns/net")
+        if not loopback_only():
+            raise AssertionError("a Ray cluster runs only inside a loopback-only network namespace")
+        import secrets
+        self.folder, self.cpus = folder, cpus
+        self.port = 6379
+        self.address = f"{HOST}:{self.port}"
+        self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
+                    "RAY_AUTH_TOKEN": os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(16)}
+        self.nodes: list[tuple[str, subprocess.Popen, Path]] = []
+        self.resources = resources or {}
+        try:
+            for n in range(workers + 1):      # one at a time: together they load the machine more
+                self._start(n, start_within)
+        except BaseException:
+            self.close()
+            raise
+
+    def _argv(self, n: int) -> list[str]:
+        base = 30000 + 100 * n
+        argv = [str(Path(sys.executable).with_name("ray")), "start", "--block",
+                f"--node-ip-address=127.0.0.{n + 1}", f"--num-cpus={self.cpus}",
+                f"--temp-dir=/tmp/ae-ray-{os.getpid()}-{n}",
+                f"--dashboard-agent-listen-port={base + 1}", f"--dashboard-agent-grpc-port={base + 2}",
+                f"--runtime-env-agent-port={base + 3}", f"--metrics-export-port={base + 4}",
+                f"--node-manager-port={base + 5}", f"--object-manager-port={base + 6}",
+                f"--min-worker-port={base + 10}", f"--max-worker-port={base + 90}"]
+        if n in self.resources:
+            argv.append("--resources=" + json.dumps(self.resources[n]))
+        if n == 0:
+            return argv + ["--head", f"--port={self.port}", "--include-dashboard=false",
+                           f"--ray-client-server-port={base + 7}"]
+        return argv + [f"--address={self.address}"]
+
+    def _spawn(self, n: int) -> None:
+        log = self.folder / f"ray-node-{n}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(self._argv(n), env=self.env, stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.nodes.append((f"127.0.0.{n + 1}", proc, log))
+
+    def _ready(self, n: int, within: float) -> bool:
+        """Wait for node n's ``ray start`` to say it started; False if it exited first."""
+        _, proc, log = self.nodes[n]
+        deadline = time.monotonic() + within
+        while self.STARTED not in log.read_text(errors="replace"):
+            if proc.poll() is not None:
+                return False
+            if time.monotonic() > deadline:
+                raise AssertionError(f"Ray node {n} did not start within {within:g}s:\n"
+                                     f"{log.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.2)
+        return True
+
+    def _start(self, n: int, within: float) -> None:
+        """Node n, tried up to five times: on a loaded machine a node may miss Ray's own 30 s
+        start-up deadline (hard-coded in Ray 2.60), and then its ``ray start`` exits."""
+        for attempt in range(5):
+            self._spawn(n)
+            if self._ready(n, within):
+                return
+            tail = self.nodes[n][2].read_text(errors="replace")[-2000:]
+            self.nodes.pop()
+            for pid in self.node_pids(n):     # what the failed start left of the node
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(f"/tmp/ae-ray-{os.getpid()}-{n}", ignore_errors=True)
+        raise AssertionError(f"Ray node {n} did not start in five tries:\n{tail}")
+
+    @staticmethod
+    def _ancestors() -> set[int]:
+        pids, pid = set(), os.getpid()
+        while pid > 1:
+            pids.add(pid)
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        return pids
+
+    def node_pids(self, n: int) -> list[int]:
+        """The processes of node n (by its temp dir on their command line)."""
+        marker = f"/tmp/ae-ray-{os.getpid()}-{n}".encode()
+        found = []
+        for pid in in_namespace(self.inode):
+            with contextlib.suppress(OSError):
+                if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(pid)
+        return found
+
+    def close(self, spare: Iterable[int] = ()) -> list[int]:
+        """Stop every node (SIGTERM to each ``ray start``, which stops its node), then SIGKILL
+        what is left of Ray in the namespace; the pids that had to be killed."""
+        for _, proc, _ in self.nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for _, proc, _ in self.nodes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(20)
+        killed = kill_namespace(self.inode, spare={*spare, *self._ancestors()})
+        for n in range(len(self.nodes) + 3):
+            shutil.rmtree(f"/tmp/ae-ray-{os.getpid()}-{n}", ignore_errors=True)
+        return killed
 
 
 # ================================================================ HTTP
