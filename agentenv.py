@@ -367,11 +367,12 @@ class Metrics:
             "failed it, and a trainer masks it) or abandoned (its caller ended it)", ["outcome"],
             registry=registry)
         self.deploys = prom.Counter(
-            "agentenv_deploys", "Envs deployed and answering, by env and sandbox",
-            ["env", "sandbox"], registry=registry)
+            "agentenv_deploys", "Envs deployed and answering, by env, sandbox and node (a Ray "
+            "node's address; empty for this machine)", ["env", "sandbox", "node"], registry=registry)
         self.deploy_seconds = prom.Histogram(
-            "agentenv_deploy_duration_seconds", "From an env's launch until it answers, by env and "
-            "sandbox", ["env", "sandbox"], buckets=DURATION_BUCKETS, registry=registry)
+            "agentenv_deploy_duration_seconds", "From an env's launch until it answers, by env, "
+            "sandbox and node", ["env", "sandbox", "node"], buckets=DURATION_BUCKETS,
+            registry=registry)
         self.deploy_failures = prom.Counter(
             "agentenv_deploy_failures", "Deploys that failed, by env, sandbox and failure kind",
             ["env", "sandbox", "kind"], registry=registry)
@@ -413,9 +414,9 @@ class Metrics:
 
     # -- recording, where things happen
 
-    def deployed(self, env: str, sandbox: str, seconds: float) -> None:
-        self._of(self.deploys, env, sandbox).inc()
-        self._of(self.deploy_seconds, env, sandbox).observe(seconds)
+    def deployed(self, env: str, sandbox: str, seconds: float, node: str = "") -> None:
+        self._of(self.deploys, env, sandbox, node).inc()
+        self._of(self.deploy_seconds, env, sandbox, node).observe(seconds)
         self.recent_deploys.add(seconds)
 
     def deploy_failed(self, env: str, sandbox: str, kind: str) -> None:
@@ -1744,6 +1745,11 @@ class Instance(abc.ABC):
     async def answers_itself(self) -> bool:
         """Whether what answers at ``base_url`` is this env and not another's (a port taken)."""
         return True
+
+    @property
+    def where(self) -> str:
+        """The node it runs on, where there are several (a Ray node's address); else empty."""
+        return ""
 
 
 class Sandbox(abc.ABC):
@@ -3124,6 +3130,10 @@ class RayInstance(Instance):
         self._checked = 0.0
         self._gone: str | None = None         # why the env's host is gone, once it is
 
+    @property
+    def where(self) -> str:
+        return self.node.address
+
     async def exited(self, settle: float = 0.0) -> str | None:
         if self._gone:
             return self._gone
@@ -4313,7 +4323,8 @@ class Episode:
             metrics.deploy_failed(env.name, sandbox.kind, TRANSPORT_TIMEOUT
                                   if isinstance(exc, asyncio.TimeoutError) else PEER_DROP)
             raise
-        metrics.deployed(env.name, sandbox.kind, time.monotonic() - started)
+        metrics.deployed(env.name, sandbox.kind, time.monotonic() - started,
+                         self.envs[step.get("env_id")].instance.where)
 
     async def _apply_server_config(self, step: Step) -> None:
         env = self.envs[step.get("env_id")]

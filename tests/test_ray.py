@@ -196,6 +196,14 @@ else:
         placed = {line.split(" placed on Ray node ")[1].split(" ")[0]
                   for line in server.log().splitlines() if " placed on Ray node " in line}
         assert placed == NODES, placed
+
+        async def scrape():
+            async with client(30) as http, http.get(server.url + "/metrics") as resp:
+                return await resp.text()
+        from prometheus_client.parser import text_string_to_metric_families
+        counted = {sample.labels["node"] for family in text_string_to_metric_families(run(scrape(), 60))
+                   for sample in family.samples if sample.name == "agentenv_deploys_total"}
+        assert counted >= NODES, f"/metrics counts deploys on the nodes {counted}, not on {NODES}"
         server.no_envs(30)
 
     def test_more_episodes_than_the_clusters_cpus_wait_and_none_fails(server):
