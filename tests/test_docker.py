@@ -622,7 +622,7 @@ def test_startup_sweep_removes_only_dead_owners_containers(docker_client):
             containers[what] = c
 
         async def go():
-            async with Runtime(bundle, sandbox="docker") as rt:
+            async with Runtime(bundle, sandbox="docker"):
                 # right after start-up, before any episode
                 return {what: bool(await asyncio.to_thread(
                             labelled, docker_client, f"agentenv.owner={owner}"))
