@@ -741,7 +741,10 @@ class Bundle:
         if not isinstance(split, str) or split not in self.splits:
             raise LookupError(f"there is no split {split!r}; the splits are {', '.join(self.splits)}")
         tasks = self.splits[split]
-        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(tasks):
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise LookupError(f"index {index!r} is not a whole number; give the task's place in its "
+                              f"split as one, from 0 to {len(tasks) - 1}")
+        if not 0 <= index < len(tasks):
             raise LookupError(f"split {split!r} has {len(tasks)} tasks, so it has no task {index!r}; "
                               f"give an index from 0 to {len(tasks) - 1}")
         return tasks[index]

@@ -590,6 +590,28 @@ def test_deviation_a_tool_timeout_ends_the_episode(tmp_path):
         ours.no_envs()
 
 
+def test_deviation_numbers_given_as_text_are_refused(servers):
+    """The reference's pydantic models coerce text that reads as a number; ours take the JSON
+    type given and say what is wrong (an error observation, as for any task that isn't there),
+    and the socket goes on."""
+    reference, ours = servers
+    reset = {"type": "reset", "data": {"split": "all", "index": str(SAVE)}}
+    with Socket(reference.ws_url + "/ws") as sock:
+        assert sock.ask(reset, timeout=60)["type"] == "observation"
+    with Socket(ours.ws_url + "/ws") as sock:
+        reply = sock.ask(reset)["data"]
+        assert reply["done"] is True and reply["observation"]["metadata"]["error"] == (
+            "index '1' is not a whole number; give the task's place in its split as one, from 0 to 2")
+        again = sock.ask({"type": "reset", "data": {"split": "all", "index": SAVE}}, timeout=60)
+        assert again["type"] == "observation" and again["data"]["done"] is False, again
+    body = {"split": "all", "index": str(SAVE)}
+    assert request(reference.url + "/reset", "POST", body, timeout=60).status == 200
+    reply = request(ours.url + "/reset", "POST", body, timeout=60)
+    assert reply.status == 200 and "is not a whole number" in reply.json()["observation"][
+        "metadata"]["error"], reply.text
+    ours.no_envs()
+
+
 DEVIATION_TESTS = {
     "ws-frame-not-an-object": test_deviation_ws_frame_not_an_object,
     "ws-binary-frame": test_deviation_ws_binary_frame,
@@ -599,6 +621,7 @@ DEVIATION_TESTS = {
     "step-reward-a-number": test_deviation_every_step_carries_a_number_reward,
     "one-segment-paths-are-gym-tool-routes": test_deviation_one_segment_paths_are_gym_tool_routes,
     "tool-timeout-ends-the-episode": test_deviation_a_tool_timeout_ends_the_episode,
+    "numbers-as-text": test_deviation_numbers_given_as_text_are_refused,
 }
 
 
