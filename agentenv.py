@@ -5673,9 +5673,9 @@ class OpenEnvSurface:
 
     async def health(self, request: Any) -> Any:
         warm = self.runtime.warm.counts
-        # the warm envs, apart from the episodes: they hold no slot of the pool
-        return json_reply({"status": "healthy", "episodes": len(self.runtime.live),
-                           **({"warm": warm} if warm["target"] else {})})
+        # OpenEnv's own answer; with a warm pool, its envs beside the episodes (they hold no slot)
+        return json_reply({"status": "healthy", **({"episodes": len(self.runtime.live), "warm": warm}
+                                                   if warm["target"] else {})})
 
     async def metadata(self, request: Any) -> Any:
         bundle = self.runtime.bundle

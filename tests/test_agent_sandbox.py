@@ -429,12 +429,15 @@ def test_pyfix_over_openenv_fix_scores_1_nothing_0_and_a_slow_command_is_answere
             def bash(command: str) -> dict:
                 return ws.ask({"type": "step", "data": {"type": "call_tool", "tool_name": "bash",
                                                         "arguments": {"command": command}}})["data"]
-            failing = bash("python3 -m unittest discover -s tests")["observation"]["result"]
-            assert failing["is_error"] and "FAILED" in failing["data"]
+            # a command that fails is the tool's error on OpenEnv's wire (execution_error, as the
+            # reference answers an MCP result flagged isError); the model reads its output there
+            failing = bash("python3 -m unittest discover -s tests")["observation"]["error"]
+            assert failing["error_type"] == "execution_error" and "FAILED" in failing["message"]
             slow = bash("sleep 30")
-            assert not slow["done"] and slow["observation"]["result"]["is_error"]
-            assert slow["observation"]["result"]["data"].startswith("error: the command timed out after 2s")
-            assert not bash(fix_command(name))["observation"]["result"]["is_error"]
+            assert not slow["done"] and slow["observation"]["error"]["error_type"] == "execution_error"
+            assert slow["observation"]["error"]["message"].startswith("error: the command timed out after 2s")
+            fixed = bash(fix_command(name))["observation"]
+            assert fixed["error"] is None and fixed["result"], fixed
             ended = ws.ask({"type": "step", "data": {"type": "call_tool", "tool_name": "end_turn",
                                                      "arguments": {"response": "Fixed."}}}, 120)["data"]
             assert ended["done"] is True and ended["reward"] == 1.0
