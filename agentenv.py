@@ -2423,27 +2423,35 @@ class DockerSandbox(Sandbox):
                 container.remove(force=True)
                 raise
 
-        def undo(created: tuple[Any, str]) -> None:
-            task = asyncio.get_running_loop().create_task(self.remove(created[0]))
+        container, port = await self.created(create_and_start, lambda made: made[0],
+                                             f"env {env.name!r}", "did not come up")
+        return DockerInstance(self, container, port)
+
+    async def created(self, create_and_start: Callable[[], Any], container_of: Callable[[Any], Any],
+                      what: str, failed: str) -> Any:
+        """Create and start a container in a thread, within 120 s: what ``create_and_start``
+        gives, or EpisodeFailed saying what the daemon did (``what`` names the env or box).
+
+        The thread's own future is kept until the thread ends, so neither a deadline nor an
+        abandoned episode nor close() can lose a container that is still being created (one that
+        appears after its waiter gave up is removed at once); and a creation past its deadline
+        holds its slot until it ends, capping those in flight."""
+        def undo(made: Any) -> None:
+            task = asyncio.get_running_loop().create_task(self.remove(container_of(made)))
             self.removals.add(task)
             task.add_done_callback(self.removals.discard)
-
-        # The thread's own future is kept until the thread ends, so neither a deadline nor an
-        # abandoned episode nor close() can lose a container that is still being created; and
-        # a creation past its deadline holds its slot until it ends, capping those in flight.
         job = await self.start(create_and_start)
         self.creating.add(job)
         job.add_done_callback(self.creating.discard)
         try:
-            container, port = await asyncio.wait_for(guarded(job, undo), 120)
+            return await asyncio.wait_for(guarded(job, undo), 120)
         except asyncio.TimeoutError:
-            raise EpisodeFailed(f"env {env.name!r}: the Docker daemon did not create and start "
-                                "its container within 120s; it may be overloaded (lower "
-                                "--max-concurrent-envs)", PROVIDER_UNAVAILABLE) from None
-        except Exception as exc:                    # noqa: BLE001 - docker raises many kinds
-            raise EpisodeFailed(f"env {env.name!r} did not come up: {short(str(exc), 2500)}",
+            raise EpisodeFailed(f"{what}: the Docker daemon did not create and start its container "
+                                "within 120s; it may be overloaded (lower --max-concurrent-envs)",
                                 PROVIDER_UNAVAILABLE) from None
-        return DockerInstance(self, container, port)
+        except Exception as exc:                    # noqa: BLE001 - docker raises many kinds
+            raise EpisodeFailed(f"{what} {failed}: {short(str(exc), 2500)}",
+                                PROVIDER_UNAVAILABLE) from None
 
     async def prepare_box(self) -> None:
         self.images[""] = await self.box_image()
@@ -2525,22 +2533,8 @@ class DockerSandbox(Sandbox):
                 container.remove(force=True)
                 raise
 
-        def undo(container: Any) -> None:
-            task = asyncio.get_running_loop().create_task(self.remove(container))
-            self.removals.add(task)
-            task.add_done_callback(self.removals.discard)
-        job = await self.start(create_and_start)
-        self.creating.add(job)
-        job.add_done_callback(self.creating.discard)
-        try:
-            container = await asyncio.wait_for(guarded(job, undo), 120)
-        except asyncio.TimeoutError:
-            raise EpisodeFailed(f"box {name!r}: the Docker daemon did not create and start its "
-                                "container within 120s; it may be overloaded (lower "
-                                "--max-concurrent-envs)", PROVIDER_UNAVAILABLE) from None
-        except Exception as exc:                    # noqa: BLE001 - docker raises many kinds
-            raise EpisodeFailed(f"box {name!r} did not start: {short(str(exc), 1500)}",
-                                PROVIDER_UNAVAILABLE) from None
+        container = await self.created(create_and_start, lambda made: made, f"box {name!r}",
+                                       "did not start")
         return DockerBox(self, container, name, "agent" if own else None)
 
     async def remove(self, container: Any) -> None:
