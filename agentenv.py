@@ -1994,14 +1994,6 @@ class LocalSandbox(Sandbox):
         return LocalInstance(proc, port, record, scratch, lambda: self.ports.discard(port), self.host)
 
 
-def die_with_parent() -> None:
-    """In a child between fork and exec: have Linux SIGKILL it when the thread that started it
-    ends. An env in a session of its own escapes its parent's process group, so this is what
-    ties it to its parent's life."""
-    import ctypes
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
     async def prepare_box(self) -> None:
         log.warning("The agent's boxes are work folders on this machine (--sandbox local): its "
                     "bash commands and the bundle's code run here, as this user, isolated from "
@@ -2019,6 +2011,15 @@ def die_with_parent() -> None:
         (folder / "tmp").mkdir()
         (folder / "home" / "skills").mkdir(parents=True)
         return LocalBox(folder, name, self.owner)
+
+
+def die_with_parent() -> None:
+    """In a child between fork and exec: have Linux SIGKILL it when the thread that started it
+    ends. An env in a session of its own escapes its parent's process group, so this is what
+    ties it to its parent's life."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def plain_slug(name: str) -> str:
