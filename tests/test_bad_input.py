@@ -382,9 +382,12 @@ def reset_refused(reply: Reply, *words: str) -> str:
 def test_reset_wrong_types(server):
     with survivor(server):
         before = set(server.records())
-        for data, words in (({"split": "all", "index": "0"}, ("no task '0'", "from 0 to 2")),
-                            ({"split": "all", "index": True}, ("no task True", "from 0 to 2")),
-                            ({"split": "all", "index": 1.5}, ("no task 1.5", "from 0 to 2")),
+        for data, words in (({"split": "all", "index": "0"}, ("index '0' is not a whole number",
+                                                               "from 0 to 2")),
+                            ({"split": "all", "index": True}, ("index True is not a whole number",
+                                                               "from 0 to 2")),
+                            ({"split": "all", "index": 1.5}, ("index 1.5 is not a whole number",
+                                                              "from 0 to 2")),
                             ({"split": "all", "index": [0]}, ("from 0 to 2",)),
                             ({"split": 7, "index": 0}, ("no split 7", "all, smoke")),
                             ({"split": "all"}, ("split and index go together",)),
