@@ -44,8 +44,8 @@ open turn (6) → the env's MCP session (4) → the env; the ToolResult it gives
 unchanged, and only the route renders it.
 
 Only the standard library, aiohttp, prometheus-client (for /metrics), the docker SDK (for the
-Docker sandbox) and PyYAML (for Gym's YAML) are used at run time, the last two imported only where
-needed. Blocking calls (the docker SDK, verifier code) run in threads so the event loop never stalls.
+Docker sandbox), PyYAML (for Gym's YAML) and, with ``--sandbox ray`` only, Ray (an optional extra)
+are used at run time, the last three imported only where needed. Blocking calls (the docker SDK, verifier code) run in threads so the event loop never stalls.
 """
 
 from __future__ import annotations
