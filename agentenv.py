@@ -7220,9 +7220,10 @@ class Server:
             if self.metrics.totals(self.metrics.episodes) or pool.in_use or pool.waiting:
                 log.info(self.metrics.status(pool.in_use, pool.waiting, pool.limit,
                                              self.settings.status_interval))
-            log.info("Shutting down: ending %d live episode(s) and tearing their envs down, and "
-                     "removing %d warm env(s).", len(self.runtime.live),
-                     self.runtime.warm.live)
+            warm = self.runtime.warm
+            log.info("Shutting down: ending %d live episode(s) and tearing their envs down%s.",
+                     len(self.runtime.live),
+                     f", and removing {warm.live} warm env(s)" if warm.target else "")
         for surface in reversed(self.surfaces):
             await surface.stop()
         if self.runtime is not None:
