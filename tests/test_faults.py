@@ -668,7 +668,7 @@ def same_port_twice(monkeypatch):
     port = agentenv.free_port()
     picks = iter([port, port])
     real = agentenv.free_port
-    monkeypatch.setattr(agentenv, "free_port", lambda: next(picks, None) or real())
+    monkeypatch.setattr(agentenv, "free_port", lambda *host: next(picks, None) or real(*host))
 
 
 def test_two_episodes_given_the_same_port_one_after_the_other_never_share_an_env(same_port_twice):
