@@ -1234,7 +1234,8 @@ WS_CLOSES = {1000, 1001, 1003, 1007, 1009}        # the closes a client can act 
 
 def closes(path: str, frame: Any) -> bool:
     """Whether the server ends the socket on this frame (so sending on would race its close):
-    a text frame that isn't UTF-8 (1007), and {"type": "close"} on /ws."""
+    a text frame that isn't UTF-8 (1007), and {"type": "close"} on /ws (with any other field it is
+    refused, VALIDATION_ERROR, and the socket stays open, as OpenEnv's own server answers it)."""
     if isinstance(frame, tuple):
         try:
             frame[1].decode("utf-8")
@@ -1245,7 +1246,7 @@ def closes(path: str, frame: Any) -> bool:
         return False
     with contextlib.suppress(ValueError, RecursionError):
         message = json.loads(frame)
-        return isinstance(message, dict) and message.get("type") == "close"
+        return isinstance(message, dict) and message == {"type": "close"}
     return False
 
 
