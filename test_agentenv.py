@@ -2460,6 +2460,49 @@ def test_an_episode_waits_for_a_free_slot_and_the_warning_is_said_once(make_bund
         "--max-concurrent-envs (or MAX_CONCURRENT_ENVS) to run more at once.")
 
 
+def test_the_heap_is_trimmed_once_the_pool_drains_and_stays_empty(make_bundle):
+    """glibc's free arena memory goes back to the OS between busy stretches, never while an
+    episode is live, and once per drain."""
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+    task = bundle.tasks["a"]
+
+    async def play(rt):
+        ep = rt.episode(task)
+        turn = await ep.next_turn()
+        await turn.call("say", {"text": "hello"})
+        turn.end("hello")
+        assert (await ep.result()).reward == 1.0
+        await ep.closed.wait()
+
+    async def trims(rt, n):
+        for _ in range(200):
+            if rt.heap.trims >= n:
+                return rt.heap.trims
+            await asyncio.sleep(0.01)
+        return rt.heap.trims
+
+    async def go():
+        async with local(bundle) as rt:
+            if rt.heap._malloc_trim is None:
+                pytest.skip("the C library here has no malloc_trim (not glibc)")
+            rt.heap.quiet = 0.2
+            await play(rt)
+            await play(rt)                        # within the quiet time: the first drain's timer ends
+            assert rt.heap.trims == 0
+            assert await trims(rt, 1) == 1 and rt.heap.took_s > 0
+            await asyncio.sleep(0.4)
+            assert rt.heap.trims == 1             # no second trim without an episode in between
+            ep = rt.episode(task)
+            await ep.next_turn()
+            await asyncio.sleep(0.4)
+            assert rt.heap.trims == 1             # never while an episode is live
+            await ep.abandon("done")
+            await ep.closed.wait()
+            assert await trims(rt, 2) == 2
+
+    run(go())
+
+
 def test_many_episodes_at_once_are_all_scored_within_the_limit(make_bundle, caplog):
     bundle = Bundle.load(make_bundle({"a": simple()}))
     peak = 0

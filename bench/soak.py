@@ -11,7 +11,9 @@ environment variable of its own (MALLOC_ARENA_MAX and the like are removed), and
 read_note, verify; on OpenEnv a /ws reset, the same two calls, end_turn. Every ``--every``
 episodes it stops starting new ones, lets those in flight finish, waits until the server runs no
 env process, and reads the server's VmRSS, its peak (VmHWM), threads, open fds and live children
-from /proc, with the most envs seen live since the last sample. "In flight" is rollouts, not live
+from /proc, with the most envs seen live since the last sample. RSS is read twice: 0.3 s into the
+idle (``rss_untrimmed_mib``), and 2 s in (``rss_mib``), after serve's heap trim (``HeapTrim``:
+1 s after its pool drains, glibc's free arena memory goes back to the OS). "In flight" is rollouts, not live
 envs: starts wait on the boot gate, so fewer envs than rollouts are live at once, and how many
 depends on how busy the machine is.
 
@@ -121,12 +123,17 @@ class Served:
                 "threads": self.status("Threads"), "fds": len(os.listdir(f"/proc/{self.pid}/fd")),
                 "children": self.children(), "wall_s": round(time.monotonic() - started, 1)}
 
-    async def idle(self, timeout: float = 60) -> None:
-        """Wait until the server runs no env process (its episodes all torn down)."""
+    async def idle(self, timeout: float = 60) -> float:
+        """Wait until the server runs no env process (its episodes all torn down), and past the
+        second after which serve trims its heap once the pool has drained. The RSS before that
+        trim is returned, so each sample shows what the trim gave back."""
         deadline = time.monotonic() + timeout
         while self.children() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        await asyncio.sleep(1.0)           # let the last replies and teardowns settle
+        await asyncio.sleep(0.3)           # the last replies and teardowns settle
+        untrimmed = round(self.status("VmRSS") / 1024, 2)
+        await asyncio.sleep(1.7)           # serve's HeapTrim waits 1 s of an empty pool
+        return untrimmed
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -214,14 +221,15 @@ async def openenv_rollout(http: aiohttp.ClientSession, url: str, row: dict, n: i
 
 # ------------------------------------------------------------------ the run
 
-def slope_per_10k(samples: list[dict], warm_up: int, whole: bool = False) -> float | None:
+def slope_per_10k(samples: list[dict], warm_up: int, whole: bool = False,
+                  key: str = "rss_mib") -> float | None:
     """Least-squares slope of RSS (MiB) against episodes, per 10,000 episodes: over the second
     half of the samples after ``warm_up`` episodes, or over all of them (``whole``)."""
-    after = [s for s in samples if s["episodes"] >= warm_up]
+    after = [s for s in samples if s["episodes"] >= warm_up and key in s]
     half = after if whole or len(after) < 4 else after[len(after) // 2:]
     if len(half) < 2:
         return None
-    xs, ys = [s["episodes"] for s in half], [s["rss_mib"] for s in half]
+    xs, ys = [s["episodes"] for s in half], [s[key] for s in half]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     den = sum((x - mx) ** 2 for x in xs)
     return None if den == 0 else round(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den * 1e4, 3)
@@ -268,13 +276,14 @@ async def soak(args: argparse.Namespace) -> dict:
                 watcher.cancel()
                 most_envs = max(most_envs, peak)
                 done += batch
-                await served.idle()
-                sample = served.sample(done, started, peak)
+                untrimmed = await served.idle()
+                sample = {**served.sample(done, started, peak), "rss_untrimmed_mib": untrimmed}
                 samples.append(sample)
                 if args.signal:
                     os.kill(served.pid, getattr(signal, "SIG" + args.signal.upper().removeprefix("SIG")))
                     await asyncio.sleep(5)        # the profiler's dump, before the next batch
-                print(f"soak: {done} episodes, RSS {sample['rss_mib']} MiB (peak "
+                print(f"soak: {done} episodes, RSS {sample['rss_mib']} MiB (before the "
+                      f"trim {untrimmed}, peak "
                       f"{sample['peak_rss_mib']}, {peak} envs live at most), threads "
                       f"{sample['threads']}, fds {sample['fds']}, live envs {sample['children']}, "
                       f"{tallies}", flush=True)
@@ -298,6 +307,9 @@ def summary(args: argparse.Namespace, tallies: dict, most_envs: int, samples: li
               "warm_up": args.warm_up, "slope_over": "the whole run after warm-up" if args.whole
               else "the second half after warm-up",
               "slope_mib_per_10k": slope_per_10k(samples, args.warm_up, args.whole),
+              # the same, read 0.3 s into the idle, before serve's heap trim
+              "slope_untrimmed_mib_per_10k": slope_per_10k(samples, args.warm_up, args.whole,
+                                                           "rss_untrimmed_mib"),
               "growth_after_warm_up": {k: round(last[k] - first[k], 2)
                                        for k in ("rss_mib", "threads", "fds", "children")},
               "wall_s": last["wall_s"]}
