@@ -1749,6 +1749,11 @@ class Instance(abc.ABC):
         """Whether what answers at ``base_url`` is this env and not another's (a port taken)."""
         return True
 
+    async def lost_its_port(self) -> bool:
+        """Whether the env stopped because another process took its port before it bound it:
+        then starting it again on another port is all it takes."""
+        return False
+
     @property
     def where(self) -> str:
         """The node it runs on, where there are several (a Ray node's address); else empty."""
@@ -1862,6 +1867,9 @@ class LocalInstance(Instance):
         # env dies on bind while the other answers in its place. Linux says who listens.
         # (a few small reads from Linux: no thread for it)
         return listens(self.proc.pid, self.port) is not False
+
+    async def lost_its_port(self) -> bool:
+        return self.proc.returncode is not None and listens(self.proc.pid, self.port) is False
 
     async def remove(self) -> None:
         try:
@@ -2041,6 +2049,7 @@ def wait_for_children_by_pidfd() -> None:
 
 
 LOCAL_PORTS_FROM = 20000          # local envs listen from here up to the ephemeral range
+PORT_TRIES = 3                    # launches of an env whose port another process took first
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -3682,14 +3691,15 @@ class DeployedEnv:
 
 
 async def wait_ready(http: aiohttp.ClientSession, instance: Instance, env: EnvSpec,
-                     timeout: float) -> DeployedEnv:
+                     timeout: float, deadline: float | None = None) -> DeployedEnv:
     """Wait until a launched env answers: its card with its name (or, with no card, MCP
     ``initialize``), and a tools list with at least one tool and no name twice.
 
     It fails at once when the env stops, and on every failure quotes the env's last output: the
-    sandbox could not provide the env (provider_unavailable), or it missed ``timeout``.
+    sandbox could not provide the env (provider_unavailable), or it missed ``timeout`` (which
+    ends at ``deadline`` when earlier tries of the same deploy used some of it).
     """
-    deadline = time.monotonic() + timeout
+    deadline = deadline or time.monotonic() + timeout
     delay, last = 0.01, "it did not answer"
     while True:
         if why := await instance.exited():
@@ -3698,6 +3708,9 @@ async def wait_ready(http: aiohttp.ClientSession, instance: Instance, env: EnvSp
         try:
             card = await _read_card(http, instance.base_url)
             if card is not None and card.get("name") != env.environment_name:
+                if not await instance.answers_itself():
+                    raise McpError(f"another process answers on {instance.base_url}, which the "
+                                   "env was to listen on; the env is expected to fail to bind it")
                 raise EpisodeFailed(
                     f"env {env.name!r} answers with the card of {card.get('name')!r}, not "
                     f"{env.environment_name!r}; set environment_name in envs/{env.name}/env.toml, or "
@@ -4310,10 +4323,7 @@ class Episode:
                 self.envs[step.get("env_id")] = warm
             else:
                 async with self.runtime.starting.slot():
-                    instance = await sandbox.launch(env, self.id, limits)
-                    self.instances.append(instance)
-                    self.envs[step.get("env_id")] = await wait_ready(
-                        self.runtime.http, instance, env, self.runtime.deploy_timeout)
+                    self.envs[step.get("env_id")] = await self._launch(env, limits)
         except EpisodeFailed as exc:
             metrics.deploy_failed(env.name, sandbox.kind, exc.failure.kind)
             raise
@@ -4323,6 +4333,26 @@ class Episode:
             raise
         metrics.deployed(env.name, sandbox.kind, time.monotonic() - started,
                          self.envs[step.get("env_id")].instance.where)
+
+    async def _launch(self, env: EnvSpec, limits: dict[str, Any]) -> DeployedEnv:
+        """Launch an env and wait until it answers, within the deploy deadline. A port found
+        free can be taken by another server's env before ours binds it (two servers on one
+        machine); an env that died of that is started again on another port, a few times."""
+        deadline, tries = time.monotonic() + self.runtime.deploy_timeout, 1
+        while True:
+            instance = await self.runtime.sandbox.launch(env, self.id, limits)
+            self.instances.append(instance)
+            try:
+                return await wait_ready(self.runtime.http, instance, env,
+                                        self.runtime.deploy_timeout, deadline)
+            except EpisodeFailed:
+                if tries == PORT_TRIES or not await instance.lost_its_port():
+                    raise
+            log.info("Env %r of episode %s lost its port to another process before binding it; "
+                     "starting it again on another port.", env.name, self.id[:8])
+            self.instances.remove(instance)
+            await instance.remove()
+            tries += 1
 
     async def _apply_server_config(self, step: Step) -> None:
         env = self.envs[step.get("env_id")]

@@ -66,6 +66,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -696,8 +697,47 @@ def test_two_episodes_given_the_same_port_one_after_the_other_never_share_an_env
             return listed and listed.text, outcome.status, outcome.reward
 
     listed, status, reward = run(go(), 60)
-    assert listed in (None, "(no notes)"), f"the first episode's env lists the second's note: {listed!r}"
+    # The second's env died binding the port the first holds; it was started again on another.
+    assert listed == "(no notes)", f"the first episode's env lists the second's note, or the " \
+                                   f"second was not started again on another port: {listed!r}"
     assert (status, reward) == ("scored", 0.0), (status, reward)
+
+
+def test_an_env_whose_port_another_servers_env_took_first_is_started_again_elsewhere(
+        monkeypatch, caplog):
+    """Two servers on one machine: another server's env (a card of another name) binds the port
+    ours was handed before ours binds it. Ours must not take that env for a misnamed one of its
+    own: it dies on bind, is started again on another port, and the episode plays."""
+    from aiohttp import web
+    bundle = agentenv.Bundle.load(NOTES)
+    task = bundle.tasks["save-groceries"]
+    port = agentenv.free_port()
+    picks, real = iter([port]), agentenv.free_port
+    monkeypatch.setattr(agentenv, "free_port", lambda *host: next(picks, None) or real(*host))
+
+    async def go():
+        async def card(request):
+            return web.json_response({"name": "other"})
+        foreign = web.Application()
+        foreign.router.add_get("/.well-known/agent-env.json", card)
+        runner = web.AppRunner(foreign)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with agentenv.Runtime(bundle, sandbox="local") as runtime:
+                episode = runtime.episode(task)
+                turn = await episode.next_turn()
+                await turn.call("write_note", dict(GROCERIES))
+                turn.end("Saved.")
+                return (await episode.result()).reward, episode.instances[0].port
+        finally:
+            await runner.cleanup()
+
+    with caplog.at_level(logging.INFO, logger="agentenv"):
+        reward, played_on = run(go(), 60)
+    assert reward == 1.0 and played_on != port, (reward, played_on, port)
+    assert any("lost its port to another process before binding it; starting it again on another "
+               "port." in r.getMessage() for r in caplog.records)
 
 
 def test_two_launches_at_once_are_never_handed_the_same_port(same_port_twice):
