@@ -206,7 +206,8 @@ class Settings:
     # The keys a Gym config carries, with the resources server serving the bundle (bundle:) or
     # playing on a running serve (url:).
     GYM_KEYS = ("tool_timeout", "reset_timeout", "idle_timeout")
-    BUNDLE_KEYS = ("max_concurrent_envs", "deploy_timeout", "bash_timeout", "warm", "warm_env")
+    BUNDLE_KEYS = ("max_concurrent_envs", "deploy_timeout", "bash_timeout", "status_interval", "warm",
+                   "warm_env")
 
     # The settings counted in whole numbers; every other number is seconds.
     WHOLE_KEYS = ("max_concurrent_envs", "model_retries", "eval_concurrency", "max_steps")

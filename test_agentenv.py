@@ -289,7 +289,7 @@ def test_a_gym_config_sets_the_settings_and_the_rest_keep_their_defaults():
     assert settings == agentenv.Settings(tool_timeout=5, deploy_timeout=30.5, max_concurrent_envs=16)
     assert settings.gym_config(bundle=True) == {
         "tool_timeout": 5, "reset_timeout": 600, "idle_timeout": 600, "max_concurrent_envs": 16,
-        "deploy_timeout": 30.5, "bash_timeout": 300}
+        "deploy_timeout": 30.5, "bash_timeout": 300, "status_interval": 60}
     assert agentenv.Settings().gym_config(bundle=False) == {
         "tool_timeout": 60, "reset_timeout": 600, "idle_timeout": 600}
 
