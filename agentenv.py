@@ -1536,7 +1536,11 @@ class TaskCheck:
             if extra in ("host", "none"):
                 self.problem(step, f"extra_networks names {extra!r}, which is a network mode, not a "
                                    "network to join besides; set it as network")
-        self.containers.add((step.get("sandbox_name"), step.get("container_name", "task-container")))
+        where = (step.get("sandbox_name"), step.get("container_name", "task-container"))
+        if where in self.containers:
+            self.problem(step, f"container {where[1]!r} already runs on sandbox {where[0]!r}; give "
+                               "each container of a sandbox its own container_name")
+        self.containers.add(where)
 
     def _run_container_unit_tests_verifier(self, step: Step) -> None:
         if step.get("agent_name"):

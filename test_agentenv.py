@@ -953,6 +953,10 @@ WEB_CONTEXT = {"artifacts/web/Dockerfile": "FROM python:3.11-slim\n"}
     (placed({"id": "c", "type": "run_docker_container", "sandbox_name": "vm",
              "docker_context_artifact_id": "web", "network": 3}),
      ["step 'c'", "network must be a string"]),
+    (placed(*[{"id": c, "type": "run_docker_container", "sandbox_name": "vm",
+               "docker_context_artifact_id": "web"} for c in ("c", "d")]),
+     ["step 'd'", "container 'task-container' already runs on sandbox 'vm'; give each container "
+      "of a sandbox its own container_name"]),
     # a step acting where an env runs: a deployed env, and one target
     (boxed({"id": "r", "type": "run_code", "env_id": "main", "agent_name": "solver",
             "script_artifact_id": "check", "script_file": "verify.py"}),

@@ -11,6 +11,7 @@ tests skip, or fail in CI, without a daemon and python:3.11-slim), and some in t
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import shutil
 import subprocess
@@ -427,9 +428,12 @@ def web(sid: str, name: str, **more) -> dict:
             "docker_context_artifact_id": "web", "ready_command": LISTENS.format(port=8080), **more}
 
 
+BOX_IMAGE = f"agentenv-box/agent:{hashlib.sha256(agentenv.BOX_DOCKERFILE.encode()).hexdigest()[:16]}"
 VM_TASK = [
     {"id": "vm", "type": "deploy_sandbox", "sandbox_name": "vm", "sandbox_mode": "vm",
      "exposed_ports": [8000]},
+    {"id": "cbox", "type": "deploy_sandbox", "sandbox_name": "cbox", "sandbox_mode": "container",
+     "image": BOX_IMAGE},                                   # on no network
     web("web", "web"),
     web("db", "db", network="backend"),                     # a network of its own
     web("side", "side", network="host", command_override=["python3", "-m", "http.server", "9090"],
@@ -480,7 +484,8 @@ def test_a_vm_sandboxs_containers_are_reached_from_it_by_name_and_from_nothing_e
                 apart.text
             boxes = {c.labels["agentenv.box"]: c for c in
                      labelled(docker_client, f"agentenv.episode={first.id}")}
-            assert set(boxes) == {"vm", "vm/web", "vm/db", "vm/side", "vm/both", "solver"}
+            assert set(boxes) == {"vm", "vm/web", "vm/db", "vm/side", "vm/both", "solver", "cbox"}
+            assert boxes["cbox"].attrs["HostConfig"]["NetworkMode"] == "none"
             ours = runtime.sandbox.network_name(first.id)
             backend = runtime.sandbox.network_name(first.id, "backend")
             assert set(on_networks(boxes["vm"])) == {ours, backend}
