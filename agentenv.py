@@ -580,7 +580,8 @@ STEP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
 IGNORED_FIELDS = {
     "deploy_env": {"env_version", "ttl_seconds", "disk_size_gb", "gateway_mode", "sandbox_type",
                    "env_state_type", "metadata"},
-    # a box has no network at all, so a network policy has nothing left to allow
+    # a box has no way out (no network, or an internal one of its episode), so a network policy
+    # has nothing left to allow
     "deploy_agent": {"a2a_agent_id", "a2a_agent_version", "agent_description", "ttl_seconds",
                      "sandbox_type", "env_vars", "disk_size_gb", "network_policy", "metadata",
                      "litellm_base_url"},
