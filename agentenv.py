@@ -562,16 +562,17 @@ STEP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "deploy_sandbox": ({"sandbox_name", "sandbox_mode"}, {"image", "cpu", "memory_mb", "env_vars"}),
     "add_skills": ({"skills"}, {"agent_name"}),
     "load_artifact": (set(), {"artifacts", "artifact_id", "artifact_version", "destination_path",
-                              "agent_name", "sandbox_name", "container_name", "urls"}),
+                              "agent_name", "sandbox_name", "container_name", "env_id", "urls"}),
     "run_code": ({"script_artifact_id"}, {"script_artifact_version", "script_file", "entrypoint",
                                           "args", "result_id", "timeout_seconds", "agent_name",
-                                          "sandbox_name"}),
+                                          "sandbox_name", "env_id"}),
     "verify_sandbox": (set(), {"criteria", "agent_name", "sandbox_name", "base_dir",
                                "shell_timeout_seconds", "score_aggregator", "verifier_id"}),
     "aggregate_verifiers": (set(), {"verifier_ids", "score_aggregator", "verifier_id"}),
     "run_docker_container": ({"sandbox_name"}, {"docker_context_artifact_id", "dockerfile_path",
                                                 "container_name", "env_vars", "command_override",
-                                                "ready_command", "docker_context_url"}),
+                                                "ready_command", "docker_context_url", "network",
+                                                "extra_networks"}),
     "run_container_unit_tests_verifier": ({"command"}, {
         "sandbox_name", "container_name", "agent_name", "verifier_id", "setup_commands", "user",
         "timeout_sec", "env_vars", "result_paths", "reward_path"}),
@@ -580,7 +581,8 @@ STEP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
 IGNORED_FIELDS = {
     "deploy_env": {"env_version", "ttl_seconds", "disk_size_gb", "gateway_mode", "sandbox_type",
                    "env_state_type", "metadata"},
-    # a box has no network at all, so a network policy has nothing left to allow
+    # a box has no way out (no network, or an internal one of its episode), so a network policy
+    # has nothing left to allow
     "deploy_agent": {"a2a_agent_id", "a2a_agent_version", "agent_description", "ttl_seconds",
                      "sandbox_type", "env_vars", "disk_size_gb", "network_policy", "metadata",
                      "litellm_base_url"},
@@ -606,6 +608,10 @@ SCORING_TYPES = {"env_outcome_verifier", "agent_prompt_response_verifier", "veri
 POSIX_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SKILL_NAME = re.compile(r"(?!-)(?!.*--)[a-z0-9-]{1,64}(?<!-)")
 DEFAULT_AGENT = "default-agent"
+# Environment variables a seed never sets for a unit-test verifier: those its shell relies on.
+RESERVED_ENV = {"PATH", "HOME", "USER", "LOGNAME", "SHELL", "PWD", "OLDPWD", "HOSTNAME", "TERM",
+                "LANG", "LC_ALL", "SHLVL", "IFS", "PS4", "BASH_ENV", "ENV", "LD_PRELOAD",
+                "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHOME", "AGENTENV_CALL"}
 PLACEHOLDER = re.compile(r"<([A-Za-z_][A-Za-z0-9_.-]*)>")
 
 
@@ -1123,9 +1129,11 @@ TEXT_FIELDS = {"prompt", "system_prompt", "prompt_id", "agent_name", "role", "en
                "file_artifact_id", "verifier_id", "sandbox_name", "sandbox_mode", "image",
                "container_name", "destination_path", "artifact_id", "script_artifact_id",
                "script_file", "entrypoint", "result_id", "base_dir", "command", "user",
-               "reward_path", "docker_context_artifact_id", "dockerfile_path", "ready_command"}
+               "reward_path", "docker_context_artifact_id", "dockerfile_path", "ready_command",
+               "network"}
 POSITIVE_FIELDS = {"timeout_seconds", "cpu", "memory_mb", "shell_timeout_seconds", "timeout_sec"}
-TEXT_LISTS = {"setup_commands", "result_paths", "verifier_ids", "command_override"}
+TEXT_LISTS = {"setup_commands", "result_paths", "verifier_ids", "command_override",
+              "extra_networks"}
 
 
 def _load_step(item: Any, n: int, where: str, task: str, seen: set[str],
@@ -1281,9 +1289,14 @@ class TaskCheck:
         self.needs(step, "sandbox", name)
 
     def box(self, step: Step, default_agent: str | None = DEFAULT_AGENT) -> None:
-        """A step acting in a box: the agent's (agent_name) or a deploy_sandbox's, not both."""
-        if step.get("sandbox_name") and step.get("agent_name"):
-            self.problem(step, "set either agent_name or sandbox_name, not both")
+        """A step acting in a box: the agent's (agent_name), a deploy_sandbox's, or where a
+        deployed env runs (env_id); one of them."""
+        named = [k for k in ("env_id", "sandbox_name", "agent_name") if step.get(k)]
+        if len(named) > 1:
+            self.problem(step, f"{step.type}: set at most one of `env_id`, `sandbox_name` and "
+                               f"`agent_name`; got {named}")
+        elif step.get("env_id"):
+            self.env(step)
         elif step.get("sandbox_name"):
             self.sandbox(step)
         else:
@@ -1366,7 +1379,24 @@ class TaskCheck:
         if "skills" in step.fields:
             self.skills(step, step.get("skills"))
         if step.get("sandbox_name"):
-            self.sandbox(step, "vm")
+            self.sandbox(step)      # its mode matters only where the agent works there (below)
+
+    def placed(self, agent: Step) -> None:
+        """An agent that works in a box, placed on a sandbox (deploy_agent's sandbox_name): as
+        AgentEnv, only on a VM-mode one that exposes the port it reaches an agent on."""
+        name = agent.get("sandbox_name")
+        made = self.sandboxes.get(name)
+        if made is None:
+            return
+        if made.get("sandbox_mode") != "vm":
+            self.problem(agent, f"Cannot link agent to sandbox {name!r} "
+                                f"(mode={made.get('sandbox_mode')!r}); only VM-mode sandboxes can "
+                                "host an additional agent container")
+        elif 8000 not in (ports if isinstance(ports := made.get("exposed_ports"), list) else []):
+            self.problem(agent, f"Sandbox {name!r} does not expose port 8000; re-deploy it with "
+                                "exposed_ports=[8000] (AgentEnv reaches an agent placed on a "
+                                "sandbox there; agentenv.py publishes nothing, but keeps the task "
+                                "as AgentEnv runs it)")
 
     def _prompt_agent(self, step: Step) -> None:
         agent = step.get("agent_name", DEFAULT_AGENT)
@@ -1420,11 +1450,14 @@ class TaskCheck:
         if step.get("urls"):
             self.problem(step, "urls are downloads, and agentenv.py runs without network; put the "
                                "files in artifacts/<name>/ and load them with artifact_id")
-        targets = [k for k in ("agent_name", "sandbox_name") if step.get(k)]
+        targets = [k for k in ("agent_name", "sandbox_name", "env_id") if step.get(k)]
         if len(targets) != 1:
-            self.problem(step, "names where to load: set agent_name (the agent's box) or "
+            self.problem(step, "names where to load: set agent_name (the agent's box), "
                                "sandbox_name (a deploy_sandbox box, and container_name for a "
-                               "container it runs), one of them")
+                               "container it runs) or env_id (a deployed env), one of them")
+        elif step.get("container_name") and not step.get("sandbox_name"):
+            self.problem(step, "`container_name` requires `sandbox_name`: the sandbox whose "
+                               "run_docker_container step runs it")
         else:
             self.box(step, None)
         if step.get("container_name"):
@@ -1501,7 +1534,15 @@ class TaskCheck:
             if folder is not None and not (folder / dockerfile).is_file():
                 self.problem(step, f"artifacts/{folder.name}/ has no {dockerfile}; add it, or set "
                                    "dockerfile_path")
-        self.containers.add((step.get("sandbox_name"), step.get("container_name", "task-container")))
+        for extra in step.get("extra_networks") or []:
+            if extra in ("host", "none"):
+                self.problem(step, f"extra_networks names {extra!r}, which is a network mode, not a "
+                                   "network to join besides; set it as network")
+        where = (step.get("sandbox_name"), step.get("container_name", "task-container"))
+        if where in self.containers:
+            self.problem(step, f"container {where[1]!r} already runs on sandbox {where[0]!r}; give "
+                               "each container of a sandbox its own container_name")
+        self.containers.add(where)
 
     def _run_container_unit_tests_verifier(self, step: Step) -> None:
         if step.get("agent_name"):
@@ -1561,6 +1602,10 @@ def _check_task(name: str, task_id: str, steps: list[Step], shelf: Shelf, reward
         return None
     agent_name, agent_step = next(iter(agents.items()))
     sandboxed = works_in_sandbox(steps, agent_name)
+    if sandboxed and agent_step.get("sandbox_name"):
+        checked.placed(agent_step)
+        if len(problems) > before:
+            return None
     toolset = Toolset(tuple(sorted({checked.deployed[e] for e in agent_step.get("env_ids", [])})),
                       sandboxed)
     return Task(task_id, name, tuple(steps), agent_name, toolset, reward_step, sandboxed)
@@ -1760,6 +1805,18 @@ class Instance(abc.ABC):
         """The node it runs on, where there are several (a Ray node's address); else empty."""
         return ""
 
+    @property
+    def inner_url(self) -> str:
+        """``base_url`` as code run where the env runs reaches it (see ``box``)."""
+        return self.base_url
+
+    def box(self, name: str) -> Box:
+        """Where the env runs, as a box the bundle's steps act in (load_artifact and run_code
+        with env_id): the env's own container, or its folder. It goes with the env."""
+        raise EpisodeFailed(f"env {name!r} runs where agentenv.py runs no bundle code, so a step "
+                            "can't load files into it or run code by it; serve with --sandbox "
+                            "docker (or local)", PROVIDER_UNAVAILABLE)
+
 
 class Sandbox(abc.ABC):
     """Where envs run. ``prepare`` once at start-up, ``launch`` per env per episode, then ``close``."""
@@ -1781,9 +1838,10 @@ class Sandbox(abc.ABC):
         """What the env can reach from where it runs, in a phrase ``check`` prints."""
         return "the host's network: the local sandbox isolates nothing"
 
-    async def episode_network(self, episode: str) -> str:
+    async def episode_network(self, episode: str, segment: str = "") -> str:
         """The name of a network of this episode alone, for containers of one episode that talk to
-        each other (made on first ask, removed by ``end_episode``)."""
+        each other (made on first ask, removed by ``end_episode``); ``segment`` names another of
+        its networks, for containers that a task puts on a network of their own."""
         raise AgentEnvError(f"the {self.kind} sandbox has no networks of its own; a network of one "
                             "episode needs the Docker sandbox (--sandbox docker)")
 
@@ -1794,8 +1852,11 @@ class Sandbox(abc.ABC):
         """Make the agent's box ready to open (its image built), for a bundle whose tasks use one."""
 
     async def open_box(self, episode: str, name: str, limits: dict[str, Any],
-                       image: str | None = None) -> Box:
-        """Open a box for an episode: the agent's, or a deploy_sandbox's (``image``: its own)."""
+                       image: str | None = None, network: dict[str, tuple[str, ...]] | None = None,
+                       share: Box | None = None) -> Box:
+        """Open a box for an episode: the agent's, or a deploy_sandbox's (``image``: its own).
+        With no ``network`` it is on none; else on those segments of its episode's network
+        ("" the first), by those names; or it shares the network of box ``share``."""
         raise EpisodeFailed(f"the {self.kind or 'this'} sandbox runs no boxes, and box {name!r} is "
                             "one; serve with --sandbox docker (or local)", PROVIDER_UNAVAILABLE)
 
@@ -1832,9 +1893,11 @@ class LocalInstance(Instance):
     (its TMPDIR and database); its output kept in a ring."""
 
     def __init__(self, proc: asyncio.subprocess.Process, port: int, record: Path, scratch: Path,
-                 release: Callable[[], None] = lambda: None, host: str = "127.0.0.1"):
+                 release: Callable[[], None] = lambda: None, host: str = "127.0.0.1",
+                 owner: str = ""):
         self.proc, self.port, self.record, self.scratch = proc, port, record, scratch
-        self.release = release
+        self.release, self.owner = release, owner
+        self._box: LocalBox | None = None
         self.base_url = f"http://{host}:{port}"
         self.lines: collections.deque[str] = collections.deque(maxlen=OUTPUT_LINES)
         self.reader = asyncio.create_task(self._read())
@@ -1862,6 +1925,15 @@ class LocalInstance(Instance):
         if self.proc.returncode is not None:       # its last words may still be in the pipe
             await asyncio.wait([self.reader], timeout=1)
         return "\n".join(self.lines)
+
+    def box(self, name: str) -> Box:
+        # the env's scratch folder: /app, /tmp and /home/agent there, other paths this machine's
+        if self._box is None:
+            folder = self.scratch / "box"
+            for sub in ("app", "tmp", "home"):
+                (folder / sub).mkdir(parents=True, exist_ok=True)
+            self._box = LocalBox(folder, name, self.owner)
+        return self._box
 
     async def answers_itself(self) -> bool:
         # A port found free can be taken by another process before the env binds it; then the
@@ -2000,7 +2072,8 @@ class LocalSandbox(Sandbox):
             raise
         record = self.records / str(proc.pid)
         record.write_text(_process_start(proc.pid))
-        return LocalInstance(proc, port, record, scratch, lambda: self.ports.discard(port), self.host)
+        return LocalInstance(proc, port, record, scratch, lambda: self.ports.discard(port), self.host,
+                             self.owner)
 
 
     async def prepare_box(self) -> None:
@@ -2009,7 +2082,9 @@ class LocalSandbox(Sandbox):
                     "nothing. Serve only bundles you trust so, or use --sandbox docker.")
 
     async def open_box(self, episode: str, name: str, limits: dict[str, Any],
-                       image: str | None = None) -> Box:
+                       image: str | None = None, network: dict[str, tuple[str, ...]] | None = None,
+                       share: Box | None = None) -> Box:
+        # (a folder on this machine: on its network, as everything here)
         if image:
             raise EpisodeFailed(f"box {name!r} runs the image {image!r}, and the local sandbox runs "
                                 "no images; serve with --sandbox docker", PROVIDER_UNAVAILABLE)
@@ -2153,11 +2228,15 @@ def _listening_sockets_from_proc(port: int) -> set[str]:
 # containers off (icc) and no masquerading: a packet out leaves with the container's private
 # address, which nothing answers, so no connection out is made, while the daemon still publishes
 # each env's port on 127.0.0.1 (an internal network drops egress outright, but Docker publishes no
-# port on one). An episode's own network lets its containers talk to each other, still with no
-# masquerading. The bridge of each is named ae-..., so one DOCKER-USER rule can drop what they send.
+# port on one). An episode's own networks (a VM-mode sandbox's box and the containers it runs)
+# publish nothing, so they are internal, and the host takes no address on their bridge: their
+# containers reach each other by name and nothing else, and nothing else reaches them (the host
+# has no route in; it works in them by docker exec). The bridge of each is named ae-..., so one
+# DOCKER-USER rule can drop what they send.
 ENVS_NETWORK_OPTIONS = {"com.docker.network.bridge.enable_icc": "false",
                         "com.docker.network.bridge.enable_ip_masquerade": "false"}
-EPISODE_NETWORK_OPTIONS = {"com.docker.network.bridge.enable_ip_masquerade": "false"}
+EPISODE_NETWORK_OPTIONS = {"com.docker.network.bridge.enable_ip_masquerade": "false",
+                           "com.docker.network.bridge.inhibit_ipv4": "true"}
 BRIDGE_PREFIX = "ae-"
 
 
@@ -2187,6 +2266,17 @@ class DockerInstance(Instance):
         self.sandbox, self.container = sandbox, container
         self.base_url = f"http://127.0.0.1:{port}"
         self._checked = 0.0
+        self._box: DockerBox | None = None
+
+    @property
+    def inner_url(self) -> str:
+        return f"http://127.0.0.1:{ENV_PORT}"
+
+    def box(self, name: str) -> Box:
+        # its container, as its image made it: the image's user and folder, root for steps
+        if self._box is None:
+            self._box = DockerBox(self.sandbox, self.container, name, None)
+        return self._box
 
     async def exited(self, settle: float = 0.0) -> str | None:
         if not settle and time.monotonic() - self._checked < 0.5:   # a daemon call twice a second
@@ -2302,10 +2392,13 @@ class DockerSandbox(Sandbox):
             log.warning("Removed %d network(s) that an earlier run of agentenv.py left behind when "
                         "it stopped without tearing down.", len(stale) - len(left))
 
-    def network_name(self, episode: str = "") -> str:
-        """The name of this server's network for its envs (or for one episode's containers)."""
+    def network_name(self, episode: str = "", segment: str = "") -> str:
+        """The name of this server's network for its envs (or for one episode's containers, or
+        for a segment of them)."""
         tag = hashlib.sha1(self.owner.encode()).hexdigest()[:10]
-        return f"agentenv-{tag}-" + (episode[:16] if episode else "envs")
+        return f"agentenv-{tag}-" + (episode[:16] if episode else "envs") + \
+            (f"-{plain_slug(segment)[:24]}-{hashlib.sha1(segment.encode()).hexdigest()[:6]}"
+             if segment else "")
 
     def network_mode(self, env: EnvSpec) -> str:
         if env.network == "bridge":
@@ -2314,25 +2407,27 @@ class DockerSandbox(Sandbox):
         return (f"isolated: on {self.network_name()}, no egress, no other env's container in reach, "
                 "its port published on 127.0.0.1 only")
 
-    async def episode_network(self, episode: str) -> str:
-        return await self._network(episode)
+    async def episode_network(self, episode: str, segment: str = "") -> str:
+        return await self._network(episode, segment)
 
-    async def _network(self, episode: str) -> str:
+    async def _network(self, episode: str, segment: str = "") -> str:
         """Make (once) the envs' network or an episode's, labelled so a sweep finds it."""
-        name = self.network_name(episode)
-        if episode not in self.networks:
+        name = self.network_name(episode, segment)
+        key = f"{episode}/{segment}" if segment else episode
+        if key not in self.networks:
             labels = {"agentenv.owner": self.owner, "agentenv.episode": episode or "(envs)"}
             options = EPISODE_NETWORK_OPTIONS if episode else ENVS_NETWORK_OPTIONS
             bridge = BRIDGE_PREFIX + secrets.token_hex(6)          # at most 15 characters
-            self.networks[episode] = asyncio.ensure_future(self.call(
+            self.networks[key] = asyncio.ensure_future(self.call(
                 self.client.networks.create, name, driver="bridge", labels=labels,
+                internal=bool(episode),
                 options={**options, "com.docker.network.bridge.name": bridge}, timeout=60))
         try:
-            await asyncio.shield(self.networks[episode])
+            await asyncio.shield(self.networks[key])
         except asyncio.CancelledError:
             raise
         except Exception as exc:                        # noqa: BLE001 - docker raises many kinds
-            self.networks.pop(episode, None)
+            self.networks.pop(key, None)
             raise EpisodeFailed(
                 f"the Docker network {name} could not be made ({short(str(exc), 300)}); if the "
                 "daemon has run out of address pools, remove unused networks (docker network "
@@ -2341,13 +2436,13 @@ class DockerSandbox(Sandbox):
         return name
 
     async def end_episode(self, episode: str) -> None:
-        made = self.networks.pop(episode, None) if episode else None
-        if made is None:
-            return
-        with contextlib.suppress(Exception):
-            if network := await made:
-                if await self._remove_network(network):
-                    self.unremoved.append(network)
+        keys = [k for k in self.networks if episode and (k == episode or
+                                                         k.startswith(episode + "/"))]
+        for made in [self.networks.pop(k) for k in keys]:
+            with contextlib.suppress(Exception):
+                if network := await made:
+                    if await self._remove_network(network):
+                        self.unremoved.append(network)
 
     async def _remove_network(self, network: Any) -> Any:
         """Remove a network; the network back if it still stands (a container still on it)."""
@@ -2506,9 +2601,12 @@ class DockerSandbox(Sandbox):
                                 "Docker (the bundles' envs build FROM it too)") from None
         return tag
 
-    def box_options(self, episode: str, name: str, limits: dict[str, Any],
-                    image: str) -> dict[str, Any]:
-        """How a box's container is made: the one place its isolation is chosen (no network)."""
+    def box_options(self, episode: str, name: str, limits: dict[str, Any], image: str,
+                    network: str | None = None, aliases: tuple[str, ...] = (),
+                    share: DockerBox | None = None) -> dict[str, Any]:
+        """How a box's container is made: the one place its isolation is chosen. No network, or
+        one of its episode's internal networks (reached there by ``aliases``), or the network
+        namespace of box ``share``."""
         memory = int(limits.get("memory_mb") or BOX_MEMORY_MB)
         # Our own box: a read-only root, and its writable places tmpfs mounts of bounded sizes
         # (within its memory), so a command that fills the disk fills only its box's share.
@@ -2517,8 +2615,19 @@ class DockerSandbox(Sandbox):
             "/home/agent": f"size={max(16, memory // 16)}m,uid=1000,gid=1000,mode=0755",
             "/tmp": f"size={max(16, memory // 8)}m,mode=1777",
             "/var/tmp": f"size={max(16, memory // 32)}m,mode=1777"})
-        return dict(**own,
-            image=image, detach=True, init=True, network_mode="none", hostname="box",
+        if share is not None:
+            where: dict[str, Any] = {"network_mode": f"container:{share.container.id}"}
+        elif network:
+            # Names not of the network resolve nowhere: Docker's DNS asks loopback for them, so
+            # even a Docker that forwards an internal network's lookups from the host's
+            # namespace (before 26) sends no query off this machine.
+            where = {"network": network, "hostname": "box", "dns": ["127.0.0.1"],
+                     "networking_config": {network: self.client.api.create_endpoint_config(
+                         aliases=list(aliases))}}
+        else:
+            where = {"network_mode": "none", "hostname": "box"}
+        return dict(**own, **where,
+            image=image, detach=True, init=True,
             labels={"agentenv.owner": self.owner, "agentenv.episode": episode,
                     "agentenv.box": name},
             security_opt=["no-new-privileges"], cap_drop=["ALL"], pids_limit=BOX_PIDS_LIMIT,
@@ -2529,15 +2638,24 @@ class DockerSandbox(Sandbox):
                else {}))
 
     async def open_box(self, episode: str, name: str, limits: dict[str, Any],
-                       image: str | None = None) -> Box:
+                       image: str | None = None, network: dict[str, tuple[str, ...]] | None = None,
+                       share: Box | None = None) -> Box:
         own = image is None
         if own:
             image = self.images[""] = self.images.get("") or await self.box_image()
-        options = self.box_options(episode, name, limits, image)
+        # its networks, by name, with the names it is reached by on each (the first at creation)
+        joins = [(await self.episode_network(episode, segment), aliases)
+                 for segment, aliases in (network or {}).items()]
+        first, aliases = joins[0] if joins else (None, ())
+        options = self.box_options(episode, name, limits, image, first, aliases,
+                                   share if isinstance(share, DockerBox) else None)
 
         def create_and_start() -> Any:
             container = self.client.containers.create(**options)
             try:
+                for more, named in joins[1:]:
+                    self.client.api.connect_container_to_network(container.id, more,
+                                                                 aliases=list(named))
                 container.start()
                 return container
             except BaseException:
@@ -4104,6 +4222,8 @@ class Episode:
     def __init__(self, runtime: Runtime, task: Task, seed: dict[str, Any] | None = None,
                  split: str = "all"):
         self.runtime, self.task, self.split = runtime, task.seeded(seed), split
+        self.seed = dict(seed or {})
+        self.unseeded = {step.id: step for step in task.steps} if seed else {}
         self.id = uuid.uuid4().hex
         self.envs: dict[str, DeployedEnv] = {}    # by env_id as the task writes it
         self.instances: list[Instance] = []       # every env launched, ready or not
@@ -4369,18 +4489,48 @@ class Episode:
     async def _deploy_agent(self, step: Step) -> None:
         self.agent = step
         if self.task.sandboxed:
-            self.agent_box = await self._open_box(step.get("agent_name", DEFAULT_AGENT), step)
+            name, vm = step.get("agent_name", DEFAULT_AGENT), step.get("sandbox_name")
+            # Placed on a VM-mode sandbox, its box is a container there, beside the sandbox's
+            # own: on the sandbox's network, where it reaches the sandbox and its containers.
+            self.agent_box = await self._open_box(name, step, network={"": (name,)} if vm else None)
             for skill in step.get("skills") or []:
                 await self._add_skill(skill)
 
-    async def _open_box(self, name: str, step: Step, image: str | None = None) -> Box:
+    async def _open_box(self, name: str, step: Step, image: str | None = None,
+                        network: dict[str, tuple[str, ...]] | None = None,
+                        share: Box | None = None) -> Box:
         limits = {k: step.get(k) for k in ("cpu", "memory_mb", "env_vars", "command_override")
                   if step.get(k)}
         async with self.runtime.starting.slot():
-            return await self.runtime.sandbox.open_box(self.id, name, limits, image)
+            return await self.runtime.sandbox.open_box(self.id, name, limits, image, network, share)
+
+    def _segments(self, step: Step) -> list[str]:
+        """The networks of its VM-mode sandbox a run_docker_container step's container joins:
+        "" for the sandbox's own (Docker's default bridge on a VM: unset, "bridge", "default"),
+        else one of the episode's by its name; none for network "none" or "host"."""
+        chosen = step.get("network") or "bridge"
+        names = ([] if chosen in ("none", "host") else [chosen]) + list(step.get("extra_networks") or [])
+        return list(dict.fromkeys("" if n in ("bridge", "default") else n for n in names))
+
+    def _vm_network(self, name: str) -> dict[str, tuple[str, ...]] | None:
+        """A VM-mode sandbox's networks, with its box on each as ``name`` (the VM's host reaches
+        every network on it): those its containers join, and its own where an agent is placed
+        on it. None (no network at all) where nothing is run on it."""
+        segments: set[str] = set()
+        for step in self.task.steps:
+            if step.get("sandbox_name") != name:
+                continue
+            if step.type == "run_docker_container":
+                segments.update(self._segments(step))
+            elif step.type == "deploy_agent" and self.task.sandboxed:
+                segments.add("")
+        return {s: (name,) for s in sorted(segments)} or None
 
     def _box_of(self, step: Step, default_agent: str | None = DEFAULT_AGENT) -> Box:
-        """The box a step acts in: a deploy_sandbox's (sandbox_name), else the agent's."""
+        """The box a step acts in: where its env runs (env_id), a deploy_sandbox's
+        (sandbox_name), else the agent's."""
+        if step.get("env_id"):
+            return self.envs[step.get("env_id")].instance.box(step.get("env_id"))
         if step.get("sandbox_name"):
             return self.boxes[step.get("sandbox_name")]
         if self.agent_box is None:
@@ -4415,8 +4565,10 @@ class Episode:
 
     async def _deploy_sandbox(self, step: Step) -> None:
         mode, name = step.get("sandbox_mode"), step.get("sandbox_name")
-        self.boxes[name] = await self._open_box(name, step, step.get("image") if mode ==
-                                                "container" else None)
+        if mode == "container":             # a container of its own, on no network
+            self.boxes[name] = await self._open_box(name, step, step.get("image"))
+        else:
+            self.boxes[name] = await self._open_box(name, step, network=self._vm_network(name))
 
     async def _add_skills(self, step: Step) -> None:
         self._box_of(step)
@@ -4426,7 +4578,7 @@ class Episode:
     async def _load_artifact(self, step: Step) -> None:
         box = self.containers[(step.get("sandbox_name"), step.get("container_name"))] \
             if step.get("container_name") else self._box_of(step, None)
-        to_agent = not step.get("sandbox_name")
+        to_agent = not step.get("sandbox_name") and not step.get("env_id")
         dest = box.path(step.get("destination_path") or ("/tmp/file_artifacts" if to_agent
                                                           else "/loaded"))
         names = [a["id"] for a in step.get("artifacts") or []] or [step.get("artifact_id")]
@@ -4445,6 +4597,11 @@ class Episode:
         script = step.get("script_file") or (next(iter(scripts)) if len(scripts) == 1 else "run.py")
         run_dir = f"/tmp/agent_env_run_code/{step.id}"
         given = {"args": step.get("args") or {}, "results": self.script_results}
+        if env_id := step.get("env_id"):     # run where the env runs: its address as seen there
+            env = self.envs[env_id]
+            inner = env.instance.inner_url
+            given["env"] = {"id": env_id, "url": inner,
+                            "mcp_url": inner + env.mcp_url[len(env.instance.base_url):]}
         await box.put({**scripts, "runner.py": RUN_CODE_RUNNER.encode(),
                        "input.json": json.dumps(given).encode()}, run_dir, agent_owns=False)
         timeout = float(step.get("timeout_seconds", 600))
@@ -4495,7 +4652,12 @@ class Episode:
                                 PROVIDER_UNAVAILABLE)
         image = await sandbox.build_context(self.runtime.bundle.artifacts[artifact],
                                             step.get("dockerfile_path", "Dockerfile"), artifact)
-        box = await self._open_box(f"{step.get('sandbox_name')}/{name}", step, image)
+        # a container of the sandbox: on its networks, reached there by its name; with network
+        # "host", in the sandbox box's own network (as on the VM's host); with "none", on none
+        vm = step.get("sandbox_name")
+        box = await self._open_box(f"{vm}/{name}", step, image,
+                                   {s: (name,) for s in self._segments(step)} or None,
+                                   self.boxes[vm] if step.get("network") == "host" else None)
         self.containers[(step.get("sandbox_name"), name)] = box
         if ready := step.get("ready_command"):
             for _ in range(60):
@@ -4514,8 +4676,9 @@ class Episode:
             raise EpisodeFailed(f"user {user!r} is not one box {box.name!r} has; use root or "
                                 f"{box.user}")
         root, env = user == "root", {k: str(v) for k, v in (step.get("env_vars") or {}).items()}
+        env = {**self._seed_env(env), **env}
         timeout = float(step.get("timeout_sec", 300))
-        for command in step.get("setup_commands", []):
+        for command in self._quoted(step, "setup_commands"):
             ran = await box.run(["bash", "-c", command], timeout, root=root, env=env)
             if ran.timed_out or ran.exit_code != 0:
                 raise EpisodeFailed(f"Verifier {name!r}: setup command {command!r} "
@@ -4524,7 +4687,8 @@ class Episode:
         reward_path = step.get("reward_path")
         if reward_path:
             await box.run(["rm", "-f", reward_path], 30, root=root)
-        ran = await box.run(["bash", "-c", step.get("command")], timeout, root=root, env=env)
+        ran = await box.run(["bash", "-c", self._quoted(step, "command")], timeout, root=root,
+                            env=env)
         extracted: dict[str, Any] = {}
         for path in [*step.get("result_paths", []), *([reward_path] if reward_path else [])]:
             got = await box.run(["cat", box.path(path)], 60, root=True)
@@ -4545,6 +4709,31 @@ class Episode:
         if ran.exit_code != 0 and not reward_path:
             raise EpisodeFailed(f"Verifier {name!r} exited {ran.exit_code}; stderr (last 1500 "
                                 f"chars):\n{ran.stderr.decode(errors='replace')[-1500:]}")
+
+    def _seed_env(self, env: dict[str, str]) -> dict[str, str]:
+        """The episode's seed as environment variables for a unit-test verifier, as AgentEnv
+        gives them: each key upper-cased, its value as text (JSON for what isn't a string);
+        keys that are no POSIX name, that the step's env_vars set, or that a shell relies on
+        are skipped."""
+        given = {}
+        for key, value in self.seed.items():
+            name = str(key).upper()
+            if POSIX_NAME.fullmatch(name) and name not in env and name not in RESERVED_ENV:
+                given[name] = value if isinstance(value, str) else json.dumps(value)
+        return given
+
+    def _quoted(self, step: Step, key: str) -> Any:
+        """A unit-test verifier's command (or setup commands) with each ``<seed key>`` replaced
+        by its value quoted for the shell, as AgentEnv does for a command."""
+        if not self.seed or step.id not in self.unseeded:
+            return step.get(key, [] if key == "setup_commands" else None)
+
+        def fill(text: str) -> str:
+            return PLACEHOLDER.sub(lambda m: shlex.quote(
+                self.seed[m[1]] if isinstance(self.seed[m[1]], str) else json.dumps(self.seed[m[1]]))
+                if m[1] in self.seed else m[0], text)
+        plain = self.unseeded[step.id].get(key, [] if key == "setup_commands" else None)
+        return [fill(c) for c in plain] if isinstance(plain, list) else fill(plain)
 
     async def _reset_env(self, step: Step) -> None:
         env_id = step.get("env_id")

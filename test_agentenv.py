@@ -922,6 +922,77 @@ def test_a_sandbox_step_that_cant_run_is_refused_saying_why(make_bundle, steps, 
     problem_with(refused(root, reward="check"), "tasks/t.json", *parts)
 
 
+def vm(mode="vm", **fields):
+    return {"id": "vm", "type": "deploy_sandbox", "sandbox_name": "vm", "sandbox_mode": mode,
+            **fields}
+
+
+def placed(*steps, sandbox=None):
+    """A task whose agent ``solver`` is placed on sandbox ``vm`` and works in a box there."""
+    return [sandbox or vm(exposed_ports=[8000]), *steps,
+            {"id": "agent", "type": "deploy_agent", "agent_name": "solver", "sandbox_name": "vm"},
+            prompt(agent_name="solver"),
+            {"id": "check", "type": "verify_sandbox", "agent_name": "solver",
+             "criteria": [{"type": "probe_file_exists", "paths": ["x"]}]}]
+
+
+WEB_CONTEXT = {"artifacts/web/Dockerfile": "FROM python:3.11-slim\n"}
+
+
+@pytest.mark.parametrize("steps, parts", [
+    # an agent that works in a box, placed on a sandbox: only a VM-mode one exposing 8000
+    (placed(sandbox=vm("container", image="x")),
+     ["step 'agent'", "Cannot link agent to sandbox 'vm' (mode='container'); only VM-mode "
+      "sandboxes can host an additional agent container"]),
+    (placed(sandbox=vm()),
+     ["step 'agent'", "Sandbox 'vm' does not expose port 8000; re-deploy it with "
+      "exposed_ports=[8000]"]),
+    (placed({"id": "c", "type": "run_docker_container", "sandbox_name": "vm",
+             "docker_context_artifact_id": "web", "extra_networks": ["host"]}),
+     ["step 'c'", "extra_networks names 'host', which is a network mode"]),
+    (placed({"id": "c", "type": "run_docker_container", "sandbox_name": "vm",
+             "docker_context_artifact_id": "web", "network": 3}),
+     ["step 'c'", "network must be a string"]),
+    (placed(*[{"id": c, "type": "run_docker_container", "sandbox_name": "vm",
+               "docker_context_artifact_id": "web"} for c in ("c", "d")]),
+     ["step 'd'", "container 'task-container' already runs on sandbox 'vm'; give each container "
+      "of a sandbox its own container_name"]),
+    # a step acting where an env runs: a deployed env, and one target
+    (boxed({"id": "r", "type": "run_code", "env_id": "main", "agent_name": "solver",
+            "script_artifact_id": "check", "script_file": "verify.py"}),
+     ["step 'r'", "run_code: set at most one of `env_id`, `sandbox_name` and `agent_name`; got "
+      "['env_id', 'agent_name']"]),
+    (boxed({"id": "r", "type": "run_code", "env_id": "main", "script_artifact_id": "check",
+            "script_file": "verify.py"}),
+     ["step 'r'", "env_id 'main' is not deployed by an earlier deploy_env step"]),
+    (boxed(load(env_id="main", agent_name="solver", artifact_id="check")),
+     ["step 'load'", "names where to load", "env_id (a deployed env), one of them"]),
+    (boxed(load(container_name="c", artifact_id="check")),
+     ["step 'load'", "names where to load"]),
+    (boxed(load(container_name="c", agent_name="solver", artifact_id="check")),
+     ["step 'load'", "`container_name` requires `sandbox_name`"]),
+])
+def test_a_step_placed_on_a_sandbox_or_an_env_that_cant_run_is_refused(make_bundle, steps, parts):
+    root = make_bundle({"t": steps}, artifacts=("check",), files=WEB_CONTEXT)
+    problem_with(refused(root, reward="check"), "tasks/t.json", *parts)
+
+
+def test_an_agent_placed_on_a_sandbox_and_steps_where_an_env_runs_load(make_bundle):
+    root = make_bundle({"t": [deploy("main"), *placed(
+        {"id": "c", "type": "run_docker_container", "sandbox_name": "vm",
+         "docker_context_artifact_id": "web", "network": "backend", "extra_networks": ["bridge"]},
+        load(env_id="main", artifact_id="check"),
+        {"id": "r", "type": "run_code", "env_id": "main", "script_artifact_id": "check",
+         "script_file": "verify.py"})]}, artifacts=("check",), files=WEB_CONTEXT)
+    task = Bundle.load(root, reward="check").tasks["t"]
+    assert task.sandboxed
+    # placed only (it works in no box): where it is placed does not matter, as in AgentEnv
+    alone = [vm("container", image="x"), {"id": "agent", "type": "deploy_agent",
+                                           "agent_name": "solver", "sandbox_name": "vm"},
+             prompt(agent_name="solver"), contains()]
+    assert not Bundle.load(make_bundle({"t": alone}, envs=()), reward="answer").tasks["t"].sandboxed
+
+
 def test_sandbox_steps_that_check_load_and_the_turns_offer_bash(make_bundle):
     root = make_bundle({"t": boxed(
         {"id": "vm", "type": "deploy_sandbox", "sandbox_name": "vm", "sandbox_mode": "vm",

@@ -11,7 +11,10 @@ tests skip, or fail in CI, without a daemon and python:3.11-slim), and some in t
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,18 +24,20 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import agentenv  # noqa: E402
-from tests.harness import (REPO, Gym, Socket, client, gym_row, labelled, remove_quietly,  # noqa: E402
-                           run, serving)
+from tests.harness import (NOTES, REPO, Gym, Socket, client, gym_row, labelled,  # noqa: E402
+                           remove_quietly, run, serving)
 
 PYFIX = REPO / "bundles" / "pyfix-v1"
 
 
 @pytest.fixture
 def no_box_left(docker_client):
-    """Every test's boxes are gone at its end (labelled agentenv.box)."""
+    """Every test's boxes are gone at its end (labelled agentenv.box). Only this process's are
+    looked at: a server it started is stopped by then, or killed (its boxes left for a sweep), and
+    another's on this machine are not this test's."""
     yield
     left = [c for c in labelled(docker_client, "agentenv.box")
-            if agentenv.owner_alive(c.labels.get("agentenv.owner", "")) is not False]
+            if c.labels.get("agentenv.owner", "") == agentenv.owner_id()]
     remove_quietly(left)
     assert not left, f"boxes left behind: {[c.name for c in left]}"
 
@@ -405,6 +410,202 @@ def test_unit_test_verifiers_in_a_sandboxs_container(tmp_path, no_box_left, dock
                                                 "chars):\nbad\n")
     assert episode.errors["unit-timeout"].endswith("Verifier 'unit-timeout' timed out after 2s")
     assert seen["unit-timeout"]["timed_out"] is True
+
+
+# ================================================================ a VM-mode sandbox's network
+
+# A tiny web server's build context: it serves /srv, where hello.txt says whose it is.
+WEB = {"Dockerfile": "FROM python:3.11-slim\nRUN mkdir -p /srv && echo \"hello from web\" > "
+                     "/srv/hello.txt\nWORKDIR /srv\nCMD [\"python3\", \"-m\", \"http.server\", "
+                     "\"8080\"]\n"}
+GET = ("python3 -c \"import sys, urllib.request; print(urllib.request.urlopen('http://' + "
+       "sys.argv[1], timeout=3).read().decode(), end='')\"")
+LISTENS = "python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), 1)\""
+
+
+def web(sid: str, name: str, **more) -> dict:
+    return {"id": sid, "type": "run_docker_container", "sandbox_name": "vm", "container_name": name,
+            "docker_context_artifact_id": "web", "ready_command": LISTENS.format(port=8080), **more}
+
+
+BOX_IMAGE = f"agentenv-box/agent:{hashlib.sha256(agentenv.BOX_DOCKERFILE.encode()).hexdigest()[:16]}"
+VM_TASK = [
+    {"id": "vm", "type": "deploy_sandbox", "sandbox_name": "vm", "sandbox_mode": "vm",
+     "exposed_ports": [8000]},
+    {"id": "cbox", "type": "deploy_sandbox", "sandbox_name": "cbox", "sandbox_mode": "container",
+     "image": BOX_IMAGE},                                   # on no network
+    web("web", "web"),
+    web("db", "db", network="backend"),                     # a network of its own
+    web("side", "side", network="host", command_override=["python3", "-m", "http.server", "9090"],
+        ready_command=LISTENS.format(port=9090)),          # in the VM box's own network
+    web("both", "both", extra_networks=["backend"]),
+    {"id": "solver", "type": "deploy_agent", "agent_name": "solver", "sandbox_name": "vm"},
+    {"id": "in", "type": "load_artifact", "agent_name": "solver", "artifact_id": "inputs",
+     "destination_path": "/app/in"},
+    {"id": "ask", "type": "prompt_agent", "agent_name": "solver", "prompt": "Fetch web's hello."},
+    {"id": "host-view", "type": "verify_sandbox", "sandbox_name": "vm", "criteria": [
+        {"type": "bash_cmd_succeeds", "bash_cmd": f"{GET} web:8080/hello.txt | grep -q web"},
+        {"type": "bash_cmd_succeeds", "bash_cmd": f"{GET} db:8080/hello.txt"},
+        {"type": "bash_cmd_succeeds", "bash_cmd": f"{GET} 127.0.0.1:9090/hello.txt"},
+        {"type": "bash_cmd_succeeds", "bash_cmd": f"{GET} solver:1/ 2>&1 | grep -q refused"}]},
+    {"id": "agent-view", "type": "verify_sandbox", "agent_name": "solver", "criteria": [
+        {"type": "probe_file_exists", "paths": ["in/notes.txt"]},
+        {"type": "bash_cmd_succeeds", "bash_cmd": f"{GET} web:8080/hello.txt"},
+        {"type": "bash_cmd_succeeds", "bash_cmd": f"{GET} both:8080/hello.txt"},
+        {"type": "bash_cmd_succeeds", "bash_cmd": f"! {GET} db:8080/hello.txt"}]},
+]
+
+
+def on_networks(container) -> dict[str, str]:
+    container.reload()
+    return {name: net["IPAddress"]
+            for name, net in container.attrs["NetworkSettings"]["Networks"].items()}
+
+
+def test_a_vm_sandboxs_containers_are_reached_from_it_by_name_and_from_nothing_else(
+        tmp_path, no_box_left, docker_client):
+    root = bundle(tmp_path / "sbx-net", {"net": VM_TASK}, {"web": WEB, "inputs": INPUTS})
+    loaded = agentenv.Bundle.load(root, reward="agent-view")
+    task = loaded.tasks["net"]
+    assert task.sandboxed                     # (by its load_artifact and verify_sandbox)
+
+    async def play():
+        async with agentenv.Runtime(loaded, sandbox="docker") as runtime:
+            first, second = runtime.episode(task), runtime.episode(task)
+            turn, other = await first.next_turn(), await second.next_turn()
+            # the agent placed on the VM: a box of its own there (its files, its user), on the
+            # sandbox's network, where it reaches the sandbox's containers by their names
+            here = await turn.call("bash", {"command": f"whoami; ls in; {GET} web:8080/hello.txt"})
+            assert here.text == "agent\nnotes.txt\nsub\nhello from web\n", here.text
+            # (db is on the network "backend" only, which the VM's box joins and the agent not)
+            apart = await turn.call("bash", {"command": f"{GET} db:8080/hello.txt"})
+            assert apart.is_error and ("Name or service not known" in apart.text or
+                                       "Temporary failure in name resolution" in apart.text), \
+                apart.text
+            boxes = {c.labels["agentenv.box"]: c for c in
+                     labelled(docker_client, f"agentenv.episode={first.id}")}
+            assert set(boxes) == {"vm", "vm/web", "vm/db", "vm/side", "vm/both", "solver", "cbox"}
+            assert boxes["cbox"].attrs["HostConfig"]["NetworkMode"] == "none"
+            ours = runtime.sandbox.network_name(first.id)
+            backend = runtime.sandbox.network_name(first.id, "backend")
+            assert set(on_networks(boxes["vm"])) == {ours, backend}
+            assert set(on_networks(boxes["vm/web"])) == {ours}
+            assert set(on_networks(boxes["vm/db"])) == {backend}
+            assert set(on_networks(boxes["vm/both"])) == {ours, backend}
+            assert set(on_networks(boxes["solver"])) == {ours}
+            assert boxes["vm/side"].attrs["HostConfig"]["NetworkMode"] == \
+                f"container:{boxes['vm'].id}"
+            # another episode's agent can't reach this one's containers, even by their address
+            # (its packets find no one: its network's gateway address is nobody's)
+            address = on_networks(boxes["vm/web"])[ours]
+            tried = await other.call("bash", {"command": f"{GET} {address}:8080/hello.txt"})
+            assert tried.is_error and ("timed out" in tried.text or "unreachable" in tried.text), \
+                tried.text
+            # nor can the host: nothing published, and the networks are internal, with no
+            # address of the host on their bridges (so no route in; no packet is sent to see)
+            for name in (ours, backend):
+                network = docker_client.networks.get(name)
+                assert network.attrs["Internal"] is True
+                assert network.attrs["Labels"]["agentenv.episode"] == first.id
+                bridge = network.attrs["Options"]["com.docker.network.bridge.name"]
+                shown = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", bridge],
+                                       capture_output=True, text=True, check=True)
+                assert shown.stdout == "", f"the host has an address on {bridge}: {shown.stdout}"
+            assert all(not c.attrs["NetworkSettings"]["Ports"] for c in boxes.values())
+            turn.end("Fetched.")
+            other.end("")
+            return await first.result(), await second.result(), [ours, backend], first.id
+    (outcome, again, networks, episode) = run(play(), 300)
+    assert outcome.scores == {"host-view": 1.0, "agent-view": 1.0}, outcome
+    assert again.scores == outcome.scores
+    assert not labelled(docker_client, f"agentenv.episode={episode}"), "a container stayed"
+    assert not [n for n in networks if docker_client.networks.list(names=[n])], "a network stayed"
+
+
+# ================================================================ bundle code where an env runs
+
+ENV_PROBE = {"probe.py": (
+    "import json, os, urllib.request\n\ndef run(data):\n"
+    "    card = json.load(urllib.request.urlopen(data['env']['url'] + "
+    "'/.well-known/agent-env.json', timeout=5))\n"
+    "    return {'env': data['env'], 'notes': open('seed/notes.txt').read(),\n"
+    "            'card': card.get('name'), 'uid': os.getuid()}\n")}
+ENV_TASK = [
+    {"id": "notes", "type": "deploy_env", "env_id": "notebook"},
+    {"id": "seed", "type": "load_artifact", "env_id": "notebook", "artifact_id": "inputs",
+     "destination_path": "/app/seed"},       # (its folder: the script reads seed/notes.txt)
+    {"id": "probe", "type": "run_code", "env_id": "notebook", "script_artifact_id": "probe"},
+    {"id": "solver", "type": "deploy_agent", "agent_name": "solver", "env_ids": ["notebook"]},
+    {"id": "ask", "type": "prompt_agent", "agent_name": "solver", "prompt": "Say ok.",
+     "prompt_id": "ask"},
+    {"id": "answer", "type": "agent_prompt_response_verifier", "prompt_id": "ask",
+     "criteria": [{"type": "response_contains", "needles": ["ok"]}]},
+]
+
+
+@pytest.mark.parametrize("sandbox", ["local", "docker"])
+def test_load_artifact_and_run_code_act_where_an_env_runs(request, tmp_path, sandbox):
+    if sandbox == "docker":
+        request.getfixturevalue("no_box_left")
+    root = bundle(tmp_path / "sbx-env", {"env": ENV_TASK}, {"inputs": INPUTS, "probe": ENV_PROBE})
+    shutil.copytree(NOTES / "envs", root / "envs")
+    loaded = agentenv.Bundle.load(root)
+    assert not loaded.tasks["env"].sandboxed
+
+    async def play():
+        async with agentenv.Runtime(loaded, sandbox=sandbox) as runtime:
+            episode = runtime.episode(loaded.tasks["env"])
+            turn = await episode.next_turn()
+            env = episode.envs["notebook"]
+            turn.end("ok")
+            return await episode.result(), episode, env.instance.base_url, env.mcp_url
+    outcome, episode, base_url, mcp_url = run(play(), 180)
+    assert outcome.scores == {"answer": 1.0}
+    got = episode.script_results["probe"]
+    # its files and its script where the env runs (its container, or its folder here), the env's
+    # address as it is reached from there, and the card the env answers with at it
+    inner = f"http://127.0.0.1:{agentenv.ENV_PORT}" if sandbox == "docker" else base_url
+    assert got == {"env": {"id": "notebook", "url": inner,
+                           "mcp_url": inner + mcp_url[len(base_url):]},
+                   "notes": "alpha\nbeta\n", "card": "notebook", "uid": 0}, got
+
+
+# ================================================================ seeds for a unit-test verifier
+
+SEEDED = [
+    {"id": "solver", "type": "deploy_agent", "agent_name": "solver"},
+    {"id": "ask", "type": "prompt_agent", "agent_name": "solver", "prompt": "Fix <repo>."},
+    {"id": "unit", "type": "run_container_unit_tests_verifier", "agent_name": "solver",
+     "env_vars": {"N": "from-step"}, "setup_commands": ["printf '%s|' <pick> > /tmp/setup.txt"],
+     "command": "printf '%s|' <pick> \"$REPO\" \"$N\" \"$FLAGS\" \"${PICK}\"; cat /tmp/setup.txt; "
+                "test \"$PATH\" != /nowhere && test -z \"${REPO_NAME:-}\""},
+]
+
+
+@pytest.mark.parametrize("sandbox", ["local", "docker"])
+def test_a_unit_test_verifier_reads_the_seed_in_its_environment(request, tmp_path, sandbox):
+    if sandbox == "docker":
+        request.getfixturevalue("no_box_left")
+    loaded = agentenv.Bundle.load(bundle(tmp_path / "sbx-seed", {"seeded": SEEDED}))
+    task = loaded.tasks["seeded"]
+    assert task.sandboxed                      # the verifier runs in the agent's box
+    seed = {"repo": "a b", "n": 3, "pick": "x y", "flags": ["-q", 2], "path": "/nowhere",
+            "repo-name": "skipped"}
+
+    async def play():
+        async with agentenv.Runtime(loaded, sandbox=sandbox) as runtime:
+            episode = runtime.episode(task, seed)
+            turn = await episode.next_turn()
+            assert turn.prompt == "Fix a b."
+            turn.end("")
+            return await episode.result(), episode
+    outcome, episode = run(play(), 120)
+    assert outcome.scores == {"unit": 1.0}, (outcome, episode.errors)
+    # each seed key upper-cased, its value text (JSON if not a string); a placeholder in the
+    # commands is the value quoted for the shell; the step's own env_vars win, and a name the
+    # shell relies on (PATH) or that is no name (repo-name) is not set
+    assert episode.verifications["unit"]["stdout_head"] == \
+        'x y|a b|from-step|["-q", 2]|x y|x y|'
 
 
 # ================================================================ pyfix-v1, end to end
