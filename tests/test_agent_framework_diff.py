@@ -9,6 +9,11 @@ list. AgentEnv runs from its own venv (.ci/framework-venv.sh), driven by tests/f
 through its Episode API (or as ``agent-env run`` for the task that prompts no agent), inside a
 network namespace with only loopback: nothing here reaches the network. Without the venv the tests
 skip, saying why; with AGENTENV_REQUIRE_FRAMEWORK=1 (CI) they fail instead.
+
+Played: 8.1, 8.2's run_code outcomes, 8.7's unit-test verifiers and the turns of 2.1/8.4. Not: 8.3,
+8.4's bash, 8.5, 8.6 and 8.7's episode (the agent's container is AgentEnv's proxy image, which
+builds only from a registry), nor 8.2's container-mode sandbox (AgentEnv's local provider pulls its
+image from a registry even when this machine's Docker holds it).
 """
 
 from __future__ import annotations
