@@ -1132,8 +1132,16 @@ TEXT_FIELDS = {"prompt", "system_prompt", "prompt_id", "agent_name", "role", "en
                "reward_path", "docker_context_artifact_id", "dockerfile_path", "ready_command",
                "network"}
 POSITIVE_FIELDS = {"timeout_seconds", "cpu", "memory_mb", "shell_timeout_seconds", "timeout_sec"}
-TEXT_LISTS = {"setup_commands", "result_paths", "verifier_ids", "command_override",
-              "extra_networks"}
+TEXT_LISTS = {"setup_commands", "result_paths", "verifier_ids", "extra_networks"}
+
+
+def _shell_words(text: str) -> list[str] | None:
+    """``text`` split into words as a shell splits them (a command_override given as text); None
+    when it can't be (an unclosed quote)."""
+    try:
+        return shlex.split(text)
+    except ValueError:
+        return None
 
 
 def _load_step(item: Any, n: int, where: str, task: str, seen: set[str],
@@ -1190,6 +1198,11 @@ def _load_step(item: Any, n: int, where: str, task: str, seen: set[str],
         elif key in TEXT_LISTS and not (isinstance(value, list)
                                         and all(isinstance(v, str) for v in value)):
             problems.append(f"{at}: {key} must be a list of strings")
+        elif key == "command_override" and not (isinstance(value, str) and _shell_words(value)
+                                                or isinstance(value, list) and value
+                                                and all(isinstance(v, str) for v in value)):
+            problems.append(f"{at}: command_override must be the command as text (AgentEnv's: "
+                            "'sleep infinity', split as a shell splits it) or a list of strings")
         elif key in ("env_vars", "args") and not (isinstance(value, dict) and all(
                 isinstance(v, (str, int, float, bool)) or key == "args" for v in value.values())):
             problems.append(f"{at}: {key} must be an object" + (" of strings" * (key == "env_vars")))
@@ -1652,7 +1665,7 @@ def _check_criteria(step: Step, at: str, problems: list[str]) -> None:
             problems.append(f"{at}: criterion #{n} (response_contains) needs a non-empty list of "
                             "strings as needles")
         elif kind == "response_regex_present":
-            pattern, flags = c.get("pattern"), c.get("flags", [])
+            pattern, flags = c.get("pattern"), c.get("flags")
             try:
                 if not isinstance(pattern, str) or not pattern:
                     raise re.error("the pattern is empty")
@@ -1663,8 +1676,9 @@ def _check_criteria(step: Step, at: str, problems: list[str]) -> None:
 
 
 def _regex_flags(names: list[str] | None) -> int:
-    """AgentEnv's rule: no flags means DOTALL; given flags, exactly those, OR-ed."""
-    if not names:
+    """AgentEnv's rule: no flags (None) means DOTALL; given flags, exactly those, OR-ed (an empty
+    list: none)."""
+    if names is None:
         return re.DOTALL
     flags = 0
     for name in names:
@@ -2634,8 +2648,8 @@ class DockerSandbox(Sandbox):
             mem_limit=f"{memory}m", memswap_limit=f"{memory}m",
             nano_cpus=int(float(limits.get("cpu") or 1.0) * 1e9),
             environment=dict(limits.get("env_vars") or {}),
-            **({"command": list(limits["command_override"])} if limits.get("command_override")
-               else {}))
+            **({"command": _shell_words(command) if isinstance(command, str) else list(command)}
+               if (command := limits.get("command_override")) else {}))
 
     async def open_box(self, episode: str, name: str, limits: dict[str, Any],
                        image: str | None = None, network: dict[str, tuple[str, ...]] | None = None,
@@ -3911,11 +3925,11 @@ def response_rows(criteria: list[dict[str, Any]], response: str) -> list[dict[st
         if criterion["type"] == "response_contains":
             missing = [x for x in criterion["needles"] if x not in response]
             passed = not missing
-            why = "the reply contains every needle" if passed else f"the reply lacks {missing}"
+            why = "all needles present" if passed else f"missing: {missing}"     # AgentEnv's words
         else:
-            passed = re.search(criterion["pattern"], response,
-                               _regex_flags(criterion.get("flags"))) is not None
-            why = f"the pattern {'matches' if passed else 'does not match'} the reply"
+            pattern = criterion["pattern"]
+            passed = re.search(pattern, response, _regex_flags(criterion.get("flags"))) is not None
+            why = "pattern matched" if passed else f"no match for pattern {pattern!r}"
         rows.append({**criterion, "criterion_index": n, "score": 1.0 if passed else 0.0,
                      "result": passed, "justification": why})
     return rows
@@ -3977,6 +3991,9 @@ async def _criterion(box: Box, criterion: dict[str, Any], base_dir: str,
     return ran.exit_code == 0, f"exit={ran.exit_code}; stderr={ran.stderr.decode(errors='replace')[:200]}"
 
 
+TIMED_OUT_EXIT = 124     # the exit code of a unit-test command killed at its deadline, as timeout(1)'s
+
+
 def unit_test_rows(ran: Ran, reward_path: str | None, reward: Any) -> tuple[list[dict[str, Any]], float]:
     """The row and score of a run_container_unit_tests_verifier: the exit code, or the reward file."""
     status = f"exit_code={ran.exit_code} timed_out={ran.timed_out}"
@@ -3993,7 +4010,7 @@ def unit_test_rows(ran: Ran, reward_path: str | None, reward: Any) -> tuple[list
                  "message": f"reward file {reward_path!r} missing or non-numeric ({status})"}], 0.0
     value = min(1.0, max(0.0, value))
     return [{"id": "reward", "score": value, "result": value >= 1.0,
-             "message": f"reward={value:g} ({status})"}], value
+             "message": f"reward={value} ({status})"}], value
 
 
 # run_code's runner: stdlib only, run in the box with the step's folder, entry function and script.
@@ -4238,6 +4255,7 @@ class Episode:
         self.replies: dict[str, str] = {}         # prompt_id -> reply
         self.scores: dict[str, float] = {}
         self.errors: dict[str, str] = {}          # step id -> why it failed (tolerated steps)
+        self.system_prompt: str | None = None     # the agent's, as its deploy or a prompt last set it
         self.outcome: Outcome | None = None
         self.closed = asyncio.Event()
         self._changed = asyncio.Event()
@@ -4381,32 +4399,25 @@ class Episode:
             await self.runtime.sandbox.end_episode(self.id)
 
     async def _run_steps(self) -> None:
-        """Run the steps as a graph: each once the steps it depends on are done."""
-        status: dict[str, str] = {}
+        """Run the steps as a graph: each once the steps it depends on are done. A tolerated
+        failure (``fail_task_on_error: false``) counts as done, so the steps after it run, as
+        AgentEnv runs them (an aggregate over a failed verifier then fails itself, saying which
+        is missing); any other failure ends the episode."""
         done = {step.id: asyncio.Event() for step in self.task.steps}
 
         async def run(step: Step) -> None:
             for dep in step.depends_on:
                 await done[dep].wait()
             try:
-                if blocked := [d for d in step.depends_on if status[d] != "ok"]:
-                    status[step.id] = "skipped"
-                    log.info("Episode %s skips step %r: it depends on %s, which did not succeed.",
-                             self.id[:8], step.id, blocked)
-                    return
-                try:
-                    await self._run_step(step)
-                    status[step.id] = "ok"
-                except EpisodeFailed as exc:
-                    status[step.id] = "failed"
-                    if step.fail_task_on_error:
-                        raise EpisodeFailed(exc.failure.told(
-                            f"step {step.id!r} ({step.type}) failed: ")) from None
-                    self.errors[step.id] = str(exc)
-                    log.info("Episode %s: step %r (%s) failed: %s; going on (fail_task_on_error is "
-                             "false).", self.id[:8], step.id, step.type, exc)
-            finally:
-                done[step.id].set()
+                await self._run_step(step)
+            except EpisodeFailed as exc:
+                if step.fail_task_on_error:     # its dependents never start: the episode ends
+                    raise EpisodeFailed(exc.failure.told(
+                        f"step {step.id!r} ({step.type}) failed: ")) from None
+                self.errors[step.id] = str(exc)
+                log.info("Episode %s: step %r (%s) failed: %s; going on (fail_task_on_error is "
+                         "false).", self.id[:8], step.id, step.type, str(exc).rstrip())
+            done[step.id].set()
 
         tasks = [asyncio.create_task(run(step)) for step in self.task.steps]
         try:
@@ -4592,9 +4603,13 @@ class Episode:
     async def _run_code(self, step: Step) -> None:
         box = self._box_of(step)
         folder = self.runtime.bundle.artifacts[step.get("script_artifact_id")]
-        scripts = {rel: path.read_bytes() for rel, path in artifact_files(folder).items()
+        files = artifact_files(folder)
+        scripts = {rel: path.read_bytes() for rel, path in files.items()
                    if rel.endswith(".py") and "/" not in rel}
         script = step.get("script_file") or (next(iter(scripts)) if len(scripts) == 1 else "run.py")
+        if len(files) == 1 and not step.get("script_file"):
+            # a single-file artifact runs as script.py, as AgentEnv stages it (tracebacks say so)
+            scripts, script = {"script.py": scripts[script]}, "script.py"
         run_dir = f"/tmp/agent_env_run_code/{step.id}"
         given = {"args": step.get("args") or {}, "results": self.script_results}
         if env_id := step.get("env_id"):     # run where the env runs: its address as seen there
@@ -4611,8 +4626,9 @@ class Episode:
         if ran.timed_out:
             raise EpisodeFailed(f"{where}: timed out after {timeout:g}s")
         if ran.exit_code != 0:
+            said = ran.stderr.decode(errors="replace")      # its tail, as the script ended it
             raise EpisodeFailed(f"{where}: exited {ran.exit_code}: "
-                                f"{short(ran.stderr.decode(errors='replace'), 4000)}")
+                                f"{said if len(said) <= 4000 else '…' + said[-4000:]}")
         out = await box.run(["cat", f"{run_dir}/output.json"], 60, root=True,
                             cap=RUN_CODE_RESULT_CAP + 1)
         if out.exit_code != 0:
@@ -4685,13 +4701,17 @@ class Episode:
                                     f"{'timed out' if ran.timed_out else f'exited {ran.exit_code}'}: "
                                     f"{short(ran.output, 1500)}")
         reward_path = step.get("reward_path")
+        # A relative result path is read from the container's root, not its working folder, as
+        # AgentEnv's `docker cp` reads it, so a bundle's score is the one AgentEnv gives it.
         if reward_path:
-            await box.run(["rm", "-f", reward_path], 30, root=root)
+            await box.run(["rm", "-f", box.path(reward_path, "/")], 30, root=root)
         ran = await box.run(["bash", "-c", self._quoted(step, "command")], timeout, root=root,
                             env=env)
+        if ran.timed_out:       # recorded as AgentEnv's `timeout` reports it
+            ran = dataclasses.replace(ran, exit_code=TIMED_OUT_EXIT)
         extracted: dict[str, Any] = {}
         for path in [*step.get("result_paths", []), *([reward_path] if reward_path else [])]:
-            got = await box.run(["cat", box.path(path)], 60, root=True)
+            got = await box.run(["cat", box.path(path, "/")], 60, root=True)
             text = got.stdout.decode(errors="replace") if got.exit_code == 0 else None
             try:
                 extracted[path] = json.loads(text) if text is not None else None
@@ -4768,8 +4788,10 @@ class Episode:
                                             "the turn; tool names are unique within a turn")
                     route[tool["name"]] = session
                     tools.append(tool)
-            turn = Turn(self, step, step.get("prompt"), step.get("system_prompt") or
-                        agent.get("system_prompt"), tools, route, box)
+            # a prompt's own system prompt stays the agent's for the turns after it, as in AgentEnv
+            self.system_prompt = step.get("system_prompt") or self.system_prompt or \
+                agent.get("system_prompt")
+            turn = Turn(self, step, step.get("prompt"), self.system_prompt, tools, route, box)
             self.turn = turn
             self._signal()
             timeout = float(step.get("timeout_seconds", 600))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -30,14 +31,38 @@ from tests.harness import (NOTES, REPO, Gym, Socket, client, gym_row, labelled, 
 PYFIX = REPO / "bundles" / "pyfix-v1"
 
 
+def started_here(owner: str) -> bool:
+    """Whether a box's owner (``host:pid:start``) is this test process or a process it started (a
+    serve of a test): other runs on the machine have boxes of their own, never ours to judge."""
+    host, _, rest = owner.partition(":")
+    pid = rest.partition(":")[0]
+    if host != agentenv.socket.gethostname() or not pid.isdigit():
+        return False
+    seen = int(pid)
+    while seen > 1:
+        if seen == os.getpid():
+            return True
+        try:
+            seen = int(Path(f"/proc/{seen}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
+
+
+def boxes_of(docker_client, pid: int) -> list:
+    """The boxes a server of ours (its pid) labelled, alive or not: other runs' boxes left out."""
+    return [c for c in labelled(docker_client, "agentenv.box")
+            if c.labels.get("agentenv.owner", "").split(":")[1:2] == [str(pid)]]
+
+
 @pytest.fixture
 def no_box_left(docker_client):
-    """Every test's boxes are gone at its end (labelled agentenv.box). Only this process's are
-    looked at: a server it started is stopped by then, or killed (its boxes left for a sweep), and
-    another's on this machine are not this test's."""
+    """Every test's boxes are gone at its end (labelled agentenv.box, owned by a live process of
+    this run)."""
     yield
     left = [c for c in labelled(docker_client, "agentenv.box")
-            if c.labels.get("agentenv.owner", "") == agentenv.owner_id()]
+            if agentenv.owner_alive(owner := c.labels.get("agentenv.owner", "")) is not False
+            and started_here(owner)]
     remove_quietly(left)
     assert not left, f"boxes left behind: {[c.name for c in left]}"
 
@@ -190,7 +215,8 @@ def test_run_code_results_and_failures(tmp_path):
                                       "other": {"entry": "other", "args": {"n": 1}, "before": ["multi"]}}
     boom = episode.errors["boom"]
     assert boom.startswith("run_code 'boom': exited 1: ") and "Traceback" in boom
-    assert boom.endswith("ValueError: the script blew up")
+    assert boom.endswith("/boom/script.py\", line 2, in run\n    raise ValueError('the script blew "
+                         "up')\nValueError: the script blew up\n")     # staged as script.py
     assert "AttributeError: module 'agent_env_user_script' has no attribute 'nope'" in \
         episode.errors["missing-entry"]
     assert episode.errors["slow"] == "run_code 'slow': timed out after 2s"
@@ -341,8 +367,10 @@ def test_two_turns_share_the_box_and_checks_run_as_the_agent(tmp_path, no_box_le
 # ================================================================ 8.7: containers and unit tests
 
 # (its own command exits at once: the step's command_override keeps it running)
+# (AgentEnv reads a folder with a Dockerfile as a docker_image unless its artifact.toml says so)
 TASKBOX = {"Dockerfile": "FROM python:3.11-slim\nRUN mkdir -p /work /logs\nWORKDIR /work\n"
-                         "CMD [\"python3\", \"-c\", \"raise SystemExit(3)\"]\n"}
+                         "CMD [\"python3\", \"-c\", \"raise SystemExit(3)\"]\n",
+           "artifact.toml": 'type = "file_artifact_universe"\n'}
 UNIT_TESTS = {
     "pass.sh": 'echo "user=$(whoami) pwd=$PWD greeting=$GREETING mode=${MODE:-unset}"\n',
     "reward.sh": "echo 0.5 > /logs/reward.txt\nexit 1\n",
@@ -352,34 +380,49 @@ UNIT_TESTS = {
 
 
 def unit(sid: str, command: str, **more) -> dict:
-    # each after the turn alone: here a step after a failed one is skipped, even a tolerated one
     return {"id": sid, "type": "run_container_unit_tests_verifier", "sandbox_name": "vm",
             "container_name": "task-container", "command": command, "fail_task_on_error": False,
-            "depends_on": ["ask"], **more}
+            **more}
 
 
-def test_unit_test_verifiers_in_a_sandboxs_container(tmp_path, no_box_left, docker_client):
-    steps = [
+def units_task(played: bool = True) -> list[dict]:
+    """The spec's ``units``: five tolerated unit-test verifiers in a VM sandbox's container, each
+    after the one before (no depends_on: after every earlier step), and a weighted total over all
+    five. ``played``: with the agent our model plays (placed on the sandbox only, so it works in no
+    box); AgentEnv runs it without (agent-env run), as the spec measured it."""
+    agent = [{"id": "solver", "type": "deploy_agent", "agent_name": "solver", "sandbox_name": "vm"},
+             {"id": "ask", "type": "prompt_agent", "agent_name": "solver", "prompt": "Nothing to do."}]
+    return [
         {"id": "vm", "type": "deploy_sandbox", "sandbox_name": "vm", "sandbox_mode": "vm"},
         {"id": "box", "type": "run_docker_container", "sandbox_name": "vm",
          "docker_context_artifact_id": "taskbox", "env_vars": {"GREETING": "hi"},
-         "command_override": ["sleep", "infinity"],
+         "command_override": "sleep infinity",
          "ready_command": "test -d /work"},
         {"id": "tests", "type": "load_artifact", "sandbox_name": "vm", "container_name":
          "task-container", "artifact_id": "tests", "destination_path": "/tests"},
-        {"id": "solver", "type": "deploy_agent", "agent_name": "solver", "sandbox_name": "vm"},
-        {"id": "ask", "type": "prompt_agent", "agent_name": "solver", "prompt": "Nothing to do."},
+        *(agent if played else []),
         unit("unit-pass", "bash /tests/pass.sh"),
         unit("unit-reward", "bash /tests/reward.sh", reward_path="/logs/reward.txt"),
         unit("unit-env", "bash /tests/env.sh", env_vars={"MODE": "strict"},
              setup_commands=["echo setup-ran > /work/setup.txt"],
-             result_paths=["setup.txt", "result.json", "missing.json"]),
+             # (a relative path is read from the container's root, as AgentEnv's docker cp has it)
+             result_paths=["/work/setup.txt", "/work/result.json", "/work/missing.json",
+                           "setup.txt"]),
         unit("unit-fail", "echo bad >&2; exit 3"),
         unit("unit-timeout", "sleep 20", timeout_sec=2),
-        {"id": "total", "type": "aggregate_verifiers", "depends_on": ["unit-pass", "unit-reward",
-                                                                      "unit-env"],
-         "verifier_ids": ["unit-pass", "unit-reward", "unit-env"]},
+        {"id": "total", "type": "aggregate_verifiers",
+         "verifier_ids": ["unit-pass", "unit-reward", "unit-env", "unit-fail", "unit-timeout"]},
     ]
+
+
+UNITS_SCORES = {"unit-pass": 1.0, "unit-reward": 0.5, "unit-env": 1.0, "unit-fail": 0.0,
+                "unit-timeout": 0.0, "total": 0.5}
+
+
+def test_unit_test_verifiers_in_a_sandboxs_container(tmp_path, no_box_left, docker_client):
+    """... and the steps after a tolerated failure run, as AgentEnv runs them: the total over all
+    five is the spec's 0.5."""
+    steps = units_task()
     root = bundle(tmp_path / "sbx-container", {"units": steps},
                   {"taskbox": TASKBOX, "tests": UNIT_TESTS})
     loaded = agentenv.Bundle.load(root, reward="total")
@@ -393,9 +436,9 @@ def test_unit_test_verifiers_in_a_sandboxs_container(tmp_path, no_box_left, dock
             turn.end("ok")
             return await episode.result(), episode
     outcome, episode = run(play(), 240)
-    # AgentEnv's scores; its total over all five is 0.5, here the passing three average 2.5 / 3
-    assert outcome.scores == {"unit-pass": 1.0, "unit-reward": 0.5, "unit-env": 1.0, "unit-fail": 0.0,
-                              "unit-timeout": 0.0, "total": 2.5 / 3}, (outcome, episode.errors)
+    assert outcome.scores == UNITS_SCORES, (outcome, episode.errors)
+    assert outcome.reward == 0.5 and outcome.status == "scored"
+    assert set(episode.errors) == {"unit-fail", "unit-timeout"}
     seen = episode.verifications
     assert seen["unit-pass"]["stdout_head"] == "user=root pwd=/work greeting=hi mode=unset\n"
     assert seen["unit-pass"]["results"] == [{"id": "exit_code", "score": 1.0, "result": True,
@@ -404,8 +447,9 @@ def test_unit_test_verifiers_in_a_sandboxs_container(tmp_path, no_box_left, dock
                                                "message": "reward=0.5 (exit_code=1 timed_out=False)"}]
     assert seen["unit-env"]["stdout_head"] == "setup-ran\nmode=strict user=root\n"
     assert seen["unit-env"]["stderr_head"] == "warning on stderr\n"
-    assert seen["unit-env"]["extracted_files"] == {"setup.txt": "setup-ran\n", "missing.json": None,
-                                                   "result.json": {"passed": 3, "failed": 1}}
+    assert seen["unit-env"]["extracted_files"] == {
+        "/work/setup.txt": "setup-ran\n", "/work/missing.json": None,
+        "/work/result.json": {"passed": 3, "failed": 1}, "setup.txt": None}
     assert episode.errors["unit-fail"].endswith("Verifier 'unit-fail' exited 3; stderr (last 1500 "
                                                 "chars):\nbad\n")
     assert episode.errors["unit-timeout"].endswith("Verifier 'unit-timeout' timed out after 2s")
@@ -666,7 +710,8 @@ def test_pyfix_over_gym_and_a_dead_box_masks_only_its_rollout(tmp_path, no_box_l
                 assert len(flood.text) < agentenv.MAX_TOOL_OUTPUT + 300
                 await bomb.call("bash", command=":(){ :|:& };:")
                 await dead.call("bash", command="true")
-                victims = labelled(docker_client, "agentenv.box=solver")
+                victims = [c for c in labelled(docker_client, "agentenv.box=solver")
+                           if started_here(c.labels.get("agentenv.owner", ""))]
                 assert len(victims) == 4
                 for gym, words in ((fixed, "fixed"), (idle, "idle"), (bomb, "bomb")):
                     assert (await gym.call("bash", command=f"echo {words}")).status == 200
@@ -747,8 +792,7 @@ def test_boxes_go_with_their_episode_and_a_killed_servers_boxes_are_swept(tmp_pa
     try:
         with Socket(first.ws_url + "/ws") as ws:
             ws.ask({"type": "reset", "data": {"split": "eval", "index": 1}}, 120)
-            mine = [c for c in labelled(docker_client, "agentenv.box")
-                    if c.labels.get("agentenv.owner", "").split(":")[1] == str(first.pid)]
+            mine = boxes_of(docker_client, first.pid)
             assert len(mine) == 1 and mine[0].attrs["HostConfig"]["NetworkMode"] == "none"
             host = mine[0].attrs["HostConfig"]
             assert host["CapDrop"] == ["ALL"] and host["PidsLimit"] == agentenv.BOX_PIDS_LIMIT
@@ -757,12 +801,12 @@ def test_boxes_go_with_their_episode_and_a_killed_servers_boxes_are_swept(tmp_pa
             first.kill()                            # SIGKILL: no teardown
     finally:
         first.kill()
-    assert [c.id for c in labelled(docker_client, "agentenv.box")] == [mine[0].id]
+    assert [c.id for c in boxes_of(docker_client, first.pid)] == [mine[0].id]
     with running(Server.serve(PYFIX, tmp_path / "second", sandbox="docker")) as second:
-        assert labelled(docker_client, "agentenv.box") == [], second.log()    # swept at start
+        assert boxes_of(docker_client, first.pid) == [], second.log()    # swept at start
         with Socket(second.ws_url + "/ws") as ws:
             ws.ask({"type": "reset", "data": {"split": "eval", "index": 1}}, 120)
-            assert len(labelled(docker_client, "agentenv.box")) == 1
+            assert len(boxes_of(docker_client, second.pid)) == 1
             ws.ask({"type": "reset", "data": {"split": "eval", "index": 2}}, 120)   # the first goes
-            assert len(labelled(docker_client, "agentenv.box")) == 1
-    assert labelled(docker_client, "agentenv.box") == []     # and the last with the server
+            assert len(boxes_of(docker_client, second.pid)) == 1
+    assert boxes_of(docker_client, second.pid) == []     # and the last with the server
