@@ -1952,11 +1952,18 @@ class LocalInstance(Instance):
     async def answers_itself(self) -> bool:
         # A port found free can be taken by another process before the env binds it; then the
         # env dies on bind while the other answers in its place. Linux says who listens.
-        # (a few small reads from Linux: no thread for it)
-        return listens(self.proc.pid, self.port) is not False
+        # (a few small reads from Linux: no thread for it). Where Linux says nothing listens, what
+        # answered a moment ago was another's env that has since gone: not this one either.
+        found = listens(self.proc.pid, self.port)
+        return found is True or (found is None and not LINUX_SAYS_WHO_LISTENS)
 
     async def lost_its_port(self) -> bool:
-        return self.proc.returncode is not None and listens(self.proc.pid, self.port) is False
+        if self.proc.returncode is None:
+            return False
+        if listens(self.proc.pid, self.port) is False:      # the other holds it still
+            return True
+        said = (await self.output()).lower()                 # or held it, and has gone since
+        return "address already in use" in said or "eaddrinuse" in said
 
     async def remove(self) -> None:
         try:
@@ -2186,6 +2193,9 @@ def listens(pid: int, port: int) -> bool | None:
 # load, several hundred KB a read, a heap of garbage per deploy).
 NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY, NLMSG_DONE, NLMSG_ERROR = 4, 20, 3, 2
 TCP_LISTEN = 10
+
+
+LINUX_SAYS_WHO_LISTENS = Path("/proc/net/tcp").exists()
 
 
 def listening_sockets(port: int) -> set[str]:

@@ -1286,6 +1286,24 @@ def test_an_env_whose_port_another_process_took_is_started_again_and_never_plays
     assert ours.reward == 1.0 and theirs.status == "scored"
 
 
+def test_a_local_env_answers_itself_only_once_linux_says_it_listens(make_bundle):
+    """What answered on the env's port a moment ago may have been another server's env that has
+    since gone: while nothing listens there, the env is not taken to answer itself."""
+    if not agentenv.LINUX_SAYS_WHO_LISTENS:
+        pytest.skip("Linux's /proc is not here to say who listens")
+    bundle = Bundle.load(make_bundle({"a": simple("deaf")}, envs=("deaf",)))
+
+    async def go():
+        sandbox = agentenv.LocalSandbox("test:1:1")
+        deaf = await sandbox.launch(bundle.envs["deaf"], "episode", {})
+        try:
+            return await deaf.answers_itself(), await deaf.lost_its_port()
+        finally:
+            await deaf.remove()
+
+    assert run(go()) == (False, False)        # alive, listening nowhere: neither ready nor lost
+
+
 def test_local_env_ports_come_from_below_the_ephemeral_range_where_no_connection_takes_them():
     """A client's connection takes its source port from the kernel's ephemeral range, so an env
     port picked there can be lost before the env binds it; ours come from below it, free."""
