@@ -279,7 +279,8 @@ def test_bash_in_the_agents_box_answers_as_the_spec_measured(tmp_path, no_box_le
     assert task.sandboxed and task.toolset.name == "bash"
 
     async def play():
-        async with agentenv.Runtime(loaded, sandbox="docker", bash_timeout=3) as runtime:
+        # 8 s: a docker exec on a loaded machine (load 30) took past 3 s to run a background job
+        async with agentenv.Runtime(loaded, sandbox="docker", bash_timeout=8) as runtime:
             episode = runtime.episode(task)
             turn = await episode.next_turn()
             assert turn.system_prompt == "You work in a sandbox."
@@ -315,9 +316,9 @@ def test_bash_in_the_agents_box_answers_as_the_spec_measured(tmp_path, no_box_le
             assert killed.text == "exit code 137" and killed.is_error    # Docker's code for -9
             started = time.monotonic()
             slow = await turn.call("bash", {"command": "sleep 41 & sleep 42; echo never"})
-            assert time.monotonic() - started < 8
+            assert time.monotonic() - started < 15
             assert slow.status == agentenv.TOOL_ERROR and slow.text.startswith(
-                "error: the command timed out after 3s, so it was killed, with every process it "
+                "error: the command timed out after 8s, so it was killed, with every process it "
                 "started")
             left = await turn.call("bash", {"command": "ls /proc | grep -c '^[0-9]'; "
                                                        "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"})
