@@ -1147,6 +1147,29 @@ def test_a_local_env_binds_the_host_it_is_given_and_only_that(tmp_path):
     run(go())
 
 
+def test_an_env_started_to_die_with_its_parent_dies_when_its_parent_is_killed(tmp_path):
+    """What a Ray node's host asks of its envs: a parent SIGKILLed (no clean-up of its own) takes
+    its env along, though the env runs in a session of its own."""
+    code = ("import asyncio, os, sys; sys.path.insert(0, %r); import agentenv\n"
+            "async def go():\n"
+            "    env = agentenv.Bundle.load(%r).envs['notebook']\n"
+            "    sandbox = agentenv.LocalSandbox('test:1:1', die_with_parent=True)\n"
+            "    instance = await sandbox.launch(env, 'episode', {})\n"
+            "    print(instance.proc.pid, flush=True)\n"
+            "    await asyncio.sleep(600)\n"
+            "asyncio.run(go())\n" % (str(HERE), str(NOTES)))
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "AGENTENV_STATE_DIR": str(tmp_path / "state")})
+    try:
+        env = int(parent.stdout.readline())
+        assert not gone(env, 0.5), "the env runs while its parent does"
+        assert os.getsid(env) == env, "the env is in a session of its own"
+    finally:
+        parent.kill()
+        parent.wait(10)
+    assert gone(env, 5), "the env outlived its parent, SIGKILLed"
+
+
 @pytest.mark.parametrize("cpus, slots", [(1, 2), (3, 6), (0.25, 2), (64, 128)])
 def test_a_ray_nodes_boot_gate_is_sized_by_the_cpus_it_declares_not_its_cores(tmp_path, monkeypatch,
                                                                             cpus, slots):
@@ -1160,19 +1183,20 @@ def test_a_ray_nodes_boot_gate_is_sized_by_the_cpus_it_declares_not_its_cores(tm
 
     async def go():
         facts = await host.node()
-        key, url = await host.launch("notebook", "episode", {})
+        key, url, its_own = await host.launch("notebook", "episode", {})
         try:
             async with aiohttp.ClientSession() as http, \
                     http.get(url + "/.well-known/agent-env.json") as resp:
                 answered = resp.status
         finally:
             await host.remove(key)
-        return facts, answered
+        return facts, answered, its_own
 
-    facts, answered = run(go())
+    facts, answered, its_own = run(go())
     assert (facts["cpus"], facts["boot_slots"]) == (cpus, slots), facts
     assert facts["cores"] == os.cpu_count() and facts["envs"] == ["notebook"]
     assert answered == 200 and run(host.live()) == 0
+    assert its_own, "the host saw the env itself listen: the server need not ask again"
 
 
 def test_auto_sandbox_without_docker_falls_back_to_local_and_says_why(make_bundle, monkeypatch,
