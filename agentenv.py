@@ -202,12 +202,17 @@ class Settings:
     warm_env: tuple[tuple[str, int], ...] = ()   # (env, count): those envs warmed, the split aside
     bash_timeout: float = 300.0       # one bash command in the agent's box (within the call's own)
     status_interval: float = 60.0     # how often serve logs its status line while episodes are live
+    ray_address: str | None = None    # --sandbox ray: the cluster's address (None: RAY_ADDRESS,
+                                      # else the ray_head_node_address Gym passes, else auto)
+    ray_resource: str | None = None   # --sandbox ray: the custom resource env nodes declare
+                                      # (None: any node with CPUs)
 
     # The keys a Gym config carries, with the resources server serving the bundle (bundle:) or
-    # playing on a running serve (url:).
+    # playing on a running serve (url:); a bundle's Ray keys only where they are set.
     GYM_KEYS = ("tool_timeout", "reset_timeout", "idle_timeout")
     BUNDLE_KEYS = ("max_concurrent_envs", "deploy_timeout", "bash_timeout", "status_interval", "warm",
                    "warm_env")
+    RAY_KEYS = ("ray_address", "ray_resource")
 
     # The settings counted in whole numbers; every other number is seconds.
     WHOLE_KEYS = ("max_concurrent_envs", "model_retries", "eval_concurrency", "max_steps")
@@ -226,6 +231,8 @@ class Settings:
                 values[key] = warm_count(value, said(key, value))
             elif key == "warm_env":                     # its messages quote the value
                 values[key] = warm_envs(value, said(key, None))
+            elif key in cls.RAY_KEYS:
+                values[key] = ray_name(key, value, said(key, value))
             else:
                 whole = key in cls.WHOLE_KEYS
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or \
@@ -240,7 +247,8 @@ class Settings:
     @classmethod
     def from_config(cls, config: dict[str, Any], where: str) -> Settings:
         """The settings a Gym config gives, the others at their defaults; a bad value says so."""
-        return cls.checked({key: config.get(key) for key in (*cls.GYM_KEYS, *cls.BUNDLE_KEYS)},
+        return cls.checked({key: config.get(key)
+                            for key in (*cls.GYM_KEYS, *cls.BUNDLE_KEYS, *cls.RAY_KEYS)},
                            lambda key, value: f"{key} in {where}" if value is None else
                            f"{key}: {value!r} in {where}")
 
@@ -252,6 +260,9 @@ class Settings:
             config["warm"] = self.warm
         if bundle and self.warm_env:
             config["warm_env"] = dict(self.warm_env)
+        for key in self.RAY_KEYS if bundle else ():
+            if getattr(self, key) is not None:
+                config[key] = getattr(self, key)
         return config
 
 
@@ -282,6 +293,28 @@ def warm_envs(value: Any, what: str) -> tuple[tuple[str, int], ...]:
                                 "the bundle's envs/ folder once, as NAME=N")
         named[name] = warm_count(count, f"{what}: {name}={count!r}")
     return tuple(named.items())
+
+
+RAY_OWN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def ray_name(key: str, value: Any, what: str) -> str:
+    """A Ray cluster's address (auto, HOST:PORT or ray://HOST:PORT) or the custom resource env
+    nodes declare, as a user gave it."""
+    text = value.strip() if isinstance(value, str) else ""
+    if key == "ray_address":
+        host, _, port = text.removeprefix("ray://").rpartition(":")
+        if text != "auto" and not (host and port.isdigit() and 0 < int(port) < 65536):
+            raise AgentEnvError(f"{what}: it must be the Ray cluster's head as HOST:PORT (such as "
+                                "10.0.0.5:6379, the address ray start --head printed), "
+                                "ray://HOST:PORT, or auto (the cluster ray start made on this "
+                                "machine)")
+    elif not text or any(c.isspace() for c in text) or text in RAY_OWN_RESOURCES or \
+            text.startswith("node:"):
+        raise AgentEnvError(f"{what}: it must name a custom resource that the env nodes declare "
+                            "(ray start --resources='{\"env_node\": 1}'), such as env_node, not "
+                            "one of Ray's own (CPU, GPU, memory, node:...)")
+    return text
 
 
 def _plain(value: float) -> float | int:
@@ -2062,6 +2095,13 @@ class LocalSandbox(Sandbox):
         command = list(env.command)
         if Path(command[0]).name in ("python", "python3"):
             command[0] = sys.executable      # "python" in an image's command means this interpreter
+        if self.die_with_parent:
+            # Not a preexec_fn: with one, Python forks without vfork and this process's event loop
+            # waits until the child has run Python code and exec'd. In a process of a Ray worker's
+            # size (200 MB, 20 threads) on a loaded machine that took ~190 ms a spawn against
+            # under 1 ms, and envs booting at once on a node waited on each other. A launcher
+            # exec'd at once asks for the signal instead.
+            command = [sys.executable, "-I", "-S", "-c", DIE_WITH_PARENT, str(os.getpid()), *command]
         # The env's scratch folder lives beside its record, so a crashed run's are swept with them.
         self.records.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f"scratch-{env.name}-", dir=self.records))
@@ -2075,8 +2115,7 @@ class LocalSandbox(Sandbox):
                    "DATABASE_URL": f"sqlite:///{scratch}/{env.environment_name}.sqlite"}
         spawn = asyncio.create_subprocess_exec(
             *command, cwd=env.folder, env=environ, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-            preexec_fn=die_with_parent if self.die_with_parent else None)
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
 
         def kill(proc: asyncio.subprocess.Process) -> None:
             with contextlib.suppress(ProcessLookupError):
@@ -2118,13 +2157,13 @@ class LocalSandbox(Sandbox):
         return LocalBox(folder, name, self.owner)
 
 
-def die_with_parent() -> None:
-    """In a child between fork and exec: have Linux SIGKILL it when the thread that started it
-    ends. An env in a session of its own escapes its parent's process group, so this is what
-    ties it to its parent's life."""
-    import ctypes
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+# An env's command run by this launcher (python -c DIE_WITH_PARENT PARENT_PID COMMAND...) has Linux
+# SIGKILL it when the thread that started it ends: an env in a session of its own escapes its
+# parent's process group, so this is what ties it to its parent's life. The signal outlives the
+# exec; a parent gone before it was asked for means the env must not start at all.
+DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL); "
+                   "os.getppid() == int(sys.argv[1]) or os._exit(1); "
+                   "os.execvp(sys.argv[2], sys.argv[2:])")
 
 
 def plain_slug(name: str) -> str:
@@ -3175,16 +3214,16 @@ def node_env(env: dict[str, Any], archive: bytes) -> EnvSpec:
 
 class EnvHost:
     """A node's host actor, run by Ray on that node: the local sandbox there, its envs by key, and
-    the node's boot gate (sized by the node's cores, held until an env listens).
+    the node's boot gate (sized by the CPUs the node declares to Ray, held until an env listens).
 
     Ray runs it from this file's own text (``host_actor``), so a node needs Ray, not agentenv.py;
     it lives as long as the server's connection to the cluster, and its envs die with it."""
 
     def __init__(self, address: str, envs: dict[str, tuple[dict[str, Any], bytes]],
-                 state: str | None):
+                 state: str | None, cpus: float):
         if state:
             os.environ["AGENTENV_STATE_DIR"] = state
-        self.address, self.cores = address, os.cpu_count() or 2
+        self.address, self.cores, self.cpus = address, os.cpu_count() or 2, cpus
         self.sandbox = LocalSandbox(owner_id(), host=address, die_with_parent=True)
         swept = self.sandbox._sweep()          # what a host of an earlier run left on this node
         if swept:
@@ -3192,25 +3231,30 @@ class EnvHost:
                         swept, address)
         self.envs = {name: node_env(spec, archive) for name, (spec, archive) in envs.items()}
         self.instances: dict[str, LocalInstance] = {}
-        self.boot_slots = 2 * self.cores     # as the runtime's own gate is sized on one machine
+        # Two per CPU, as the runtime's own gate is sized on one machine, but per CPU the node
+        # declares: a node that lends Ray 2 of its 64 cores boots envs on those 2 (and one that
+        # declares more than it has is taken at its word, as Ray takes it).
+        self.boot_slots = max(2, math.ceil(2 * cpus))
         self.gate = asyncio.Semaphore(self.boot_slots)
 
     async def node(self) -> dict[str, Any]:
-        """What the node is: its address, its cores, its boot gate, the envs it can start."""
-        return {"address": self.address, "cores": self.cores, "boot_slots": self.boot_slots,
-                "pid": os.getpid(), "envs": sorted(self.envs)}
+        """What the node is: its address, the CPUs it declares and its cores, its boot gate, the
+        envs it can start."""
+        return {"address": self.address, "cpus": self.cpus, "cores": self.cores,
+                "boot_slots": self.boot_slots, "pid": os.getpid(), "envs": sorted(self.envs)}
 
-    async def launch(self, env: str, episode: str, limits: dict[str, Any]) -> tuple[str, str]:
-        """Start an env; its key and base URL, once it listens (or has had the gate's hold)."""
+    async def launch(self, env: str, episode: str, limits: dict[str, Any]) -> tuple[str, str, bool]:
+        """Start an env; its key, its base URL, and whether the env itself listens there, once it
+        does (or has had the gate's hold)."""
         async with self.gate:
             instance = await self.sandbox.launch(self.envs[env], episode, limits)
             key = uuid.uuid4().hex
             self.instances[key] = instance
             deadline = time.monotonic() + RAY_BOOT_HOLD
-            while time.monotonic() < deadline and instance.proc.returncode is None and \
-                    not listens(instance.proc.pid, instance.port):
+            while not (its_own := bool(listens(instance.proc.pid, instance.port))) and \
+                    instance.proc.returncode is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)     # polling: a port being bound sends no event
-        return key, instance.base_url
+        return key, instance.base_url, its_own
 
     async def exited(self, key: str, settle: float = 0.0) -> str | None:
         instance = self.instances.get(key)
@@ -3274,10 +3318,14 @@ class RayInstance(Instance):
     removal asked of the node's host actor, each within a deadline; its placement group freed
     with it."""
 
-    def __init__(self, sandbox: RaySandbox, node: RayNode, key: str, base_url: str, group: Any):
+    def __init__(self, sandbox: RaySandbox, node: RayNode, key: str, base_url: str, group: Any,
+                 its_own: bool = False):
         self.sandbox, self.node, self.key, self.group = sandbox, node, key, group
         self.base_url = base_url
-        self._checked = 0.0
+        # The host answered the launch having seen the env itself listen on its port: the env is
+        # up and the port its own, and a deploy need not ask the host again (two round trips).
+        self._its_own = its_own
+        self._checked = time.monotonic() if its_own else 0.0
         self._gone: str | None = None         # why the env's host is gone, once it is
 
     @property
@@ -3312,6 +3360,8 @@ class RayInstance(Instance):
                    f"{type(exc).__name__})"
 
     async def answers_itself(self) -> bool:
+        if self._its_own:
+            return True
         try:
             return await self.sandbox.ask(self.node.host.answers_itself.remote(self.key),
                                           RAY_CALL_TIMEOUT)
@@ -3325,7 +3375,7 @@ class RayInstance(Instance):
             log.info("Node %s's host could not remove env %s (%s); its envs die with it.",
                      self.node.address, self.key[:8], type(exc).__name__)
         finally:
-            await self.sandbox.release(self.group)
+            self.sandbox.let_go(self.group)
 
 
 class RaySandbox(Sandbox):
@@ -3346,6 +3396,7 @@ class RaySandbox(Sandbox):
         self.Host = host_actor(ray)
         self._view: tuple[float, list[dict[str, Any]]] = (0.0, [])
         self._hosting: dict[str, asyncio.Future] = {}
+        self._releasing: set[asyncio.Task] = set()
         # where the latest envs landed (episode, env, node address), for check to say
         self.placed: collections.deque[tuple[str, str, str]] = collections.deque(maxlen=256)
 
@@ -3427,7 +3478,7 @@ class RaySandbox(Sandbox):
         actor = self.Host.options(
             name=f"agentenv-host-{node['NodeID'][:12]}-{os.getpid()}",
             scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
-        ).remote(address, self.envs, state)
+        ).remote(address, self.envs, state, float((node.get("Resources") or {}).get("CPU", 0)))
         try:
             facts = await self.ask(actor.node.remote(), 120)
         except Exception as exc:                        # noqa: BLE001
@@ -3457,14 +3508,15 @@ class RaySandbox(Sandbox):
                                         name=f"agentenv-{episode[:12]}-{env.name}")
         try:
             node = await self._placed(env, group, want)
-            key, url = await self.ask(node.host.launch.remote(env.name, episode, limits), 120)
+            key, url, its_own = await self.ask(node.host.launch.remote(env.name, episode, limits),
+                                               120)
         except BaseException:
-            await self.release(group)
+            self.let_go(group)
             raise
         log.info("Episode %s: env %r placed on Ray node %s at %s.", episode[:8], env.name,
                  node.address, url)
         self.placed.append((episode, env.name, node.address))
-        return RayInstance(self, node, key, url, group)
+        return RayInstance(self, node, key, url, group, its_own)
 
     async def _placed(self, env: EnvSpec, group: Any, want: dict[str, float]) -> RayNode:
         """Wait for Ray to place the group (as long as the cluster could ever meet it) and
@@ -3508,8 +3560,17 @@ class RaySandbox(Sandbox):
         with contextlib.suppress(Exception):     # a cluster going away takes its groups along
             await asyncio.wait_for(asyncio.to_thread(remove_placement_group, group), 30)
 
+    def let_go(self, group: Any) -> None:
+        """Free an env's placement group once its env is gone, without the teardown waiting for
+        the cluster's answer (close waits for those under way)."""
+        task = asyncio.ensure_future(self.release(group))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
     async def close(self) -> None:
-        """End every host (their envs die with them) and leave the cluster."""
+        """Free the placement groups still being freed, end every host (their envs die with
+        them) and leave the cluster."""
+        await asyncio.gather(*self._releasing, return_exceptions=True)
         for node in self.nodes.values():
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self.ray.kill, node.host)
@@ -7661,9 +7722,9 @@ def run_gym_server() -> None:
             server = Server(None, settings, url=str(config["url"]), host=host, port=port)
         elif config.get("bundle"):
             bundle = Bundle.load(Path(str(config["bundle"])).expanduser(), config.get("reward"))
-            ray = RayOptions(RayOptions.address_from(config.get("ray_address"),
+            ray = RayOptions(RayOptions.address_from(settings.ray_address,
                                                      full.get("ray_head_node_address")),
-                             config.get("ray_resource") or None)
+                             settings.ray_resource)
             runtime = Runtime(bundle, sandbox=str(config.get("sandbox", "auto")),
                               max_concurrent_envs=settings.max_concurrent_envs,
                               deploy_timeout=settings.deploy_timeout,
@@ -7721,14 +7782,14 @@ def function_tool(tool: dict[str, Any]) -> dict[str, Any]:
 
 async def _toolsets_here(bundle: Bundle, sandbox: str, out: Callable[[str], None] | None = None,
                          runtime: Runtime | None = None, who: str = "write-gym",
-                         ) -> dict[str, list[dict[str, Any]]]:
+                         ray: RayOptions | None = None) -> dict[str, list[dict[str, Any]]]:
     """The tools each toolset's first turn offers (one probe episode each, as far as that turn,
-    cached by the runtime), on ``runtime`` when given, else on a runtime of its own; saying how
-    far it has got."""
+    cached by the runtime), on ``runtime`` when given, else on a runtime of its own (on the Ray
+    cluster ``ray`` names, with --sandbox ray); saying how far it has got."""
     toolsets: dict[str, list[dict[str, Any]]] = {}
     async with contextlib.AsyncExitStack() as stack:
         if runtime is None:
-            runtime = await stack.enter_async_context(Runtime(bundle, sandbox=sandbox))
+            runtime = await stack.enter_async_context(Runtime(bundle, sandbox=sandbox, ray=ray))
         progress = Progress(f"{who}: listing each toolset's tools", len(bundle.toolsets), out)
         for toolset, tasks in bundle.toolsets.items():
             started = time.monotonic()
@@ -7780,11 +7841,25 @@ async def write_gym(source: str, gym_root: str,
                     max_concurrent_envs: int = Settings.max_concurrent_envs, sandbox: str = "auto",
                     reward: str | None = None, keep_prompts: bool = False,
                     out: Callable[[str], None] = print,
-                    progress: Callable[[str], None] | None = None) -> Path:
+                    progress: Callable[[str], None] | None = None,
+                    ray_address: str | None = Settings.ray_address,
+                    ray_resource: str | None = Settings.ray_resource) -> Path:
     """Write ``GYM_ROOT/resources_servers/<name>/``: app.py, a copy of agentenv.py, the venv's
     pyproject.toml, configs/<name>.yaml and data/<split>.jsonl for every split. What it wrote goes
-    to ``out``; how far its deploys have got to ``progress`` (stderr by default)."""
+    to ``out``; how far its deploys have got to ``progress`` (stderr by default). With --sandbox
+    ray, ``ray_address`` and ``ray_resource`` (when given) go into the config, and its deploys run
+    on that cluster too."""
     remote = source.startswith(("http://", "https://"))
+    settings = Settings.checked(
+        {"max_concurrent_envs": max_concurrent_envs, "ray_address": ray_address,
+         "ray_resource": ray_resource},
+        lambda key, value: f"--{key.replace('_', '-')}" + ("" if value is None else f" {value!r}"))
+    if (settings.ray_address or settings.ray_resource) and (remote or sandbox != "ray"):
+        raise AgentEnvError("--ray-address and --ray-resource say where a bundle's envs run on a "
+                            "Ray cluster, and this server's envs "
+                            + ("run where the served URL runs them" if remote else
+                               f"run in the {sandbox} sandbox")
+                            + "; pass them with a bundle folder and --sandbox ray, or leave them out")
     if remote:
         bundle_name, rows, toolsets = await _catalog_there(source, progress)
         where: dict[str, Any] = {"url": source}
@@ -7792,14 +7867,14 @@ async def write_gym(source: str, gym_root: str,
         bundle = Bundle.load(source, reward)
         bundle_name, rows = bundle.name, _bundle_rows(bundle)
         _writable(gym_root, gym_name(bundle_name))       # refused before a deploy, if it is not
-        toolsets = await _toolsets_here(bundle, sandbox, progress)
+        toolsets = await _toolsets_here(bundle, sandbox, progress, ray=RayOptions(
+            RayOptions.address_from(settings.ray_address), settings.ray_resource))
         where = {"bundle": str(bundle.root), "sandbox": sandbox, **({"reward": reward} if reward else {})}
     check_tool_names(toolsets)
     name = gym_name(bundle_name)
     target = _writable(gym_root, name)
     kept = _prompts_in(target / "data") if keep_prompts else {}
-    settings = Settings(max_concurrent_envs=max_concurrent_envs).gym_config(bundle=not remote)
-    files = _server_files(name, bundle_name, {**where, **settings})
+    files = _server_files(name, bundle_name, {**where, **settings.gym_config(bundle=not remote)})
     for split, split_rows in rows.items():
         if not plain_name(split):
             raise AgentEnvError(f"the split {split!r} cannot name a file of rows (data/<split>.jsonl) "
@@ -8717,8 +8792,10 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def ray_options(args: argparse.Namespace) -> RayOptions:
-    """The Ray cluster and env nodes ``--ray-address`` and ``--ray-resource`` name."""
-    return RayOptions(RayOptions.address_from(args.ray_address), args.ray_resource or None)
+    """The Ray cluster and env nodes ``--ray-address`` and ``--ray-resource`` name, checked."""
+    settings = Settings.checked({"ray_address": args.ray_address, "ray_resource": args.ray_resource},
+                                lambda key, value: f"--{key.replace('_', '-')} {value!r}")
+    return RayOptions(RayOptions.address_from(settings.ray_address), settings.ray_resource)
 
 
 def eval_plan(args: argparse.Namespace) -> EvalPlan:
@@ -8765,7 +8842,8 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(write_gym(args.source, args.gym_root,
                                   args.max_concurrent_envs or _env_int("MAX_CONCURRENT_ENVS",
                                                                        Settings.max_concurrent_envs),
-                                  args.sandbox, args.reward, args.keep_prompts))
+                                  args.sandbox, args.reward, args.keep_prompts,
+                                  ray_address=args.ray_address, ray_resource=args.ray_resource))
         elif args.command == "eval":
             if not args.verbose:       # the summary counts masked rollouts by kind; no line each
                 logging.getLogger("agentenv.gym").setLevel(logging.ERROR)
@@ -8784,6 +8862,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def ray_flags(cmd: argparse.ArgumentParser, address: str, written: bool = False) -> None:
+    """--ray-address and --ray-resource, for serve, check and write-gym (which writes them)."""
+    cmd.add_argument("--ray-address", default=Settings.ray_address, metavar="HOST:PORT",
+                     help=f"with --sandbox ray: {address}")
+    cmd.add_argument("--ray-resource", default=Settings.ray_resource, metavar="NAME",
+                     help="with --sandbox ray: place envs only on nodes declaring this custom "
+                          f"resource (each env asks {RAY_RESOURCE_SHARE:g} of it), keeping them "
+                          "off trainer nodes" + ("; written as ray_resource" if written else "")
+                          + "; an env asks a node for its deploy_env step's cpu "
+                          f"({RAY_ENV_CPU:g}) and memory_mb ({RAY_ENV_MEMORY_MB}) where the step "
+                          "names none")
+
+
 def command_line() -> argparse.ArgumentParser:
     """The commands, their flags, and what each says in --help."""
     parser = argparse.ArgumentParser(
@@ -8798,15 +8889,8 @@ def command_line() -> argparse.ArgumentParser:
                          help="where envs run: docker, local processes, auto (docker when a "
                               "daemon answers, else local; the default), or ray (placed across "
                               "a Ray cluster, as local processes on its nodes)")
-        cmd.add_argument("--ray-address", default=None, metavar="HOST:PORT",
-                         help="with --sandbox ray: the cluster's address (default: RAY_ADDRESS, "
-                              "else auto, the cluster ray start made on this machine)")
-        cmd.add_argument("--ray-resource", default=None, metavar="NAME",
-                         help="with --sandbox ray: place envs only on nodes declaring this custom "
-                              f"resource (each env asks {RAY_RESOURCE_SHARE:g} of it), keeping "
-                              "them off trainer nodes; an env asks a node for its deploy_env "
-                              f"step's cpu ({RAY_ENV_CPU:g}) and memory_mb ({RAY_ENV_MEMORY_MB}) "
-                              "where the step names none")
+        ray_flags(cmd, "the cluster's address (default: RAY_ADDRESS, else auto, the cluster "
+                       "ray start made on this machine)")
         cmd.add_argument("--reward", metavar="STEP", default=None,
                          help="the scoring step whose score is the reward, for tasks with several")
 
@@ -8856,6 +8940,10 @@ def command_line() -> argparse.ArgumentParser:
                              f"({Settings.max_concurrent_envs})")
     writer.add_argument("--sandbox", choices=("auto", "docker", "local", "ray"), default="auto",
                         help="with a bundle: where its envs run")
+    ray_flags(writer, "the cluster the resources server joins, written in its config as "
+                      "ray_address (default: none written, so it joins RAY_ADDRESS, else the "
+                      "ray_head_node_address Gym passes, else auto); the tools are listed on it "
+                      "too", written=True)
     writer.add_argument("--reward", metavar="STEP", default=None,
                         help="with a bundle: the scoring step whose score is the reward")
     writer.add_argument("--keep-prompts", action="store_true",

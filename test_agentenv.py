@@ -309,6 +309,74 @@ def test_a_bad_setting_in_a_gym_config_says_which_and_the_fix(key, value, says):
     assert str(caught.value).startswith(says), str(caught.value)
 
 
+@pytest.mark.parametrize("config, says", [
+    ({"ray_address": "head"}, "ray_address: 'head' in configs/x.yaml: it must be the Ray cluster's "
+                              "head as HOST:PORT (such as 10.0.0.5:6379"),
+    ({"ray_address": 6379}, "ray_address: 6379 in configs/x.yaml: it must be the Ray cluster's head"),
+    ({"ray_resource": "CPU"}, "ray_resource: 'CPU' in configs/x.yaml: it must name a custom resource "
+                              "that the env nodes declare"),
+    ({"ray_resource": "env nodes"}, "ray_resource: 'env nodes' in configs/x.yaml: it must name a "
+                                    "custom resource"),
+])
+def test_a_gym_configs_ray_keys_are_checked_like_the_others(config, says):
+    with pytest.raises(AgentEnvError) as caught:
+        agentenv.Settings.from_config(config, "configs/x.yaml")
+    assert str(caught.value).startswith(says), str(caught.value)
+    good = agentenv.Settings.from_config({"ray_address": "ray://10.0.0.5:10001",
+                                          "ray_resource": "env_node"}, "here")
+    assert (good.ray_address, good.ray_resource) == ("ray://10.0.0.5:10001", "env_node")
+    assert good.gym_config(bundle=True)["ray_address"] == "ray://10.0.0.5:10001"
+    assert "ray_address" not in agentenv.Settings().gym_config(bundle=True), "unset: not written"
+
+
+def test_write_gym_writes_the_ray_flags_into_the_config_and_lists_tools_on_that_cluster(
+        tmp_path, monkeypatch, capsys):
+    """write-gym --sandbox ray --ray-address --ray-resource: the config carries sandbox: ray and
+    both keys (so the resources server joins that cluster, on those nodes), and the probe deploys
+    that list the tools are told the same cluster. (They run on the local sandbox here: the Ray
+    suite plays this sandbox on a real cluster.)"""
+    import yaml
+    asked = []
+    listed = agentenv._toolsets_here
+
+    async def probes(bundle, sandbox, out=None, runtime=None, who="write-gym", ray=None):
+        asked.append((sandbox, ray))
+        return await listed(bundle, "local", out, runtime, who)
+    monkeypatch.setattr(agentenv, "_toolsets_here", probes)
+    monkeypatch.setenv("RAY_ADDRESS", "elsewhere:6379")
+    root = tmp_path / "gym"
+    assert agentenv.main(["write-gym", str(NOTES), str(root), "--sandbox", "ray", "--ray-address",
+                          "10.0.0.5:6379", "--ray-resource", "env_node"]) == 0, capsys.readouterr()
+    assert asked == [("ray", agentenv.RayOptions("10.0.0.5:6379", "env_node"))]
+    config = yaml.safe_load((root / "resources_servers/notes_v1/configs/notes_v1.yaml").read_text())
+    server = config["notes_v1"]["resources_servers"]["notes_v1"]
+    assert (server["sandbox"], server["ray_address"], server["ray_resource"]) == \
+        ("ray", "10.0.0.5:6379", "env_node"), server
+    settings = agentenv.Settings.from_config(server, "the written config")
+    assert (settings.ray_address, settings.ray_resource) == ("10.0.0.5:6379", "env_node")
+
+    # without the flags nothing is written, so the server joins the cluster Gym names at run time
+    assert agentenv.main(["write-gym", str(NOTES), str(root), "--sandbox", "ray"]) == 0
+    config = yaml.safe_load((root / "resources_servers/notes_v1/configs/notes_v1.yaml").read_text())
+    assert not {"ray_address", "ray_resource"} & set(config["notes_v1"]["resources_servers"]["notes_v1"])
+    assert asked[-1] == ("ray", agentenv.RayOptions("elsewhere:6379", None))
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--sandbox", "ray", "--ray-address", "nowhere"], "--ray-address 'nowhere': it must be the Ray "
+                                                       "cluster's head as HOST:PORT"),
+    (["--sandbox", "ray", "--ray-resource", "memory"], "--ray-resource 'memory': it must name a custom "
+                                                       "resource"),
+    (["--sandbox", "local", "--ray-address", "10.0.0.5:6379"],
+     "--ray-address and --ray-resource say where a bundle's envs run on a Ray cluster, and this "
+     "server's envs run in the local sandbox; pass them with a bundle folder and --sandbox ray"),
+])
+def test_write_gym_refuses_a_bad_ray_flag_before_it_deploys_or_writes(tmp_path, capsys, argv, says):
+    assert agentenv.main(["write-gym", str(NOTES), str(tmp_path / "gym"), *argv]) == 1
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "gym").exists()
+
+
 def test_serve_shows_the_settings_defaults_in_its_help(capsys):
     with pytest.raises(SystemExit):
         agentenv.main(["serve", "--help"])
@@ -1164,6 +1232,58 @@ def test_a_local_env_binds_the_host_it_is_given_and_only_that(tmp_path):
             await instance.remove()
 
     run(go())
+
+
+def test_an_env_started_to_die_with_its_parent_dies_when_its_parent_is_killed(tmp_path):
+    """What a Ray node's host asks of its envs: a parent SIGKILLed (no clean-up of its own) takes
+    its env along, though the env runs in a session of its own."""
+    code = ("import asyncio, os, sys; sys.path.insert(0, %r); import agentenv\n"
+            "async def go():\n"
+            "    env = agentenv.Bundle.load(%r).envs['notebook']\n"
+            "    sandbox = agentenv.LocalSandbox('test:1:1', die_with_parent=True)\n"
+            "    instance = await sandbox.launch(env, 'episode', {})\n"
+            "    print(instance.proc.pid, flush=True)\n"
+            "    await asyncio.sleep(600)\n"
+            "asyncio.run(go())\n" % (str(HERE), str(NOTES)))
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "AGENTENV_STATE_DIR": str(tmp_path / "state")})
+    try:
+        env = int(parent.stdout.readline())
+        assert not gone(env, 0.5), "the env runs while its parent does"
+        assert os.getsid(env) == env, "the env is in a session of its own"
+    finally:
+        parent.kill()
+        parent.wait(10)
+    assert gone(env, 5), "the env outlived its parent, SIGKILLed"
+
+
+@pytest.mark.parametrize("cpus, slots", [(1, 2), (3, 6), (0.25, 2), (64, 128)])
+def test_a_ray_nodes_boot_gate_is_sized_by_the_cpus_it_declares_not_its_cores(tmp_path, monkeypatch,
+                                                                            cpus, slots):
+    """A node's host (run here without Ray) boots two envs per CPU the node declares to Ray, at
+    least two, whatever the machine's core count; and says so in what it tells the server."""
+    monkeypatch.setenv("AGENTENV_STATE_DIR", str(tmp_path / "state"))
+    env = Bundle.load(NOTES).envs["notebook"]
+    spec = {f.name: getattr(env, f.name) for f in agentenv.dataclasses.fields(env)}
+    spec.update(folder="", dockerfile=env.dockerfile.name)
+    host = agentenv.EnvHost("127.0.0.1", {"notebook": (spec, agentenv.env_archive(env))}, None, cpus)
+
+    async def go():
+        facts = await host.node()
+        key, url, its_own = await host.launch("notebook", "episode", {})
+        try:
+            async with aiohttp.ClientSession() as http, \
+                    http.get(url + "/.well-known/agent-env.json") as resp:
+                answered = resp.status
+        finally:
+            await host.remove(key)
+        return facts, answered, its_own
+
+    facts, answered, its_own = run(go())
+    assert (facts["cpus"], facts["boot_slots"]) == (cpus, slots), facts
+    assert facts["cores"] == os.cpu_count() and facts["envs"] == ["notebook"]
+    assert answered == 200 and run(host.live()) == 0
+    assert its_own, "the host saw the env itself listen: the server need not ask again"
 
 
 def test_auto_sandbox_without_docker_falls_back_to_local_and_says_why(make_bundle, monkeypatch,
