@@ -2451,9 +2451,17 @@ class DockerSandbox(Sandbox):
         stale = [n for n in networks
                  if owner_alive((n.attrs.get("Labels") or {}).get("agentenv.owner", "")) is False]
         left = [n for n in await asyncio.gather(*(self._remove_network(n) for n in stale)) if n]
-        if stale:
+        if len(stale) > len(left):
             log.warning("Removed %d network(s) that an earlier run of agentenv.py left behind when "
                         "it stopped without tearing down.", len(stale) - len(left))
+        for network in left:
+            # with its containers gone, what holds it is an endpoint Docker kept of a container
+            # killed while it was being removed; the next start tries again
+            log.warning("Network %s, which an earlier run of agentenv.py left behind, could not be "
+                        "removed: Docker still counts an endpoint on it, of a container that is "
+                        "gone. Restarting the Docker daemon lets go of it; then remove it with "
+                        "docker network rm %s (the next start also tries).", network.name,
+                        network.name)
 
     def network_name(self, episode: str = "", segment: str = "") -> str:
         """The name of this server's network for its envs (or for one episode's containers, or
