@@ -328,11 +328,12 @@ def plot(results: list[dict], path: str) -> None:
     for result in results:
         xs = [s["episodes"] for s in result["samples"]]
         ys = [s["rss_mib"] for s in result["samples"]]
-        ax.plot(xs, ys, marker=".", label=f"{result['surface']}, {Path(result['agentenv']).name}: "
+        ax.plot(xs, ys, marker=".", label=f"{result['surface']}, {result.get('sandbox', 'local')} "
+                                          f"sandbox, {Path(result['agentenv']).name}: "
                                           f"{result['slope_mib_per_10k']} MiB / 10k")
     ax.set_xlabel("episodes")
     ax.set_ylabel("serve RSS, MiB (idle)")
-    ax.set_title("serve bundles/notes-v1 --sandbox local: RSS over a soak")
+    ax.set_title("serve bundles/notes-v1: RSS over a soak")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
