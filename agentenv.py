@@ -3920,9 +3920,7 @@ async def wait_ready(http: aiohttp.ClientSession, instance: Instance, env: EnvSp
         try:
             card = await _read_card(http, instance.base_url)
             if card is not None and card.get("name") != env.environment_name:
-                if not await instance.answers_itself():
-                    raise McpError(f"another process answers on {instance.base_url}, which the "
-                                   "env was to listen on; the env is expected to fail to bind it")
+                await _answers_itself(instance)     # another's env, with its card, holds the port
                 raise EpisodeFailed(
                     f"env {env.name!r} answers with the card of {card.get('name')!r}, not "
                     f"{env.environment_name!r}; set environment_name in envs/{env.name}/env.toml, or "
@@ -3939,9 +3937,7 @@ async def wait_ready(http: aiohttp.ClientSession, instance: Instance, env: EnvSp
             if dupes := sorted({n for n in names if names.count(n) > 1}):
                 raise EpisodeFailed(f"env {env.name!r} lists the tools {dupes} twice; tool names are "
                                     "unique", PROVIDER_UNAVAILABLE)
-            if not await instance.answers_itself():
-                raise McpError(f"another process answers on {instance.base_url}, which the env "
-                               "was to listen on; the env is expected to fail to bind it")
+            await _answers_itself(instance)
             return DeployedEnv(env, instance, mcp_url, card, tools)
         except (aiohttp.ClientError, asyncio.TimeoutError, McpError, ValueError) as exc:
             last = f"{type(exc).__name__}: {exc}"
@@ -3953,6 +3949,14 @@ async def wait_ready(http: aiohttp.ClientSession, instance: Instance, env: EnvSp
         # polling: a server that isn't listening yet sends no event to wait for
         await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
         delay = min(delay * 2, 0.25)
+
+
+async def _answers_itself(instance: Instance) -> None:
+    """Raise McpError (keep waiting) while what answers on the env's port is not the env: its
+    port was taken before it bound it, and it is expected to fail to bind it and exit."""
+    if not await instance.answers_itself():
+        raise McpError(f"another process answers on {instance.base_url}, which the env was to "
+                       "listen on; the env is expected to fail to bind it")
 
 
 async def _read_card(http: aiohttp.ClientSession, base_url: str) -> dict[str, Any] | None:
