@@ -14,7 +14,7 @@ The file reads top to bottom in the order data flows; a section uses only the se
 2. Bundle               loading and checking a bundle: envs, artifacts, skills, tasks, steps (a
                         check per step type), splits, toolsets, reward.
 3. Sandbox              where an env runs (a Docker container on a network that reaches nothing
-                        it should not, a local process, or a local process on the Ray node a
+                        it should not, a local process, or either of those on the Ray node a
                         placement group picked), and the boxes the agent works in with bash
                         (a container of its own, or a work folder).
 4. Env client           an MCP client on aiohttp, readiness, the env's card and extensions; bash.
@@ -75,6 +75,7 @@ import signal
 import socket
 import statistics
 import struct
+import subprocess
 import sys
 import tempfile
 import threading
@@ -206,13 +207,15 @@ class Settings:
                                       # else the ray_head_node_address Gym passes, else auto)
     ray_resource: str | None = None   # --sandbox ray: the custom resource env nodes declare
                                       # (None: any node with CPUs)
+    ray_node_sandbox: str | None = None   # --sandbox ray: what runs envs on each node, docker or
+                                      # local (None: auto, Docker where its daemon answers)
 
     # The keys a Gym config carries, with the resources server serving the bundle (bundle:) or
     # playing on a running serve (url:); a bundle's Ray keys only where they are set.
     GYM_KEYS = ("tool_timeout", "reset_timeout", "idle_timeout")
     BUNDLE_KEYS = ("max_concurrent_envs", "deploy_timeout", "bash_timeout", "status_interval", "warm",
                    "warm_env")
-    RAY_KEYS = ("ray_address", "ray_resource")
+    RAY_KEYS = ("ray_address", "ray_resource", "ray_node_sandbox")
 
     # The settings counted in whole numbers; every other number is seconds.
     WHOLE_KEYS = ("max_concurrent_envs", "model_retries", "eval_concurrency", "max_steps")
@@ -296,13 +299,18 @@ def warm_envs(value: Any, what: str) -> tuple[tuple[str, int], ...]:
 
 
 RAY_OWN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+RAY_NODE_SANDBOXES = ("auto", "docker", "local")
 
 
 def ray_name(key: str, value: Any, what: str) -> str:
-    """A Ray cluster's address (auto, HOST:PORT or ray://HOST:PORT) or the custom resource env
-    nodes declare, as a user gave it."""
+    """A Ray cluster's address (auto, HOST:PORT or ray://HOST:PORT), the custom resource env
+    nodes declare, or the sandbox each node runs envs in, as a user gave it."""
     text = value.strip() if isinstance(value, str) else ""
-    if key == "ray_address":
+    if key == "ray_node_sandbox":
+        if text not in RAY_NODE_SANDBOXES:
+            raise AgentEnvError(f"{what}: it must be auto (Docker on each node whose daemon "
+                                "answers, else local processes), docker or local")
+    elif key == "ray_address":
         host, _, port = text.removeprefix("ray://").rpartition(":")
         if text != "auto" and not (host and port.isdigit() and 0 < int(port) < 65536):
             raise AgentEnvError(f"{what}: it must be the Ray cluster's head as HOST:PORT (such as "
@@ -2323,17 +2331,18 @@ async def container_exit(sandbox: DockerSandbox, container: Any) -> str | None:
 
 
 class DockerInstance(Instance):
-    """An env's container, published on a random port of 127.0.0.1."""
+    """An env's container, published on a random port of the sandbox's address (127.0.0.1, or
+    a Ray node's own); or, on a daemon with no bridge, listening on that port itself."""
 
-    def __init__(self, sandbox: DockerSandbox, container: Any, port: str):
-        self.sandbox, self.container = sandbox, container
-        self.base_url = f"http://127.0.0.1:{port}"
+    def __init__(self, sandbox: DockerSandbox, container: Any, port: str | int, own_port: int = 0):
+        self.sandbox, self.container, self.own_port = sandbox, container, own_port
+        self.base_url = f"http://{sandbox.publish}:{port}"
         self._checked = 0.0
         self._box: DockerBox | None = None
 
     @property
     def inner_url(self) -> str:
-        return f"http://127.0.0.1:{ENV_PORT}"
+        return self.base_url if self.sandbox.node_network else f"http://127.0.0.1:{ENV_PORT}"
 
     def box(self, name: str) -> Box:
         # its container, as its image made it: the image's user and folder, root for steps
@@ -2354,8 +2363,18 @@ class DockerInstance(Instance):
         except Exception as exc:                        # noqa: BLE001
             return f"(its logs could not be read: {exc})"
 
+    async def lost_its_port(self) -> bool:
+        # only an env bound to a port of its own (no bridge) can find it taken by another
+        if not self.own_port or await self.exited(settle=0.1) is None:
+            return False
+        said = (await self.output()).lower()
+        return "address already in use" in said or "eaddrinuse" in said
+
     async def remove(self) -> None:
-        await self.sandbox.remove(self.container)
+        try:
+            await self.sandbox.remove(self.container)
+        finally:
+            self.sandbox.ports.discard(self.own_port)
 
 
 class DockerSandbox(Sandbox):
@@ -2369,10 +2388,19 @@ class DockerSandbox(Sandbox):
 
     kind = "docker"
 
-    def __init__(self, owner: str, client: Any, ops: int = 8):
+    def __init__(self, owner: str, client: Any, ops: int = 8, publish: str = "127.0.0.1",
+                 node_network: bool = False):
         super().__init__(owner)
         from concurrent.futures import ThreadPoolExecutor
         self.client = client
+        # Where envs are reached: their ports published on this address; or, where the daemon
+        # has no bridge (node_network), each container on the daemon's own network, its env
+        # bound to a free port of this address as a local env would be.
+        self.publish, self.node_network = publish, node_network
+        self.ports: set[int] = set()
+        # in this sandbox's network names: its own, since two sandboxes of one process (two
+        # runtimes, or the hosts of nodes in one test) would otherwise make networks of one name
+        self.tag = hashlib.sha1(f"{owner}/{secrets.token_hex(4)}".encode()).hexdigest()[:10]
         self.images: dict[str, str] = {}
         self.limit = asyncio.Semaphore(ops)
         self.threads = ThreadPoolExecutor(max_workers=ops + 4, thread_name_prefix="docker")
@@ -2383,7 +2411,9 @@ class DockerSandbox(Sandbox):
         self.unremoved: list[Any] = []      # networks a removal left standing: retried at close
 
     @classmethod
-    async def connect(cls, owner: str) -> DockerSandbox:
+    async def connect(cls, owner: str, publish: str = "127.0.0.1") -> DockerSandbox:
+        """The daemon DOCKER_HOST names (else the default socket), its envs reached at
+        ``publish``."""
         try:
             import docker
         except ImportError:
@@ -2392,10 +2422,17 @@ class DockerSandbox(Sandbox):
             client = await asyncio.wait_for(asyncio.to_thread(
                 lambda: docker.from_env(timeout=120)), 10)
             await asyncio.wait_for(asyncio.to_thread(client.ping), 10)
+            bridged = await asyncio.wait_for(asyncio.to_thread(
+                client.networks.list, names=["bridge"]), 10)
         except Exception as exc:                        # noqa: BLE001 - docker raises many kinds
             raise AgentEnvError(f"no Docker daemon answered ({short(str(exc), 300)}); start Docker, "
                                 "set DOCKER_HOST, or pass --sandbox local") from None
-        return cls(owner, client)
+        if not bridged:
+            log.warning("The Docker daemon at %s has no bridge network (it runs with "
+                        "--bridge=none), so env containers share its host's network, each env "
+                        "bound to a port of %s: isolated in files, processes and users, not in "
+                        "network.", os.environ.get("DOCKER_HOST") or "the default socket", publish)
+        return cls(owner, client, publish=publish, node_network=not bridged)
 
     async def start(self, fn: Callable, *args: Any, **kwargs: Any) -> asyncio.Future:
         """Start a blocking docker SDK call in a thread, once one of the ``ops`` slots is free.
@@ -2429,7 +2466,7 @@ class DockerSandbox(Sandbox):
         if built:
             build_log.info("The images of %d env(s) are ready (%d built, %d already there) after "
                            "%.1fs.", len(envs), built, len(envs) - built, time.monotonic() - started)
-        if any(env.network == "isolated" for env in envs):
+        if any(env.network == "isolated" for env in envs) and not self.node_network:
             try:
                 await self._network("")
             except EpisodeFailed as exc:
@@ -2466,17 +2503,19 @@ class DockerSandbox(Sandbox):
     def network_name(self, episode: str = "", segment: str = "") -> str:
         """The name of this server's network for its envs (or for one episode's containers, or
         for a segment of them)."""
-        tag = hashlib.sha1(self.owner.encode()).hexdigest()[:10]
-        return f"agentenv-{tag}-" + (episode[:16] if episode else "envs") + \
+        return f"agentenv-{self.tag}-" + (episode[:16] if episode else "envs") + \
             (f"-{plain_slug(segment)[:24]}-{hashlib.sha1(segment.encode()).hexdigest()[:6]}"
              if segment else "")
 
     def network_mode(self, env: EnvSpec) -> str:
+        if self.node_network:
+            return (f"the host's: its daemon has no bridge, so its container shares the host's "
+                    f"network, its env bound to {self.publish}")
         if env.network == "bridge":
             return ("bridge: Docker's default bridge, with egress and other bridge containers in "
                     "reach (network = \"bridge\" in its env.toml)")
         return (f"isolated: on {self.network_name()}, no egress, no other env's container in reach, "
-                "its port published on 127.0.0.1 only")
+                f"its port published on {self.publish} only")
 
     async def episode_network(self, episode: str, segment: str = "") -> str:
         return await self._network(episode, segment)
@@ -2484,6 +2523,10 @@ class DockerSandbox(Sandbox):
     async def _network(self, episode: str, segment: str = "") -> str:
         """Make (once) the envs' network or an episode's, labelled so a sweep finds it."""
         name = self.network_name(episode, segment)
+        if self.node_network:
+            raise EpisodeFailed("this episode's containers need a network of their own, and the "
+                                "Docker daemon has no bridge to make one on (it runs with "
+                                "--bridge=none); run it with bridging on", PROVIDER_UNAVAILABLE)
         key = f"{episode}/{segment}" if segment else episode
         if key not in self.networks:
             labels = {"agentenv.owner": self.owner, "agentenv.episode": episode or "(envs)"}
@@ -2566,14 +2609,23 @@ class DockerSandbox(Sandbox):
     async def launch(self, env: EnvSpec, episode: str, limits: dict[str, Any]) -> Instance:
         options: dict[str, Any] = dict(
             image=self.images.get(env.name) or (await self.build(env))[0], detach=True,
-            ports={f"{ENV_PORT}/tcp": ("127.0.0.1", None)},
+            ports={f"{ENV_PORT}/tcp": (self.publish, None)},
             environment={"ENVIRONMENT_NAME": env.environment_name, "MCP_HOST": "0.0.0.0",
                          "DATABASE_URL": f"sqlite:////tmp/{env.environment_name}.sqlite"},
             labels={"agentenv.owner": self.owner, "agentenv.episode": episode,
                     "agentenv.env": env.name},
             # unprivileged: no capabilities, no privilege gain, no host mounts, bounded processes
             security_opt=["no-new-privileges"], cap_drop=["ALL"], pids_limit=DOCKER_PIDS_LIMIT)
-        if env.network == "isolated":
+        own_port = 0
+        if self.node_network:       # no bridge: on the daemon's network, on a port of its own
+            own_port = free_port(self.publish)
+            while own_port in self.ports:
+                own_port = free_port(self.publish)
+            self.ports.add(own_port)
+            del options["ports"]
+            options.update(network_mode="host", environment={
+                **options["environment"], "MCP_HOST": self.publish, "MCP_PORT": str(own_port)})
+        elif env.network == "isolated":
             options["network"] = await self._network("")
         if limits.get("cpu"):
             options["nano_cpus"] = int(float(limits["cpu"]) * 1e9)
@@ -2584,6 +2636,8 @@ class DockerSandbox(Sandbox):
             container = self.client.containers.create(**options)
             try:
                 container.start()
+                if own_port:
+                    return container, str(own_port)
                 for _ in range(100):    # the published port shows once the daemon has bound it
                     container.reload()
                     ports = (container.attrs.get("NetworkSettings") or {}).get("Ports") or {}
@@ -2600,9 +2654,13 @@ class DockerSandbox(Sandbox):
                 container.remove(force=True)
                 raise
 
-        container, port = await self.created(create_and_start, lambda made: made[0],
-                                             f"env {env.name!r}", "did not come up")
-        return DockerInstance(self, container, port)
+        try:
+            container, port = await self.created(create_and_start, lambda made: made[0],
+                                                 f"env {env.name!r}", "did not come up")
+        except BaseException:
+            self.ports.discard(own_port)
+            raise
+        return DockerInstance(self, container, port, own_port)
 
     async def created(self, create_and_start: Callable[[], Any], container_of: Callable[[Any], Any],
                       what: str, failed: str) -> Any:
@@ -3163,8 +3221,9 @@ class LocalBox(Box):
 # Ray places, nothing of ours schedules: each episode's env gets a placement group sized by its
 # deploy_env step, Ray picks a node with room (or queues it while the cluster is full), and the
 # node's host actor (one per node, long-lived, no CPU of its own) starts the env there as a local
-# process bound to the node's address. Tool calls then go straight to that address; only the
-# env's liveness and output go through the actor. Docker on each node is for a later change.
+# process bound to the node's address, or as a container of the node's own Docker daemon
+# published on that address. Tool calls then go straight to that address; only the env's
+# liveness and output go through the actor.
 
 RAY_INSTALL = "pip install 'agentenv-py[ray]' (or: pip install 'ray[default]>=2.50,<3')"
 RAY_ENV_CPU = 1.0                 # a deploy_env step's cpu when it names none: Ray's task default
@@ -3172,6 +3231,7 @@ RAY_ENV_MEMORY_MB = 256           # its memory_mb when it names none (placement 
 RAY_RESOURCE_SHARE = 0.001        # of --ray-resource each env asks, so declaring 1 marks a node
 RAY_CONNECT_TIMEOUT = 30.0        # joining the cluster at start-up
 RAY_CALL_TIMEOUT = 10.0           # a call to a host actor (output, a port's owner)
+RAY_PREPARE_TIMEOUT = 1800.0      # a node's host asking its daemon and building the env images
 RAY_LIVENESS_TIMEOUT = 2.0        # a host's answer whether an env still runs (else: taken as up)
 RAY_BOOT_HOLD = 10.0              # a boot stops counting against its node's gate after this
 
@@ -3179,12 +3239,21 @@ RAY_BOOT_HOLD = 10.0              # a boot stops counting against its node's gat
 @dataclasses.dataclass(frozen=True)
 class RayOptions:
     """Where the Ray sandbox finds its cluster and nodes: the cluster's address, the custom
-    resource that marks env nodes (none: any node with CPUs), and the deploy deadline a placement
-    no node can ever meet is given before it fails."""
+    resource that marks env nodes (none: any node with CPUs), the deploy deadline a placement no
+    node can ever meet is given before it fails, and the sandbox each node runs its envs in
+    (auto: Docker where the node's daemon answers, else local processes)."""
 
     address: str = "auto"
     resource: str | None = None
     deploy_timeout: float = Settings.deploy_timeout
+    node_sandbox: str = "auto"        # what runs envs on each node: auto, docker or local
+
+    @classmethod
+    def of(cls, settings: Settings, gym: str | None = None) -> RayOptions:
+        """The Ray keys of checked settings as options (``gym``: the ray_head_node_address a Gym
+        config passes)."""
+        return cls(cls.address_from(settings.ray_address, gym), settings.ray_resource,
+                   node_sandbox=settings.ray_node_sandbox or "auto")
 
     @staticmethod
     def address_from(given: str | None, gym: str | None = None) -> str:
@@ -3221,48 +3290,104 @@ def node_env(env: dict[str, Any], archive: bytes) -> EnvSpec:
 
 
 class EnvHost:
-    """A node's host actor, run by Ray on that node: the local sandbox there, its envs by key, and
-    the node's boot gate (sized by the CPUs the node declares to Ray, held until an env listens).
+    """A node's host actor, run by Ray on that node: the node's sandbox (Docker where its daemon
+    answers, else local processes, unless told which), its envs by key, and the node's boot gate
+    (sized by the CPUs the node declares to Ray, held until an env answers).
 
-    Ray runs it from this file's own text (``host_actor``), so a node needs Ray, not agentenv.py;
-    it lives as long as the server's connection to the cluster, and its envs die with it."""
+    Ray runs it from this file's own text (``host_actor``), so a node needs Ray (and the docker
+    package, for Docker), not agentenv.py; it lives as long as the server's connection to the
+    cluster, and its envs die with it: local ones by Linux's parent-death signal, containers by a
+    reaper process that removes them the moment the host's process is gone."""
 
     def __init__(self, address: str, envs: dict[str, tuple[dict[str, Any], bytes]],
-                 state: str | None, cpus: float):
+                 state: str | None, cpus: float, sandbox: str = "auto"):
         if state:
             os.environ["AGENTENV_STATE_DIR"] = state
-        self.address, self.cores, self.cpus = address, os.cpu_count() or 2, cpus
-        self.sandbox = LocalSandbox(owner_id(), host=address, die_with_parent=True)
+        self.address, self.cores, self.cpus, self.mode = address, os.cpu_count() or 2, cpus, sandbox
+        self.owner = owner_id()
+        self.sandbox: Sandbox = LocalSandbox(self.owner, host=address, die_with_parent=True)
         swept = self.sandbox._sweep()          # what a host of an earlier run left on this node
         if swept:
             log.warning("Killed %d env process group(s) that an earlier host on node %s left.",
                         swept, address)
+        self.why = "--ray-node-sandbox local" if sandbox == "local" else ""
         self.envs = {name: node_env(spec, archive) for name, (spec, archive) in envs.items()}
-        self.instances: dict[str, LocalInstance] = {}
+        self.instances: dict[str, Instance] = {}
+        self.reaper: int | None = None        # the pipe's end whose closing starts the reaper
+        self._preparing: asyncio.Future | None = None
         # Two per CPU, as the runtime's own gate is sized on one machine, but per CPU the node
         # declares: a node that lends Ray 2 of its 64 cores boots envs on those 2 (and one that
         # declares more than it has is taken at its word, as Ray takes it).
         self.boot_slots = max(2, math.ceil(2 * cpus))
         self.gate = asyncio.Semaphore(self.boot_slots)
 
+    async def prepare(self) -> dict[str, Any]:
+        """Choose the node's sandbox and make its envs ready (images built), once; a host Ray
+        restarts in place does it again on its first launch. What the node is, after."""
+        if self._preparing is None:
+            self._preparing = asyncio.ensure_future(self._prepare())
+        try:
+            await asyncio.shield(self._preparing)
+        except BaseException:
+            self._preparing = None
+            raise
+        return await self.node()
+
+    async def _prepare(self) -> None:
+        if self.mode == "local":
+            return
+        try:
+            docker = await DockerSandbox.connect(self.owner, publish=self.address)
+        except AgentEnvError as exc:
+            if self.mode == "docker":
+                raise AgentEnvError(f"--ray-node-sandbox docker, and on Ray node {self.address} "
+                                    f"{exc}") from None
+            self.why = f"no Docker daemon answers there: {str(exc).split(';')[0]}"
+            return
+        # before any container exists: it removes this host's containers once the host is gone
+        # (Docker's settings it keeps; ours it has no use for, and it is no env of ours)
+        self.reaper = await asyncio.to_thread(start_reaper, self.owner)
+        await docker.prepare(list(self.envs.values()))
+        self.sandbox = docker
+
     async def node(self) -> dict[str, Any]:
-        """What the node is: its address, the CPUs it declares and its cores, its boot gate, the
-        envs it can start."""
+        """What the node is: its address, the CPUs it declares and its cores, its boot gate, its
+        sandbox (and why, when local), the envs it can start."""
         return {"address": self.address, "cpus": self.cpus, "cores": self.cores,
-                "boot_slots": self.boot_slots, "pid": os.getpid(), "envs": sorted(self.envs)}
+                "boot_slots": self.boot_slots, "pid": os.getpid(), "envs": sorted(self.envs),
+                "sandbox": self.sandbox.kind, "why": self.why,
+                "networks": {name: self.sandbox.network_mode(env) for name, env in self.envs.items()}}
 
     async def launch(self, env: str, episode: str, limits: dict[str, Any]) -> tuple[str, str, bool]:
-        """Start an env; its key, its base URL, and whether the env itself listens there, once it
-        does (or has had the gate's hold)."""
+        """Start an env; its key, its base URL, and whether it is known to be the env itself
+        that answers there, once it answers (or has had the gate's hold)."""
+        await self.prepare()
         async with self.gate:
             instance = await self.sandbox.launch(self.envs[env], episode, limits)
             key = uuid.uuid4().hex
             self.instances[key] = instance
-            deadline = time.monotonic() + RAY_BOOT_HOLD
-            while not (its_own := bool(listens(instance.proc.pid, instance.port))) and \
-                    instance.proc.returncode is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)     # polling: a port being bound sends no event
+            its_own = await self._booted(instance)
         return key, instance.base_url, its_own
+
+    async def _booted(self, instance: Instance) -> bool:
+        """Hold the gate until the env answers, has exited, or has had RAY_BOOT_HOLD; whether
+        it is known to be the env itself that answers."""
+        deadline = time.monotonic() + RAY_BOOT_HOLD
+        while time.monotonic() < deadline:      # polling: a port being bound sends no event
+            if isinstance(instance, LocalInstance):
+                if listens(instance.proc.pid, instance.port):
+                    return True
+                if instance.proc.returncode is not None:
+                    return False
+            elif isinstance(instance, DockerInstance):
+                if await http_answers(instance.base_url):
+                    # a published port is Docker's own for the container; one of the node's
+                    # own ports may have been taken by another first
+                    return not instance.own_port
+                if await instance.exited() is not None:
+                    return False
+            await asyncio.sleep(0.02)
+        return False
 
     async def exited(self, key: str, settle: float = 0.0) -> str | None:
         instance = self.instances.get(key)
@@ -3278,12 +3403,73 @@ class EnvHost:
         instance = self.instances.get(key)
         return instance is not None and await instance.answers_itself()
 
+    async def lost_its_port(self, key: str) -> bool:
+        instance = self.instances.get(key)
+        return instance is not None and await instance.lost_its_port()
+
     async def remove(self, key: str) -> None:
         if instance := self.instances.pop(key, None):
             await instance.remove()
 
     async def live(self) -> int:
         return len(self.instances)
+
+
+# Run by a node's Docker host, it forks at once into a session of its own and its first process
+# exits: Ray kills a worker's children when the worker ends, not their children. It then waits
+# for its stdin to close, which happens when the host's process ends however it ends, and removes
+# every container the host labelled as its own.
+DOCKER_REAPER = """
+import os, sys
+if os.fork():
+    os._exit(0)
+os.setsid()
+sys.stdin.buffer.read()
+import docker
+client = docker.from_env(timeout=60)
+for container in client.containers.list(all=True, sparse=True,
+                                        filters={"label": "agentenv.owner=" + sys.argv[1]}):
+    try:
+        container.remove(force=True)
+    except Exception:
+        pass
+"""
+
+
+def start_reaper(owner: str) -> int:
+    """Start DOCKER_REAPER for the containers ``owner`` labels; the end of its stdin pipe that
+    this process holds (never written, never inherited: it closes only when this process ends)."""
+    read, write = os.pipe()
+    try:
+        first = subprocess.Popen(
+            [sys.executable, "-c", DOCKER_REAPER, owner], stdin=read, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, close_fds=True,
+            env={k: v for k, v in os.environ.items() if not k.startswith("AGENTENV_")})
+        first.wait(30)                          # it exits as soon as it has forked the reaper
+    except BaseException:
+        os.close(write)
+        raise
+    finally:
+        os.close(read)
+    return write
+
+
+async def http_answers(base_url: str, timeout: float = 1.0) -> bool:
+    """Whether an HTTP server answers at ``base_url``: a reply's first bytes, not only an
+    accepted connection (Docker's port proxy accepts for a container that does not listen yet)."""
+    host, _, port = base_url.split("//", 1)[1].rpartition(":")
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    try:
+        writer.write(b"GET / HTTP/1.0\r\nHost: " + host.encode() + b"\r\n\r\n")
+        await writer.drain()
+        return (await asyncio.wait_for(reader.read(5), timeout)) == b"HTTP/"
+    except (OSError, asyncio.TimeoutError):
+        return False
+    finally:
+        writer.close()
 
 
 def host_actor(ray: Any) -> Any:
@@ -3301,7 +3487,8 @@ def host_actor(ray: Any) -> Any:
             exec(compile(source, "agentenv.py", "exec"), module.__dict__)
             self.host = module.EnvHost(*args)
 
-    for name in ("node", "launch", "exited", "output", "answers_itself", "remove", "live"):
+    for name in ("prepare", "node", "launch", "exited", "output", "answers_itself",
+                 "lost_its_port", "remove", "live"):
         async def forward(self: Any, *args: Any, _name: str = name) -> Any:
             return await getattr(self.host, _name)(*args)
         forward.__name__ = name
@@ -3375,6 +3562,13 @@ class RayInstance(Instance):
                                           RAY_CALL_TIMEOUT)
         except Exception:                               # noqa: BLE001 - a busy host is not a taken port
             return True
+
+    async def lost_its_port(self) -> bool:
+        try:
+            return await self.sandbox.ask(self.node.host.lost_its_port.remote(self.key),
+                                          RAY_CALL_TIMEOUT)
+        except Exception:                               # noqa: BLE001 - a gone host: not a port
+            return False
 
     async def remove(self) -> None:
         try:
@@ -3486,20 +3680,37 @@ class RaySandbox(Sandbox):
         actor = self.Host.options(
             name=f"agentenv-host-{node['NodeID'][:12]}-{os.getpid()}",
             scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
-        ).remote(address, self.envs, state, float((node.get("Resources") or {}).get("CPU", 0)))
+        ).remote(address, self.envs, state, float((node.get("Resources") or {}).get("CPU", 0)),
+                  self.options.node_sandbox)
         try:
-            facts = await self.ask(actor.node.remote(), 120)
+            await self.ask(actor.node.remote(), 120)
         except Exception as exc:                        # noqa: BLE001
             self.ray.kill(actor)
             raise EpisodeFailed(f"the host actor of Ray node {address} did not start within 120s "
                                 f"({type(exc).__name__}: {short(str(exc), 300)})",
                                 PROVIDER_UNAVAILABLE) from None
+        try:                                 # its daemon asked, its images built (once per content)
+            facts = await self.ask(actor.prepare.remote(), RAY_PREPARE_TIMEOUT)
+        except Exception as exc:                        # noqa: BLE001
+            self.ray.kill(actor)
+            said = getattr(exc, "cause", None) or exc   # a RayTaskError carries the host's own
+            raise EpisodeFailed(f"Ray node {address} could not make its envs ready: "
+                                f"{short(str(said), 1500)}", PROVIDER_UNAVAILABLE) from None
         found = RayNode(node["NodeID"], address, dict(node.get("Resources") or {}), actor, facts)
         self.nodes[found.id] = found
-        log.info("Ray node %s (%g CPUs, %d cores): envs run there as local processes bound to "
-                 "%s, up to %d booting at once (Docker per node is not supported yet).", address,
-                 found.resources.get("CPU", 0), facts["cores"], address, facts["boot_slots"])
+        where = ("in containers of the node's Docker daemon" if facts["sandbox"] == "docker"
+                 else f"as local processes ({facts['why']})")
+        log.info("Ray node %s (%g CPUs, %d cores): envs run there %s, reached at %s, up to %d "
+                 "booting at once.", address, found.resources.get("CPU", 0), facts["cores"],
+                 where, address, facts["boot_slots"])
         return found
+
+    def network_mode(self, env: EnvSpec) -> str:
+        said = {node.address: node.facts.get("networks", {}).get(env.name, "?")
+                for node in self.nodes.values()}
+        if len(set(said.values())) == 1:
+            return f"on every node, {next(iter(said.values()))}"
+        return "; ".join(f"on node {address}, {mode}" for address, mode in sorted(said.items()))
 
     def demand(self, limits: dict[str, Any]) -> dict[str, float]:
         """What one env's placement asks of a node."""
@@ -3516,8 +3727,7 @@ class RaySandbox(Sandbox):
                                         name=f"agentenv-{episode[:12]}-{env.name}")
         try:
             node = await self._placed(env, group, want)
-            key, url, its_own = await self.ask(node.host.launch.remote(env.name, episode, limits),
-                                               120)
+            key, url, its_own = await self._start_env(node, env, episode, limits)
         except BaseException:
             self.let_go(group)
             raise
@@ -3525,6 +3735,28 @@ class RaySandbox(Sandbox):
                  node.address, url)
         self.placed.append((episode, env.name, node.address))
         return RayInstance(self, node, key, url, group, its_own)
+
+    async def _start_env(self, node: RayNode, env: EnvSpec, episode: str,
+                         limits: dict[str, Any]) -> tuple[str, str, bool]:
+        """The node's host starts the env. A host that Ray is restarting (its process died) is
+        waited for, within the deploy deadline; what the host raised is said as the node's."""
+        deadline = time.monotonic() + self.options.deploy_timeout
+        while True:
+            try:
+                return await self.ask(node.host.launch.remote(env.name, episode, limits), 120)
+            except asyncio.TimeoutError:
+                raise EpisodeFailed(f"the host actor of Ray node {node.address} did not start env "
+                                    f"{env.name!r} within 120s", PROVIDER_UNAVAILABLE) from None
+            except Exception as exc:                    # noqa: BLE001 - Ray raises many kinds
+                if type(exc).__name__ == "ActorUnavailableError" and time.monotonic() < deadline:
+                    await asyncio.sleep(0.25)  # polling: Ray says nothing when a host is back
+                    continue
+                said = getattr(exc, "cause", None) or exc       # a RayTaskError: the host's own
+                failure = getattr(said, "failure", None)
+                raise EpisodeFailed(f"on Ray node {node.address}: " + (
+                    failure.reason if failure else f"its host actor could not start env "
+                    f"{env.name!r} ({type(said).__name__}: {short(str(said), 1500)})"),
+                    failure.kind if failure else PROVIDER_UNAVAILABLE) from None
 
     async def _placed(self, env: EnvSpec, group: Any, want: dict[str, float]) -> RayNode:
         """Wait for Ray to place the group (as long as the cluster could ever meet it) and
@@ -7734,9 +7966,7 @@ def run_gym_server() -> None:
             server = Server(None, settings, url=str(config["url"]), host=host, port=port)
         elif config.get("bundle"):
             bundle = Bundle.load(Path(str(config["bundle"])).expanduser(), config.get("reward"))
-            ray = RayOptions(RayOptions.address_from(settings.ray_address,
-                                                     full.get("ray_head_node_address")),
-                             settings.ray_resource)
+            ray = RayOptions.of(settings, full.get("ray_head_node_address"))
             runtime = Runtime(bundle, sandbox=str(config.get("sandbox", "auto")),
                               max_concurrent_envs=settings.max_concurrent_envs,
                               deploy_timeout=settings.deploy_timeout,
@@ -7855,20 +8085,21 @@ async def write_gym(source: str, gym_root: str,
                     out: Callable[[str], None] = print,
                     progress: Callable[[str], None] | None = None,
                     ray_address: str | None = Settings.ray_address,
-                    ray_resource: str | None = Settings.ray_resource) -> Path:
+                    ray_resource: str | None = Settings.ray_resource,
+                    ray_node_sandbox: str | None = Settings.ray_node_sandbox) -> Path:
     """Write ``GYM_ROOT/resources_servers/<name>/``: app.py, a copy of agentenv.py, the venv's
     pyproject.toml, configs/<name>.yaml and data/<split>.jsonl for every split. What it wrote goes
     to ``out``; how far its deploys have got to ``progress`` (stderr by default). With --sandbox
-    ray, ``ray_address`` and ``ray_resource`` (when given) go into the config, and its deploys run
-    on that cluster too."""
+    ray, ``ray_address``, ``ray_resource`` and ``ray_node_sandbox`` (when given) go into the
+    config, and its deploys run on that cluster too."""
     remote = source.startswith(("http://", "https://"))
     settings = Settings.checked(
         {"max_concurrent_envs": max_concurrent_envs, "ray_address": ray_address,
-         "ray_resource": ray_resource},
+         "ray_resource": ray_resource, "ray_node_sandbox": ray_node_sandbox},
         lambda key, value: f"--{key.replace('_', '-')}" + ("" if value is None else f" {value!r}"))
-    if (settings.ray_address or settings.ray_resource) and (remote or sandbox != "ray"):
-        raise AgentEnvError("--ray-address and --ray-resource say where a bundle's envs run on a "
-                            "Ray cluster, and this server's envs "
+    if any(getattr(settings, key) for key in Settings.RAY_KEYS) and (remote or sandbox != "ray"):
+        raise AgentEnvError("--ray-address, --ray-resource and --ray-node-sandbox say where a "
+                            "bundle's envs run on a Ray cluster, and this server's envs "
                             + ("run where the served URL runs them" if remote else
                                f"run in the {sandbox} sandbox")
                             + "; pass them with a bundle folder and --sandbox ray, or leave them out")
@@ -7879,8 +8110,7 @@ async def write_gym(source: str, gym_root: str,
         bundle = Bundle.load(source, reward)
         bundle_name, rows = bundle.name, _bundle_rows(bundle)
         _writable(gym_root, gym_name(bundle_name))       # refused before a deploy, if it is not
-        toolsets = await _toolsets_here(bundle, sandbox, progress, ray=RayOptions(
-            RayOptions.address_from(settings.ray_address), settings.ray_resource))
+        toolsets = await _toolsets_here(bundle, sandbox, progress, ray=RayOptions.of(settings))
         where = {"bundle": str(bundle.root), "sandbox": sandbox, **({"reward": reward} if reward else {})}
     check_tool_names(toolsets)
     name = gym_name(bundle_name)
@@ -8785,7 +9015,7 @@ async def check(folder: str, sandbox: str, reward: str | None, out: Callable[[st
 
 def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
-    limit = args.max_concurrent_envs or _env_int("MAX_CONCURRENT_ENVS", Settings.max_concurrent_envs)
+    limit = pool_size(args.max_concurrent_envs)
     flags = {key: getattr(args, key) for key in SERVE_SETTINGS}
     settings = Settings.checked(
         {"max_concurrent_envs": limit, **flags, "warm": args.warm, "warm_env": args.warm_env or None},
@@ -8803,11 +9033,17 @@ def serve(args: argparse.Namespace) -> None:
                 shutdown_timeout=30)
 
 
+def pool_size(flag: int | None) -> int:
+    """--max-concurrent-envs as given (0 included: Settings refuses it, saying so), else
+    MAX_CONCURRENT_ENVS, else the default."""
+    return flag if flag is not None else _env_int("MAX_CONCURRENT_ENVS", Settings.max_concurrent_envs)
+
+
 def ray_options(args: argparse.Namespace) -> RayOptions:
-    """The Ray cluster and env nodes ``--ray-address`` and ``--ray-resource`` name, checked."""
-    settings = Settings.checked({"ray_address": args.ray_address, "ray_resource": args.ray_resource},
+    """The Ray cluster, env nodes and node sandbox the ``--ray-*`` flags name, checked."""
+    settings = Settings.checked({key: getattr(args, key) for key in Settings.RAY_KEYS},
                                 lambda key, value: f"--{key.replace('_', '-')} {value!r}")
-    return RayOptions(RayOptions.address_from(settings.ray_address), settings.ray_resource)
+    return RayOptions.of(settings)
 
 
 def eval_plan(args: argparse.Namespace) -> EvalPlan:
@@ -8852,10 +9088,9 @@ def main(argv: list[str] | None = None) -> int:
             serve(args)
         elif args.command == "write-gym":
             asyncio.run(write_gym(args.source, args.gym_root,
-                                  args.max_concurrent_envs or _env_int("MAX_CONCURRENT_ENVS",
-                                                                       Settings.max_concurrent_envs),
+                                  pool_size(args.max_concurrent_envs),
                                   args.sandbox, args.reward, args.keep_prompts,
-                                  ray_address=args.ray_address, ray_resource=args.ray_resource))
+                                  **{key: getattr(args, key) for key in Settings.RAY_KEYS}))
         elif args.command == "eval":
             if not args.verbose:       # the summary counts masked rollouts by kind; no line each
                 logging.getLogger("agentenv.gym").setLevel(logging.ERROR)
@@ -8885,6 +9120,12 @@ def ray_flags(cmd: argparse.ArgumentParser, address: str, written: bool = False)
                           + "; an env asks a node for its deploy_env step's cpu "
                           f"({RAY_ENV_CPU:g}) and memory_mb ({RAY_ENV_MEMORY_MB}) where the step "
                           "names none")
+    cmd.add_argument("--ray-node-sandbox", choices=RAY_NODE_SANDBOXES, default=None,
+                     help="with --sandbox ray: what runs envs on each node: docker (the node's "
+                          "own daemon, from DOCKER_HOST there; its ports published on the node's "
+                          "address), local processes, or auto (Docker on each node whose daemon "
+                          "answers, else local; said per node at start)"
+                          + ("; written as ray_node_sandbox" if written else ""))
 
 
 def command_line() -> argparse.ArgumentParser:
@@ -8900,7 +9141,7 @@ def command_line() -> argparse.ArgumentParser:
         cmd.add_argument("--sandbox", choices=("auto", "docker", "local", "ray"), default="auto",
                          help="where envs run: docker, local processes, auto (docker when a "
                               "daemon answers, else local; the default), or ray (placed across "
-                              "a Ray cluster, as local processes on its nodes)")
+                              "a Ray cluster, in Docker or local processes on its nodes)")
         ray_flags(cmd, "the cluster's address (default: RAY_ADDRESS, else auto, the cluster "
                        "ray start made on this machine)")
         cmd.add_argument("--reward", metavar="STEP", default=None,

@@ -317,6 +317,9 @@ def test_a_bad_setting_in_a_gym_config_says_which_and_the_fix(key, value, says):
                               "that the env nodes declare"),
     ({"ray_resource": "env nodes"}, "ray_resource: 'env nodes' in configs/x.yaml: it must name a "
                                     "custom resource"),
+    ({"ray_node_sandbox": "podman"}, "ray_node_sandbox: 'podman' in configs/x.yaml: it must be auto "
+                                     "(Docker on each node whose daemon answers, else local "
+                                     "processes), docker or local"),
 ])
 def test_a_gym_configs_ray_keys_are_checked_like_the_others(config, says):
     with pytest.raises(AgentEnvError) as caught:
@@ -346,19 +349,23 @@ def test_write_gym_writes_the_ray_flags_into_the_config_and_lists_tools_on_that_
     monkeypatch.setenv("RAY_ADDRESS", "elsewhere:6379")
     root = tmp_path / "gym"
     assert agentenv.main(["write-gym", str(NOTES), str(root), "--sandbox", "ray", "--ray-address",
-                          "10.0.0.5:6379", "--ray-resource", "env_node"]) == 0, capsys.readouterr()
-    assert asked == [("ray", agentenv.RayOptions("10.0.0.5:6379", "env_node"))]
+                          "10.0.0.5:6379", "--ray-resource", "env_node", "--ray-node-sandbox",
+                          "docker"]) == 0, capsys.readouterr()
+    assert asked == [("ray", agentenv.RayOptions("10.0.0.5:6379", "env_node", node_sandbox="docker"))]
     config = yaml.safe_load((root / "resources_servers/notes_v1/configs/notes_v1.yaml").read_text())
     server = config["notes_v1"]["resources_servers"]["notes_v1"]
-    assert (server["sandbox"], server["ray_address"], server["ray_resource"]) == \
-        ("ray", "10.0.0.5:6379", "env_node"), server
+    assert (server["sandbox"], server["ray_address"], server["ray_resource"],
+            server["ray_node_sandbox"]) == ("ray", "10.0.0.5:6379", "env_node", "docker"), server
     settings = agentenv.Settings.from_config(server, "the written config")
-    assert (settings.ray_address, settings.ray_resource) == ("10.0.0.5:6379", "env_node")
+    assert (settings.ray_address, settings.ray_resource, settings.ray_node_sandbox) == \
+        ("10.0.0.5:6379", "env_node", "docker")
+    assert agentenv.RayOptions.of(settings).node_sandbox == "docker"
 
     # without the flags nothing is written, so the server joins the cluster Gym names at run time
     assert agentenv.main(["write-gym", str(NOTES), str(root), "--sandbox", "ray"]) == 0
     config = yaml.safe_load((root / "resources_servers/notes_v1/configs/notes_v1.yaml").read_text())
-    assert not {"ray_address", "ray_resource"} & set(config["notes_v1"]["resources_servers"]["notes_v1"])
+    assert not {"ray_address", "ray_resource", "ray_node_sandbox"} & \
+        set(config["notes_v1"]["resources_servers"]["notes_v1"])
     assert asked[-1] == ("ray", agentenv.RayOptions("elsewhere:6379", None))
 
 
@@ -368,8 +375,12 @@ def test_write_gym_writes_the_ray_flags_into_the_config_and_lists_tools_on_that_
     (["--sandbox", "ray", "--ray-resource", "memory"], "--ray-resource 'memory': it must name a custom "
                                                        "resource"),
     (["--sandbox", "local", "--ray-address", "10.0.0.5:6379"],
-     "--ray-address and --ray-resource say where a bundle's envs run on a Ray cluster, and this "
-     "server's envs run in the local sandbox; pass them with a bundle folder and --sandbox ray"),
+     "--ray-address, --ray-resource and --ray-node-sandbox say where a bundle's envs run on a Ray "
+     "cluster, and this server's envs run in the local sandbox; pass them with a bundle folder and "
+     "--sandbox ray"),
+    (["--sandbox", "docker", "--ray-node-sandbox", "local"],
+     "--ray-address, --ray-resource and --ray-node-sandbox say where a bundle's envs run on a Ray "
+     "cluster, and this server's envs run in the docker sandbox"),
 ])
 def test_write_gym_refuses_a_bad_ray_flag_before_it_deploys_or_writes(tmp_path, capsys, argv, says):
     assert agentenv.main(["write-gym", str(NOTES), str(tmp_path / "gym"), *argv]) == 1
@@ -399,6 +410,8 @@ def test_serve_shows_the_settings_defaults_in_its_help(capsys):
     (["--bash-timeout", "-3"], {}, "--bash-timeout -3.0: it must be a positive number of seconds"),
     ([], {"MAX_CONCURRENT_ENVS": "0"}, "--max-concurrent-envs 0 (or MAX_CONCURRENT_ENVS): it must be a "
                                        "whole number of at least 1, such as 8"),
+    (["--max-concurrent-envs", "0"], {"MAX_CONCURRENT_ENVS": "16"},
+     "--max-concurrent-envs 0 (or MAX_CONCURRENT_ENVS): it must be a whole number of at least 1"),
     (["--warm", "-1"], {}, "--warm -1 is not a whole number of warm envs (0 or more)"),
     (["--warm-env", "main"], {}, "--warm-env: main='' is not a whole number of warm envs"),
 ])
@@ -1266,10 +1279,11 @@ def test_a_ray_nodes_boot_gate_is_sized_by_the_cpus_it_declares_not_its_cores(tm
     env = Bundle.load(NOTES).envs["notebook"]
     spec = {f.name: getattr(env, f.name) for f in agentenv.dataclasses.fields(env)}
     spec.update(folder="", dockerfile=env.dockerfile.name)
-    host = agentenv.EnvHost("127.0.0.1", {"notebook": (spec, agentenv.env_archive(env))}, None, cpus)
+    host = agentenv.EnvHost("127.0.0.1", {"notebook": (spec, agentenv.env_archive(env))}, None, cpus,
+                            "local")
 
     async def go():
-        facts = await host.node()
+        facts = await host.prepare()
         key, url, its_own = await host.launch("notebook", "episode", {})
         try:
             async with aiohttp.ClientSession() as http, \
@@ -1282,6 +1296,7 @@ def test_a_ray_nodes_boot_gate_is_sized_by_the_cpus_it_declares_not_its_cores(tm
     facts, answered, its_own = run(go())
     assert (facts["cpus"], facts["boot_slots"]) == (cpus, slots), facts
     assert facts["cores"] == os.cpu_count() and facts["envs"] == ["notebook"]
+    assert (facts["sandbox"], facts["why"]) == ("local", "--ray-node-sandbox local"), facts
     assert answered == 200 and run(host.live()) == 0
     assert its_own, "the host saw the env itself listen: the server need not ask again"
 

@@ -11,7 +11,8 @@ environment variable of its own (MALLOC_ARENA_MAX and the like are removed), and
 read_note, verify; on OpenEnv a /ws reset, the same two calls, end_turn. Every ``--every``
 episodes it stops starting new ones, lets those in flight finish, waits until the server runs no
 env process, and reads the server's VmRSS, its peak (VmHWM), threads, open fds and live children
-from /proc, with the most envs seen live since the last sample. RSS is read twice: 0.3 s into the
+from /proc, with the most envs seen live since the last sample (child processes; with
+``--sandbox docker``, the containers carrying serve's owner label). RSS is read twice: 0.3 s into the
 idle (``rss_untrimmed_mib``), and 2 s in (``rss_mib``), after serve's heap trim (``HeapTrim``:
 1 s after its pool drains, glibc's free arena memory goes back to the OS). "In flight" is rollouts, not live
 envs: starts wait on the boot gate, so fewer envs than rollouts are live at once, and how many
@@ -73,6 +74,18 @@ class Served:
             stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
             start_new_session=True)
         self.pid = self.proc.pid
+        self.sandbox = sandbox
+
+    def live_envs(self) -> int:
+        """The server's envs live now: its child processes (local), or the containers that carry
+        its owner label (docker), each env's own."""
+        if self.sandbox != "docker":
+            return self.children()
+        start = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        done = subprocess.run(["docker", "ps", "-q", "--filter",
+                               f"label=agentenv.owner={socket.gethostname()}:{self.pid}:{start}"],
+                              capture_output=True, text=True, timeout=60)
+        return len(done.stdout.split())
 
     def output(self) -> str:
         self.log.seek(0)
@@ -124,11 +137,11 @@ class Served:
                 "children": self.children(), "wall_s": round(time.monotonic() - started, 1)}
 
     async def idle(self, timeout: float = 60) -> float:
-        """Wait until the server runs no env process (its episodes all torn down), and past the
+        """Wait until the server runs no env (its episodes all torn down), and past the
         second after which serve trims its heap once the pool has drained. The RSS before that
         trim is returned, so each sample shows what the trim gave back."""
         deadline = time.monotonic() + timeout
-        while self.children() and time.monotonic() < deadline:
+        while await asyncio.to_thread(self.live_envs) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.3)           # the last replies and teardowns settle
         untrimmed = round(self.status("VmRSS") / 1024, 2)
@@ -269,7 +282,7 @@ async def soak(args: argparse.Namespace) -> dict:
                 async def watch() -> None:
                     nonlocal peak
                     while True:
-                        peak = max(peak, served.children())
+                        peak = max(peak, await asyncio.to_thread(served.live_envs))
                         await asyncio.sleep(0.5)
                 watcher = asyncio.create_task(watch())
                 await asyncio.gather(*(one(done + i) for i in range(batch)))

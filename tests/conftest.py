@@ -10,19 +10,18 @@
 
 from __future__ import annotations
 
-import os
+import sys
+from pathlib import Path
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tests.harness import docker_unavailable  # noqa: E402
+
 BASE_IMAGE = "python:3.11-slim"
-
-
-def _docker_unavailable(reason: str) -> None:
-    """Skip (fail, when CI requires Docker) every test that needs the daemon, saying why."""
-    if os.environ.get("AGENTENV_REQUIRE_DOCKER") == "1":
-        pytest.fail(f"{reason} (AGENTENV_REQUIRE_DOCKER=1, so this is an error, not a skip)",
-                    pytrace=False)
-    pytest.skip(reason)
 
 
 def _one_line(exc: BaseException, limit: int = 200) -> str:
@@ -61,7 +60,7 @@ def _connect():
 def docker_client():
     client, why_not = _connect()
     if client is None:
-        _docker_unavailable(why_not)    # outside any except block: the reason alone is reported
+        docker_unavailable(why_not)    # outside any except block: the reason alone is reported
     yield client
     client.close()
 

@@ -284,14 +284,23 @@ def kill_namespace(inode: str, spare: Iterable[int] = ()) -> list[int]:
 
 # ================================================================ a Ray cluster on loopback addresses
 
-def ray_unavailable(reason: str) -> None:
-    """Skip a test that needs Ray (or its namespace), saying why; fail when CI requires Ray
-    (AGENTENV_REQUIRE_RAY=1)."""
+def unavailable(reason: str, required_by: str) -> None:
+    """Skip a test that needs a part this machine lacks, saying why; fail instead when the
+    variable ``required_by`` is 1 (CI sets one for each part it must run)."""
     import pytest
-    if os.environ.get("AGENTENV_REQUIRE_RAY") == "1":
-        pytest.fail(f"{reason} (AGENTENV_REQUIRE_RAY=1, so this is an error, not a skip)",
-                    pytrace=False)
+    if os.environ.get(required_by) == "1":
+        pytest.fail(f"{reason} ({required_by}=1, so this is an error, not a skip)", pytrace=False)
     pytest.skip(reason)
+
+
+def ray_unavailable(reason: str) -> None:
+    """A test that needs Ray (or its namespace) cannot run: AGENTENV_REQUIRE_RAY says how."""
+    unavailable(reason, "AGENTENV_REQUIRE_RAY")
+
+
+def docker_unavailable(reason: str) -> None:
+    """A test that needs Docker cannot run: AGENTENV_REQUIRE_DOCKER says how."""
+    unavailable(reason, "AGENTENV_REQUIRE_DOCKER")
 
 
 class RayCluster:
@@ -304,7 +313,7 @@ class RayCluster:
     STARTED = "Ray runtime started"
 
     def __init__(self, folder: Path, workers: int = 2, cpus: int = 1, resources: dict | None = None,
-                 start_within: float = 120):
+                 start_within: float = 120, node_env: dict[int, dict[str, str]] | None = None):
         self.inode = os.readlink("/proc/self/ns/net")
         if not loopback_only():
             raise AssertionError("a Ray cluster runs only inside a loopback-only network namespace")
@@ -316,6 +325,7 @@ class RayCluster:
                     "RAY_AUTH_TOKEN": os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(16)}
         self.nodes: list[tuple[str, subprocess.Popen, Path]] = []
         self.resources = resources or {}
+        self.node_env = node_env or {}         # what node n's processes have in their environment
         try:
             for n in range(workers + 1):      # one at a time: together they load the machine more
                 self._start(n, start_within)
@@ -342,7 +352,8 @@ class RayCluster:
     def _spawn(self, n: int) -> None:
         log = self.folder / f"ray-node-{n}.log"
         with open(log, "w") as out:
-            proc = subprocess.Popen(self._argv(n), env=self.env, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(self._argv(n), env={**self.env, **self.node_env.get(n, {})},
+                                    stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.nodes.append((f"127.0.0.{n + 1}", proc, log))
 
@@ -405,6 +416,104 @@ class RayCluster:
         for n in range(len(self.nodes) + 3):
             shutil.rmtree(f"/tmp/ae-ray-{os.getpid()}-{n}", ignore_errors=True)
         return killed
+
+
+class NodeDockersUnavailable(RuntimeError):
+    """No Docker daemon can be started per Ray node here (no dockerd, no host daemon to load
+    images from, or a daemon that did not answer); the message says which."""
+
+
+class NodeDockers:
+    """A Docker daemon per Ray node, inside the loopback-only namespace the Ray suite runs in.
+
+    Each has its own socket, data, exec root and pidfile, and runs with ``--bridge=none`` and no
+    iptables: a bridge would add an interface to the namespace Ray runs in (Ray may only ever
+    see loopback), and a daemon with no bridge in a namespace of its own touches nothing of the
+    host's daemon (only in the host's namespace does ``--bridge=none`` delete its docker0). So
+    their containers share the namespace's loopback, each env bound to its node's address: the
+    Docker sandbox's no-bridge mode. The images envs build FROM are copied from the host's daemon
+    (``docker save | docker load``). ``close`` removes every container and stops each daemon."""
+
+    def __init__(self, count: int, images: Iterable[str] = ("python:3.11-slim",),
+                 answer_within: float = 60):
+        if not loopback_only():
+            raise AssertionError("node daemons run only inside a loopback-only network namespace")
+        self.dockerd, self.docker = shutil.which("dockerd"), shutil.which("docker")
+        if not self.dockerd or not self.docker:
+            raise NodeDockersUnavailable("dockerd and the docker client are not on PATH")
+        self.roots = [Path(f"/tmp/ae-dk-{os.getpid()}-{n}") for n in range(count)]
+        self.procs: list[subprocess.Popen] = []
+        try:
+            for root in self.roots:
+                self._start(root)
+            for root, proc in zip(self.roots, self.procs):
+                self._answers(root, proc, answer_within)
+            for image in images:
+                self._copy(image)
+        except BaseException:
+            self.close()
+            raise
+
+    def host(self, n: int) -> str:
+        """Node n's DOCKER_HOST."""
+        return f"unix://{self.roots[n]}/docker.sock"
+
+    def _start(self, root: Path) -> None:
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        with open(root / "dockerd.log", "w") as out:
+            self.procs.append(subprocess.Popen(
+                [self.dockerd, f"--host=unix://{root}/docker.sock", f"--data-root={root}/data",
+                 f"--exec-root={root}/exec", f"--pidfile={root}/docker.pid", "--bridge=none",
+                 "--iptables=false", "--ip-masq=false", "--ip-forward=false",
+                 "--userland-proxy=false"], stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True))
+
+    def _answers(self, root: Path, proc: subprocess.Popen, within: float) -> None:
+        deadline = time.monotonic() + within
+        while subprocess.run([self.docker, "-H", f"unix://{root}/docker.sock", "version"],
+                             capture_output=True).returncode:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise NodeDockersUnavailable(
+                    f"the node daemon of {root} did not answer within {within:g}s:\n"
+                    + (root / "dockerd.log").read_text(errors="replace")[-2000:])
+            time.sleep(0.2)
+
+    def _copy(self, image: str) -> None:
+        saved = subprocess.run([self.docker, "save", image], capture_output=True)
+        if saved.returncode:
+            raise NodeDockersUnavailable(f"the host's daemon could not save {image} for the node "
+                                         f"daemons: {saved.stderr.decode(errors='replace')[-500:]}")
+        for n in range(len(self.roots)):
+            loaded = subprocess.run([self.docker, "-H", self.host(n), "load"], input=saved.stdout,
+                                    capture_output=True)
+            assert loaded.returncode == 0, loaded.stderr.decode(errors="replace")[-2000:]
+
+    def containers(self, n: int, label: str = "agentenv.owner") -> list[str]:
+        """The ids of node n's containers that carry ``label``."""
+        done = subprocess.run([self.docker, "-H", self.host(n), "ps", "-aq", "--filter",
+                               f"label={label}"], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    def close(self) -> None:
+        for n, proc in enumerate(self.procs):
+            if proc.poll() is None:
+                with contextlib.suppress(Exception):
+                    ids = subprocess.run([self.docker, "-H", self.host(n), "ps", "-aq"],
+                                         capture_output=True, text=True, timeout=60).stdout.split()
+                    if ids:
+                        subprocess.run([self.docker, "-H", self.host(n), "rm", "-f", *ids],
+                                       capture_output=True, timeout=120)
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        for root in self.roots:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 # ================================================================ HTTP

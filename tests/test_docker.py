@@ -238,6 +238,39 @@ def test_container_settings_and_limits(docker_client, tmp_path):
     assert owned_containers(docker_client, owner) == []
 
 
+def test_a_sandbox_told_an_address_publishes_its_envs_there_only(docker_client):
+    """The Docker sandbox a Ray node's host opens is told the node's address (here 127.0.0.2):
+    an env's port is published on that address alone, and the env answers there, not on
+    127.0.0.1."""
+    bundle = Bundle.load(NOTES)
+    env = bundle.envs["notebook"]
+
+    async def go():
+        sandbox = await agentenv.DockerSandbox.connect(owner_id(), publish="127.0.0.2")
+        try:
+            await sandbox.prepare([env])
+            instance = await sandbox.launch(env, "published-on-127-0-0-2", {})
+            try:
+                deadline = time.monotonic() + 60
+                while not await agentenv.http_answers(instance.base_url):
+                    assert time.monotonic() < deadline, await instance.output()
+                    await asyncio.sleep(0.1)
+                port = instance.base_url.rsplit(":", 1)[1]
+                elsewhere = await agentenv.http_answers(f"http://127.0.0.1:{port}")
+                await asyncio.to_thread(instance.container.reload)
+                return instance.base_url, instance.container.attrs, elsewhere
+            finally:
+                await instance.remove()
+        finally:
+            await sandbox.close()
+
+    base_url, attrs, elsewhere = run(go())
+    assert attrs["HostConfig"]["PortBindings"] == {ENV_PORT: [{"HostIp": "127.0.0.2", "HostPort": ""}]}
+    published = attrs["NetworkSettings"]["Ports"][ENV_PORT]
+    assert base_url == f"http://127.0.0.2:{published[0]['HostPort']}"
+    assert not elsewhere, "the env answered on 127.0.0.1 too"
+    assert owned_containers(docker_client, owner_id()) == []
+
 # ---------------------------------------------------------------- 3. image built once per content
 
 def test_image_built_once_per_content(docker_client, tmp_path, monkeypatch, built_images, caplog):

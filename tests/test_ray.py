@@ -33,13 +33,15 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.harness import (Gym, LoopbackNamespace, NamespaceUnavailable, RayCluster,  # noqa: E402
-                           Server, alive, client, copy_bundle, gym_rows, in_namespace,
-                           ray_unavailable, resources_config, run, running, wait_until)
+from tests.harness import (Gym, LoopbackNamespace, NamespaceUnavailable, NodeDockers,  # noqa: E402
+                           NodeDockersUnavailable, RayCluster, Server, alive, client, copy_bundle,
+                           docker_unavailable, gym_rows, in_namespace, ray_unavailable,
+                           resources_config, run, running, wait_until)
 
 import agentenv  # noqa: E402
 
 NOTES = REPO / "bundles" / "notes-v1"
+GRIDSIM = REPO / "bundles" / "gridsim-v1"
 AGENTENV = REPO / "agentenv.py"
 INSIDE = "AGENTENV_RAY_NAMESPACE"          # set in the namespace's run of this module
 NODES = {"127.0.0.1", "127.0.0.2", "127.0.0.3"}
@@ -78,8 +80,25 @@ else:
 
     @pytest.fixture(scope="module")
     def cluster(tmp_path_factory):
+        # A Docker daemon per node first, each node's DOCKER_HOST its own; where none can be
+        # started, a socket that does not exist, so no node reaches the host's daemon (whose
+        # ports publish in another namespace than this one).
         started = time.monotonic()
-        nodes = RayCluster(tmp_path_factory.mktemp("ray"), workers=2, cpus=1)
+        try:
+            dockers, why_not = NodeDockers(3), ""
+            print(f"3 node Docker daemons answered in {time.monotonic() - started:.1f}s")
+        except NodeDockersUnavailable as exc:
+            dockers, why_not = None, f"no Docker daemon could be started per Ray node: {exc}"
+        hosts = {n: {"DOCKER_HOST": dockers.host(n) if dockers else "unix:///nonexistent.sock"}
+                 for n in range(3)}
+        started = time.monotonic()
+        try:
+            nodes = RayCluster(tmp_path_factory.mktemp("ray"), workers=2, cpus=1, node_env=hosts)
+        except BaseException:
+            if dockers:
+                dockers.close()
+            raise
+        nodes.dockers, nodes.why_no_dockers = dockers, why_not
         print(f"the 3-node cluster started in {time.monotonic() - started:.1f}s")
         saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
         os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=nodes.env["RAY_AUTH_TOKEN"])
@@ -88,11 +107,16 @@ else:
             os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
         killed = nodes.close()
         print(f"stopping the cluster, {len(killed)} process(es) of Ray had to be killed")
+        if dockers:
+            dockers.close()
 
     def ray_serve(cluster, bundle: Path, folder: Path, *flags: str) -> Server:
+        """serve --sandbox ray on the cluster; its nodes run envs as local processes unless
+        ``flags`` say --ray-node-sandbox."""
+        node_sandbox = () if "--ray-node-sandbox" in flags else ("--ray-node-sandbox", "local")
         return Server([sys.executable, str(AGENTENV), "serve", str(bundle), "--sandbox", "ray",
-                       "--ray-address", cluster.address, "--port", "{port}", *flags], folder,
-                      ready_within=300)
+                       "--ray-address", cluster.address, "--port", "{port}", *node_sandbox,
+                       *flags], folder, ready_within=300)
 
     @pytest.fixture(scope="module")
     def server(cluster, tmp_path_factory):
@@ -129,9 +153,10 @@ else:
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    def assert_nothing_left(cluster, served: Server) -> None:
-        """No env process (running() checked the records), no host actor, no live placement."""
-        wait_until(lambda: not host_actors(cluster), 30, "every host actor has ended")
+    def assert_nothing_left(cluster, served: Server, others: set[int] = frozenset()) -> None:
+        """No env process (running() checked the records), no host actor (but ``others``, the
+        hosts of a server still running), no live placement."""
+        wait_until(lambda: set(host_actors(cluster)) <= others, 30, "every host actor has ended")
         groups = placement_groups(cluster)
         assert set(groups) <= {"REMOVED"}, groups
 
@@ -143,13 +168,16 @@ else:
         assert (await rollout.call("write_note", **GROCERIES)).text == "saved note 'groceries'"
         return (await rollout.verify()).json()
 
-    async def ws_play(ws_url: str, index: int, http) -> dict:
+    async def ws_play(ws_url: str, index: int, http, split: str = "all", tool: str = "write_note",
+                      arguments: dict = GROCERIES) -> dict:
+        """A /ws session of ``split[index]``: reset, one call of ``tool``, end_turn; the last
+        observation's data."""
         async with http.ws_connect(ws_url) as ws:
-            await ws.send_json({"type": "reset", "data": {"split": "all", "index": index}})
+            await ws.send_json({"type": "reset", "data": {"split": split, "index": index}})
             reset = await ws.receive_json(timeout=120)
             assert not reset["data"]["done"], reset
-            await ws.send_json({"type": "step", "data": {"type": "call_tool", "tool_name":
-                                                         "write_note", "arguments": GROCERIES}})
+            await ws.send_json({"type": "step", "data": {"type": "call_tool", "tool_name": tool,
+                                                         "arguments": arguments}})
             await ws.receive_json(timeout=60)
             await ws.send_json({"type": "step", "data": {"type": "call_tool", "tool_name":
                                                          "end_turn", "arguments": {"response": "ok"}}})
@@ -371,6 +399,140 @@ else:
             assert "envs in the ray sandbox" in served.log()
             assert any(f" placed on Ray node {address} " in served.log() for address in NODES)
             served.no_envs(30)
+
+
+    # ============================================================ Docker on every node
+
+    def node_dockers(cluster) -> NodeDockers:
+        if cluster.dockers is None:
+            docker_unavailable(cluster.why_no_dockers)
+        return cluster.dockers
+
+    def gridsim_plays():
+        """Three eval tasks of gridsim-v1 with room to charge, each as a Gym row, its index in
+        the eval split, and the optimal schedule (its baseline) for it."""
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("gridsim_baselines", GRIDSIM / "baselines.py")
+        baselines = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(baselines)
+        bundle = agentenv.Bundle.load(GRIDSIM)
+        rows = gym_rows(bundle, "eval")
+        plays = []
+        for index, task in enumerate(bundle.splits["eval"]):
+            prompt = json.loads(task.first_prompt[0])
+            if prompt["battery"]["initial_charge_mwh"] < prompt["battery"]["capacity_mwh"]:
+                plays.append((rows[task.name], index, baselines.optimal(prompt)))
+            if len(plays) == 3:
+                return plays
+        raise AssertionError("gridsim-v1's eval split has fewer than 3 tasks with room to charge")
+
+    async def gridsim_gym(base: str, play, http, deployed) -> dict:
+        row, _, schedule = play
+        rollout = Gym(base, row, http, strict=True)
+        await rollout.seed()
+        reply = await rollout.call("submit_schedule", schedule=schedule)
+        assert "valid schedule recorded" in reply.text, reply.text
+        await deployed()
+        return (await rollout.verify()).json()
+
+    async def notes_gym(base: str, row: dict, http, deployed) -> dict:
+        rollout = Gym(base, row, http, strict=True)
+        await rollout.seed()
+        assert (await rollout.call("list_notes")).text == "(no notes)"
+        await deployed()
+        assert (await rollout.call("write_note", **GROCERIES)).text == "saved note 'groceries'"
+        return (await rollout.verify()).json()
+
+    def test_docker_on_every_node_plays_both_bundles_on_both_wires(cluster, tmp_path):
+        """A Docker daemon per node and --ray-node-sandbox auto: every node says at start that
+        its envs run in containers of its own daemon; rows of notes-v1 and of gridsim-v1 play
+        on both wires three at a time, each wave's containers one on each node's daemon and
+        reached at that node's address, and all score 1.0; no container is left on any node."""
+        dockers = node_dockers(cluster)
+        notes_at = save_at()
+        notes_row = gym_rows(NOTES)["save-groceries"]
+        grid = gridsim_plays()
+        waves = {NOTES: (lambda url, i, http, deployed: notes_gym(url, notes_row, http, deployed),
+                         lambda url, i, http: ws_play(url, notes_at, http)),
+                 GRIDSIM: (lambda url, i, http, deployed: gridsim_gym(url, grid[i], http, deployed),
+                           lambda url, i, http: ws_play(url, grid[i][1], http, "eval",
+                                                        "submit_schedule", {"schedule": grid[i][2]}))}
+        others = set(host_actors(cluster))           # the module's own server's
+        for bundle, (on_gym, on_ws) in waves.items():
+            started = time.monotonic()
+            with running(ray_serve(cluster, bundle, tmp_path / bundle.name, "--ray-node-sandbox",
+                                   "auto")) as served:
+                print(f"{bundle.name}: serve with Docker on every node answered in "
+                      f"{time.monotonic() - started:.1f}s")
+                for address in NODES:
+                    said = f"Ray node {address} (1 CPUs, "
+                    [line] = [x for x in served.log().splitlines() if said in x]
+                    assert "envs run there in containers of the node's Docker daemon, reached " \
+                           f"at {address}," in line, line
+                counted: list[list[int]] = []
+
+                async def go():
+                    # the three Gym rollouts wait, once each has its env, until the containers
+                    # on each node's daemon are counted
+                    ready, resume = asyncio.Barrier(4), asyncio.Barrier(4)
+
+                    async def deployed():
+                        await ready.wait()
+                        await resume.wait()
+
+                    async def count():
+                        await ready.wait()
+                        counted.append(await asyncio.to_thread(lambda: [
+                            len(dockers.containers(n, "agentenv.env")) for n in range(3)]))
+                        await resume.wait()
+
+                    async with client(240) as http:
+                        *gym, _ = await asyncio.wait_for(asyncio.gather(
+                            *(on_gym(served.url, i, http, deployed) for i in range(3)), count()), 300)
+                        ws = await asyncio.gather(*(on_ws(served.ws_url + "/ws", i, http)
+                                                    for i in range(3)))
+                        return gym, ws
+
+                gym, ws = run(go(), 400)
+                for body in gym:
+                    assert (body["reward"], body["mask_sample"]) == (1.0, False), body
+                for data in ws:
+                    assert data["done"] is True and data["reward"] == 1.0, data
+                assert counted == [[1, 1, 1]], f"{bundle.name}: the wave's containers per node " \
+                    f"daemon were {counted}, not one on each"
+                placed = {line.split(" placed on Ray node ")[1].split(" ")[0]
+                          for line in served.log().splitlines() if " placed on Ray node " in line}
+                assert placed == NODES, placed
+            assert_nothing_left(cluster, served, others)
+            assert [dockers.containers(n) for n in range(3)] == [[], [], []]
+
+    def test_a_serve_killed_takes_its_containers_along_on_every_node(cluster, tmp_path):
+        """SIGKILL a serve whose Docker envs live on all three nodes: its host actors end with
+        its connection to the cluster, and each host's reaper removes that node's containers,
+        within 30 s, with nothing of ours doing it."""
+        dockers = node_dockers(cluster)
+        others = set(host_actors(cluster))           # the module's own server's
+        served = ray_serve(cluster, NOTES, tmp_path / "serve", "--ray-node-sandbox", "docker")
+        try:
+            row = gym_rows(NOTES)["save-groceries"]
+
+            async def deployed():
+                async with client(240) as http:
+                    rollouts = [Gym(served.url, row, http, strict=True) for _ in range(3)]
+                    await asyncio.gather(*(r.seed() for r in rollouts))
+                    return [r.text for r in await asyncio.gather(*(r.call("list_notes")
+                                                                   for r in rollouts))]
+
+            assert run(deployed(), 300) == ["(no notes)"] * 3
+            assert [len(dockers.containers(n)) for n in range(3)] == [1, 1, 1]
+        finally:
+            served.kill()
+        killed = time.monotonic()
+        wait_until(lambda: not any(dockers.containers(n) for n in range(3)), 30,
+                   "every node's containers are removed after serve was killed")
+        print(f"the killed serve's containers were gone from every node after "
+              f"{time.monotonic() - killed:.1f}s")
+        wait_until(lambda: set(host_actors(cluster)) <= others, 30, "every host actor has ended")
 
 
     def test_a_worker_raylet_killed_masks_only_its_rollouts_within_15s(cluster, server, monkeypatch):
