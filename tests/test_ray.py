@@ -19,6 +19,7 @@ host actor, no placement group. The whole module takes about two minutes here.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
 import signal
@@ -443,67 +444,88 @@ else:
         assert (await rollout.call("write_note", **GROCERIES)).text == "saved note 'groceries'"
         return (await rollout.verify()).json()
 
+    def bundle_waves() -> dict[Path, tuple]:
+        """For notes-v1 and gridsim-v1: how one Gym rollout (told when its env is up) and one /ws
+        session of a row play, the i-th of a wave of three."""
+        notes_at = save_at()
+        notes_row = gym_rows(NOTES)["save-groceries"]
+        grid = gridsim_plays()
+        return {NOTES: (lambda url, i, http, deployed: notes_gym(url, notes_row, http, deployed),
+                        lambda url, i, http: ws_play(url, notes_at, http)),
+                GRIDSIM: (lambda url, i, http, deployed: gridsim_gym(url, grid[i], http, deployed),
+                          lambda url, i, http: ws_play(url, grid[i][1], http, "eval",
+                                                       "submit_schedule", {"schedule": grid[i][2]}))}
+
+    def play_waves(cluster, bundle: Path, folder: Path, node_sandbox: str, runs_there: str,
+                   envs_by_node) -> None:
+        """serve ``bundle`` with --ray-node-sandbox ``node_sandbox``: each node says at start
+        that its envs run ``runs_there``; three Gym rollouts play at once, and once each has
+        its env ``envs_by_node(served)`` must count one on each node; then three /ws sessions;
+        every one scores 1.0, envs were placed on every node, and no host is left after."""
+        on_gym, on_ws = bundle_waves()[bundle]
+        others = set(host_actors(cluster))           # the module's own server's
+        started = time.monotonic()
+        with running(ray_serve(cluster, bundle, folder, "--ray-node-sandbox", node_sandbox)) as served:
+            print(f"{bundle.name}: serve with --ray-node-sandbox {node_sandbox} answered in "
+                  f"{time.monotonic() - started:.1f}s")
+            for address in NODES:
+                [line] = [x for x in served.log().splitlines()
+                          if f"Ray node {address} (1 CPUs, " in x]
+                assert f"envs run there {runs_there}" in line and f"reached at {address}," in line, line
+            counted: list[dict[str, int]] = []
+
+            async def go():
+                # the Gym rollouts wait, once each has its env, until the envs are counted
+                ready, resume = asyncio.Barrier(4), asyncio.Barrier(4)
+
+                async def deployed():
+                    await ready.wait()
+                    await resume.wait()
+
+                async def count():
+                    await ready.wait()
+                    counted.append(await asyncio.to_thread(envs_by_node, served))
+                    await resume.wait()
+
+                async with client(240) as http:
+                    *gym, _ = await asyncio.wait_for(asyncio.gather(
+                        *(on_gym(served.url, i, http, deployed) for i in range(3)), count()), 300)
+                    ws = await asyncio.gather(*(on_ws(served.ws_url + "/ws", i, http)
+                                                for i in range(3)))
+                    return gym, ws
+
+            gym, ws = run(go(), 400)
+            for body in gym:
+                assert (body["reward"], body["mask_sample"]) == (1.0, False), body
+            for data in ws:
+                assert data["done"] is True and data["reward"] == 1.0, data
+            assert counted == [dict.fromkeys(sorted(NODES), 1)], \
+                f"{bundle.name}: the wave's envs by node were {counted}, not one on each"
+            placed = {line.split(" placed on Ray node ")[1].split(" ")[0]
+                      for line in served.log().splitlines() if " placed on Ray node " in line}
+            assert placed == NODES, placed
+        assert_nothing_left(cluster, served, others)
+
+    def test_gridsim_rows_play_on_both_wires_with_local_envs_on_every_node(cluster, tmp_path):
+        """gridsim-v1's rows as notes-v1's play above: local env processes, one bound to each
+        node's address in a wave, every rollout scored 1.0 with the optimal schedule."""
+        def bound(served: Server) -> dict[str, int]:
+            return dict(collections.Counter(sorted(hosts(served).values())))
+        play_waves(cluster, GRIDSIM, tmp_path, "local", "as local processes (--ray-node-sandbox "
+                   "local)", bound)
+
     def test_docker_on_every_node_plays_both_bundles_on_both_wires(cluster, tmp_path):
         """A Docker daemon per node and --ray-node-sandbox auto: every node says at start that
         its envs run in containers of its own daemon; rows of notes-v1 and of gridsim-v1 play
         on both wires three at a time, each wave's containers one on each node's daemon and
         reached at that node's address, and all score 1.0; no container is left on any node."""
         dockers = node_dockers(cluster)
-        notes_at = save_at()
-        notes_row = gym_rows(NOTES)["save-groceries"]
-        grid = gridsim_plays()
-        waves = {NOTES: (lambda url, i, http, deployed: notes_gym(url, notes_row, http, deployed),
-                         lambda url, i, http: ws_play(url, notes_at, http)),
-                 GRIDSIM: (lambda url, i, http, deployed: gridsim_gym(url, grid[i], http, deployed),
-                           lambda url, i, http: ws_play(url, grid[i][1], http, "eval",
-                                                        "submit_schedule", {"schedule": grid[i][2]}))}
-        others = set(host_actors(cluster))           # the module's own server's
-        for bundle, (on_gym, on_ws) in waves.items():
-            started = time.monotonic()
-            with running(ray_serve(cluster, bundle, tmp_path / bundle.name, "--ray-node-sandbox",
-                                   "auto")) as served:
-                print(f"{bundle.name}: serve with Docker on every node answered in "
-                      f"{time.monotonic() - started:.1f}s")
-                for address in NODES:
-                    said = f"Ray node {address} (1 CPUs, "
-                    [line] = [x for x in served.log().splitlines() if said in x]
-                    assert "envs run there in containers of the node's Docker daemon, reached " \
-                           f"at {address}," in line, line
-                counted: list[list[int]] = []
 
-                async def go():
-                    # the three Gym rollouts wait, once each has its env, until the containers
-                    # on each node's daemon are counted
-                    ready, resume = asyncio.Barrier(4), asyncio.Barrier(4)
-
-                    async def deployed():
-                        await ready.wait()
-                        await resume.wait()
-
-                    async def count():
-                        await ready.wait()
-                        counted.append(await asyncio.to_thread(lambda: [
-                            len(dockers.containers(n, "agentenv.env")) for n in range(3)]))
-                        await resume.wait()
-
-                    async with client(240) as http:
-                        *gym, _ = await asyncio.wait_for(asyncio.gather(
-                            *(on_gym(served.url, i, http, deployed) for i in range(3)), count()), 300)
-                        ws = await asyncio.gather(*(on_ws(served.ws_url + "/ws", i, http)
-                                                    for i in range(3)))
-                        return gym, ws
-
-                gym, ws = run(go(), 400)
-                for body in gym:
-                    assert (body["reward"], body["mask_sample"]) == (1.0, False), body
-                for data in ws:
-                    assert data["done"] is True and data["reward"] == 1.0, data
-                assert counted == [[1, 1, 1]], f"{bundle.name}: the wave's containers per node " \
-                    f"daemon were {counted}, not one on each"
-                placed = {line.split(" placed on Ray node ")[1].split(" ")[0]
-                          for line in served.log().splitlines() if " placed on Ray node " in line}
-                assert placed == NODES, placed
-            assert_nothing_left(cluster, served, others)
+        def containers(served: Server) -> dict[str, int]:
+            return {f"127.0.0.{n + 1}": len(dockers.containers(n, "agentenv.env")) for n in range(3)}
+        for bundle in (NOTES, GRIDSIM):
+            play_waves(cluster, bundle, tmp_path / bundle.name, "auto",
+                       "in containers of the node's Docker daemon", containers)
             assert [dockers.containers(n) for n in range(3)] == [[], [], []]
 
     def test_a_serve_killed_takes_its_containers_along_on_every_node(cluster, tmp_path):
