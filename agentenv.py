@@ -5751,6 +5751,30 @@ async def accept_socket(request: Any) -> Any:
     return socket_
 
 
+@contextlib.asynccontextmanager
+async def read_ahead(socket_: Any, backlog: int = 16) -> AsyncIterator[asyncio.Queue]:
+    """A socket's frames in a queue (None once it closes), read by a task of their own: while
+    its handler is busy with one frame (a reset that deploys for a minute), the client's pings
+    are still answered and its close still seen, as OpenEnv's own server does. aiohttp answers a
+    ping only inside ``receive``; without this, a websockets client (20 s pings, 20 s to answer)
+    drops a session whose reset outlasts 40 s."""
+    inbox: asyncio.Queue = asyncio.Queue(backlog)   # a client that floods waits, as before
+
+    async def read() -> None:
+        try:
+            async for message in socket_:
+                await inbox.put(message)
+        finally:
+            await inbox.put(None)
+    reader = asyncio.create_task(read())
+    try:
+        yield inbox
+    finally:
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+
+
 def bearer_token(token: str) -> Any:
     """Middleware that asks every request, WebSocket upgrades included, for the bearer token."""
     from aiohttp import web
@@ -6470,20 +6494,21 @@ class OpenEnvSurface:
             return socket_
         session.socket = socket_
         try:
-            async for message in socket_:
-                if message.type == aiohttp.WSMsgType.BINARY:
-                    await socket_.send_json(rpc_error(None, -32700, BINARY_FRAME))
-                elif message.type == aiohttp.WSMsgType.TEXT:
-                    try:
-                        request_ = loads(message.data)
-                    except ValueError as exc:
-                        await socket_.send_json(rpc_error(None, -32700, f"Parse error: {exc}"))
-                        continue
-                    answer = await self.rpc(request_, session)
-                    try:
-                        await socket_.send_json(answer)
-                    except ConnectionError:     # the client left while its call ran
-                        break
+            async with read_ahead(socket_) as inbox:
+                while (message := await inbox.get()) is not None:
+                    if message.type == aiohttp.WSMsgType.BINARY:
+                        await socket_.send_json(rpc_error(None, -32700, BINARY_FRAME))
+                    elif message.type == aiohttp.WSMsgType.TEXT:
+                        try:
+                            request_ = loads(message.data)
+                        except ValueError as exc:
+                            await socket_.send_json(rpc_error(None, -32700, f"Parse error: {exc}"))
+                            continue
+                        answer = await self.rpc(request_, session)
+                        try:
+                            await socket_.send_json(answer)
+                        except ConnectionError:     # the client left while its call ran
+                            break
         finally:
             await self.end_session(session, "the session closed")
         return socket_
@@ -6514,22 +6539,23 @@ class OpenEnvSurface:
                 return socket_
         session.socket = socket_
         try:
-            async for message in socket_:
-                if message.type == aiohttp.WSMsgType.BINARY:
-                    await socket_.send_json({"type": "error", "data": {"message": BINARY_FRAME,
-                                                                       "code": "INVALID_JSON"}})
-                    continue
-                if message.type != aiohttp.WSMsgType.TEXT:
-                    continue
-                async with session.lease.using():
-                    reply = await self._answer(session, message.data)
-                if reply is None:
-                    break
-                try:
-                    await socket_.send_json(reply)
-                except ConnectionError:         # the client left while its step ran
-                    log.info("An OpenEnv client left before its reply; ending its session.")
-                    break
+            async with read_ahead(socket_) as inbox:
+                while (message := await inbox.get()) is not None:
+                    if message.type == aiohttp.WSMsgType.BINARY:
+                        await socket_.send_json({"type": "error", "data": {
+                            "message": BINARY_FRAME, "code": "INVALID_JSON"}})
+                        continue
+                    if message.type != aiohttp.WSMsgType.TEXT:
+                        continue
+                    async with session.lease.using():
+                        reply = await self._answer(session, message.data)
+                    if reply is None:
+                        break
+                    try:
+                        await socket_.send_json(reply)
+                    except ConnectionError:         # the client left while its step ran
+                        log.info("An OpenEnv client left before its reply; ending its session.")
+                        break
         finally:
             session.attached = False
             if session.socket is socket_:

@@ -40,7 +40,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import agentenv  # noqa: E402
-from tests.harness import (Server, Socket, copy_bundle, request, serving,  # noqa: E402
+from tests.harness import (Server, Socket, copy_bundle, request, run, serving,  # noqa: E402
                            wait_until, with_sleep_tool)
 
 pytest.importorskip("openenv", reason="these tests drive the server with the real OpenEnv clients: "
@@ -686,6 +686,29 @@ def test_a_call_that_runs_too_long_answers_timeout_inside_the_client_timeout(oe,
             assert time.monotonic() - started < 2.9
         server.no_envs()
 
+
+
+def test_a_long_step_keeps_answering_the_clients_pings(tmp_path, slow_bundle):
+    """A step that runs 4 s on a socket whose client pings every 0.5 s and gives up on a pong
+    after 1 s (websockets, as OpenEnv's clients use it, at 20 s each by default): the pings are
+    answered while the step runs, so the socket stays up and the step's reply arrives. (Before,
+    aiohttp answered a ping only between frames, and a reset or step past 40 s lost its socket.)"""
+    import websockets
+
+    async def go(url: str):
+        async with websockets.connect(url + "/ws", ping_interval=0.5, ping_timeout=1,
+                                      open_timeout=30) as ws:
+            await ws.send(json.dumps({"type": "reset", "data": {"split": "all", "index": SAVE}}))
+            assert json.loads(await asyncio.wait_for(ws.recv(), 120))["data"]["done"] is False
+            started = time.monotonic()
+            await ws.send(json.dumps({"type": "step", "data": call("sleep", seconds="4")}))
+            reply = json.loads(await asyncio.wait_for(ws.recv(), 60))
+            return reply, time.monotonic() - started
+
+    with serving(slow_bundle, tmp_path / "server") as server:
+        reply, took = run(go(server.ws_url), 180)
+    assert reply["data"]["observation"]["result"]["data"] == "slept", reply
+    assert took >= 4, took
 
 # ================================================================ 8. idle reaping
 
