@@ -513,7 +513,17 @@ class NodeDockers:
                 proc.kill()
                 proc.wait(10)
         for root in self.roots:
+            unmount_under(root)
             shutil.rmtree(root, ignore_errors=True)
+
+
+def unmount_under(root: Path) -> None:
+    """Unmount what a daemon left mounted at or under ``root`` (its data root bound on itself,
+    the nsfs of its namespace, which would keep the namespace alive), deepest first, lazily."""
+    points = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+    for point in sorted((p for p in points if p == str(root) or p.startswith(f"{root}/")),
+                        key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True)
 
 
 # ================================================================ HTTP
