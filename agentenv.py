@@ -3342,7 +3342,7 @@ class EnvHost:
             if self.mode == "docker":
                 raise AgentEnvError(f"--ray-node-sandbox docker, and on Ray node {self.address} "
                                     f"{exc}") from None
-            self.why = f"no Docker daemon answers there: {str(exc).split(';')[0]}"
+            self.why = str(exc).split(";")[0]          # "no Docker daemon answered (...)"
             return
         # before any container exists: it removes this host's containers once the host is gone
         # (Docker's settings it keeps; ours it has no use for, and it is no env of ours)

@@ -1301,6 +1301,31 @@ def test_a_ray_nodes_boot_gate_is_sized_by_the_cpus_it_declares_not_its_cores(tm
     assert its_own, "the host saw the env itself listen: the server need not ask again"
 
 
+@pytest.mark.parametrize("mode", ["auto", "docker"])
+def test_a_ray_node_without_docker_runs_local_envs_in_auto_and_refuses_in_docker(tmp_path,
+                                                                                  monkeypatch, mode):
+    """A node's host (run here without Ray) whose DOCKER_HOST answers nothing: with
+    --ray-node-sandbox auto it runs local envs and says why; with docker it refuses, naming the
+    node, the daemon's answer and the fix."""
+    monkeypatch.setenv("AGENTENV_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent.sock")
+    env = Bundle.load(NOTES).envs["notebook"]
+    spec = {f.name: getattr(env, f.name) for f in agentenv.dataclasses.fields(env)}
+    spec.update(folder="", dockerfile=env.dockerfile.name)
+    host = agentenv.EnvHost("127.0.0.2", {"notebook": (spec, agentenv.env_archive(env))}, None, 1,
+                            mode)
+    if mode == "docker":
+        with pytest.raises(AgentEnvError) as caught:
+            run(host.prepare())
+        said = str(caught.value)
+        assert said.startswith("--ray-node-sandbox docker, and on Ray node 127.0.0.2 no Docker "
+                               "daemon answered"), said
+        assert "start Docker, set DOCKER_HOST" in said, said
+        return
+    facts = run(host.prepare())
+    assert facts["sandbox"] == "local" and facts["why"].startswith("no Docker daemon answered ("), facts
+    assert facts["networks"] == {"notebook": "the host's network: the local sandbox isolates nothing"}
+
 def test_auto_sandbox_without_docker_falls_back_to_local_and_says_why(make_bundle, monkeypatch,
                                                                       caplog):
     monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent")
