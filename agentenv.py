@@ -6504,11 +6504,9 @@ class OpenEnvSurface:
                         except ValueError as exc:
                             await socket_.send_json(rpc_error(None, -32700, f"Parse error: {exc}"))
                             continue
-                        answer = await self.rpc(request_, session)
-                        try:
-                            await socket_.send_json(answer)
-                        except ConnectionError:     # the client left while its call ran
-                            break
+                        await socket_.send_json(await self.rpc(request_, session))
+        except ConnectionError:                 # the client left before a reply: frames are read
+            pass                                # ahead, so before any of them, not only a call's
         finally:
             await self.end_session(session, "the session closed")
         return socket_
@@ -6551,11 +6549,9 @@ class OpenEnvSurface:
                         reply = await self._answer(session, message.data)
                     if reply is None:
                         break
-                    try:
-                        await socket_.send_json(reply)
-                    except ConnectionError:         # the client left while its step ran
-                        log.info("An OpenEnv client left before its reply; ending its session.")
-                        break
+                    await socket_.send_json(reply)
+        except ConnectionError:   # the client left before a reply (to any frame: they are read ahead)
+            log.info("An OpenEnv client left before its reply; ending its session.")
         finally:
             session.attached = False
             if session.socket is socket_:
