@@ -2003,8 +2003,7 @@ class LocalInstance(Instance):
             return False
         if listens(self.proc.pid, self.port) is False:      # the other holds it still
             return True
-        said = (await self.output()).lower()                 # or held it, and has gone since
-        return "address already in use" in said or "eaddrinuse" in said
+        return says_port_taken(await self.output())          # or held it, and has gone since
 
     async def remove(self) -> None:
         try:
@@ -2089,10 +2088,7 @@ class LocalSandbox(Sandbox):
         return killed
 
     async def launch(self, env: EnvSpec, episode: str, limits: dict[str, Any]) -> Instance:
-        port = free_port(self.host)
-        while port in self.ports:             # the kernel hands a closed port out again at once
-            port = free_port(self.host)
-        self.ports.add(port)                  # taken now: another launch may be under way
+        port = reserve_port(self.host, self.ports)
         try:
             return await self._launch(env, port)
         except BaseException:
@@ -2194,6 +2190,22 @@ def wait_for_children_by_pidfd() -> None:
 
 LOCAL_PORTS_FROM = 20000          # local envs listen from here up to the ephemeral range
 PORT_TRIES = 3                    # launches of an env whose port another process took first
+
+
+def reserve_port(host: str, reserved: set[int]) -> int:
+    """A free port of ``host`` that no launch under way holds, added to ``reserved`` (the kernel
+    hands a closed port out again at once, so a port found free may be another launch's)."""
+    port = free_port(host)
+    while port in reserved:
+        port = free_port(host)
+    reserved.add(port)
+    return port
+
+
+def says_port_taken(output: str) -> bool:
+    """Whether an env's last output says its port was another's when it tried to bind it."""
+    said = output.lower()
+    return "address already in use" in said or "eaddrinuse" in said
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -2367,8 +2379,7 @@ class DockerInstance(Instance):
         # only an env bound to a port of its own (no bridge) can find it taken by another
         if not self.own_port or await self.exited(settle=0.1) is None:
             return False
-        said = (await self.output()).lower()
-        return "address already in use" in said or "eaddrinuse" in said
+        return says_port_taken(await self.output())
 
     async def remove(self) -> None:
         try:
@@ -2618,10 +2629,7 @@ class DockerSandbox(Sandbox):
             security_opt=["no-new-privileges"], cap_drop=["ALL"], pids_limit=DOCKER_PIDS_LIMIT)
         own_port = 0
         if self.node_network:       # no bridge: on the daemon's network, on a port of its own
-            own_port = free_port(self.publish)
-            while own_port in self.ports:
-                own_port = free_port(self.publish)
-            self.ports.add(own_port)
+            own_port = reserve_port(self.publish, self.ports)
             del options["ports"]
             options.update(network_mode="host", environment={
                 **options["environment"], "MCP_HOST": self.publish, "MCP_PORT": str(own_port)})
