@@ -35,8 +35,10 @@ The file reads top to bottom in the order data flows; a section uses only the se
 11. The app             build_app: the one aiohttp application of both surfaces (serve runs it),
                         and Gym's entry point.
 12. Writer              ``write-gym``: a resources server and its rows, written into a Gym root.
-13. Eval                ``eval``: those rows played against an OpenAI-compatible model through the
-                        Gym surface, as NeMo Gym's simple_agent plays them, and scored.
+13. Trainers and eval  ``eval``: those rows played against an OpenAI-compatible model through the
+                        Gym surface, as NeMo Gym's simple_agent plays them, and scored; TRL's
+                        GRPOTrainer: a bundle as its environment_factory (trl_environment), its
+                        rows (trl_dataset) and its reward (trl_reward), on a loop of their own.
 14. CLI                 ``python agentenv.py check|serve|write-gym|eval ...``.
 
 A Gym tool call, for instance, goes: the route (10) → the session → its rollout → the episode's
@@ -54,14 +56,17 @@ import abc
 import argparse
 import ast
 import asyncio
+import atexit
 import collections
 import collections.abc
+import concurrent.futures
 import contextlib
 import copy
 import dataclasses
 import gc
 import hashlib
 import importlib.util
+import inspect
 import json
 import logging
 import math
@@ -81,7 +86,9 @@ import tempfile
 import threading
 import time
 import tomllib
+import urllib.parse
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
@@ -341,6 +348,10 @@ def short(text: str, limit: int = 2000) -> str:
     return text if len(text) <= limit else "…" + text[-limit:]
 
 
+# The split a probe is played from: an episode deployed only to find the tools a toolset's turns
+# offer (what a list_tools before any reset asks), which /metrics does not count as an episode.
+PROBE = "(probe)"
+
 # Prometheus' histogram buckets: durations from a fast tool call to a slow deploy, and rewards.
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                     30.0, 60.0, 180.0, 600.0)
@@ -476,6 +487,8 @@ class Metrics:
             self._of(self.verifier_failures, verifier).inc()
 
     def ended(self, outcome: str, split: str, reward: float | None) -> None:
+        if split == PROBE:          # no one's episode: a deploy to list a toolset's tools
+            return
         self._of(self.episodes, outcome).inc()
         if isinstance(reward, (int, float)) and math.isfinite(reward):
             self._of(self.rewards, split).observe(reward)
@@ -5634,8 +5647,9 @@ class Runtime:
 
     async def first_turn_tools(self, task: Task, why: str) -> list[dict[str, Any]]:
         """Play a task as far as its first turn and list the tools that turn offers; then end it.
-        A task's tools exist only once its envs are deployed: they answer tools/list, nothing else."""
-        episode = self.episode(task)
+        A task's tools exist only once its envs are deployed: they answer tools/list, nothing else.
+        It is a probe, not an episode anyone played: /metrics counts its deploy, not the episode."""
+        episode = self.episode(task, split=PROBE)
         try:
             turn = await episode.next_turn()
             assert turn is not None          # a task that loads has a turn
@@ -6713,16 +6727,32 @@ class OpenEnvClient:
     """One OpenEnv session on a running ``serve``, over its /ws, as a client plays it: the Gym
     resources server in ``url:`` mode, and ``write-gym`` listing a running server's tools. The
     replies come back as this file's values: a prompt, a ToolResult, an Outcome, or EpisodeFailed
-    carrying the server's Failure. At the server's capacity ``reset`` waits, and says so once."""
+    carrying the server's Failure. At the server's capacity ``reset`` waits, and says so once; or
+    ``full``, given the data of the server's CAPACITY_REACHED, says so its own way, or raises
+    EpisodeFailed to stop waiting."""
 
     def __init__(self, http: aiohttp.ClientSession, url: str, deadline: float,
-                 warned: set[str] | None = None):
+                 warned: set[str] | None = None,
+                 full: Callable[[dict[str, Any]], None] | None = None):
         self.http, self.url, self.deadline = http, url, deadline
         self.warned = warned if warned is not None else set()   # servers said to be at their limit
+        self.full = full or self._wait_said_once
         self.socket: aiohttp.ClientWebSocketResponse | None = None
 
     async def reset(self, split: str, index: int) -> str:
         """Start the task at ``split[index]``; its first prompt, once its first turn is open."""
+        data = await self._session({"type": "reset", "data": {"split": split, "index": index}})
+        return str(((data.get("observation") or {}).get("metadata") or {}).get("prompt", ""))
+
+    async def offered(self) -> list[dict[str, Any]]:
+        """The tools (without end_turn) a reset with neither split nor index would offer, listed
+        before any reset, as OpenEnv's clients list them: the server finds them once, with a
+        deploy that is not an episode of anyone's."""
+        return self._tools(await self._session({"type": "step", "data": {"type": "list_tools"}}))
+
+    async def _session(self, first: dict[str, Any]) -> dict[str, Any]:
+        """Open a session with its first message, waiting while the server is at capacity; the
+        data of the reply."""
         delay = 0.1
         while True:
             try:
@@ -6731,27 +6761,37 @@ class OpenEnvClient:
             except (aiohttp.ClientError, OSError) as exc:
                 raise EpisodeFailed(f"the server at {self.url} did not answer ({exc}); start it with "
                                     "python agentenv.py serve BUNDLE", SESSION_LOST) from None
-            reply = await self._ask({"type": "reset", "data": {"split": split, "index": index}})
+            reply = await self._ask(first)
             data = reply.get("data") or {}
             if reply.get("type") != "error" or data.get("code") != "CAPACITY_REACHED":
                 break
             await self.socket.close()
-            if self.url not in self.warned:
-                self.warned.add(self.url)
-                gym_log.warning(at_its_limit(f"the server at {self.url}", data.get("max_sessions"),
-                                             "sessions", "rollouts wait their turn", SERVE_FIX))
+            self.full(data)
             await asyncio.sleep(delay)        # no event tells a client that a slot has freed
             delay = min(delay * 2, 2.0)
         if reply.get("type") == "error":
             raise EpisodeFailed(f"the server at {self.url} refused the session: {data.get('message')}")
         self._raise_failure(data)
-        return str(((data.get("observation") or {}).get("metadata") or {}).get("prompt", ""))
+        return data
+
+    def _wait_said_once(self, data: dict[str, Any]) -> None:
+        if self.url not in self.warned:
+            self.warned.add(self.url)
+            gym_log.warning(at_its_limit(f"the server at {self.url}", data.get("max_sessions"),
+                                         "sessions", "rollouts wait their turn", SERVE_FIX))
 
     async def list_tools(self) -> list[dict[str, Any]]:
         """The open turn's tools (without end_turn), as the model is shown them."""
         data = (await self._ask({"type": "step", "data": {"type": "list_tools"}})).get("data") or {}
         self._raise_failure(data)
-        tools = (data.get("observation") or {}).get("tools") or []
+        return self._tools(data)
+
+    @staticmethod
+    def _tools(data: dict[str, Any]) -> list[dict[str, Any]]:
+        observation = data.get("observation") or {}
+        if (observation.get("metadata") or {}).get("error_type") == "list_tools_failed":
+            raise EpisodeFailed(str(observation["metadata"].get("error")))
+        tools = observation.get("tools") or []
         return [t for t in tools if isinstance(t, dict) and t.get("name") != "end_turn"]
 
     async def call(self, name: str, arguments: dict[str, Any]) -> ToolResult:
@@ -6797,8 +6837,10 @@ class OpenEnvClient:
             raise EpisodeFailed(f"the server at {self.url} went away ({type(exc).__name__}: {exc}); "
                                 "check that it still runs", SESSION_LOST) from None
         if frame.type != aiohttp.WSMsgType.TEXT:
-            raise EpisodeFailed(f"the server at {self.url} closed the session; check that it still "
-                                "runs", SESSION_LOST)
+            said = frame.extra if frame.type == aiohttp.WSMsgType.CLOSE and frame.extra else ""
+            raise EpisodeFailed(f"the server at {self.url} closed the session"
+                                + (f" ({said})" if said else "; check that it still runs"),
+                                SESSION_LOST)
         reply = json.loads(frame.data)
         return reply if isinstance(reply, dict) else {}
 
@@ -7016,12 +7058,17 @@ class GymSession:
 
     async def call(self, name: str, arguments: dict[str, Any]) -> str:
         """A tool call, answered with the text the model reads."""
+        return gym_text(await self.play(name, arguments))
+
+    async def play(self, name: str, arguments: dict[str, Any]) -> ToolResult:
+        """A tool call (end_turn's too: the next prompt, or that the episode is over), as the
+        ToolResult a wire renders; a call that could not run as asked has an error status."""
         await asyncio.shield(self.opened)
         if self.failure:
-            return (f"error: the environment of this rollout failed, so {name} did not run "
-                    f"({self.failure}); the rollout will be masked")
+            return ToolResult(f"the environment of this rollout failed, so {name} did not run "
+                              f"({self.failure}); the rollout will be masked", TOOL_ERROR)
         if self.finished:
-            return "error: the episode has ended; there are no more turns to play"
+            return ToolResult("the episode has ended; there are no more turns to play", NO_TURN)
         try:
             if name == "end_turn":
                 reply = arguments.get("response", "")
@@ -7030,19 +7077,19 @@ class GymSession:
                                                          json.dumps(reply))
                 if prompt is None:
                     self.finished = True
-                    return EPISODE_OVER
-                return prompt
+                    return ToolResult(EPISODE_OVER)
+                return ToolResult(prompt)
             result = await self.rollout.call(name, arguments, self.settings.tool_timeout)
         except asyncio.TimeoutError:
             self.fail(Failure(TRANSPORT_TIMEOUT, f"end_turn did not hand over the next turn within "
                                                  f"reset_timeout ({self.settings.reset_timeout:g}s)"))
-            return f"error: {self.failure}"
+            return ToolResult(str(self.failure), TIMEOUT)
         except EpisodeFailed as exc:
             self.fail(exc.failure.told("the environment failed: "))
-            return f"error: {self.failure}; the rollout will be masked"
+            return ToolResult(f"{self.failure}; the rollout will be masked", TOOL_ERROR)
         if result.failure:
             self.fail(result.failure)
-        return gym_text(result)
+        return result
 
     async def verify(self, last_reply: str) -> Outcome | None:
         """End the turns the model left open (its last reply ends the first), and score."""
@@ -7927,8 +7974,9 @@ def build_app(bundle: str | os.PathLike | collections.abc.Mapping[str, str | os.
 
 def _server(bundle: Any, *, reward: str | None, sandbox: str | None, token: str | None,
             settings: Settings, host: str | None = None, port: int | None = None,
-            ray: RayOptions | None = None) -> Server:
-    """build_app's Server (serve's too, which knows where it listens): checked, loaded, unstarted."""
+            ray: RayOptions | None = None, knob: str | None = None) -> Server:
+    """build_app's Server (serve's too, which knows where it listens; a trainer's in-process one,
+    whose pool ``knob`` raises): checked, loaded, unstarted."""
     kind = "auto" if sandbox is None else sandbox
     if kind not in SANDBOXES:
         raise AgentEnvError(f"sandbox={sandbox!r} is not a sandbox agentenv.py runs envs in; pass "
@@ -7953,7 +8001,7 @@ def _server(bundle: Any, *, reward: str | None, sandbox: str | None, token: str 
     runtime = Runtime(loaded, sandbox=kind, max_concurrent_envs=settings.max_concurrent_envs,
                       deploy_timeout=settings.deploy_timeout,
                       verifier_timeout=settings.verifier_timeout,
-                      knob="build_app's max_concurrent_envs" if host is None else SERVE_KNOB,
+                      knob=knob or ("build_app's max_concurrent_envs" if host is None else SERVE_KNOB),
                       warm=settings.warm, warm_env=settings.warm_env,
                       bash_timeout=settings.bash_timeout, ray=ray)
     return Server(runtime, settings, host=host, port=port, token=token)
@@ -8071,21 +8119,14 @@ async def _toolsets_here(bundle: Bundle, sandbox: str, out: Callable[[str], None
     return toolsets
 
 
-async def _catalog_there(url: str, out: Callable[[str], None] | None = None,
+async def _catalog_there(url: str, out: Callable[[str], None] | None = None, who: str = "write-gym",
                          ) -> tuple[str, dict[str, list[dict[str, Any]]], dict[str, list[dict[str, Any]]]]:
     """A running server's bundle name, its splits' task rows, and the tools of each toolset (one
     task of each played there as far as its first turn, saying how far it has got)."""
-    base = url.rstrip("/")
     async with aiohttp.ClientSession(headers=client_headers()) as http:
-        env = await environment_at(http, url)
-        async with http.get(f"{base}/{env}/splits") as resp:
-            splits = [s["name"] for s in await resp.json()]
-        rows = {}
-        for split in splits:
-            async with http.post(f"{base}/{env}/tasks", json={"split": split}) as resp:
-                rows[split] = (await resp.json())["tasks"]
+        env, rows = await _rows_there(http, url)
         toolsets: dict[str, list[dict[str, Any]]] = {}
-        progress = Progress(f"write-gym: listing each toolset's tools at {url}",
+        progress = Progress(f"{who}: listing each toolset's tools at {url}",
                             len({row.get("toolset", "(all)") for row in rows["all"]}), out)
         for row in rows["all"]:
             key = row.get("toolset", "(all)")
@@ -8094,14 +8135,31 @@ async def _catalog_there(url: str, out: Callable[[str], None] | None = None,
             client = OpenEnvClient(http, url, Settings.reset_timeout)
             started = time.monotonic()
             try:
-                await client.reset("all", row["index"])
-                toolsets[key] = await client.list_tools()
+                if row["index"] == 0:       # what a session lists before any reset: no episode
+                    toolsets[key] = await client.offered()
+                else:
+                    await client.reset("all", row["index"])
+                    toolsets[key] = await client.list_tools()
             except EpisodeFailed as exc:
                 raise AgentEnvError(f"the server at {url} could not play {row['name']}: {exc}") from None
             finally:
                 await client.close()
             progress.step(f"{key}: played {row['name']} in {time.monotonic() - started:.2f}s")
     return env, rows, toolsets
+
+
+async def _rows_there(http: aiohttp.ClientSession, url: str,
+                      ) -> tuple[str, dict[str, list[dict[str, Any]]]]:
+    """A running server's bundle name and its splits' task rows, from its task API."""
+    base = url.rstrip("/")
+    env = await environment_at(http, url)
+    async with http.get(f"{base}/{env}/splits") as resp:
+        splits = [s["name"] for s in await resp.json()]
+    rows = {}
+    for split in splits:
+        async with http.post(f"{base}/{env}/tasks", json={"split": split}) as resp:
+            rows[split] = (await resp.json())["tasks"]
+    return env, rows
 
 
 def _bundle_rows(bundle: Bundle) -> dict[str, list[dict[str, Any]]]:
@@ -8238,7 +8296,7 @@ def _yaml(data: dict[str, Any]) -> str:
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 
-# ================================================================ 13. Eval
+# ================================================================ 13. Trainers and eval
 
 eval_log = logging.getLogger("agentenv.eval")
 
@@ -8843,41 +8901,54 @@ class EvalPlan:
     settings: Settings = Settings()     # the pool, the deadlines, the concurrency, max_steps, retries
 
 
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """What a trainer plays: a running serve's URL, and the bundle it serves: its name, its
+    splits' task rows (as the task API gives them), and the tools each toolset's turns offer."""
+
+    url: str
+    bundle: str
+    rows: dict[str, list[dict[str, Any]]]
+    toolsets: dict[str, list[dict[str, Any]]]        # by toolset name; end_turn not among them
+
+
+@contextlib.asynccontextmanager
+async def served(source: str, settings: Settings, *, sandbox: str = "auto", reward: str | None = None,
+                 knob: str, who: str, out: Callable[[str], None] | None = None,
+                 ) -> AsyncIterator[Served]:
+    """A running serve's URL and what it serves: ``source`` itself when it is a URL, else the
+    bundle at ``source`` served in-process on a loopback port (one pool, as ``serve``), torn down
+    when the block ends. ``knob`` is what raises its pool; ``who`` says who lists the tools."""
+    from aiohttp import web
+    if source.startswith(("http://", "https://")):
+        yield Served(source, *await _catalog_there(source, out, who))
+        return
+    server = _server(source, reward=reward, sandbox=sandbox, token=None, settings=settings,
+                     host="127.0.0.1", port=0, knob=knob)
+    runner = web.AppRunner(server.app, access_log=None, shutdown_timeout=30)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]              # type: ignore[union-attr]
+        assert server.runtime is not None
+        bundle = server.runtime.bundle
+        toolsets = await _toolsets_here(bundle, sandbox, out, runtime=server.runtime, who=who)
+        yield Served(f"http://127.0.0.1:{port}", bundle.name, _bundle_rows(bundle), toolsets)
+    finally:
+        await runner.cleanup()
+
+
 @contextlib.asynccontextmanager
 async def surface_for(source: str, plan: EvalPlan) -> AsyncIterator[tuple[str, dict[str, list[dict[str, Any]]]]]:
     """The Gym surface's URL and the rows write-gym writes, for a bundle (served in-process, one
     pool as ``serve``) or a running serve's URL."""
-    from aiohttp import web
-    if source.startswith(("http://", "https://")):
-        bundle_name, task_rows, toolsets = await _catalog_there(source)
-        url, runner = source, None
-    else:
-        bundle = Bundle.load(source, plan.reward)
-        runtime = Runtime(bundle, sandbox=plan.sandbox,
-                          max_concurrent_envs=plan.settings.max_concurrent_envs,
-                          deploy_timeout=plan.settings.deploy_timeout,
-                          knob="--max-concurrent-envs")
-        server = Server(runtime, plan.settings, host="127.0.0.1", port=0)
-        runner = web.AppRunner(server.app, access_log=None, shutdown_timeout=30)
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            port = site._server.sockets[0].getsockname()[1]          # type: ignore[union-attr]
-            url = f"http://127.0.0.1:{port}"
-            bundle_name, task_rows = bundle.name, _bundle_rows(bundle)
-            toolsets = await _toolsets_here(bundle, plan.sandbox, runtime=runtime, who="eval")
-        except BaseException:
-            await runner.cleanup()
-            raise
-    try:
-        check_tool_names(toolsets)
-        name = gym_name(bundle_name)
-        yield url, {split: [_gym_row(name, split, row, toolsets, {}) for row in rows]
-                    for split, rows in task_rows.items()}
-    finally:
-        if runner is not None:
-            await runner.cleanup()
+    async with served(source, plan.settings, sandbox=plan.sandbox, reward=plan.reward,
+                      knob="--max-concurrent-envs", who="eval") as there:
+        check_tool_names(there.toolsets)
+        name = gym_name(there.bundle)
+        yield there.url, {split: [_gym_row(name, split, row, there.toolsets, {}) for row in rows]
+                          for split, rows in there.rows.items()}
 
 
 async def evaluate(plan: EvalPlan, out: Callable[[str], None] = print,
@@ -8959,6 +9030,505 @@ async def play_all(player: Player, todo: list[Planned], file: RolloutsFile, conc
         ticker.cancel()
     if todo:
         progress.show(final=True)
+
+
+# -- TRL: a bundle as GRPOTrainer's environment_factory, its rows, and its reward
+
+trl_log = logging.getLogger("agentenv.trl")
+TRL_NAMES = ("reset", "get_reward")        # what TRL calls on an environment itself: no tool's name
+TRL_CLIENT_KEYS = ("reset_timeout", "tool_timeout")
+TRL_BUNDLE_KEYS = ("max_concurrent_envs", "deploy_timeout", "verifier_timeout", "bash_timeout",
+                   "idle_timeout", "warm", "warm_env")
+TRL_KNOB = "trl_environment's max_concurrent_envs"
+JSON_HINTS: dict[str, Any] = {"string": str, "integer": int, "number": float, "boolean": bool,
+                              "null": type(None), "array": list, "object": dict}
+DOCSTRING_WORDS = re.compile(r"\b(Args|Returns|Raises):")   # what ends a description in a docstring
+NEUTRAL = r"\1 -"                     # the same words, no longer heading a docstring's section
+
+
+def type_hint(schema: Any) -> tuple[Any, dict[str, Any]]:
+    """A JSON schema as the Python type hint that transformers turns back into a schema (its
+    types, items, enum, unions and nulls), and the rest of the schema, which no hint carries (its
+    bounds, patterns, an object's properties): a tool's docstring says that rest in JSON."""
+    import typing
+    if not isinstance(schema, dict):
+        return Any, {}
+    rest = {k: v for k, v in schema.items() if k not in ("description", "title")}
+    scalar = (str, int, float, bool, type(None))
+    if "const" in rest and isinstance(rest["const"], scalar):
+        rest.pop("type", None)
+        return typing.Literal[rest.pop("const")], rest
+    if isinstance(rest.get("enum"), list) and rest["enum"] and \
+            all(isinstance(v, scalar) for v in rest["enum"]):
+        rest.pop("type", None)
+        return typing.Literal[tuple(rest.pop("enum"))], rest
+    for key in ("anyOf", "oneOf"):
+        if isinstance(rest.get(key), list) and rest[key] and "type" not in rest:
+            options = [type_hint(option) for option in rest[key]]
+            if not any(left for _, left in options):
+                rest.pop(key)
+            return typing.Union[tuple(hint for hint, _ in options)], rest
+    kinds = rest.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
+    if not kinds or not all(isinstance(k, str) and k in JSON_HINTS for k in kinds):
+        return Any, rest
+    rest.pop("type")
+    hints = []
+    for kind in kinds:
+        hint = JSON_HINTS[kind]
+        if kind == "array" and isinstance(rest.get("items"), dict):
+            item, left = type_hint(rest.pop("items"))
+            hint = list[item]
+            if left:
+                rest["items"] = left
+        elif kind == "object" and isinstance(rest.get("additionalProperties"), dict) and \
+                not rest.get("properties"):
+            value, left = type_hint(rest.pop("additionalProperties"))
+            hint = dict[str, value]
+            if left:
+                rest["additionalProperties"] = left
+        hints.append(hint)
+    return (hints[0] if len(hints) == 1 else typing.Union[tuple(hints)]), rest
+
+
+def trl_tool_problems(toolset: str, tools: list[dict[str, Any]]) -> list[str]:
+    """Why tools of a toolset can't be methods of TRL's environment, one sentence each."""
+    problems = []
+    for tool in tools:
+        name = tool.get("name")
+        why = _not_a_name(name)
+        if why is None and name.startswith("_"):
+            why = "it starts with an underscore, and TRL offers the model no method that does"
+        if why is None and name in TRL_NAMES:
+            why = f"TRL calls an environment's {name}() itself, so it can't be a tool"
+        if why:
+            problems.append(f"toolset {toolset}: the tool {name!r} can't be a method of TRL's "
+                            f"environment: {why}; rename it in the env")
+        schema = tool.get("input_schema") or {}
+        for argument in (schema.get("properties") or {}) if isinstance(schema, dict) else {}:
+            if why := _not_a_name(argument):
+                problems.append(f"toolset {toolset}: the argument {argument!r} of {name!r} can't be "
+                                f"a parameter of a Python method (TRL calls a tool by its method, "
+                                f"and describes it from its parameters): {why}; rename it in the env")
+    return problems
+
+
+def _not_a_name(name: Any) -> str | None:
+    import keyword
+    if not isinstance(name, str) or not name.isidentifier():
+        return f"{name!r} is not a Python identifier (letters, digits and _, not starting with a digit)"
+    if keyword.iskeyword(name):
+        return f"{name!r} is a Python keyword"
+    return None
+
+
+def trl_method(tool: dict[str, Any]) -> Callable[..., str]:
+    """A tool as a method of TRL's environment: its name, its description and each argument's
+    (with the part of its schema no type hint carries, in JSON) as a Google-style docstring, and
+    the arguments as typed keyword parameters, the optional ones defaulting to None. TRL (through
+    transformers' get_json_schema) rebuilds the tool's schema from these; the server still checks
+    the arguments against the whole schema, and the model reads what it refuses."""
+    name = tool["name"]
+    schema = tool.get("input_schema") if isinstance(tool.get("input_schema"), dict) else {}
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = set(schema.get("required") or []) if isinstance(schema.get("required"), list) else set()
+    receiver = "self"
+    while receiver in properties:                 # an argument called self is the tool's
+        receiver = "_" + receiver
+    parameters = [inspect.Parameter(receiver, inspect.Parameter.POSITIONAL_ONLY)]
+    annotations: dict[str, Any] = {}
+    described = []
+    for argument, spec in properties.items():
+        hint, rest = type_hint(spec)
+        annotations[argument] = hint
+        parameters.append(inspect.Parameter(
+            argument, inspect.Parameter.KEYWORD_ONLY, annotation=hint,
+            default=inspect.Parameter.empty if argument in required else None))
+        words = spec.get("description") if isinstance(spec, dict) else None
+        said = " ".join(str(words).split()) if words else f"The {argument}."
+        if rest:
+            said += f" (JSON schema: {json.dumps(rest, ensure_ascii=False)})"
+        described.append(f"    {argument}: {DOCSTRING_WORDS.sub(NEUTRAL, said)}")
+
+    def call(environment: TrlEnvironment, /, **arguments: Any) -> str:
+        return environment._call(name, arguments)
+
+    description = DOCSTRING_WORDS.sub(NEUTRAL, str(tool.get("description") or f"The {name} tool."))
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = description + ("\n\nArgs:\n" + "\n".join(described) if described else "")
+    call.__annotations__ = annotations
+    call.__signature__ = inspect.Signature(parameters)     # type: ignore[attr-defined]
+    return call
+
+
+class TrlToolError(AgentEnvError):
+    """A tool call that did not run as asked (the tool's error, a refused call, an environment
+    that failed): TRL gives the model its text as the call's error, and counts it as a failure."""
+
+
+class TrlEnvironment:
+    """One of TRL's environments, as GRPOTrainer's environment_factory makes them (one per rollout
+    of a generation batch, kept for the trainer's life). ``reset(**row)`` starts the row's task on
+    the server in the background, and returns at once: TRL resets its environments one at a time,
+    and so their deploys overlap, each tool call waiting for its own. The class trl_environment
+    builds adds a method per tool of the task's turns (end_turn among them); every other name is
+    private, since TRL offers the model each public method as a tool. trl_reward scores the
+    episode and closes its session."""
+
+    _client: TrlClient
+    _toolset: str
+
+    def __init__(self) -> None:
+        self._session: GymSession | None = None
+        self._row: dict[str, Any] | None = None
+        self._client.adopt(self)
+
+    def reset(self, **row: Any) -> None:
+        """Start playing the row's task: a row of trl_dataset (its split and index), as TRL
+        passes it. The row's prompt is the task's, so TRL appends nothing to it."""
+        self._client.reset(self, row)
+
+    def _call(self, name: str, arguments: dict[str, Any]) -> str:
+        result = self._client.call(self, name, arguments)
+        if result.is_error:
+            raise TrlToolError(result.text)
+        return result.text
+
+    def __repr__(self) -> str:
+        row, session = self._row or {}, self._session
+        where = f"{row.get('split')}[{row.get('index')}]" if row else "not reset"
+        state = "" if session is None else f", failed: {session.failure}" if session.failure else \
+            ", scored" if session.finished else ", playing"
+        return f"<{type(self).__name__} {where}{state}>"
+
+
+class TrlClient:
+    """What the environments of one trl_environment share: an event loop on a thread of its own
+    (TRL calls its environments from plain code), one HTTP client of the running serve (or of the
+    bundle served in-process), each environment's Gym session (a rollout as NeMo Gym plays it,
+    over /ws), and what TRL's batch has taught it about the server's capacity.
+
+    Every session is closed by a close the server sees: once its rollout is scored, and at the
+    process's exit (atexit: a crash too). A process forked from this one (a DataLoader's worker)
+    lets go of its copies of the server's connections at once, so even a process killed outright
+    leaves none open: its own are closed by the OS."""
+
+    def __init__(self, source: str, settings: Settings, sandbox: str, reward: str | None):
+        self.source, self.settings, self.sandbox, self.reward = source, settings, sandbox, reward
+        self.pid = os.getpid()
+        self.closed = False
+        self.live: set[GymSession] = set()         # sessions open on the server, or opening
+        self.environments: weakref.WeakSet[TrlEnvironment] = weakref.WeakSet()
+        self.warned: set[str] = set()
+        self.peers: set[tuple[str, int]] = set()  # the server's addresses, for a forked child
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run_loop, name="agentenv-trl", daemon=True)
+        self.thread.start()
+        self._stack = contextlib.AsyncExitStack()
+        try:
+            self.served: Served = self.run(self._start())
+        except BaseException:
+            self.close()
+            raise
+        _TRL_CLIENTS.add(self)
+        atexit.register(self.close)
+
+    # -- the loop, and calls into it from TRL's thread
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
+
+    def run(self, coro: Any, timeout: float | None = None) -> Any:
+        """Run a coroutine on the client's loop and wait for its result."""
+        if os.getpid() != self.pid or self.closed:
+            coro.close()
+            raise AgentEnvError(
+                "this environment was forked from the trainer's process, and its sessions stay "
+                "the parent's: create environments in the process that trains" if os.getpid() !=
+                self.pid else "the environments' client has closed (the process is exiting)")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _start(self) -> Served:
+        there = await self._stack.enter_async_context(served(
+            self.source, self.settings, sandbox=self.sandbox, reward=self.reward, knob=TRL_KNOB,
+            who="trl_environment", out=trl_log.info))
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                          headers=client_headers(), cookie_jar=aiohttp.DummyCookieJar())
+        self._stack.push_async_callback(self.http.close)
+        parts = urllib.parse.urlsplit(there.url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        for *_, address in await self.loop.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM):
+            self.peers.add((address[0], port))
+        return there
+
+    # -- what the environments ask
+
+    def adopt(self, environment: TrlEnvironment) -> None:
+        self.environments.add(environment)
+
+    def reset(self, environment: TrlEnvironment, row: dict[str, Any]) -> None:
+        split, index = row.get("split"), row.get("index")
+        rows = self.served.rows.get(split) if isinstance(split, str) else None
+        if rows is None or isinstance(index, bool) or not isinstance(index, int) or \
+                not 0 <= index < len(rows):
+            raise AgentEnvError(
+                f"reset got the row {short(repr({k: v for k, v in row.items() if k != 'prompt'}), 300)},"
+                " which names no task: give GRPOTrainer the rows of agentenv.trl_dataset(source, "
+                f"split), whose split ({', '.join(self.served.rows)}) and index name the task")
+        toolset = rows[index].get("toolset", environment._toolset)
+        if toolset != environment._toolset:
+            raise AgentEnvError(
+                f"the task {rows[index].get('name')} ({split}[{index}]) plays the toolset "
+                f"{toolset}, not this environment's {environment._toolset}: pass GRPOTrainer "
+                "trl_environment(source) itself as environment_factory (with several toolsets, a "
+                "mapping by toolset), and the rows of trl_dataset, whose environment routes each")
+        environment._row = {"split": split, "index": index}
+        self.run(self._open(environment, split, index))
+
+    async def _open(self, environment: TrlEnvironment, split: str, index: int) -> None:
+        if environment._session is not None:
+            await self._let_go(environment, "TRL reset its environment for another rollout")
+        rollout = RemoteRollout(OpenEnvClient(self.http, self.served.url, self.settings.reset_timeout,
+                                              self.warned, self._full), split, index)
+        session = GymSession(uuid.uuid4().hex, {"split": split, "index": index}, rollout, self.settings)
+        environment._session = session
+        self.live.add(session)
+
+    def call(self, environment: TrlEnvironment, name: str, arguments: dict[str, Any]) -> ToolResult:
+        if environment._session is None:
+            return ToolResult("there is no episode to call tools in: TRL resets an environment "
+                              "before its rollout", NO_TURN)
+        return self.run(environment._session.play(name, arguments))
+
+    async def finish(self, environment: TrlEnvironment, reply: str) -> tuple[float | None, str]:
+        """Score the environment's episode (its open turns ended with the model's last reply,
+        then with none) and close its session: the reward, or None and why the environment
+        failed it."""
+        session = environment._session
+        if session is None:
+            return None, "the environment was never reset"
+        try:
+            outcome = await session.verify(reply)
+        finally:
+            await self._let_go(environment, "its rollout was scored")
+        if outcome is None:
+            return None, str(session.failure)
+        return float(outcome.reward), ""
+
+    async def _let_go(self, environment: TrlEnvironment, reason: str) -> None:
+        session, environment._session = environment._session, None
+        if session is not None:
+            self.live.discard(session)
+            await session.close(reason)
+
+    def _full(self, data: dict[str, Any]) -> None:
+        """The server is at capacity: wait, saying so once; but where this trainer's own sessions
+        fill it, no slot frees before their rollouts are scored, after every reset of the batch,
+        so the reset fails at once instead of waiting out reset_timeout."""
+        limit = data.get("max_sessions")
+        held = sum(1 for s in self.live if s.opened.done() and s.failure is None)
+        fix = ("serve with a higher --max-concurrent-envs N (MAX_CONCURRENT_ENVS)"
+               if self.source.startswith(("http://", "https://")) else
+               "pass trl_environment a higher max_concurrent_envs=N")
+        if isinstance(limit, int) and held >= limit:
+            raise EpisodeFailed(
+                f"the server at {self.served.url} plays at most {limit} sessions at once, and this "
+                f"trainer holds {held} of them until their rollouts are scored, after TRL has reset "
+                f"every environment of its batch: {fix}, N at least GRPOConfig's "
+                "generation_batch_size", PROVIDER_UNAVAILABLE)
+        if self.served.url not in self.warned:
+            self.warned.add(self.served.url)
+            trl_log.warning(at_its_limit(
+                f"the server at {self.served.url}", limit, "sessions", "TRL's resets wait their turn",
+                f"{fix}, N at least GRPOConfig's generation_batch_size and room for its other clients,"))
+
+    # -- the end
+
+    def close(self) -> None:
+        """Close every session and stop (at exit; again, it does nothing)."""
+        if self.closed or os.getpid() != self.pid:
+            return
+        try:
+            if self.loop.is_running():
+                self.run(self._close(), timeout=180)
+        except Exception as exc:                         # noqa: BLE001 - at exit: say it, go on
+            trl_log.warning("Closing the TRL environments' sessions failed: %s: %s",
+                            type(exc).__name__, exc)
+        finally:
+            self.closed = True
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+    async def _close(self) -> None:
+        await asyncio.gather(*(self._let_go(e, "the trainer's process is exiting")
+                               for e in list(self.environments) if e._session is not None),
+                             return_exceptions=True)
+        await asyncio.gather(*(s.close("the trainer's process is exiting") for s in list(self.live)),
+                             return_exceptions=True)
+        await self._stack.aclose()
+
+    def release_in_child(self) -> None:
+        """In a forked child: let go of the child's copies of every connection to the server (each
+        fd then points at /dev/null), so the parent's sessions end with the parent."""
+        devnull = os.open(os.devnull, os.O_RDWR)
+        try:
+            for name in os.listdir("/proc/self/fd"):
+                fd = int(name)
+                with contextlib.suppress(OSError):
+                    if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                        continue
+                    with socket.socket(fileno=os.dup(fd)) as copy_:
+                        peer = copy_.getpeername()
+                    if isinstance(peer, tuple) and (peer[0], peer[1]) in self.peers:
+                        os.dup2(devnull, fd)
+        finally:
+            os.close(devnull)
+
+
+_TRL_CLIENTS: weakref.WeakSet[TrlClient] = weakref.WeakSet()
+
+
+def _trl_forked() -> None:
+    for client in list(_TRL_CLIENTS):
+        with contextlib.suppress(Exception):     # a child must start, whatever this meets
+            client.release_in_child()
+
+
+os.register_at_fork(after_in_child=_trl_forked)
+
+
+def trl_environment(source: str | os.PathLike, *, sandbox: str = "auto", reward: str | None = None,
+                    **settings: Any) -> Any:
+    """GRPOTrainer's ``environment_factory`` for a bundle: a class whose instances play the rows
+    of trl_dataset, one method per tool of the task's turns (with end_turn, which hands over a
+    task's next prompt, or ends its episode); with several toolsets, TRL's mapping of environment
+    name (the toolset's) to such a class, each row then offered its own task's tools.
+
+    ``source``: a running serve's URL (AGENTENV_TOKEN is sent as its bearer token), or a bundle's
+    folder, then served in-process on a loopback port, where its envs run in ``sandbox``. Settings
+    by their serve names: ``reset_timeout`` (a deploy and the wait for a free session; each
+    end_turn) and ``tool_timeout`` (one call) for either; for a folder also ``max_concurrent_envs``
+    (at least GRPOConfig's generation_batch_size), ``deploy_timeout``, ``verifier_timeout``,
+    ``bash_timeout``, ``idle_timeout``, ``warm`` and ``warm_env``. It lists each toolset's tools
+    at once (a deploy the server does not count as an episode); a tool TRL can't offer as a method
+    is refused, saying which and why."""
+    source = str(source)
+    remote = source.startswith(("http://", "https://"))
+    allowed = TRL_CLIENT_KEYS + (() if remote else TRL_BUNDLE_KEYS)
+    for key in settings:
+        if key not in TRL_CLIENT_KEYS + TRL_BUNDLE_KEYS:
+            raise AgentEnvError(f"trl_environment takes no setting {key!r}; it takes "
+                                f"{', '.join(TRL_CLIENT_KEYS + TRL_BUNDLE_KEYS)}, sandbox and reward")
+        if key not in allowed:
+            raise AgentEnvError(f"{key} is the served bundle's setting, and {source} is served "
+                                f"already: pass it to serve there (--{key.replace('_', '-')})")
+    if remote and (sandbox != "auto" or reward is not None):
+        raise AgentEnvError(f"sandbox and reward say how to serve a bundle's folder, and {source} "
+                            "is served already: pass them to serve there (--sandbox, --reward)")
+    if sandbox not in SANDBOXES:
+        raise AgentEnvError(f"sandbox={sandbox!r} is not a sandbox agentenv.py runs envs in; pass "
+                            "'docker', 'local', 'ray' or 'auto'")
+    checked = Settings.checked(settings, lambda key, value: key if value is None else f"{key}={value!r}")
+    client = TrlClient(source, checked, sandbox, reward)
+    there = client.served
+    problems = [p for toolset, tools in there.toolsets.items()
+                for p in trl_tool_problems(toolset, tools)]
+    if problems:
+        client.close()
+        raise AgentEnvError("the bundle's tools can't be TRL's:\n  - " + "\n  - ".join(problems))
+    several = len(there.toolsets) > 1
+    classes = {toolset: trl_class(there.bundle, toolset, tools, client, named=several)
+               for toolset, tools in there.toolsets.items()}
+    return next(iter(classes.values())) if len(classes) == 1 else classes
+
+
+def trl_class(bundle: str, toolset: str, tools: list[dict[str, Any]], client: TrlClient | None,
+              named: bool = False) -> type[TrlEnvironment]:
+    """The environment class of a toolset: TrlEnvironment with a method per tool, and end_turn;
+    named after the bundle (and the toolset, when ``named``: a bundle has several)."""
+    words = re.split(r"[^A-Za-z0-9]+", f"{bundle} {toolset}" if named else bundle)
+    name = "".join(word[:1].upper() + word[1:] for word in words if word) or "Bundle"
+    namespace: dict[str, Any] = {
+        "__module__": __name__, "_client": client, "_toolset": toolset,
+        "__doc__": f"The tasks of {bundle} (toolset {toolset}) as TRL's environment: reset(**row), "
+                   "then a method per tool."}
+    for tool in [*tools, END_TURN]:
+        namespace[tool["name"]] = trl_method(tool)
+    return type(name if name[0].isalpha() else f"Bundle{name}", (TrlEnvironment,), namespace)
+
+
+def trl_dataset(source: str | os.PathLike, split: str = "train") -> list[dict[str, Any]]:
+    """The rows GRPOTrainer trains on (``Dataset.from_list`` them), one per task of the split, in
+    its order: ``prompt`` (the task's system prompt and first prompt, as chat messages), ``split``
+    and ``index`` (the task reset plays), ``task`` (its name) and, in a bundle of several toolsets,
+    ``environment`` (its toolset, by which TRL picks the row's environment class). ``source``: a
+    running serve's URL, or a bundle's folder."""
+    source = str(source)
+
+    async def rows_of() -> dict[str, list[dict[str, Any]]]:
+        if not source.startswith(("http://", "https://")):
+            return _bundle_rows(Bundle.load(source))
+        async with aiohttp.ClientSession(headers=client_headers()) as http:
+            return (await _rows_there(http, source))[1]
+
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:     # the caller's loop may be running
+        rows = thread.submit(asyncio.run, rows_of()).result()
+    if split not in rows:
+        raise AgentEnvError(f"there is no split {split!r} in {source}: the splits are "
+                            f"{', '.join(rows)}")
+    several = len({row.get("toolset") for row in rows["all"]}) > 1
+    return [{"prompt": ([{"role": "system", "content": row["system_prompt"]}]
+                        if row.get("system_prompt") else []) + [{"role": "user", "content": row["prompt"]}],
+             "split": split, "index": row["index"], "task": row["name"],
+             **({"environment": row["toolset"]} if several else {})} for row in rows[split]]
+
+
+def trl_reward(completions: list[Any], environments: list[Any] | None = None,
+               log_metric: Callable[[str, float], None] | None = None, **_: Any) -> list[float | None]:
+    """GRPOTrainer's reward function for trl_environment's environments: each rollout's episode
+    score, as the server's verifier gave it. An episode the model left open is ended with its
+    last reply (a task graded on the reply is graded on it), the turns after with none. A rollout
+    the environment failed is None, which TRL leaves out of the rewards and their baseline (its
+    advantage is 0), and said in a warning and as agentenv/masked_rollouts in TRL's metrics; an
+    environment of another kind is None too. Every session is closed once scored."""
+    if environments is None:
+        raise AgentEnvError("trl_reward scores the episodes of agentenv's environments, and TRL "
+                            "passed none: give GRPOTrainer environment_factory="
+                            "agentenv.trl_environment(source)")
+    rewards: list[float | None] = [None] * len(environments)
+    failed: list[str] = []
+    by_client: dict[TrlClient, list[int]] = {}
+    for i, environment in enumerate(environments):
+        if isinstance(environment, TrlEnvironment):
+            by_client.setdefault(environment._client, []).append(i)
+    for client, indices in by_client.items():
+        async def finish_all(indices: list[int] = indices, client: TrlClient = client) -> list[Any]:
+            return await asyncio.gather(*(client.finish(environments[i], _last_reply(completions[i]))
+                                          for i in indices))
+        for i, (reward, why) in zip(indices, client.run(finish_all())):
+            rewards[i] = reward
+            if reward is None:
+                failed.append(f"{environments[i]._row}: {why}")
+    if failed:
+        trl_log.warning("%d of %d rollouts left out of the reward, the environment having failed "
+                        "them (not the model): %s", len(failed), len(environments),
+                        "; ".join(failed[:3]) + ("; ..." if len(failed) > 3 else ""))
+    if log_metric is not None:
+        log_metric("agentenv/masked_rollouts", float(len(failed)))
+    return rewards
+
+
+def _last_reply(completion: Any) -> str:
+    """The text of the model's last message in a TRL completion (chat messages, or plain text)."""
+    if isinstance(completion, str):
+        return completion
+    for message in reversed(completion if isinstance(completion, list) else []):
+        if isinstance(message, dict) and message.get("role") == "assistant":
+            return _text_of(message.get("content"))
+    return ""
 
 
 # ================================================================ 14. CLI
