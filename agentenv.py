@@ -90,7 +90,7 @@ import urllib.parse
 import uuid
 import weakref
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Literal, Union
 
 import aiohttp
 
@@ -6060,6 +6060,7 @@ class OpenEnvSession:
         self.attached = False                      # a /ws?session_id= socket is on it
         self.socket: Any = None                    # the WebSocket it is played over, if any
         self.close_asked = False
+        self.ended_by: str | None = None           # why the server ended the session, once it has
 
     @property
     def live(self) -> bool:
@@ -6084,7 +6085,7 @@ class OpenEnvSession:
             self.step_count += 1
             return envelope({"tools": self._tools(), "metadata": {}}, 0.0)
         if not self.live:
-            return self._error(ENDED, step=True)
+            return self._error(self._ended(), step=True)
         self.step_count += 1
         name = action["tool_name"]
         return self._observation(await self._call(name, action.get("arguments", {})), name)
@@ -6105,9 +6106,17 @@ class OpenEnvSession:
             return rpc_error(rid, -32603, f"there is no tool {name!r}: a tool's name is a string",
                              {"error_type": "tool_not_found", "message": f"no tool {name!r}"})
         if not self.live:
-            return rpc_error(rid, -32603, ENDED)
+            return rpc_error(rid, -32603, self._ended())
         self.step_count += 1
         return self._rpc(rid, await self._call(name, params.get("arguments") or {}))
+
+    def _ended(self) -> str:
+        """Why there is no episode to play: it ended, or the server ended the session itself (a
+        frame read before its socket closed is answered so)."""
+        if self.ended_by is None:
+            return ENDED
+        return f"the episode has ended: the server ended this session ({self.ended_by}); open a " \
+               "new session and reset"
 
     def state(self) -> dict[str, Any]:
         episode, where = self.episode, self.where or {}
@@ -6319,6 +6328,7 @@ class OpenEnvSurface:
         """End a session: its episode, and the socket it is played over (a reaped or shut-down
         session must not go on playing outside the limit)."""
         self.sessions.pop(session.id, None)
+        session.ended_by = session.ended_by or reason
         socket_, session.socket = session.socket, None
         await session.close(reason)
         if socket_ is not None and not socket_.closed:
@@ -9050,24 +9060,23 @@ def type_hint(schema: Any) -> tuple[Any, dict[str, Any]]:
     """A JSON schema as the Python type hint that transformers turns back into a schema (its
     types, items, enum, unions and nulls), and the rest of the schema, which no hint carries (its
     bounds, patterns, an object's properties): a tool's docstring says that rest in JSON."""
-    import typing
     if not isinstance(schema, dict):
         return Any, {}
     rest = {k: v for k, v in schema.items() if k not in ("description", "title")}
     scalar = (str, int, float, bool, type(None))
     if "const" in rest and isinstance(rest["const"], scalar):
         rest.pop("type", None)
-        return typing.Literal[rest.pop("const")], rest
+        return Literal[rest.pop("const")], rest
     if isinstance(rest.get("enum"), list) and rest["enum"] and \
             all(isinstance(v, scalar) for v in rest["enum"]):
         rest.pop("type", None)
-        return typing.Literal[tuple(rest.pop("enum"))], rest
+        return Literal[tuple(rest.pop("enum"))], rest
     for key in ("anyOf", "oneOf"):
         if isinstance(rest.get(key), list) and rest[key] and "type" not in rest:
             options = [type_hint(option) for option in rest[key]]
             if not any(left for _, left in options):
                 rest.pop(key)
-            return typing.Union[tuple(hint for hint, _ in options)], rest
+            return Union[tuple(hint for hint, _ in options)], rest
     kinds = rest.get("type")
     kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
     if not kinds or not all(isinstance(k, str) and k in JSON_HINTS for k in kinds):
@@ -9088,7 +9097,7 @@ def type_hint(schema: Any) -> tuple[Any, dict[str, Any]]:
             if left:
                 rest["additionalProperties"] = left
         hints.append(hint)
-    return (hints[0] if len(hints) == 1 else typing.Union[tuple(hints)]), rest
+    return (hints[0] if len(hints) == 1 else Union[tuple(hints)]), rest
 
 
 def trl_tool_problems(toolset: str, tools: list[dict[str, Any]]) -> list[str]:
@@ -9359,7 +9368,8 @@ class TrlClient:
                             type(exc).__name__, exc)
         finally:
             self.closed = True
-            self.loop.call_soon_threadsafe(self.loop.stop)
+            if not self.loop.is_closed():
+                self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
 
     async def _close(self) -> None:

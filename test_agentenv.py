@@ -31,6 +31,9 @@ the order of agentenv.py's sections. A test goes where what it tests lives:
 * Pool and runtime: the pool and its limit, the start gate, closing the runtime.
 * Eval: the chat translation, the endpoint's errors told apart, the summary, the rollouts file
   (``eval`` end to end is tests/test_eval.py's).
+* TRL: the environment class trl_environment builds (each tool a typed, documented method; the
+  tools that can't be, refused), trl_dataset's rows, the settings refused (tests/test_trl.py plays
+  it against serve, and trains with TRL).
 * CLI: ``check`` and agentenv.main.
 * The example bundle notes-v1.
 
@@ -43,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import json
 import logging
 import os
@@ -3286,6 +3290,150 @@ def test_eval_rollouts_file_resumes_and_drops_what_must_be_played_again(tmp_path
     path.write_text("not json\n")
     with pytest.raises(AgentEnvError, match="line 1 is not a rollout of eval"):
         agentenv.RolloutsFile(path, "m").open()
+
+
+# ================================================================ Trainers and eval: TRL's environment class
+
+EVERY_TYPE = {"type": "object", "required": ["text", "hours"], "additionalProperties": False,
+              "properties": {
+                  "text": {"type": "string", "description": "Some\n   text.", "minLength": 1},
+                  "count": {"type": "integer"}, "ratio": {"type": "number"}, "flag": {"type": "boolean"},
+                  "nothing": {"type": "null"},
+                  "hours": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 24},
+                  "point": {"type": "object", "properties": {"x": {"type": "number"}}},
+                  "counts": {"type": "object", "additionalProperties": {"type": "integer"}},
+                  "drink": {"enum": ["tea", "coffee"]}, "size": {"type": "integer", "enum": [1, 2]},
+                  "maybe": {"type": ["string", "null"]}, "fixed": {"const": "x"},
+                  "either": {"oneOf": [{"type": "string"}, {"type": "integer"}]},
+                  "self": {"type": "string"}, "anything": {}}}
+
+
+class Recorder:
+    """What a tool method hands its environment: the tool's name and the model's arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _call(self, name, arguments):
+        self.calls.append((name, arguments))
+        return "ok"
+
+
+def test_trl_method_types_each_argument_and_documents_the_rest_of_its_schema():
+    from typing import Any, Literal, Union
+
+    method = agentenv.trl_method({"name": "every", "description": "Every type. Returns: a word.",
+                                  "input_schema": EVERY_TYPE})
+    signature = inspect.signature(method)
+    receiver, *parameters = signature.parameters.values()
+    assert receiver.name == "_self" and receiver.kind is inspect.Parameter.POSITIONAL_ONLY
+    assert [p.name for p in parameters] == list(EVERY_TYPE["properties"])
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters)
+    required = {p.name for p in parameters if p.default is inspect.Parameter.empty}
+    assert required == {"text", "hours"}
+    assert all(p.default is None for p in parameters if p.name not in required)   # optional
+    assert method.__annotations__ == {
+        "text": str, "count": int, "ratio": float, "flag": bool, "nothing": type(None),
+        "hours": list[int], "point": dict, "counts": dict[str, int],
+        "drink": Literal["tea", "coffee"], "size": Literal[1, 2], "maybe": Union[str, None],
+        "fixed": Literal["x"], "either": Union[str, int], "self": str, "anything": Any}
+    assert method.__name__ == "every"
+    doc = method.__doc__
+    assert doc.startswith("Every type. Returns - a word.\n\nArgs:\n")      # no Returns: section
+    assert '    text: Some text. (JSON schema: {"minLength": 1})\n' in doc
+    assert '    hours: The hours. (JSON schema: {"minItems": 24, "items": {"minimum": 0}})\n' in doc
+    assert '    point: The point. (JSON schema: {"properties": {"x": {"type": "number"}}})\n' in doc
+    assert "    count: The count.\n" in doc and "    drink: The drink.\n" in doc
+    recorder = Recorder()
+    assert method(recorder, self="me", hours=[0] * 24) == "ok"    # an argument named self is the tool's
+    assert recorder.calls == [("every", {"self": "me", "hours": [0] * 24})]
+
+
+def test_trl_class_offers_the_tools_and_end_turn_and_nothing_else():
+    tools = [{"name": "read_note", "description": "Read a note.", "input_schema": {
+        "type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"]}},
+             {"name": "list_notes", "description": "", "input_schema": {}}]
+    cls = agentenv.trl_class("notes-v1", "notebook", tools, None)
+    assert cls.__name__ == "NotesV1" and issubclass(cls, agentenv.TrlEnvironment)
+    assert agentenv.trl_class("notes-v1", "notebook", tools, None, named=True).__name__ == "NotesV1Notebook"
+    # what TRL offers the model: every public function of the class but reset and get_reward
+    offered = [n for n, _ in inspect.getmembers(cls, inspect.isfunction) if not n.startswith("_")]
+    assert offered == ["end_turn", "list_notes", "read_note", "reset"]
+    assert inspect.signature(cls.end_turn).parameters["response"].default is None
+    assert cls.list_notes.__doc__ == "The list_notes tool."
+    recorder = Recorder()
+    assert cls.read_note(recorder, title="soup") == "ok" and recorder.calls == [("read_note", {"title": "soup"})]
+
+
+def test_trl_tools_that_cant_be_methods_are_refused_saying_which_and_why():
+    def tool(name, *arguments):
+        return {"name": name, "description": "", "input_schema": {
+            "type": "object", "properties": {a: {"type": "string"} for a in arguments}}}
+
+    problems = agentenv.trl_tool_problems("notebook", [
+        tool("read_note", "title"), tool("read-note"), tool("class"), tool("_hidden"), tool("reset"),
+        tool("get_reward"), tool("save", "from", "2x", "ok")])
+    assert problems == [
+        "toolset notebook: the tool 'read-note' can't be a method of TRL's environment: 'read-note' "
+        "is not a Python identifier (letters, digits and _, not starting with a digit); rename it in the env",
+        "toolset notebook: the tool 'class' can't be a method of TRL's environment: 'class' is a "
+        "Python keyword; rename it in the env",
+        "toolset notebook: the tool '_hidden' can't be a method of TRL's environment: it starts "
+        "with an underscore, and TRL offers the model no method that does; rename it in the env",
+        "toolset notebook: the tool 'reset' can't be a method of TRL's environment: TRL calls an "
+        "environment's reset() itself, so it can't be a tool; rename it in the env",
+        "toolset notebook: the tool 'get_reward' can't be a method of TRL's environment: TRL calls "
+        "an environment's get_reward() itself, so it can't be a tool; rename it in the env",
+        "toolset notebook: the argument 'from' of 'save' can't be a parameter of a Python method "
+        "(TRL calls a tool by its method, and describes it from its parameters): 'from' is a Python "
+        "keyword; rename it in the env",
+        "toolset notebook: the argument '2x' of 'save' can't be a parameter of a Python method "
+        "(TRL calls a tool by its method, and describes it from its parameters): '2x' is not a "
+        "Python identifier (letters, digits and _, not starting with a digit); rename it in the env"]
+
+
+def test_trl_environment_refuses_settings_it_cant_use_before_connecting():
+    url = f"http://127.0.0.1:{free_port()}"          # nothing listens: nothing is asked of it
+    for settings, words in [
+            ({"max_concurrent_envs": 4}, "max_concurrent_envs is the served bundle's setting, and "
+                                         f"{url} is served already: pass it to serve there "
+                                         "(--max-concurrent-envs)"),
+            ({"sandbox": "local"}, "sandbox and reward say how to serve a bundle's folder"),
+            ({"tool_timout": 5}, "trl_environment takes no setting 'tool_timout'; it takes "
+                                 "reset_timeout, tool_timeout, max_concurrent_envs"),
+            ({"reset_timeout": 0}, "reset_timeout=0: it must be a positive number of seconds")]:
+        with pytest.raises(AgentEnvError, match=re.escape(words)):
+            agentenv.trl_environment(url, **settings)
+    with pytest.raises(AgentEnvError, match=f"no agentenv.py server answered at {re.escape(url)}"):
+        agentenv.trl_environment(url)
+    with pytest.raises(AgentEnvError, match="sandbox='vm' is not a sandbox"):
+        agentenv.trl_environment(NOTES, sandbox="vm")
+
+
+def test_trl_dataset_rows_are_the_splits_tasks_in_order():
+    rows = agentenv.trl_dataset(NOTES, "all")
+    assert [(r["split"], r["index"], r["task"]) for r in rows] == \
+        [("all", 0, "recall-recipe"), ("all", 1, "save-groceries"), ("all", 2, "two-step")]
+    assert rows[0]["prompt"] == [
+        {"role": "system", "content": agentenv.Bundle.load(NOTES).tasks["recall-recipe"].system_prompt},
+        {"role": "user", "content": "How many eggs does my 'pancakes' note say I need? Reply with "
+                                    "just the number."}]
+    assert all("environment" not in r for r in rows)           # one toolset: one class
+    assert [r["task"] for r in agentenv.trl_dataset(NOTES, "smoke")] == ["save-groceries"]
+    with pytest.raises(AgentEnvError, match="there is no split 'train' in .*: the splits are all, smoke"):
+        agentenv.trl_dataset(NOTES)
+
+
+def test_trl_reward_reads_the_last_reply_and_refuses_without_environments():
+    assert agentenv.trl_reward([[]], [object()]) == [None]        # another kind of environment
+    with pytest.raises(AgentEnvError, match="give GRPOTrainer environment_factory="):
+        agentenv.trl_reward([[]])
+    last = agentenv._last_reply
+    assert last("plain text") == "plain text"
+    assert last([{"role": "assistant", "content": "", "tool_calls": []},
+                 {"role": "tool", "name": "read_note", "content": "2 eggs"},
+                 {"role": "assistant", "content": [{"type": "text", "text": "2"}]}]) == "2"
+    assert last([{"role": "tool", "content": "x"}]) == ""
 
 
 # ================================================================ CLI: check

@@ -26,6 +26,8 @@ What is here, and which suite uses it:
   ``running(Server.serve(...))``. ``Server.openenv_reference(folder)`` is the reference OpenEnv
   server built with OpenEnv's own create_app (tests/openenv_reference.py: test_openenv_parity).
   test_load subclasses it for its memory and fd figures.
+* ``Page`` and ``scrape(url)``: a /metrics page parsed by Prometheus' own parser, its samples by
+  name and labels (test_metrics, test_trl).
 * HTTP: ``request()``, one request on a fresh connection with bytes as they are (a body, a
   chunked body, a cookie that isn't text), and its ``Reply`` (status, headers, body, text,
   json(), elapsed): test_bad_input, test_gym_surface, test_metrics, test_openenv, tests/gym.
@@ -586,6 +588,37 @@ def _message_of(headers: Any) -> http.client.HTTPMessage:
     for key, value in headers.items():
         message[key] = value
     return message
+
+
+# ================================================================ /metrics
+
+class Page:
+    """A scraped /metrics page (or its text), parsed whole by prometheus_client's parser: its
+    families by name, and each sample's value by name and labels."""
+
+    def __init__(self, text: str):
+        from prometheus_client.parser import text_string_to_metric_families
+
+        self.families = {f.name: f for f in text_string_to_metric_families(text)}
+        self.samples = {(s.name, frozenset(s.labels.items())): s.value
+                        for f in self.families.values() for s in f.samples}
+
+    def value(self, name: str, **labels: str) -> float:
+        """A sample's value; 0 for a labelled series never recorded (as Prometheus reads it)."""
+        return self.samples.get((name, frozenset(labels.items())), 0.0)
+
+    def by(self, name: str, *keys: str) -> dict[tuple[str, ...], float]:
+        """Every sample of ``name`` by the values of ``keys``, zeros left out."""
+        return {tuple(dict(labels)[k] for k in keys): v for (n, labels), v in self.samples.items()
+                if n == name and v}
+
+
+def scrape(base: str, headers: dict | None = None) -> Page:
+    """GET base/metrics, parsed."""
+    reply = request(base + "/metrics", "GET", headers=headers)
+    assert reply.status == 200, reply.text
+    assert reply.content_type == "text/plain"
+    return Page(reply.text)
 
 
 # ================================================================ the server, as a process

@@ -32,12 +32,11 @@ if str(REPO) not in sys.path:
 
 import agentenv  # noqa: E402
 from tests.harness import (  # noqa: E402
-    NOTES, Gym, Server, client, copy_bundle, free_port, gym_row, request, resources_config, run,
-    running, serving, wait_until, with_sleep_tool)
+    NOTES, Gym, Page, Server, client, copy_bundle, free_port, gym_row, request, resources_config,
+    run, running, scrape, serving, wait_until, with_sleep_tool)
 
 pytest.importorskip("prometheus_client", reason="agentenv.py serves /metrics with prometheus-client: "
                                                 "pip install -e .")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 SAVE = 1                                           # save-groceries, in the split "all"
 TOOLS = ["write_note", "read_note", "list_notes", "sleep", "end_turn"]
@@ -46,32 +45,6 @@ TOKEN = "metrics-test-token"
 
 
 # ================================================================ reading a page
-
-class Page:
-    """A scraped /metrics page, parsed whole by prometheus_client's parser: its families by name,
-    and each sample's value by name and labels."""
-
-    def __init__(self, text: str):
-        self.families = {f.name: f for f in text_string_to_metric_families(text)}
-        self.samples = {(s.name, frozenset(s.labels.items())): s.value
-                        for f in self.families.values() for s in f.samples}
-
-    def value(self, name: str, **labels: str) -> float:
-        """A sample's value; 0 for a labelled series never recorded (as Prometheus reads it)."""
-        return self.samples.get((name, frozenset(labels.items())), 0.0)
-
-    def by(self, name: str, *keys: str) -> dict[tuple[str, ...], float]:
-        """Every sample of ``name`` by the values of ``keys``, zeros left out."""
-        return {tuple(dict(labels)[k] for k in keys): v for (n, labels), v in self.samples.items()
-                if n == name and v}
-
-
-def scrape(base: str, headers: dict | None = None) -> Page:
-    reply = request(base + "/metrics", "GET", headers=headers)
-    assert reply.status == 200, reply.text
-    assert reply.content_type == "text/plain"
-    return Page(reply.text)
-
 
 def check_page(page: Page) -> None:
     """What every page holds: each family documented and typed, the process collector's."""
