@@ -14,6 +14,9 @@
 * ``test_the_status_line_is_logged_while_episodes_are_live_and_quiet_when_idle``: an in-process
   Server with ``status_interval`` at 0.1 s logs the line while an episode is live (waited for as a
   log record, not slept for), none while idle, and one at shutdown.
+* ``test_a_list_tools_before_any_reset_is_a_deploy_but_no_episode``: what OpenEnv's clients (and
+  TRL's environments) ask first deploys the first task to find its tools, and /metrics counts that
+  deploy, not an episode.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ if str(REPO) not in sys.path:
 
 import agentenv  # noqa: E402
 from tests.harness import (  # noqa: E402
-    NOTES, Gym, Page, Server, client, copy_bundle, free_port, gym_row, request, resources_config,
-    run, running, scrape, serving, wait_until, with_sleep_tool)
+    NOTES, Gym, Page, Server, Socket, client, copy_bundle, free_port, gym_row, request,
+    resources_config, run, running, scrape, serving, wait_until, with_sleep_tool)
 
 pytest.importorskip("prometheus_client", reason="agentenv.py serves /metrics with prometheus-client: "
                                                 "pip install -e .")
@@ -292,6 +295,21 @@ class Lines(logging.Handler):
         self.new.clear()
         await asyncio.wait_for(self.new.wait(), timeout)
         return self.lines[-1]
+
+
+def test_a_list_tools_before_any_reset_is_a_deploy_but_no_episode(tmp_path):
+    with serving(NOTES, tmp_path) as server:
+        with Socket(server.ws_url + "/ws") as ws:
+            listed = ws.ask({"type": "step", "data": {"type": "list_tools"}})
+            assert [t["name"] for t in listed["data"]["observation"]["tools"]] == \
+                ["write_note", "read_note", "list_notes", "end_turn"]
+        wait_until(lambda: scrape(server.url).value("agentenv_episodes_live") == 0, 30,
+                   "the deploy is torn down")
+        page = scrape(server.url)
+        check_page(page)
+        assert page.by("agentenv_episodes_total", "outcome") == {}
+        assert page.by("agentenv_deploys_total", "env", "sandbox") == {("notebook", "local"): 1}
+        assert page.value("agentenv_sessions", wire="openenv") == 0
 
 
 def test_the_status_line_is_logged_while_episodes_are_live_and_quiet_when_idle(tmp_path, monkeypatch):

@@ -304,7 +304,10 @@ def test_grpo_trains_through_serve_and_a_bundle_folder(tmp_path):
     out, tools = tmp_path / "result.json", tmp_path / "tools.json"
     tools.write_text(json.dumps(EVERY_TYPE))
     state = tmp_path / "state"
-    with serving(GRIDSIM, tmp_path / "gridsim") as grid, serving(NOTES, tmp_path / "notes") as notes:
+    # twice TRL's batch: a step's resets never wait for the last step's episodes to be torn down
+    room = ("--max-concurrent-envs", "16")
+    with serving(GRIDSIM, tmp_path / "gridsim", *room) as grid, \
+            serving(NOTES, tmp_path / "notes", *room) as notes:
         started = time.monotonic()
         done = subprocess.run(
             [python, str(REPO / "tests" / "trl" / "train.py"), "--out", str(out), "--schemas",
@@ -341,7 +344,7 @@ def check_run(run: dict) -> list[float]:
     calls = run["returned"]
     assert len(calls) == len(run["logged_rewards"]) == len(run["step_seconds"]) >= 2
     rewards = [[reward for reward, _ in call] for call in calls]
-    assert all(len(call) == 8 and None not in call for call in rewards), rewards
+    assert all(len(call) == 8 and None not in call for call in rewards), (rewards, run["said"])
     for logged, call in zip(run["logged_rewards"], rewards):
         assert logged == pytest.approx(statistics.mean(call), abs=1e-6), (logged, call)
     assert any(len(set(call)) > 1 for call in rewards), f"no step's rewards varied: {rewards}"

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import random
 import sys
 import time
@@ -209,7 +210,7 @@ def warm_up(model, tokenizer, conversations: list[list[dict]], tools: list, step
 def environment(source: str):
     """trl_environment's class, the bundle served in-process with the local sandbox for a folder."""
     return agentenv.trl_environment(source, **({} if source.startswith("http") else
-                                               {"sandbox": "local"}))
+                                               {"sandbox": "local", "max_concurrent_envs": 16}))
 
 
 def tools_of(Env) -> list:
@@ -261,6 +262,14 @@ def grpo(name: str, source: str, Env, model, tokenizer, steps: int, out: Path,
         def on_step_end(self, args, state, control, **kwargs):
             self.times.append(time.monotonic() - self.began)
 
+    said: list[str] = []                   # what agentenv said (a rollout left out, and why)
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    listening = Said(logging.WARNING)
+    logging.getLogger("agentenv").addHandler(listening)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     timer = StepTimes()
     config = GRPOConfig(
@@ -272,12 +281,15 @@ def grpo(name: str, source: str, Env, model, tokenizer, steps: int, out: Path,
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=reward,
                           environment_factory=Timed, train_dataset=Dataset.from_list(rows),
                           args=config, callbacks=[timer])
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        logging.getLogger("agentenv").removeHandler(listening)
     logged = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
     changed = sum(1 for k, v in model.named_parameters() if not torch.equal(v.detach(), before[k]))
     result = {"name": name, "source": source, "serial_resets": serial, "logged_rewards": logged,
               "returned": returned,
-              "changed_tensors": changed, "tensors": len(before), "step_seconds": timer.times,
+              "said": said, "changed_tensors": changed, "tensors": len(before), "step_seconds": timer.times,
               "reset_seconds": resets, "pool": len(trainer._environment_pool[None]),
               "tool_calls": [entry.get("tools/call_frequency") for entry in trainer.state.log_history
                              if "reward" in entry]}
