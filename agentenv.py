@@ -147,6 +147,12 @@ class EpisodeFailed(AgentEnvError):
         super().__init__(self.failure.reason)
 
 
+class Forfeit(AgentEnvError):
+    """The model's own doing ended the episode, or failed a step, before its reward was recorded:
+    its box broken, filled or made unreadable, its tests failing or hanging. The rollout scores 0
+    and is never masked: a mask would teach the model to break what it cannot solve."""
+
+
 # A tool call's status. The model's own mistakes and the tool's own errors are answers it reads
 # and learns from, and the episode goes on; a timeout ends the episode (what the call does may
 # still be under way), so it fails the rollout.
@@ -435,6 +441,10 @@ class Metrics:
         self.rewards = prom.Histogram(
             "agentenv_reward", "The rewards of scored episodes, by split", ["split"],
             buckets=REWARD_BUCKETS, registry=registry)
+        self.forfeits = prom.Counter(
+            "agentenv_forfeits", "Episodes scored 0, not masked, because the model's own doing "
+            "ended them before a verifier scored them (its box broken, filled or made unreadable; "
+            "its tests failing with fail_task_on_error set)", registry=registry)
         self.masked = prom.Counter(
             "agentenv_masked_rollouts", "Rollouts answered as failed by the environment (Gym: a "
             "masked verify; OpenEnv: an error observation with its failure_kind), by wire and "
@@ -479,6 +489,9 @@ class Metrics:
         self._of(self.episodes, outcome).inc()
         if isinstance(reward, (int, float)) and math.isfinite(reward):
             self._of(self.rewards, split).observe(reward)
+
+    def forfeited(self) -> None:
+        self.forfeits.inc()
 
     def mask(self, wire: str, failure: Failure) -> None:
         self._of(self.masked, wire, failure.kind).inc()
@@ -643,9 +656,12 @@ SCORE_AGGREGATORS = ("all_pass", "any_pass", "weighted_average")
 CRITERION_TYPES = ("response_contains", "response_regex_present")
 SANDBOX_CRITERIA = ("probe_file_exists", "probe_dir_exists", "probe_file_contains",
                     "bash_cmd_succeeds")
-# The steps that record a score (as AgentEnv's verifications), and those that use the agent's box.
+# The steps that record a score (as AgentEnv's verifications).
 SCORING_TYPES = {"env_outcome_verifier", "agent_prompt_response_verifier", "verify_sandbox",
                  "aggregate_verifiers", "run_container_unit_tests_verifier"}
+# The steps that act in a box (its commands and copies).
+BOX_STEPS = {"load_artifact", "run_code", "verify_sandbox", "add_skills",
+             "run_container_unit_tests_verifier"}
 POSIX_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SKILL_NAME = re.compile(r"(?!-)(?!.*--)[a-z0-9-]{1,64}(?<!-)")
 DEFAULT_AGENT = "default-agent"
@@ -1803,6 +1819,10 @@ build_log = logging.getLogger("agentenv.build")
 DOCKER_PIDS_LIMIT = 1024          # processes and threads in one env container (a fork bomb stops)
 ENV_PORT = 18765                  # the port an env's MCP server listens on in its container
 OUTPUT_LINES = 40                 # how much of an env's last output a failure quotes
+# An env's log on the host: two files of 1 MiB at most (its last output is what a failure quotes).
+ENV_LOG = {"type": "json-file", "config": {"max-size": "1m", "max-file": "2"}}
+URGENT_THREADS = 16               # threads for kills, removals and fault inspections (no slot)
+STREAM_THREADS = 1024             # threads reading commands' output (one per command running)
 
 
 def owner_id() -> str:
@@ -2328,7 +2348,7 @@ async def container_exit(sandbox: DockerSandbox, container: Any) -> str | None:
     sentence saying how: an env's or a box's, read the same way."""
     import docker.errors
     try:
-        await sandbox.call(container.reload, timeout=10)
+        await sandbox.urgent(container.reload, timeout=10)
     except docker.errors.NotFound:
         return "its container is gone (removed from outside)"
     except Exception as exc:                        # noqa: BLE001 - a busy daemon is not a dead env
@@ -2415,6 +2435,14 @@ class DockerSandbox(Sandbox):
         self.images: dict[str, str] = {}
         self.limit = asyncio.Semaphore(ops)
         self.threads = ThreadPoolExecutor(max_workers=ops + 4, thread_name_prefix="docker")
+        # Three lanes, so no episode waits behind another's long work: ``call`` takes one of the
+        # ``ops`` slots (creations, builds, execs' starts); ``urgent`` (kills, removals, the
+        # inspections that decide a rollout's fate) and the reading of a command's output for as
+        # long as it runs take none, each on threads of their own.
+        self.urgent_threads = ThreadPoolExecutor(max_workers=URGENT_THREADS,
+                                                 thread_name_prefix="docker-urgent")
+        self.stream_threads = ThreadPoolExecutor(max_workers=STREAM_THREADS,
+                                                 thread_name_prefix="docker-stream")
         self.removals: set[asyncio.Task] = set()
         self.creating: set[asyncio.Future] = set()
         # the networks made, by episode ("" for the envs' shared one), each as its creation
@@ -2465,8 +2493,23 @@ class DockerSandbox(Sandbox):
         return asyncio.wrap_future(job)
 
     async def call(self, fn: Callable, *args: Any, timeout: float = 60, **kwargs: Any) -> Any:
-        """Run a blocking docker SDK call in a thread, with a deadline."""
-        return await asyncio.wait_for(await self.start(fn, *args, **kwargs), timeout)
+        """Run a blocking docker SDK call in a thread, with a deadline that covers its wait for a
+        slot too."""
+        async with asyncio.timeout(timeout):
+            return await (await self.start(fn, *args, **kwargs))
+
+    async def urgent(self, fn: Callable, *args: Any, timeout: float = 30, **kwargs: Any) -> Any:
+        """A blocking docker SDK call that must not queue behind other work (a kill, a removal,
+        the inspection that decides whose fault a failure was): threads of its own, no slot, a
+        deadline all the same."""
+        loop = asyncio.get_running_loop()
+        return await asyncio.wait_for(
+            loop.run_in_executor(self.urgent_threads, lambda: fn(*args, **kwargs)), timeout)
+
+    def streamed(self, fn: Callable, *args: Any) -> asyncio.Future:
+        """A blocking read of a command's output, on a thread of its own for as long as the
+        command runs, holding no slot."""
+        return asyncio.get_running_loop().run_in_executor(self.stream_threads, fn, *args)
 
     async def prepare(self, envs: list[EnvSpec]) -> None:
         await self.sweep()
@@ -2625,8 +2668,10 @@ class DockerSandbox(Sandbox):
                          "DATABASE_URL": f"sqlite:////tmp/{env.environment_name}.sqlite"},
             labels={"agentenv.owner": self.owner, "agentenv.episode": episode,
                     "agentenv.env": env.name},
-            # unprivileged: no capabilities, no privilege gain, no host mounts, bounded processes
-            security_opt=["no-new-privileges"], cap_drop=["ALL"], pids_limit=DOCKER_PIDS_LIMIT)
+            # unprivileged: no capabilities, no privilege gain, no host mounts, bounded processes,
+            # and a log on the host of a few MiB at most, whatever a tool call makes the env print
+            security_opt=["no-new-privileges"], cap_drop=["ALL"], pids_limit=DOCKER_PIDS_LIMIT,
+            log_config=ENV_LOG)
         own_port = 0
         if self.node_network:       # no bridge: on the daemon's network, on a port of its own
             own_port = reserve_port(self.publish, self.ports)
@@ -2699,6 +2744,12 @@ class DockerSandbox(Sandbox):
     async def prepare_box(self) -> None:
         self.images[""] = await self.box_image()
 
+    async def memory(self) -> int | None:
+        """The memory of the Docker host, in bytes (None if the daemon does not say)."""
+        with contextlib.suppress(Exception):
+            return int((await self.call(self.client.info, timeout=30)).get("MemTotal") or 0) or None
+        return None
+
     async def build_context(self, folder: Path, dockerfile: str, name: str) -> str:
         """An image of a bundle artifact's build context (run_docker_container), once per content."""
         tag = f"agentenv-box/{plain_slug(name)}:{_digest(folder)}"
@@ -2752,6 +2803,11 @@ class DockerSandbox(Sandbox):
             "/home/agent": f"size={max(16, memory // 16)}m,uid=1000,gid=1000,mode=0755",
             "/tmp": f"size={max(16, memory // 8)}m,mode=1777",
             "/var/tmp": f"size={max(16, memory // 32)}m,mode=1777"})
+        # Our own box's first process is its keeper, root's (so nothing of the agent's can kill
+        # it or write to its output), with the one capability it needs to stop the agent's.
+        if own:
+            own.update(user="0", command=["bash", "-c", BOX_KEEPER, KEEPER_NAME], stdin_open=True,
+                       cap_add=["KILL"])
         if share is not None:
             where: dict[str, Any] = {"network_mode": f"container:{share.container.id}"}
         elif network:
@@ -2767,12 +2823,14 @@ class DockerSandbox(Sandbox):
             image=image, detach=True, init=True,
             labels={"agentenv.owner": self.owner, "agentenv.episode": episode,
                     "agentenv.box": name},
+            # no log on the host: nothing a box prints can fill its disk
+            log_config={"type": "none"},
             security_opt=["no-new-privileges"], cap_drop=["ALL"], pids_limit=BOX_PIDS_LIMIT,
             mem_limit=f"{memory}m", memswap_limit=f"{memory}m",
             nano_cpus=int(float(limits.get("cpu") or 1.0) * 1e9),
             environment=dict(limits.get("env_vars") or {}),
             **({"command": _shell_words(command) if isinstance(command, str) else list(command)}
-               if (command := limits.get("command_override")) else {}))
+               if (command := limits.get("command_override")) and not own else {}))
 
     async def open_box(self, episode: str, name: str, limits: dict[str, Any],
                        image: str | None = None, network: dict[str, tuple[str, ...]] | None = None,
@@ -2794,6 +2852,7 @@ class DockerSandbox(Sandbox):
                     self.client.api.connect_container_to_network(container.id, more,
                                                                  aliases=list(named))
                 container.start()
+                container.reload()          # its State.Pid: its first process, as the host sees it
                 return container
             except BaseException:
                 container.remove(force=True)
@@ -2808,7 +2867,7 @@ class DockerSandbox(Sandbox):
         import docker.errors
         for attempt in range(3):
             try:
-                await self.call(container.remove, force=True, timeout=30)
+                await self.urgent(container.remove, force=True, timeout=30)
                 return
             except docker.errors.NotFound:
                 return
@@ -2834,7 +2893,8 @@ class DockerSandbox(Sandbox):
             if network is not None:
                 log.error("Could not remove network %s; remove it with docker network rm %s.",
                           network.name, network.name)
-        self.threads.shutdown(wait=False)
+        for threads in (self.threads, self.urgent_threads, self.stream_threads):
+            threads.shutdown(wait=False)
 
 
 # -- boxes: where the played agent works with bash, and where bundle code runs
@@ -2849,8 +2909,22 @@ WORKDIR /app
 USER agent
 CMD ["sleep", "infinity"]
 """
+# The first process of our own box (under its init), root's, with CAP_KILL and nothing else: on
+# SIGUSR1 (Docker's kill, which the init passes on) it stops every other process of the box with one
+# kill(-1), which the kernel makes atomic against forks (a fork bomb can't outrun it), with nothing
+# forked (a box out of processes can't refuse it). It waits by reading a stdin no one writes to.
+KEEPER_NAME = "agentenv-keeper"
+BOX_KEEPER = r"""trap 'kill -KILL -1' USR1
+trap '' TERM INT HUP QUIT PIPE
+while :; do read -r _ || { sleep 3600 & wait $!; }; done"""
+STOP_DEADLINE = 10.0              # seconds for the agent's processes in a box to be stopped
+KILL_GRACE = 5.0                  # seconds for a stopped command's output to end, before it is cut
+# A command run with nothing the agent planted on the way in: a fresh, empty HOME (and, by the
+# environment, no user site), so no startup file or hook of the agent's is read.
+CLEAN_START = 'HOME=$(mktemp -d /tmp/.home.XXXXXXXX) && export HOME && exec "$@"'
 # Kills every process of one call, found by the marker in its environment, group and all: run as
-# the call's own user (a box's root has no CAP_KILL). Rounds, for a tree that forks meanwhile.
+# the call's own user (in a box of a bundle's image, root has no CAP_KILL). Rounds, for a tree that
+# forks meanwhile.
 BOX_KILLER = r"""m="AGENTENV_CALL=$0"
 for round in 1 2 3 4 5 6 7 8; do
   found=
@@ -2862,22 +2936,33 @@ for round in 1 2 3 4 5 6 7 8; do
   done
   [ -z "$found" ] && exit 0
 done"""
+# Clears a path before a step loads files there again: run as the agent first (it may have made
+# what it owns unreadable), then as root for what root put there.
+CLEAR_PATH = 'chmod -R u+rwX -- "$1" 2>/dev/null; rm -rf -- "$1"; [ ! -e "$1" ] && [ ! -L "$1" ]'
 
 
 class BoxGone(AgentEnvError):
-    """The box stopped (or was removed) under a command: the environment failed, not the model."""
+    """The box stopped (or was removed) under a command or a copy."""
+
+
+class BoxFailed(EpisodeFailed):
+    """A step's command or copy in a box failed on what the box holds (a folder full or made
+    unreadable, a command that hangs or exits non-zero) or on the bundle's own mistake. In the
+    agent's box once its turn has begun, that is the model's doing (Episode._blamed)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Ran:
     """A command's run in a box: its exit code (None when killed at its deadline), its stdout and
-    stderr (each kept up to a cap), and how many bytes it printed in all."""
+    stderr (each kept up to a cap), how many bytes it printed in all, and, past its deadline, what
+    stopping it stopped."""
 
     exit_code: int | None
     stdout: bytes
     stderr: bytes
     timed_out: bool = False
     printed: int = 0
+    stopped: str = ""
 
     @property
     def output(self) -> str:
@@ -2900,12 +2985,27 @@ class Box(abc.ABC):
     @abc.abstractmethod
     async def run(self, argv: list[str], timeout: float, *, root: bool = False,
                   cwd: str | None = None, env: dict[str, str] | None = None,
-                  cap: int = 1 << 20) -> Ran:
-        """Run a command to its end or its deadline; BoxGone if the box is gone."""
+                  cap: int = 1 << 20, stdin: bytes | None = None, clean: bool = False) -> Ran:
+        """Run a command to its end or its deadline; BoxGone if the box is gone. ``stdin`` is
+        what it reads (else nothing); ``clean`` runs it with nothing the agent planted on the way
+        in: a fresh, empty HOME and no Python user site."""
 
     @abc.abstractmethod
-    async def put(self, files: dict[str, bytes], dest: str, agent_owns: bool = True) -> None:
-        """Write files (path inside ``dest`` -> bytes), making folders as needed."""
+    async def put(self, files: dict[str, bytes], dest: str, agent_owns: bool = True,
+                  replace: bool = False) -> None:
+        """Write files (path inside ``dest`` -> bytes), making folders as needed; with
+        ``replace``, whatever stood at ``dest`` is removed first (loaded again, not merged)."""
+
+    @abc.abstractmethod
+    async def stop_all(self) -> None:
+        """Stop every process of the agent's in the box, its background jobs too; EpisodeFailed
+        (the machine's fault) if some could not be stopped."""
+
+    @abc.abstractmethod
+    async def fault(self) -> str | None:
+        """After a command or copy failed: None when the box stands as the model's commands left
+        it (or died of the memory they took), so the failure is the model's doing; else the
+        machine's fault, in a sentence."""
 
     @abc.abstractmethod
     async def stopped(self) -> str | None:
@@ -2921,16 +3021,19 @@ class Box(abc.ABC):
 
 
 def box_tar(files: dict[str, bytes], dest: str, uid: int) -> bytes:
-    """Files as a tar rooted at /, for Docker's put_archive, owned by ``uid``; folders made."""
+    """Files as a tar rooted at /, for Docker's put_archive, owned by ``uid``; the folders inside
+    ``dest`` made. ``dest`` and those above it are left to the extraction: an entry for /tmp would
+    set its mode, and the agent could no longer write there."""
     import io
     import tarfile
     buffer = io.BytesIO()
     made: set[str] = set()
+    base = dest.strip("/").count("/") + 1 if dest.strip("/") else 0
     with tarfile.open(fileobj=buffer, mode="w") as tar:
         for rel, data in files.items():
             full = (dest.rstrip("/") + "/" + rel).lstrip("/")
             parts = full.split("/")
-            for n in range(1, len(parts)):
+            for n in range(base + 1, len(parts)):
                 folder = "/".join(parts[:n])
                 if folder not in made:
                     made.add(folder)
@@ -2944,9 +3047,45 @@ def box_tar(files: dict[str, bytes], dest: str, uid: int) -> bytes:
     return buffer.getvalue()
 
 
+def read_exec(stream: Any, stdin: bytes | None, cap: int) -> tuple[bytes, bytes, int]:
+    """A docker exec's output, read from its attached socket until the command and everything
+    holding its output are gone: stdout and stderr, each kept up to ``cap`` bytes, and how many
+    it printed in all. ``stdin`` is written first, then closed. (Docker frames the output: one
+    byte for the stream, three of padding, four of size, then the bytes.)"""
+    raw = getattr(stream, "_sock", stream)
+    kept = {1: bytearray(), 2: bytearray()}
+    printed, buffer = 0, bytearray()
+    try:
+        if stdin is not None:
+            raw.sendall(stdin)
+            raw.shutdown(socket.SHUT_WR)
+        while chunk := raw.recv(65536):
+            buffer += chunk
+            while len(buffer) >= 8 and len(buffer) >= 8 + (size := int.from_bytes(buffer[4:8], "big")):
+                out = kept.get(buffer[0], kept[1])
+                printed += size
+                if len(out) < cap:
+                    out += buffer[8:8 + min(size, cap - len(out))]
+                del buffer[:8 + size]
+    except OSError:                 # cut by a caller that stopped waiting (shut_stream)
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            stream.close()
+    return bytes(kept[1]), bytes(kept[2]), printed
+
+
+def shut_stream(stream: Any) -> None:
+    """Cut a command's output stream, so the thread reading it (read_exec) ends."""
+    with contextlib.suppress(OSError):
+        getattr(stream, "_sock", stream).shutdown(socket.SHUT_RDWR)
+
+
 class DockerBox(Box):
     """A box that is a container of its own: no network, every capability dropped, bounded
-    processes and memory; each command a ``docker exec``, its output read as it comes."""
+    processes and memory; each command a ``docker exec``, its output read as it comes on a thread
+    of its own (holding none of the daemon's slots). Our own box (not a bundle's image) has a
+    keeper for its first process, which stops every process of the agent's at once."""
 
     kind = "docker"
 
@@ -2955,70 +3094,165 @@ class DockerBox(Box):
         self.sandbox, self.container = sandbox, container
         self.user = user or "root"
         self.exec_user = user          # None: the image's own user, in its own working folder
+        self.keeper = user is not None
         if user is None:
             self.workdir = ((container.attrs or {}).get("Config") or {}).get("WorkingDir") or "/"
 
     async def run(self, argv: list[str], timeout: float, *, root: bool = False,
                   cwd: str | None = None, env: dict[str, str] | None = None,
-                  cap: int = 1 << 20) -> Ran:
+                  cap: int = 1 << 20, stdin: bytes | None = None, clean: bool = False) -> Ran:
         import docker.errors
         marker = uuid.uuid4().hex
         user = "0" if root else self.exec_user
-        api = self.sandbox.client.api
-
-        def blocking() -> Ran:
-            # (docker runs each exec as a session leader of its own: its group is the call's)
-            created = api.exec_create(self.container.id, argv, stdout=True,
-                                      stderr=True, stdin=False, user=user or "",
-                                      workdir=cwd or (self.workdir if self.exec_user else None),
-                                      environment={**(env or {}), "AGENTENV_CALL": marker})
-            out, err, printed = bytearray(), bytearray(), 0
-            for chunks in api.exec_start(created["Id"], stream=True, demux=True):
-                for chunk, kept in zip(chunks, (out, err)):
-                    if chunk:
-                        printed += len(chunk)
-                        if len(kept) < cap:
-                            kept += chunk[:cap - len(kept)]
-            code = api.exec_inspect(created["Id"]).get("ExitCode")
-            return Ran(code, bytes(out), bytes(err), False, printed)
-        job = await self.sandbox.start(blocking)
+        environment = {**(env or {}), "AGENTENV_CALL": marker}
+        if clean and not root:
+            argv, environment["PYTHONNOUSERSITE"] = ["sh", "-c", CLEAN_START, "sh", *argv], "1"
+        workdir = cwd or (self.workdir if self.exec_user else None)
+        # (docker runs each exec as a session leader of its own: its group is the call's)
+        opened = asyncio.ensure_future(self.sandbox.call(
+            self._open, argv, user or "", workdir, environment, stdin is not None,
+            timeout=timeout + 5))
+        reading: asyncio.Future | None = None
+        stream: Any = None
         try:
-            try:
-                return await asyncio.wait_for(asyncio.shield(job), timeout)
-            except asyncio.TimeoutError:
-                await self._kill(marker, user)
-                with contextlib.suppress(asyncio.TimeoutError, Exception):
-                    ran = await asyncio.wait_for(asyncio.shield(job), 5)
-                    return dataclasses.replace(ran, exit_code=None, timed_out=True)
-                return Ran(None, b"", b"", True)
-            except asyncio.CancelledError:        # the turn closed under it: it ends too
-                await asyncio.shield(self._kill(marker, user))
-                raise
+            async with asyncio.timeout(timeout):
+                exec_id, stream = await asyncio.shield(opened)
+                reading = self.sandbox.streamed(read_exec, stream, stdin, cap)
+                out, err, printed = await asyncio.shield(reading)
+            return Ran(await self._exit_code(exec_id), out, err, False, printed)
+        except asyncio.TimeoutError:
+            if reading is None:          # the daemon never started it: the machine's fault
+                self._abandon(opened, marker)
+                if why := await self.stopped():
+                    raise BoxGone(f"box {self.name!r} stopped: {why}") from None
+                raise EpisodeFailed(f"the Docker daemon did not start a command in box "
+                                    f"{self.name!r} within {timeout:g}s; it may be overloaded "
+                                    "(lower --max-concurrent-envs)", PROVIDER_UNAVAILABLE) from None
+            stopped = await self._stop(marker, root, reading, stream)
+            return Ran(None, b"", b"", True, 0, stopped)
+        except asyncio.CancelledError:        # its caller gave up (the turn closed, the client left)
+            if reading is not None:
+                await asyncio.shield(self._stop(marker, root, reading, stream))
+            else:
+                self._abandon(opened, marker)
+            raise
         except docker.errors.APIError as exc:
-            if why := await self.stopped():
-                raise BoxGone(f"box {self.name!r} stopped: {why}") from None
+            if gone := await self._gone(exc):
+                raise gone from None
             return Ran(126, b"", f"error: the command couldn't start: {short(str(exc), 300)}\n"
                        .encode())
-        except (asyncio.CancelledError, AgentEnvError):
+        except (AgentEnvError, asyncio.CancelledError):
             raise
         except Exception as exc:                        # noqa: BLE001 - the daemon's stream broke
             why = await self.stopped() or f"{type(exc).__name__}: {short(str(exc), 300)}"
             raise BoxGone(f"box {self.name!r} failed under a command: {why}") from None
 
-    async def _kill(self, marker: str, user: str | None) -> None:
+    def _open(self, argv: list[str], user: str, workdir: str | None, environment: dict[str, str],
+              stdin: bool) -> tuple[str, Any]:
+        """Create an exec and start it, attached: its id and its socket."""
+        api = self.sandbox.client.api
+        made = api.exec_create(self.container.id, argv, stdout=True, stderr=True, stdin=stdin,
+                               user=user, workdir=workdir, environment=environment)
+        return made["Id"], api.exec_start(made["Id"], socket=True)
+
+    async def _exit_code(self, exec_id: str) -> int | None:
+        """An exec's exit code, once the daemon has seen its process exit: its output may end a
+        moment before, and the daemon sends no event of it to wait on, so it is asked again, a
+        little later each time, for a second at most."""
+        pause = 0.005
+        for _ in range(8):
+            inspected = await self.sandbox.urgent(self.sandbox.client.api.exec_inspect, exec_id,
+                                                  timeout=10)
+            if inspected.get("ExitCode") is not None or not inspected.get("Running"):
+                return inspected.get("ExitCode")
+            await asyncio.sleep(pause)
+            pause *= 2
+        return inspected.get("ExitCode")
+
+    def _abandon(self, opened: asyncio.Future, marker: str) -> None:
+        """A command whose caller stopped waiting before it started: once the daemon has started
+        it (if ever), it is killed and its output cut."""
+        def undo(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is None:
+                shut_stream(done.result()[1])
+                killing = asyncio.ensure_future(self._kill(marker))
+                self.sandbox.removals.add(killing)
+                killing.add_done_callback(self.sandbox.removals.discard)
+        opened.add_done_callback(undo)
+
+    async def _stop(self, marker: str, root: bool, reading: asyncio.Future, stream: Any) -> str:
+        """Stop a command past its deadline, or whose caller gave up, with its whole tree: for
+        the agent's commands in our own box, every process of the agent's (however it was
+        started, nothing can escape that); else the processes that carry the call's marker. Then
+        let its output end, or cut it. What was stopped, in a phrase the model reads."""
+        if self.keeper and not root:
+            await self.stop_all()
+            said = ("every process of yours in the box was stopped: the command, all it started, "
+                    "and anything left running in the background")
+        else:
+            said = ("it was killed, with every process it started" if await self._kill(marker)
+                    else "it could not be killed, and runs on until the episode ends")
+        if not (await asyncio.wait({reading}, timeout=KILL_GRACE))[0]:
+            shut_stream(stream)
+        return said
+
+    async def stop_all(self) -> None:
+        """Stop every process of the agent's: the keeper kills all but itself and the init, again
+        while ``docker top`` still shows one of the agent's, within STOP_DEADLINE."""
+        if not self.keeper:             # a bundle's image: the agent has no processes there
+            return
+        import docker.errors
+        left: list[str] = []
+        try:
+            async with asyncio.timeout(STOP_DEADLINE):
+                while True:
+                    await self.sandbox.urgent(self.container.kill, signal="SIGUSR1", timeout=10)
+                    if not (left := await self._agents_processes()):
+                        return
+        except docker.errors.APIError as exc:
+            if gone := await self._gone(exc):
+                raise gone from None
+            raise EpisodeFailed(f"the agent's processes in box {self.name!r} could not be stopped: "
+                                f"the Docker daemon said {short(str(exc), 300)}",
+                                PROVIDER_UNAVAILABLE) from None
+        except asyncio.TimeoutError:
+            raise EpisodeFailed(f"{len(left) or 'some'} process(es) of the agent's in box "
+                                f"{self.name!r} still ran after {STOP_DEADLINE:g}s of stopping "
+                                "them (or the daemon did not answer)", ENV_FAILED) from None
+
+    async def _gone(self, exc: Exception) -> BoxGone | None:
+        """The daemon's error as the box's end, when it came of the box being gone or stopped."""
+        import docker.errors
+        if isinstance(exc, docker.errors.NotFound):
+            return BoxGone(f"box {self.name!r} is gone: its container was removed")
+        if why := await self.stopped():
+            return BoxGone(f"box {self.name!r} stopped: {why}")
+        return None
+
+    async def _agents_processes(self) -> list[str]:
+        """The box's live processes that are not root's (the keeper and the init are, and the
+        agent can never be), as the host sees them."""
+        top = await self.sandbox.urgent(self.container.top, ps_args="-eo pid,uid,stat", timeout=10)
+        rows = top.get("Processes") or []
+        first = str(((self.container.attrs or {}).get("State") or {}).get("Pid", ""))
+        root = next((uid for pid, uid, _ in rows if pid == first), "0")
+        return [pid for pid, uid, stat in rows if uid != root and not stat.startswith("Z")]
+
+    async def _kill(self, marker: str) -> bool:
         """Kill every process of the call marked ``marker``: from this machine when the daemon
         runs here (no process of the box is needed, so a box out of processes can't refuse
-        it), else with a killer run in the box; within seconds either way."""
+        it), else with a killer run in the box; within seconds either way. False if neither
+        could."""
         with contextlib.suppress(Exception):
-            if await self.sandbox.call(self._kill_from_host, marker, timeout=10):
-                return
+            if await self.sandbox.urgent(self._kill_from_host, marker, timeout=10):
+                return True
         with contextlib.suppress(Exception):
-            async with asyncio.timeout(10):
-                await self.sandbox.call(self.container.exec_run, ["sh", "-c", BOX_KILLER, marker],
-                                        user=user or "", timeout=10)
-                return
+            await self.sandbox.urgent(self.container.exec_run, ["sh", "-c", BOX_KILLER, marker],
+                                      user=self.exec_user or "", timeout=10)
+            return True
         log.warning("Could not kill a command in box %r past its deadline (the box may be out of "
                     "processes); it runs on until its episode ends.", self.name)
+        return False
 
     def _kill_from_host(self, marker: str) -> bool:
         """The box's processes as this machine sees them (docker top), those with the marker in
@@ -3044,49 +3278,57 @@ class DockerBox(Box):
                 return True
         return True
 
-    async def put(self, files: dict[str, bytes], dest: str, agent_owns: bool = True) -> None:
+    async def put(self, files: dict[str, bytes], dest: str, agent_owns: bool = True,
+                  replace: bool = False) -> None:
+        if replace:
+            await self._clear(dest)
         data = box_tar(files, dest, 1000 if agent_owns and self.exec_user else 0)
-        try:
-            if self.exec_user is None:           # an image of the bundle's: its disk, as it is
+        if self.exec_user is None:           # an image of the bundle's: its disk, as it is
+            try:
                 await self.sandbox.call(self.container.put_archive, "/", data, timeout=120)
-                return
-            # Our own box's root is read-only, its writable places bounded tmpfs mounts, where
-            # Docker's archive API can't reach: tar reads the files from the exec's stdin. Root
-            # (with no capabilities) may write only in /tmp; elsewhere the agent owns the files.
-            root = not agent_owns and (dest == "/tmp" or dest.startswith("/tmp/"))
-            said = await self.sandbox.call(self._untar, data, "0" if root else "1000", timeout=120)
-        except Exception as exc:                        # noqa: BLE001 - docker raises many kinds
-            if why := await self.stopped():
-                raise BoxGone(f"box {self.name!r} stopped: {why}") from None
-            raise BoxGone(f"files could not be put in box {self.name!r} at {dest}: "
-                          f"{short(str(exc), 300)}") from None
-        if said is not None:
-            raise EpisodeFailed(f"the files could not be put in box {self.name!r} at {dest}: "
-                                f"{short(said, 500)}")
+            except Exception as exc:                    # noqa: BLE001 - docker raises many kinds
+                if gone := await self._gone(exc):
+                    raise gone from None
+                raise BoxFailed(f"files could not be put in box {self.name!r} at {dest}: "
+                                f"{short(str(exc), 300)}") from None
+            return
+        # Our own box's root is read-only, its writable places bounded tmpfs mounts, where
+        # Docker's archive API can't reach: tar reads the files from its stdin. Root (with no
+        # capability but KILL) may write only in /tmp; elsewhere the agent owns the files.
+        root = not agent_owns and (dest == "/tmp" or dest.startswith("/tmp/"))
+        ran = await self.run(["tar", "-x", "-m", "--no-same-owner", "-C", "/"], 120, root=root,
+                             stdin=data)
+        if ran.timed_out or ran.exit_code != 0:
+            said = "it did not finish within 120s" if ran.timed_out else \
+                short(ran.output.strip() or f"tar exited {ran.exit_code}", 500)
+            raise BoxFailed(f"the files could not be put in box {self.name!r} at {dest}: {said}")
 
-    def _untar(self, data: bytes, user: str) -> str | None:
-        """Extract a tar in the box from the exec's stdin; None, or what tar said when it failed."""
-        api = self.sandbox.client.api
-        made = api.exec_create(self.container.id, ["tar", "-x", "-m", "--no-same-owner", "-C", "/"],
-                               stdin=True, stdout=True, stderr=True, user=user)
-        stream = api.exec_start(made["Id"], socket=True)
-        raw = getattr(stream, "_sock", stream)
+    async def _clear(self, path: str) -> None:
+        """Remove whatever stands at ``path`` (a folder, a file, a FIFO, a link), so what a step
+        loads there is all there is."""
+        said = []
+        for root in ((False, True) if self.exec_user else (True,)):
+            ran = await self.run(["sh", "-c", CLEAR_PATH, "sh", path], 60, root=root)
+            if ran.exit_code == 0:
+                return
+            said.append(f"as {'root' if root else self.user}: " + (
+                "it did not finish within 60s" if ran.timed_out else
+                short(ran.output.strip() or f"exit code {ran.exit_code}", 300)))
+        raise BoxFailed(f"{path} in box {self.name!r} could not be cleared to load it again "
+                        f"({'; '.join(said)})")
+
+    async def fault(self) -> str | None:
+        import docker.errors
         try:
-            raw.sendall(data)
-            raw.shutdown(socket.SHUT_WR)
-            out = bytearray()
-            while chunk := raw.recv(65536):
-                out += chunk
-        finally:
-            stream.close()
-        if api.exec_inspect(made["Id"]).get("ExitCode") == 0:
+            await self.sandbox.urgent(self.container.reload, timeout=10)
+        except docker.errors.NotFound:
+            return f"box {self.name!r} is gone: its container was removed from outside"
+        except Exception as exc:                        # noqa: BLE001 - docker raises many kinds
+            return f"the Docker daemon did not answer about box {self.name!r} ({short(str(exc), 200)})"
+        state = self.container.attrs.get("State") or {}
+        if state.get("Status") == "running" or state.get("OOMKilled"):
             return None
-        said, at = bytearray(), 0          # Docker's frames: an 8-byte header, then the bytes
-        while at + 8 <= len(out):
-            size = int.from_bytes(out[at + 4:at + 8], "big")
-            said += out[at + 8:at + 8 + size]
-            at += 8 + size
-        return said.decode(errors="replace").strip() or "tar failed"
+        return f"box {self.name!r} stopped: its container exited with code {state.get('ExitCode')}"
 
     async def stopped(self) -> str | None:
         return await container_exit(self.sandbox, self.container)
@@ -3153,18 +3395,28 @@ class LocalBox(Box):
 
     async def run(self, argv: list[str], timeout: float, *, root: bool = False,
                   cwd: str | None = None, env: dict[str, str] | None = None,
-                  cap: int = 1 << 20) -> Ran:
+                  cap: int = 1 << 20, stdin: bytes | None = None, clean: bool = False) -> Ran:
+        home = self.home
+        if clean:                   # a fresh, empty HOME in the box's tmp, and no user site
+            home = await asyncio.to_thread(tempfile.mkdtemp, prefix=".home.",
+                                           dir=self.here("/tmp"))
         environ = {**{k: v for k, v in os.environ.items() if k != "AGENTENV_TOKEN"},
-                   "HOME": self.home, "PWD": self.here(cwd or "/app"), "AGENTENV_OWNER": self.owner,
-                   **(env or {})}
+                   "HOME": home, "PWD": self.here(cwd or "/app"), "AGENTENV_OWNER": self.owner,
+                   **({"PYTHONNOUSERSITE": "1"} if clean else {}), **(env or {})}
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self._script(argv), cwd=self.here(cwd or "/app"), env=environ,
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, start_new_session=True)
+                stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                start_new_session=True)
         except OSError as exc:
             return Ran(126, b"", f"error: the command couldn't start: {exc}\n".encode())
         self.running[proc.pid] = proc
+        if stdin is not None:
+            proc.stdin.write(stdin)
+            with contextlib.suppress(ConnectionError):
+                await proc.stdin.drain()
+            proc.stdin.close()
         printed = 0
         out, err = bytearray(), bytearray()
 
@@ -3185,7 +3437,9 @@ class LocalBox(Box):
                 self._kill(proc.pid)
                 await proc.wait()
                 await asyncio.wait(readers, timeout=1)
-                return Ran(None, b"", b"", True, printed)
+                return Ran(None, b"", b"", True, printed,
+                           "it was killed, with every process of its group (what left the group, a "
+                           "local box can't reach)")
             # a background job that holds the pipes: read them a second longer, then let go
             await asyncio.wait(readers, timeout=1)
             return Ran(code, bytes(out), bytes(err), False, printed)
@@ -3203,13 +3457,36 @@ class LocalBox(Box):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(group, signal.SIGKILL)
 
-    async def put(self, files: dict[str, bytes], dest: str, agent_owns: bool = True) -> None:
+    async def put(self, files: dict[str, bytes], dest: str, agent_owns: bool = True,
+                  replace: bool = False) -> None:
         def write() -> None:
+            if replace:
+                where = Path(self.here(dest))
+                if where.is_symlink() or (where.exists() and not where.is_dir()):
+                    where.unlink()
+                elif where.exists():
+                    for folder, _, _ in os.walk(where):       # what was made unreadable
+                        with contextlib.suppress(OSError):
+                            os.chmod(folder, 0o755)
+                    shutil.rmtree(where)
             for rel, data in files.items():
                 path = Path(self.here(dest.rstrip("/") + "/" + rel))
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(data)
-        await asyncio.to_thread(write)
+        try:
+            await asyncio.to_thread(write)
+        except OSError as exc:
+            raise BoxFailed(f"the files could not be put in box {self.name!r} at {dest}: "
+                            f"{exc}") from None
+
+    async def stop_all(self) -> None:
+        # what left its process group (setsid, a double fork) is out of reach here: a local box
+        # isolates nothing, and its rewards are only as sound as the bundle's trust in the model
+        for group in self.running:
+            self._kill(group)
+
+    async def fault(self) -> str | None:
+        return None                 # a work folder: nothing but the model's commands breaks it
 
     async def stopped(self) -> str | None:
         return None if self.folder.is_dir() else "its work folder is gone"
@@ -4036,6 +4313,11 @@ SH_TOOL = {"name": "bash", "inputSchema": BASH_SCHEMA,
                           "arrays or <(...) fails. Returns its stdout, then its stderr."}
 
 
+LONG_COMMAND = 100_000        # bytes of a bash command past which it goes on stdin, not argv
+# Reads the command from stdin (its trailing newlines kept), then runs it with stdin empty.
+FROM_STDIN = 'c=$(cat; echo .); c=${c%.}; exec </dev/null; eval "$c"'
+
+
 async def run_bash(box: Box, arguments: dict[str, Any], timeout: float) -> ToolResult:
     """One bash call in the agent's box: a fresh shell in its folder as its user, stdin empty;
     stdout then stderr, and ``exit code N`` after a failure, as AgentEnv's proxy answers. Past
@@ -4043,12 +4325,15 @@ async def run_bash(box: Box, arguments: dict[str, Any], timeout: float) -> ToolR
     command = arguments.get("command")
     if not isinstance(command, str):
         return ToolResult(f"tool 'bash' takes a command string, not {command!r}", BAD_ARGUMENTS)
-    ran = await box.run(["bash" if box.has_bash else "sh", "-c", command], timeout,
-                        cap=MAX_TOOL_OUTPUT)
+    shell = "bash" if box.has_bash else "sh"
+    text = command.encode("utf-8", "replace")
+    # A long command goes on stdin (an argument has at most 128 KiB), and runs as it would in -c.
+    ran = await (box.run([shell, "-c", command], timeout, cap=MAX_TOOL_OUTPUT)
+                 if len(text) <= LONG_COMMAND else
+                 box.run([shell, "-c", FROM_STDIN], timeout, cap=MAX_TOOL_OUTPUT, stdin=text))
     if ran.timed_out:
-        return ToolResult(f"error: the command timed out after {timeout:g}s, so it was killed, with "
-                          "every process it started; run long jobs in the background or in steps",
-                          TOOL_ERROR)
+        return ToolResult(f"error: the command timed out after {timeout:g}s, so {ran.stopped}; "
+                          "the files are as it left them. Run long jobs in steps", TOOL_ERROR)
     out = ran.output
     if ran.printed > len(ran.stdout) + len(ran.stderr):
         out = out[:MAX_TOOL_OUTPUT] + (f"\n[output cut: the command printed {ran.printed} bytes; "
@@ -4259,9 +4544,10 @@ def response_rows(criteria: list[dict[str, Any]], response: str) -> list[dict[st
 
 
 async def sandbox_rows(box: Box, criteria: list[dict[str, Any]], base_dir: str,
-                       timeout: float) -> list[dict[str, Any]]:
+                       timeout: float, clean: bool = False) -> list[dict[str, Any]]:
     """Check a box against verify_sandbox criteria, one row per criterion, as AgentEnv does:
-    probes of paths and reads as root, shell checks as the box's user in ``base_dir``."""
+    probes of paths and reads as root, shell checks as the box's user in ``base_dir`` (``clean``:
+    with nothing the agent planted on the way in)."""
     rows = []
     for n, criterion in enumerate(criteria):
         kind = criterion.get("type")
@@ -4270,14 +4556,14 @@ async def sandbox_rows(box: Box, criteria: list[dict[str, Any]], base_dir: str,
             rows.append({**row, "skipped": True,
                          "justification": f"type {kind!r} not handled by verify_sandbox"})
             continue
-        passed, why = await _criterion(box, criterion, base_dir, timeout)
+        passed, why = await _criterion(box, criterion, base_dir, timeout, clean)
         rows.append({**row, "score": 1.0 if passed else 0.0, "result": passed,
                      "justification": why, "skipped": False})
     return rows
 
 
 async def _criterion(box: Box, criterion: dict[str, Any], base_dir: str,
-                     timeout: float) -> tuple[bool, str]:
+                     timeout: float, clean: bool) -> tuple[bool, str]:
     kind, paths = criterion["type"], criterion.get("paths") or []
     if kind in ("probe_file_exists", "probe_dir_exists"):
         if not paths:
@@ -4308,7 +4594,7 @@ async def _criterion(box: Box, criterion: dict[str, Any], base_dir: str,
     command = criterion.get("bash_cmd")
     if not command:
         return False, "no bash_cmd"
-    ran = await box.run(["bash", "-c", command], timeout, cwd=box.path(base_dir))
+    ran = await box.run(["bash", "-c", command], timeout, cwd=box.path(base_dir), clean=clean)
     if ran.timed_out:
         return False, f"timed out after {timeout:g}s"
     return ran.exit_code == 0, f"exit={ran.exit_code}; stderr={ran.stderr.decode(errors='replace')[:200]}"
@@ -4441,6 +4727,7 @@ class Outcome:
     scores: dict[str, float]
     reward: float | None = None
     failure: Failure | None = None
+    forfeit: str | None = None           # scored 0 because the model's doing ended it: why
 
 
 class Turn:
@@ -4461,7 +4748,7 @@ class Turn:
 
     @property
     def is_open(self) -> bool:
-        return not self.ended.done() and self.episode.stopped is None
+        return not self.ended.done() and not self.episode.over
 
     @property
     def tool_specs(self) -> list[dict[str, Any]]:
@@ -4494,6 +4781,11 @@ class Turn:
             return result
         except EpisodeFailed as exc:
             status = CANCELLED_CALL if exc.failure.kind == SESSION_LOST else ENV_FAILED_CALL
+            raise
+        except asyncio.CancelledError:
+            # Its caller gave up mid-call (its client went away): what the call does may still be
+            # under way, so the episode ends, and its env and box go at once.
+            self.episode.end(f"its client went away during a call to {name}")
             raise
         finally:
             metrics.tool_called(name, status, time.monotonic() - started)
@@ -4536,9 +4828,15 @@ class Turn:
             if stopped := self.episode.stopped:
                 raise EpisodeFailed(f"bash was cut short: the episode was ended, since "
                                     f"{stopped.reason}", SESSION_LOST) from None
-            failure = Failure(PEER_DROP, f"bash failed because the agent's box failed: {exc}")
-            self.episode.end(failure)
-            raise EpisodeFailed(failure) from None
+            if fault := await self.box.fault():
+                failure = Failure(PEER_DROP, f"bash failed because the agent's box failed: {exc}; "
+                                             f"{fault}")
+                self.episode.end(failure)
+                raise EpisodeFailed(failure) from None
+            # the box died of what the model's commands did (its memory): the model's 0
+            self.episode.forfeit(f"the agent's box died under a bash command: {exc}")
+            return ToolResult(f"error: your box died under this command ({exc}), so the episode "
+                              "has ended, and scores 0", TOOL_ERROR)
 
     def _schema(self, name: str) -> Any:
         return next((t.get("inputSchema") for t in self.tools if t.get("name") == name), None)
@@ -4579,6 +4877,8 @@ class Episode:
         self.scores: dict[str, float] = {}
         self.errors: dict[str, str] = {}          # step id -> why it failed (tolerated steps)
         self.system_prompt: str | None = None     # the agent's, as its deploy or a prompt last set it
+        self.played = False                       # a turn has opened: the agent's box is the model's
+        self.forfeits: list[str] = []             # the model's doing that failed tolerated steps
         self.outcome: Outcome | None = None
         self.closed = asyncio.Event()
         self._changed = asyncio.Event()
@@ -4603,6 +4903,11 @@ class Episode:
     def stopped(self) -> Failure | None:
         """Why the episode was ended from outside, once it was."""
         return self._ending.failure if self._ending else None
+
+    @property
+    def over(self) -> bool:
+        """Whether the episode has ended, or been ended (scored, failed, forfeited or abandoned)."""
+        return self.outcome is not None or self._ending is not None
 
     def start(self) -> Episode:
         self._driver = asyncio.create_task(self._drive(), name=f"episode {self.id}")
@@ -4642,6 +4947,12 @@ class Episode:
                 self._ending = Outcome("abandoned", {}, None, Failure(SESSION_LOST, why))
             self._driver.cancel()
 
+    def forfeit(self, reason: str) -> None:
+        """Stop the episode wherever it is, scored 0: the model's own doing broke it (Forfeit)."""
+        if self.outcome is None and self._ending is None and self._driver is not None:
+            self._ending = self._forfeited(reason)
+            self._driver.cancel()
+
     async def abandon(self, reason: str) -> None:
         """End the episode (as ``end``) and wait until it is torn down."""
         self.end(reason)
@@ -4670,6 +4981,10 @@ class Episode:
             if outcome.status == "failed":
                 log.warning("Episode %s of task %r failed: %s", self.id[:8], self.task.name,
                             outcome.failure)
+            if outcome.forfeit:
+                self.runtime.metrics.forfeited()
+                log.info("Episode %s of task %r scores 0, not masked, since the model's own doing "
+                         "ended it: %s", self.id[:8], self.task.name, outcome.forfeit)
             self._signal()
 
     def _closed(self, driver: asyncio.Task) -> None:
@@ -4682,7 +4997,11 @@ class Episode:
 
     def _ended_outcome(self, reason: str) -> Outcome:
         ending = self._ending or Outcome("abandoned", {}, None, Failure(SESSION_LOST, reason))
-        return dataclasses.replace(ending, scores=dict(self.scores))
+        return ending if ending.forfeit else dataclasses.replace(ending, scores=dict(self.scores))
+
+    def _forfeited(self, reason: str) -> Outcome:
+        """The outcome of an episode the model's own doing ended: its reward 0, never masked."""
+        return Outcome("scored", {**self.scores, self.task.reward_step: 0.0}, 0.0, None, reason)
 
     # -- the driver
 
@@ -4694,6 +5013,8 @@ class Episode:
             self._settle(self._score())
         except asyncio.CancelledError:
             self._settle(self._ended_outcome("the episode was cancelled"))
+        except Forfeit as exc:
+            self._settle(self._forfeited(str(exc)))
         except EpisodeFailed as exc:
             self._settle(Outcome("failed", dict(self.scores), None, exc.failure))
         except Exception as exc:                        # noqa: BLE001 - a bug must not leak an env
@@ -4733,10 +5054,14 @@ class Episode:
                 await done[dep].wait()
             try:
                 await self._run_step(step)
-            except EpisodeFailed as exc:
+            except (EpisodeFailed, Forfeit) as exc:
                 if step.fail_task_on_error:     # its dependents never start: the episode ends
+                    if isinstance(exc, Forfeit):
+                        raise Forfeit(f"step {step.id!r} ({step.type}) failed: {exc}") from None
                     raise EpisodeFailed(exc.failure.told(
                         f"step {step.id!r} ({step.type}) failed: ")) from None
+                if isinstance(exc, Forfeit):
+                    self.forfeits.append(f"step {step.id!r} ({step.type}) failed: {exc}")
                 self.errors[step.id] = str(exc)
                 log.info("Episode %s: step %r (%s) failed: %s; going on (fail_task_on_error is "
                          "false).", self.id[:8], step.id, step.type, str(exc).rstrip())
@@ -4752,7 +5077,16 @@ class Episode:
 
     async def _run_step(self, step: Step) -> None:
         try:
-            await self.HANDLERS[step.type](self, step)
+            try:
+                await self.HANDLERS[step.type](self, step)
+            except (BoxFailed, BoxGone) as exc:
+                # Once a turn has begun, the agent's box is the model's: what fails there on what
+                # its commands left is its doing, scored 0; a box the machine lost is masked.
+                if self.played and self._target(step) is self.agent_box is not None:
+                    if fault := await self.agent_box.fault():
+                        raise EpisodeFailed(f"{exc}; {fault}", PEER_DROP) from None
+                    raise Forfeit(f"{exc} (in the agent's box, as its commands left it)") from None
+                raise
         except asyncio.TimeoutError:        # before OSError, of which it is a kind
             raise EpisodeFailed("a call to its env got no answer within its deadline; the env may "
                                 "be stuck or overloaded (its output may say which)",
@@ -4860,16 +5194,35 @@ class Episode:
                 segments.add("")
         return {s: (name,) for s in sorted(segments)} or None
 
-    def _box_of(self, step: Step, default_agent: str | None = DEFAULT_AGENT) -> Box:
-        """The box a step acts in: where its env runs (env_id), a deploy_sandbox's
-        (sandbox_name), else the agent's."""
+    def _target(self, step: Step) -> Box | None:
+        """The box a step acts in, if any: a sandbox's container (container_name, or a unit-test
+        verifier's without agent_name), where its env runs (env_id), a deploy_sandbox's
+        (sandbox_name), else the agent's; a turn's is the agent's."""
+        if step.type == "prompt_agent":
+            return self.agent_box
+        if step.type not in BOX_STEPS:
+            return None
+        if step.get("container_name") or (step.type == "run_container_unit_tests_verifier"
+                                          and not step.get("agent_name")):
+            return self.containers.get((step.get("sandbox_name"), step.get("container_name")))
         if step.get("env_id"):
-            return self.envs[step.get("env_id")].instance.box(step.get("env_id"))
+            env = self.envs.get(step.get("env_id"))
+            return env.instance.box(step.get("env_id")) if env else None
         if step.get("sandbox_name"):
-            return self.boxes[step.get("sandbox_name")]
-        if self.agent_box is None:
-            raise EpisodeFailed(f"agent {step.get('agent_name', default_agent)!r} works in no box")
+            return self.boxes.get(step.get("sandbox_name"))
         return self.agent_box
+
+    def _box_of(self, step: Step, default_agent: str | None = DEFAULT_AGENT) -> Box:
+        """The box a step acts in (``_target``), which must be there."""
+        if (box := self._target(step)) is None:
+            raise EpisodeFailed(f"agent {step.get('agent_name', default_agent)!r} works in no box")
+        return box
+
+    def _the_models(self, box: Box) -> bool:
+        """Whether a step's commands and copies in ``box`` meet what the model's may have left:
+        the agent's box once a turn has begun. There, what a step loads replaces what stood at
+        its destination, and its commands run with nothing the agent planted on the way in."""
+        return self.played and box is self.agent_box
 
     async def _add_skill(self, skill: dict[str, Any]) -> None:
         """Put a skill in the agent's box at ~/skills/<name>/: its SKILL.md (written from an
@@ -4895,7 +5248,8 @@ class Episode:
         if name in self.skills:
             raise EpisodeFailed(f"skill {name!r} is already added; give each skill its own name")
         self.skills.add(name)
-        await self.agent_box.put(files, f"{self.agent_box.home}/skills/{name}")
+        await self.agent_box.put(files, f"{self.agent_box.home}/skills/{name}",
+                                 replace=self._the_models(self.agent_box))
 
     async def _deploy_sandbox(self, step: Step) -> None:
         mode, name = step.get("sandbox_mode"), step.get("sandbox_name")
@@ -4910,18 +5264,19 @@ class Episode:
             await self._add_skill(skill)
 
     async def _load_artifact(self, step: Step) -> None:
-        box = self.containers[(step.get("sandbox_name"), step.get("container_name"))] \
-            if step.get("container_name") else self._box_of(step, None)
+        box = self._box_of(step, None)
         to_agent = not step.get("sandbox_name") and not step.get("env_id")
         dest = box.path(step.get("destination_path") or ("/tmp/file_artifacts" if to_agent
                                                           else "/loaded"))
         names = [a["id"] for a in step.get("artifacts") or []] or [step.get("artifact_id")]
+        replace = self._the_models(box)          # once, before the step's first artifact
         for name in names:
             folder = self.runtime.bundle.artifacts[name]
             files = await asyncio.to_thread(lambda f=folder: {
                 rel: path.read_bytes() for rel, path in artifact_files(f).items()})
             # The agent owns what it is given, so it can edit the repository it is to repair.
-            await box.put(files, dest, agent_owns=to_agent)
+            await box.put(files, dest, agent_owns=to_agent, replace=replace)
+            replace = False
 
     async def _run_code(self, step: Step) -> None:
         box = self._box_of(step)
@@ -4940,33 +5295,37 @@ class Episode:
             inner = env.instance.inner_url
             given["env"] = {"id": env_id, "url": inner,
                             "mcp_url": inner + env.mcp_url[len(env.instance.base_url):]}
+        models = self._the_models(box)
         await box.put({**scripts, "runner.py": RUN_CODE_RUNNER.encode(),
-                       "input.json": json.dumps(given).encode()}, run_dir, agent_owns=False)
+                       "input.json": json.dumps(given).encode()}, run_dir, agent_owns=False,
+                      replace=models)
         timeout = float(step.get("timeout_seconds", 600))
         where = f"run_code {step.id!r}"
         ran = await box.run(["python3", f"{run_dir}/runner.py", run_dir,
-                             step.get("entrypoint", "run"), script], timeout, root=True)
+                             step.get("entrypoint", "run"), script], timeout, root=True,
+                            clean=models)
         if ran.timed_out:
-            raise EpisodeFailed(f"{where}: timed out after {timeout:g}s")
+            raise BoxFailed(f"{where}: timed out after {timeout:g}s")
         if ran.exit_code != 0:
             said = ran.stderr.decode(errors="replace")      # its tail, as the script ended it
-            raise EpisodeFailed(f"{where}: exited {ran.exit_code}: "
-                                f"{said if len(said) <= 4000 else '…' + said[-4000:]}")
+            raise BoxFailed(f"{where}: exited {ran.exit_code}: "
+                            f"{said if len(said) <= 4000 else '…' + said[-4000:]}")
         out = await box.run(["cat", f"{run_dir}/output.json"], 60, root=True,
                             cap=RUN_CODE_RESULT_CAP + 1)
         if out.exit_code != 0:
-            raise EpisodeFailed(f"{where}: wrote no result file: {out.stderr.decode(errors='replace')}")
+            raise BoxFailed(f"{where}: wrote no result file: {out.stderr.decode(errors='replace')}")
         if len(out.stdout) > RUN_CODE_RESULT_CAP:
-            raise EpisodeFailed(f"{where}: result exceeds {RUN_CODE_RESULT_CAP}-byte cap")
+            raise BoxFailed(f"{where}: result exceeds {RUN_CODE_RESULT_CAP}-byte cap")
         try:
             self.script_results[step.get("result_id", step.id)] = json.loads(out.stdout)
         except ValueError as exc:
-            raise EpisodeFailed(f"{where}: result is not valid JSON: {exc}") from None
+            raise BoxFailed(f"{where}: result is not valid JSON: {exc}") from None
 
     async def _verify_sandbox(self, step: Step) -> None:
         box = self._box_of(step)
         rows = await sandbox_rows(box, step.get("criteria", []), step.get("base_dir", "/app"),
-                                  float(step.get("shell_timeout_seconds", 120)))
+                                  float(step.get("shell_timeout_seconds", 120)),
+                                  self._the_models(box))
         self._record(step, [r for r in rows if not r.get("skipped")], rows)
 
     async def _aggregate_verifiers(self, step: Step) -> None:
@@ -5006,10 +5365,8 @@ class Episode:
             raise EpisodeFailed(f"container {name!r} was not ready: {ready!r} failed for 120s")
 
     async def _run_container_unit_tests_verifier(self, step: Step) -> None:
-        if step.get("agent_name"):
-            box = self._box_of(step)
-        else:
-            box = self.containers[(step.get("sandbox_name"), step.get("container_name"))]
+        box = self._box_of(step)
+        clean = self._the_models(box)
         user, name = step.get("user", "root"), step.get("verifier_id", step.id)
         if user not in ("root", box.user):
             raise EpisodeFailed(f"user {user!r} is not one box {box.name!r} has; use root or "
@@ -5018,9 +5375,9 @@ class Episode:
         env = {**self._seed_env(env), **env}
         timeout = float(step.get("timeout_sec", 300))
         for command in self._quoted(step, "setup_commands"):
-            ran = await box.run(["bash", "-c", command], timeout, root=root, env=env)
+            ran = await box.run(["bash", "-c", command], timeout, root=root, env=env, clean=clean)
             if ran.timed_out or ran.exit_code != 0:
-                raise EpisodeFailed(f"Verifier {name!r}: setup command {command!r} "
+                raise BoxFailed(f"Verifier {name!r}: setup command {command!r} "
                                     f"{'timed out' if ran.timed_out else f'exited {ran.exit_code}'}: "
                                     f"{short(ran.output, 1500)}")
         reward_path = step.get("reward_path")
@@ -5029,9 +5386,11 @@ class Episode:
         if reward_path:
             await box.run(["rm", "-f", box.path(reward_path, "/")], 30, root=root)
         ran = await box.run(["bash", "-c", self._quoted(step, "command")], timeout, root=root,
-                            env=env)
+                            env=env, clean=clean)
         if ran.timed_out:       # recorded as AgentEnv's `timeout` reports it
             ran = dataclasses.replace(ran, exit_code=TIMED_OUT_EXIT)
+        if clean and not root:  # nothing the tested code started may write the results it reads
+            await box.stop_all()
         extracted: dict[str, Any] = {}
         for path in [*step.get("result_paths", []), *([reward_path] if reward_path else [])]:
             got = await box.run(["cat", box.path(path, "/")], 60, root=True)
@@ -5047,11 +5406,13 @@ class Episode:
             "exit_code": ran.exit_code, "timed_out": ran.timed_out,
             "stdout_head": ran.stdout[:500].decode(errors="replace"),
             "stderr_head": ran.stderr[:500].decode(errors="replace"), "extracted_files": extracted}
+        # Its score is kept; the step fails as AgentEnv's does, and the tests that failed or hung
+        # are the model's doing wherever they ran: a 0, never a masked rollout.
         if ran.timed_out:
-            raise EpisodeFailed(f"Verifier {name!r} timed out after {timeout:g}s")
+            raise Forfeit(f"Verifier {name!r} timed out after {timeout:g}s")
         if ran.exit_code != 0 and not reward_path:
-            raise EpisodeFailed(f"Verifier {name!r} exited {ran.exit_code}; stderr (last 1500 "
-                                f"chars):\n{ran.stderr.decode(errors='replace')[-1500:]}")
+            raise Forfeit(f"Verifier {name!r} exited {ran.exit_code}; stderr (last 1500 "
+                          f"chars):\n{ran.stderr.decode(errors='replace')[-1500:]}")
 
     def _seed_env(self, env: dict[str, str]) -> dict[str, str]:
         """The episode's seed as environment variables for a unit-test verifier, as AgentEnv
@@ -5115,7 +5476,7 @@ class Episode:
             self.system_prompt = step.get("system_prompt") or self.system_prompt or \
                 agent.get("system_prompt")
             turn = Turn(self, step, step.get("prompt"), self.system_prompt, tools, route, box)
-            self.turn = turn
+            self.turn, self.played = turn, True
             self._signal()
             timeout = float(step.get("timeout_seconds", 600))
             try:
@@ -5124,6 +5485,10 @@ class Episode:
                 turn.end(None)       # over for the caller too, even if the task goes on
                 raise EpisodeFailed(f"turn {step.id!r} was not ended within {timeout:g}s (its "
                                     "prompt_agent step's timeout_seconds)") from None
+            # Once the turn ends, nothing of the agent's runs on: not a background job, nor one
+            # that would rewrite what the steps after it load or check.
+            if box is not None:
+                await box.stop_all()
             self.replies[step.get("prompt_id") or step.id] = reply
         finally:
             await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
@@ -5183,6 +5548,8 @@ class Episode:
 
     def _score(self) -> Outcome:
         step = self.task.reward_step
+        if step not in self.scores and self.forfeits:   # the model's doing kept it from a score
+            return self._forfeited(self.forfeits[0])
         if step not in self.scores:
             why = self.errors.get(step, "it did not run")
             return Outcome("failed", dict(self.scores), None, Failure(
@@ -5567,6 +5934,21 @@ class WarmPool:
         await asyncio.gather(*set(self._removals), return_exceptions=True)
 
 
+MIB = 1 << 20
+
+
+def episode_memory(task: Task) -> int:
+    """The most memory (MiB) one episode of a task may hold in the Docker sandbox: its boxes'
+    limits (a step's memory_mb, else BOX_MEMORY_MB) and its envs' where a deploy_env sets one."""
+    total = 0
+    for step in task.steps:
+        boxed = step.type in ("deploy_sandbox", "run_docker_container") or (
+            step.type == "deploy_agent" and task.sandboxed)
+        if boxed or (step.type == "deploy_env" and step.get("memory_mb")):
+            total += int(step.get("memory_mb") or BOX_MEMORY_MB)
+    return total
+
+
 class Runtime:
     """What every episode of a served bundle shares: the bundle, the sandbox, the pool, one HTTP
     client, the loaded verifiers, and the set of live episodes (so shutdown can end them all)."""
@@ -5615,6 +5997,8 @@ class Runtime:
         await self.sandbox.prepare(list(self.bundle.envs.values()))
         if self.bundle.boxed:
             await self.sandbox.prepare_box()
+        if isinstance(self.sandbox, DockerSandbox):
+            self._weigh_memory(await self.sandbox.memory())
         # MCP keeps its session in a header; a cookie jar would only cost every call its upkeep.
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False),
                                           cookie_jar=aiohttp.DummyCookieJar(),
@@ -5627,6 +6011,23 @@ class Runtime:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
+
+    def _weigh_memory(self, machine: int | None) -> None:
+        """Say once, at start, when the pool's episodes may together hold more memory in their
+        boxes and containers (by their limits) than the Docker host has: past it, the host's
+        OOM killer picks among them, not each one's own limit."""
+        if not machine:
+            return
+        need, task = max((episode_memory(t), t.name) for t in self.bundle.tasks.values())
+        total = need * self.pool.limit
+        if total * MIB > machine:
+            fits = max(1, machine // (need * MIB))
+            log.warning("Up to %d episodes run at once, and each may hold %s MiB in its boxes and "
+                        "containers (by the limits of task %r): %.1f GiB in all, more than the "
+                        "%.1f GiB the Docker host has, so a full pool can run the host out of "
+                        "memory. Lower %s to %d, or give the boxes less (the memory_mb of "
+                        "deploy_agent, deploy_sandbox and deploy_env steps).", self.pool.limit,
+                        f"{need:,}", task, total / 1024, machine / (1 << 30), self.pool.knob, fits)
 
     def episode(self, task: Task, seed: dict[str, Any] | None = None, split: str = "all") -> Episode:
         """Start an episode of a task (played from ``split``); it waits for a slot, then deploys."""
@@ -5759,20 +6160,47 @@ async def accept_socket(request: Any) -> Any:
     return socket_
 
 
+class Inbox(asyncio.Queue):
+    """A socket's frames as read_ahead reads them (None once it closes), and whether it has."""
+
+    def __init__(self, backlog: int):
+        super().__init__(backlog)
+        self.closed = asyncio.Event()
+
+    async def while_open(self, answer: Any) -> Any:
+        """Answer a frame unless the socket closes first: a client gone mid-call cancels the
+        answer, so the call stops and its session ends at once (ConnectionResetError), instead of
+        holding its box and slot until the call would have ended."""
+        answering = asyncio.ensure_future(answer)
+        closing = asyncio.ensure_future(self.closed.wait())
+        try:
+            await asyncio.wait({answering, closing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+            if not answering.done():
+                answering.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await answering
+        if answering.cancelled():
+            raise ConnectionResetError("the client closed its socket during a call")
+        return answering.result()
+
+
 @contextlib.asynccontextmanager
-async def read_ahead(socket_: Any, backlog: int = 16) -> AsyncIterator[asyncio.Queue]:
-    """A socket's frames in a queue (None once it closes), read by a task of their own: while
-    its handler is busy with one frame (a reset that deploys for a minute), the client's pings
-    are still answered and its close still seen, as OpenEnv's own server does. aiohttp answers a
-    ping only inside ``receive``; without this, a websockets client (20 s pings, 20 s to answer)
-    drops a session whose reset outlasts 40 s."""
-    inbox: asyncio.Queue = asyncio.Queue(backlog)   # a client that floods waits, as before
+async def read_ahead(socket_: Any, backlog: int = 16) -> AsyncIterator[Inbox]:
+    """A socket's frames in an Inbox, read by a task of their own: while its handler is busy
+    with one frame (a reset that deploys for a minute), the client's pings are still answered
+    and its close still seen, as OpenEnv's own server does. aiohttp answers a ping only inside
+    ``receive``; without this, a websockets client (20 s pings, 20 s to answer) drops a session
+    whose reset outlasts 40 s."""
+    inbox = Inbox(backlog)                          # a client that floods waits, as before
 
     async def read() -> None:
         try:
             async for message in socket_:
                 await inbox.put(message)
         finally:
+            inbox.closed.set()
             await inbox.put(None)
     reader = asyncio.create_task(read())
     try:
@@ -6221,10 +6649,10 @@ class OpenEnvSession:
             return envelope({"metadata": {**prompt, "task": self.where}})
         if isinstance(played, Outcome) and played.failure is None:
             # The score in the result too: a client that reads only call_tool's result sees it.
-            result = {"done": True, "reward": played.reward, "scores": played.scores} \
-                if tool_name else None
-            return envelope({**called, "result": result,
-                             "metadata": {"scores": played.scores, "task": self.where}},
+            result = {"done": True, "reward": played.reward, "scores": played.scores,
+                      **forfeit_of(played)} if tool_name else None
+            return envelope({**called, "result": result, "metadata": {
+                "scores": played.scores, "task": self.where, **forfeit_of(played)}},
                             played.reward, True)
         return self._error(played.failure if isinstance(played, Outcome) else played, tool_name)
 
@@ -6241,7 +6669,8 @@ class OpenEnvSession:
             data = {"prompt": played.prompt, "system_prompt": played.system_prompt}
             return {"jsonrpc": "2.0", "id": rid, "result": {"data": data}}
         if isinstance(played, Outcome) and played.failure is None:
-            data = {"done": True, "reward": played.reward, "scores": played.scores}
+            data = {"done": True, "reward": played.reward, "scores": played.scores,
+                    **forfeit_of(played)}
             return {"jsonrpc": "2.0", "id": rid, "result": {"data": data}}
         return rpc_error(rid, -32603, str(played.failure if isinstance(played, Outcome) else played))
 
@@ -6262,6 +6691,12 @@ class OpenEnvSession:
 # What a play of an OpenEnv session gives: a tool's result, the next turn, the scored outcome, the
 # environment's failure, or a refusal of what was asked (a caller's mistake, in words).
 Played = ToolResult | Turn | Outcome | Failure | str
+
+
+def forfeit_of(outcome: Outcome) -> dict[str, str]:
+    """Why a scored episode's reward is 0 when the model's own doing ended it, for each wire to
+    carry beside the score (nothing for any other)."""
+    return {"forfeit": outcome.forfeit} if outcome.forfeit else {}
 
 
 def tool_content(result: ToolResult) -> dict[str, Any]:
@@ -6512,7 +6947,7 @@ class OpenEnvSurface:
                         except ValueError as exc:
                             await socket_.send_json(rpc_error(None, -32700, f"Parse error: {exc}"))
                             continue
-                        await socket_.send_json(await self.rpc(request_, session))
+                        await socket_.send_json(await inbox.while_open(self.rpc(request_, session)))
         except ConnectionError:                 # the client left before a reply: frames are read
             pass                                # ahead, so before any of them, not only a call's
         finally:
@@ -6554,7 +6989,7 @@ class OpenEnvSurface:
                     if message.type != aiohttp.WSMsgType.TEXT:
                         continue
                     async with session.lease.using():
-                        reply = await self._answer(session, message.data)
+                        reply = await inbox.while_open(self._answer(session, message.data))
                     if reply is None:
                         break
                     await socket_.send_json(reply)
@@ -7142,7 +7577,7 @@ class Verdict:
             return cls(digest(reply), {}, failure)
         return cls(digest(reply), {"reward": float(outcome.reward), "mask_sample": False,
                                    "failure_kind": None, "failure_reason": None,
-                                   "scores": outcome.scores})
+                                   "scores": outcome.scores, **forfeit_of(outcome)})
 
     def reply(self, body: dict[str, Any]) -> dict[str, Any]:
         return masked(body, self.failure, quiet=True) if self.failure else {**body, **self.fields}
@@ -7812,8 +8247,11 @@ class Server:
                  token: str | None = None):
         from aiohttp import web
         self.runtime, self.settings, self.host, self.port = runtime, settings, host, port
+        # A request whose client goes away is cancelled (however the app is run): a call under
+        # way stops, and its episode ends, instead of holding its box and slot to the end.
         self.app = web.Application(client_max_size=MAX_BODY, middlewares=[
-            json_errors(), *([bearer_token(token)] if token else [])])
+            json_errors(), *([bearer_token(token)] if token else [])],
+            handler_args={"handler_cancellation": True})
         sessions = Sessions(runtime.pool.limit if runtime else settings.max_concurrent_envs)
         self.metrics = runtime.metrics if runtime else Metrics()
         self.metrics.watch("agentenv_sessions", "Live sessions, by wire", sessions.by_wire, "wire")

@@ -1045,3 +1045,45 @@ def remove_quietly(containers: Iterable[Any]) -> None:
     for container in containers:
         with contextlib.suppress(Exception):
             container.remove(force=True)
+
+
+def started_here(owner: str) -> bool:
+    """Whether a container's owner (``host:pid:start``) is this test process or a process it
+    started (a serve of a test): other runs on the machine have boxes of their own, never ours to
+    judge."""
+    host, _, rest = owner.partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    seen = int(pid)
+    while seen > 1:
+        if seen == os.getpid():
+            return True
+        try:
+            seen = int(Path(f"/proc/{seen}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
+
+
+def boxes_of(docker_client: Any, pid: int) -> list:
+    """The boxes a server of ours (its pid) labelled, alive or not: other runs' boxes left out."""
+    return [c for c in labelled(docker_client, "agentenv.box")
+            if c.labels.get("agentenv.owner", "").split(":")[1:2] == [str(pid)]]
+
+
+async def box_of(gym: Gym, boxes: Any) -> Any:
+    """The box a Gym rollout works in, of ``boxes`` (or of what ``boxes()`` lists once the
+    rollout's bash has run, so its box exists): the one where a marker its bash writes shows up
+    (None if none)."""
+    marker = f"mark-{time.monotonic_ns()}"
+    await gym.call("bash", command=f"echo {marker} > /tmp/marker")
+    for box in (boxes() if callable(boxes) else boxes):
+        try:
+            ran = await asyncio.to_thread(box.exec_run, ["cat", "/tmp/marker"])
+        except Exception:                   # noqa: BLE001 - a box already removed
+            continue
+        if ran.output.decode().strip() == marker:
+            return box
+    return None
+
