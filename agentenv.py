@@ -2163,7 +2163,8 @@ class LocalSandbox(Sandbox):
     async def prepare_box(self) -> None:
         log.warning("The agent's boxes are work folders on this machine (--sandbox local): its "
                     "bash commands and the bundle's code run here, as this user, isolated from "
-                    "nothing. Serve only bundles you trust so, or use --sandbox docker.")
+                    "nothing, and a model can forge its reward. Serve only bundles and models you "
+                    "trust so (a scripted baseline), or use --sandbox docker to train.")
 
     async def open_box(self, episode: str, name: str, limits: dict[str, Any],
                        image: str | None = None, network: dict[str, tuple[str, ...]] | None = None,
@@ -2803,11 +2804,12 @@ class DockerSandbox(Sandbox):
             "/home/agent": f"size={max(16, memory // 16)}m,uid=1000,gid=1000,mode=0755",
             "/tmp": f"size={max(16, memory // 8)}m,mode=1777",
             "/var/tmp": f"size={max(16, memory // 32)}m,mode=1777"})
-        # Our own box's first process is its keeper, root's (so nothing of the agent's can kill
-        # it or write to its output), with the one capability it needs to stop the agent's.
+        # Our own box's first process is its keeper, root's and the box's init (so nothing in the
+        # box can kill it, not even root, nor write to its output), with the one capability it
+        # needs to stop the agent's; it reaps the orphans, as an init does.
         if own:
             own.update(user="0", command=["bash", "-c", BOX_KEEPER, KEEPER_NAME], stdin_open=True,
-                       cap_add=["KILL"])
+                       cap_add=["KILL"], init=False)
         if share is not None:
             where: dict[str, Any] = {"network_mode": f"container:{share.container.id}"}
         elif network:
@@ -2819,8 +2821,8 @@ class DockerSandbox(Sandbox):
                          aliases=list(aliases))}}
         else:
             where = {"network_mode": "none", "hostname": "box"}
-        return dict(**own, **where,
-            image=image, detach=True, init=True,
+        return dict(**{"init": True, **own}, **where,
+            image=image, detach=True,
             labels={"agentenv.owner": self.owner, "agentenv.episode": episode,
                     "agentenv.box": name},
             # no log on the host: nothing a box prints can fill its disk
@@ -2909,10 +2911,11 @@ WORKDIR /app
 USER agent
 CMD ["sleep", "infinity"]
 """
-# The first process of our own box (under its init), root's, with CAP_KILL and nothing else: on
-# SIGUSR1 (Docker's kill, which the init passes on) it stops every other process of the box with one
-# kill(-1), which the kernel makes atomic against forks (a fork bomb can't outrun it), with nothing
-# forked (a box out of processes can't refuse it). It waits by reading a stdin no one writes to.
+# The first process of our own box, its init, root's, with CAP_KILL and nothing else: on SIGUSR1
+# (Docker's kill, from outside) it stops every other process of the box with one kill(-1), which the
+# kernel makes atomic against forks (a fork bomb can't outrun it), with nothing forked (a box out of
+# processes can't refuse it). As the init of its pid namespace it takes no signal from inside it but
+# those it handles, so not even root there can kill it. It waits on a stdin no one writes to.
 KEEPER_NAME = "agentenv-keeper"
 BOX_KEEPER = r"""trap 'kill -KILL -1' USR1
 trap '' TERM INT HUP QUIT PIPE
@@ -3095,6 +3098,7 @@ class DockerBox(Box):
         self.user = user or "root"
         self.exec_user = user          # None: the image's own user, in its own working folder
         self.keeper = user is not None
+        self.opening: set[asyncio.Future] = set()   # commands the daemon is starting
         if user is None:
             self.workdir = ((container.attrs or {}).get("Config") or {}).get("WorkingDir") or "/"
 
@@ -3112,6 +3116,8 @@ class DockerBox(Box):
         opened = asyncio.ensure_future(self.sandbox.call(
             self._open, argv, user or "", workdir, environment, stdin is not None,
             timeout=timeout + 5))
+        self.opening.add(opened)
+        opened.add_done_callback(self.opening.discard)
         reading: asyncio.Future | None = None
         stream: Any = None
         try:
@@ -3205,6 +3211,8 @@ class DockerBox(Box):
         left: list[str] = []
         try:
             async with asyncio.timeout(STOP_DEADLINE):
+                if self.opening:        # a command the daemon is starting now is stopped too
+                    await asyncio.wait(set(self.opening))
                 while True:
                     await self.sandbox.urgent(self.container.kill, signal="SIGUSR1", timeout=10)
                     if not (left := await self._agents_processes()):
@@ -4740,6 +4748,7 @@ class Turn:
         self.prompt, self.system_prompt = prompt, system_prompt
         self.tools, self.route = tools, route
         self.box = box                       # the agent's box, where its bash runs (route None)
+        self.commands: set[asyncio.Task] = set()   # its bash commands under way
         self.ended: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     @property
@@ -4822,8 +4831,17 @@ class Turn:
         limit = self.episode.runtime.bash_timeout
         if timeout:
             limit = min(limit, max(0.5, timeout - min(5.0, timeout / 5)))
+        # the command in a task of the turn's, so that the turn's end stops it (stop_commands)
+        command = asyncio.ensure_future(run_bash(self.box, arguments, limit))
+        self.commands.add(command)
+        command.add_done_callback(self.commands.discard)
         try:
-            return await run_bash(self.box, arguments, limit)
+            return await command
+        except asyncio.CancelledError:
+            if command.cancelled() and not asyncio.current_task().cancelling():
+                return ToolResult("error: the turn ended while this command ran, so it was stopped",
+                                  TOOL_ERROR)
+            raise
         except BoxGone as exc:
             if stopped := self.episode.stopped:
                 raise EpisodeFailed(f"bash was cut short: the episode was ended, since "
@@ -4840,6 +4858,12 @@ class Turn:
 
     def _schema(self, name: str) -> Any:
         return next((t.get("inputSchema") for t in self.tools if t.get("name") == name), None)
+
+    async def stop_commands(self) -> None:
+        """Stop the bash commands still under way (the turn has ended: none starts after)."""
+        for command in self.commands:
+            command.cancel()
+        await asyncio.gather(*self.commands, return_exceptions=True)
 
     def end(self, response: str | None) -> None:
         """End the turn with the agent's reply; the episode goes on to its next step."""
@@ -5488,6 +5512,7 @@ class Episode:
             # Once the turn ends, nothing of the agent's runs on: not a background job, nor one
             # that would rewrite what the steps after it load or check.
             if box is not None:
+                await turn.stop_commands()
                 await box.stop_all()
             self.replies[step.get("prompt_id") or step.id] = reply
         finally:

@@ -2848,6 +2848,28 @@ def test_after_the_turn_a_load_replaces_what_stood_and_checks_run_with_nothing_p
     assert (outcome.status, outcome.scores, outcome.forfeit) == ("scored", {"tests-ran": 1.0}, None)
 
 
+def test_a_command_under_way_when_its_turn_ends_is_stopped_and_said_so(make_bundle):
+    """The turn ends while a bash command runs (its caller still waiting): the command is stopped
+    before any step after the turn, and its caller reads why; the episode is scored."""
+    bundle = Bundle.load(make_bundle({"t": played_in_a_box(unit_tests("true"))},
+                                     envs=(), artifacts=(), files=REPO_FILES))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["t"])
+            turn = await ep.next_turn()
+            call = asyncio.ensure_future(turn.call("bash", {"command": "sleep 30"}))
+            await asyncio.sleep(0.5)
+            started = time.monotonic()
+            turn.end("done")
+            said = await call
+            return said, time.monotonic() - started, await ep.result()
+    said, took, outcome = run(go())
+    assert said == agentenv.ToolResult("error: the turn ended while this command ran, so it was "
+                                       "stopped", agentenv.TOOL_ERROR)
+    assert took < 5 and outcome.scores == {"tests-ran": 1.0}
+
+
 def test_a_call_whose_caller_gives_up_ends_its_episode_at_once(make_bundle):
     """The caller of a bash call is cancelled mid-call (its client went away): the command is
     killed, and the episode ends then, abandoned, saying so, its slot free."""
