@@ -16,12 +16,14 @@ The file reads top to bottom in the order data flows; a section uses only the se
 3. Sandbox              where an env runs (a Docker container on a network that reaches nothing
                         it should not, a local process, or either of those on the Ray node a
                         placement group picked), and the boxes the agent works in with bash
-                        (a container of its own, or a work folder).
+                        (a container of its own, whose keeper stops every process of the agent's
+                        at a turn's end and a command's deadline; or a work folder).
 4. Env client           an MCP client on aiohttp, readiness, the env's card and extensions; bash.
 5. Verifiers            the verifier kinds (an env's outcome, a reply, a box's state, unit tests)
                         and AgentEnv's score aggregators.
 6. Episode              one play of a task: its steps as a graph (a handler per step type), its
-                        turns, its outcome.
+                        turns, its outcome; what the model does to its own box is its 0 (a
+                        Forfeit), never a mask.
 7. Pool and runtime     the semaphore that bounds live episodes, the boot gate, the warm pool
                         of envs ready ahead of demand, the runtime.
 8. Plumbing             what both wires share: HTTP helpers, the JSON reader, the bearer token,

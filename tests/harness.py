@@ -43,7 +43,9 @@ What is here, and which suite uses it:
   test_metrics, test_openenv), ``one_turn_task`` and ``resources_config`` (test_faults,
   test_gym_surface, test_metrics), ``read_jsonl`` / ``write_jsonl`` (test_gym_real,
   test_gym_surface, tests/gym), and ``labelled`` / ``remove_quietly`` for Docker containers
-  (test_docker, test_faults, test_isolation, test_warm).
+  (test_docker, test_faults, test_isolation, test_warm); ``started_here`` (a container's owner is
+  this run), ``boxes_of`` (a server's boxes) and ``box_of`` (the box a Gym rollout works in):
+  test_agent_sandbox, test_adversary.
 
 A server runs as ``sys.executable`` (signals to pyenv's ``python`` shim never reach the server), in
 a session of its own, with its own AGENTENV_STATE_DIR, so its env processes can be found by that

@@ -19,7 +19,9 @@ as a Gym rollout beside an honest sibling that fixes it and must still score 1.0
   sibling deploys, plays and scores in time;
 * a machine it cannot fill: a flood into the box's first process's output and its own leaves the
   host's disk as it was, within a few MiB;
-* a client gone mid-call: its box is removed within seconds, over /ws and the Gym wire.
+* a client gone mid-call: its box is removed within seconds, over /ws and the Gym wire;
+* a verifier that runs the model's code as root: that code kills every process it can, and the box
+  still stands (its keeper is its init): 0, never masked.
 
 The Gym verify, the OpenEnv observation and /metrics agree on each: scored 0, not masked (and a
 forfeit says why). Docker is needed (skipped with the reason without it; required in CI).
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import time
@@ -126,10 +129,10 @@ def row() -> dict:
     return gym_row(loaded, index, "all", TOOLS)
 
 
-async def honest(server, http) -> tuple[dict, float]:
+async def honest(server, http, its_row: dict | None = None) -> tuple[dict, float]:
     """The sibling: seeds, fixes the module, checks, verifies; its verify and how long it took."""
     started = time.monotonic()
-    gym = Gym(server, row(), http)
+    gym = Gym(server, its_row or row(), http)
     await gym.seed()
     assert (await gym.call("bash", command=fix())).status == 200
     checked = await gym.call("bash", command=NAIVE)
@@ -393,3 +396,32 @@ def test_a_client_gone_mid_call_has_its_box_removed_within_seconds(tmp_path, no_
         gym_took, (verdict, _) = run(gym_gives_up(), 300)
     assert ws_took < 15 and gym_took < 15, (ws_took, gym_took)
     assert (verdict["reward"], verdict["mask_sample"]) == (1.0, False)
+
+
+# ================================================================ root in the box
+
+def test_code_run_as_root_in_the_box_cannot_bring_it_down(tmp_path, no_box_left, docker_client):
+    """A bundle whose verifier runs the tests as root (the unit-test verifier's default user): the
+    model plants a test that, as root, kills the box's first process and every other one. The
+    keeper is the box's init, which takes no signal from inside the box but those it handles: the
+    box stands, the verifier's own processes die, and the rollout scores 0, not masked."""
+    root = tmp_path / "pyfix-root"
+    shutil.copytree(PYFIX, root, ignore=shutil.ignore_patterns("__pycache__"))
+    task = root / "tasks" / f"{TASK}.json"
+    steps = [s for s in json.loads(task.read_text()) if s["id"] != "judge"]
+    steps[-1].update(user="root", command="python3 -m unittest discover -s tests")
+    task.write_text(json.dumps(steps))
+    loaded = agentenv.Bundle.load(root)
+    index = [t.name for t in loaded.splits["all"]].index(TASK)
+    with serving(root, tmp_path / "served", sandbox="docker") as server:
+        async def play():
+            async with client(240) as http:
+                gym = Gym(server, gym_row(loaded, index, "all", TOOLS), http)
+                await gym.seed()
+                await gym.call("bash", command="printf 'import os\\nos.kill(1, 9)\\nos.system(\"kill -9 -1\")\\n'"
+                                               " > tests/test_000.py")
+                return (await gym.verify("Done.")).json(), (await honest(server, http, gym.row))[0]
+        verdict, sibling = run(play(), 300)
+    assert (verdict["reward"], verdict["mask_sample"], verdict.get("failure_kind")) == (0.0, False, None)
+    assert (sibling["reward"], sibling["mask_sample"]) == (1.0, False), sibling
+
