@@ -288,6 +288,10 @@ def test_bash_in_the_agents_box_answers_as_the_spec_measured(tmp_path, no_box_le
             assert (await turn.call("bash", {})).text == "tool 'bash' takes a command string, not None"
             extra = await turn.call("bash", {"command": "echo extra", "timeout": 5})
             assert extra.text == "extra\n"
+            # past 128 KiB, an argument Linux refuses: the command goes on stdin, and runs as with -c
+            long = await turn.call("bash", {"command": "x='" + "a" * 300_000 + "'; echo ${#x} $0; "
+                                                       "read y; echo [$y]\n\n"})
+            assert long.text == "300000 bash\n[]\n", long.text[:200]
             killed = await turn.call("bash", {"command": "kill -9 $$"})
             assert killed.text == "exit code 137" and killed.is_error    # Docker's code for -9
             started = time.monotonic()
@@ -757,7 +761,13 @@ def test_boxes_go_with_their_episode_and_a_killed_servers_boxes_are_swept(tmp_pa
             assert len(mine) == 1 and mine[0].attrs["HostConfig"]["NetworkMode"] == "none"
             host = mine[0].attrs["HostConfig"]
             assert host["CapDrop"] == ["ALL"] and host["PidsLimit"] == agentenv.BOX_PIDS_LIMIT
-            assert host["Memory"] == agentenv.BOX_MEMORY_MB * 2**20 and host["Init"] is True
+            # its keeper is its init, root's, with CAP_KILL alone; the agent has no capability
+            assert host["CapAdd"] == ["KILL"] and not host["Init"] and host["ReadonlyRootfs"]
+            assert host["LogConfig"]["Type"] == "none"
+            assert mine[0].attrs["Config"]["User"] == "0"
+            agents = mine[0].exec_run(["grep", "Cap", "/proc/self/status"], user="agent").output.decode()
+            assert "CapEff:\t0000000000000000" in agents and "CapPrm:\t0000000000000000" in agents
+            assert host["Memory"] == agentenv.BOX_MEMORY_MB * 2**20
             assert mine[0].image.tags[0].startswith("agentenv-box/agent:")
             first.kill()                            # SIGKILL: no teardown
     finally:
