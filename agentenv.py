@@ -1930,10 +1930,10 @@ class Sandbox(abc.ABC):
 
     async def open_box(self, episode: str, name: str, limits: dict[str, Any],
                        image: str | None = None, network: dict[str, tuple[str, ...]] | None = None,
-                       share: Box | None = None) -> Box:
-        """Open a box for an episode: the agent's, or a deploy_sandbox's (``image``: its own).
-        With no ``network`` it is on none; else on those segments of its episode's network
-        ("" the first), by those names; or it shares the network of box ``share``."""
+                       share: Box | None = None, agents: bool = False) -> Box:
+        """Open a box for an episode: the agent's (``agents``), or a deploy_sandbox's (``image``:
+        its own). With no ``network`` it is on none; else on those segments of its episode's
+        network ("" the first), by those names; or it shares the network of box ``share``."""
         raise EpisodeFailed(f"the {self.kind or 'this'} sandbox runs no boxes, and box {name!r} is "
                             "one; serve with --sandbox docker (or local)", PROVIDER_UNAVAILABLE)
 
@@ -2170,7 +2170,7 @@ class LocalSandbox(Sandbox):
 
     async def open_box(self, episode: str, name: str, limits: dict[str, Any],
                        image: str | None = None, network: dict[str, tuple[str, ...]] | None = None,
-                       share: Box | None = None) -> Box:
+                       share: Box | None = None, agents: bool = False) -> Box:
         # (a folder on this machine: on its network, as everything here)
         if image:
             raise EpisodeFailed(f"box {name!r} runs the image {image!r}, and the local sandbox runs "
@@ -2838,7 +2838,7 @@ class DockerSandbox(Sandbox):
 
     async def open_box(self, episode: str, name: str, limits: dict[str, Any],
                        image: str | None = None, network: dict[str, tuple[str, ...]] | None = None,
-                       share: Box | None = None) -> Box:
+                       share: Box | None = None, agents: bool = False) -> Box:
         own = image is None
         if own:
             image = self.images[""] = self.images.get("") or await self.box_image()
@@ -2864,7 +2864,7 @@ class DockerSandbox(Sandbox):
 
         container = await self.created(create_and_start, lambda made: made, f"box {name!r}",
                                        "did not start")
-        return DockerBox(self, container, name, "agent" if own else None)
+        return DockerBox(self, container, name, "agent" if own else None, agents)
 
     async def remove(self, container: Any) -> None:
         """Force-remove a container; retried, and reported if it still stands."""
@@ -2953,7 +2953,7 @@ class BoxGone(AgentEnvError):
 class BoxFailed(EpisodeFailed):
     """A step's command or copy in a box failed on what the box holds (a folder full or made
     unreadable, a command that hangs or exits non-zero) or on the bundle's own mistake. In the
-    agent's box once its turn has begun, that is the model's doing (Episode._blamed)."""
+    agent's box once its turn has begun, that is the model's doing (Episode._run_step)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -3090,16 +3090,20 @@ class DockerBox(Box):
     """A box that is a container of its own: no network, every capability dropped, bounded
     processes and memory; each command a ``docker exec``, its output read as it comes on a thread
     of its own (holding none of the daemon's slots). Our own box (not a bundle's image) has a
-    keeper for its first process, which stops every process of the agent's at once."""
+    keeper for its first process, which in the agent's box stops every process of the agent's at
+    once."""
 
     kind = "docker"
 
-    def __init__(self, sandbox: DockerSandbox, container: Any, name: str, user: str | None = "agent"):
+    def __init__(self, sandbox: DockerSandbox, container: Any, name: str, user: str | None = "agent",
+                 agents: bool = False):
         super().__init__(name)
         self.sandbox, self.container = sandbox, container
         self.user = user or "root"
         self.exec_user = user          # None: the image's own user, in its own working folder
-        self.keeper = user is not None
+        # the played agent's box (our own image, with its keeper): a deadline of its user's
+        # commands stops every process of the agent's, and so does the end of a turn
+        self.agents = agents and user is not None
         self.opening: set[asyncio.Future] = set()   # commands the daemon is starting
         if user is None:
             self.workdir = ((container.attrs or {}).get("Config") or {}).get("WorkingDir") or "/"
@@ -3193,7 +3197,7 @@ class DockerBox(Box):
         the agent's commands in our own box, every process of the agent's (however it was
         started, nothing can escape that); else the processes that carry the call's marker. Then
         let its output end, or cut it. What was stopped, in a phrase the model reads."""
-        if self.keeper and not root:
+        if self.agents and not root:
             await self.stop_all()
             said = ("every process of yours in the box was stopped: the command, all it started, "
                     "and anything left running in the background")
@@ -3207,7 +3211,7 @@ class DockerBox(Box):
     async def stop_all(self) -> None:
         """Stop every process of the agent's: the keeper kills all but itself and the init, again
         while ``docker top`` still shows one of the agent's, within STOP_DEADLINE."""
-        if not self.keeper:             # a bundle's image: the agent has no processes there
+        if not self.agents:             # no box of the agent's: it has no processes there
             return
         import docker.errors
         left: list[str] = []
@@ -5186,17 +5190,19 @@ class Episode:
             name, vm = step.get("agent_name", DEFAULT_AGENT), step.get("sandbox_name")
             # Placed on a VM-mode sandbox, its box is a container there, beside the sandbox's
             # own: on the sandbox's network, where it reaches the sandbox and its containers.
-            self.agent_box = await self._open_box(name, step, network={"": (name,)} if vm else None)
+            self.agent_box = await self._open_box(name, step, network={"": (name,)} if vm else None,
+                                                  agents=True)
             for skill in step.get("skills") or []:
                 await self._add_skill(skill)
 
     async def _open_box(self, name: str, step: Step, image: str | None = None,
                         network: dict[str, tuple[str, ...]] | None = None,
-                        share: Box | None = None) -> Box:
+                        share: Box | None = None, agents: bool = False) -> Box:
         limits = {k: step.get(k) for k in ("cpu", "memory_mb", "env_vars", "command_override")
                   if step.get(k)}
         async with self.runtime.starting.slot():
-            return await self.runtime.sandbox.open_box(self.id, name, limits, image, network, share)
+            return await self.runtime.sandbox.open_box(self.id, name, limits, image, network, share,
+                                                       agents)
 
     def _segments(self, step: Step) -> list[str]:
         """The networks of its VM-mode sandbox a run_docker_container step's container joins:
