@@ -6194,29 +6194,36 @@ async def accept_socket(request: Any) -> Any:
 
 
 class Inbox(asyncio.Queue):
-    """A socket's frames as read_ahead reads them (None once it closes), and whether it has."""
+    """A socket's frames as read_ahead reads them (None once it closes), and the handler's task
+    while it answers one (``while_open``), for the socket's close to cancel."""
 
     def __init__(self, backlog: int):
         super().__init__(backlog)
-        self.closed = asyncio.Event()
+        self.closed = False
+        self.answering: asyncio.Task | None = None
 
     async def while_open(self, answer: Any) -> Any:
         """Answer a frame unless the socket closes first: a client gone mid-call cancels the
-        answer, so the call stops and its session ends at once (ConnectionResetError), instead of
-        holding its box and slot until the call would have ended."""
-        answering = asyncio.ensure_future(answer)
-        closing = asyncio.ensure_future(self.closed.wait())
+        handler then, as aiohttp cancels one whose connection is lost, so the call stops and the
+        session ends at once, instead of holding its box and slot until the call would have
+        ended."""
+        if self.closed:
+            answer.close()
+            raise ConnectionResetError("the client closed its socket before its reply")
+        self.answering = task = asyncio.current_task()
         try:
-            await asyncio.wait({answering, closing}, return_when=asyncio.FIRST_COMPLETED)
+            return await answer
+        except asyncio.CancelledError:
+            if self.closed and task.uncancel() == 0:    # the close's cancel, not the handler's own
+                raise ConnectionResetError("the client closed its socket during a call") from None
+            raise
         finally:
-            closing.cancel()
-            if not answering.done():
-                answering.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await answering
-        if answering.cancelled():
-            raise ConnectionResetError("the client closed its socket during a call")
-        return answering.result()
+            self.answering = None
+
+    def close(self) -> None:
+        self.closed = True
+        if self.answering is not None:
+            self.answering.cancel()
 
 
 @contextlib.asynccontextmanager
@@ -6233,7 +6240,7 @@ async def read_ahead(socket_: Any, backlog: int = 16) -> AsyncIterator[Inbox]:
             async for message in socket_:
                 await inbox.put(message)
         finally:
-            inbox.closed.set()
+            inbox.close()
             await inbox.put(None)
     reader = asyncio.create_task(read())
     try:
