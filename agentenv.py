@@ -10,7 +10,8 @@ The file reads top to bottom in the order data flows; a section uses only the se
 
 1. Values, errors      the shapes every layer passes on: a Failure (kind, reason), a ToolResult
                         with its status, the Settings with every default, errors that say the fix;
-                        the Metrics every section records into, and a Progress line for long work.
+                        the Metrics every section records into (and reads back as numbers for
+                        the web page), and a Progress line for long work.
 2. Bundle               loading and checking a bundle: envs, artifacts, skills, tasks, steps (a
                         check per step type), splits, toolsets, reward.
 3. Sandbox              where an env runs (a Docker container on a network that reaches nothing
@@ -523,17 +524,72 @@ class Metrics:
         return {tuple(s.labels.values()): s.value for family in counter.collect()
                 for s in family.samples if s.name.endswith("_total")}
 
+    def numbers(self) -> dict[str, Any]:
+        """What the registry holds, read as a scrape reads it (so the same numbers as /metrics),
+        in the shape the web page and scripts read from ``GET /web/status``: episodes by outcome
+        and the levels of the pool, sessions by wire, masked rollouts by kind, rewards by split
+        (count, mean, and each bucket's count), deploys and tool calls with their p50/p95 over
+        the run (estimated from the histograms as Prometheus' histogram_quantile does), warm
+        envs, and by node the envs up and deployed. A level nobody watches (a Gym server in url:
+        mode has no pool) is None."""
+        samples: dict[str, list[tuple[dict[str, str], float]]] = collections.defaultdict(list)
+        for family in self.registry.collect():
+            for sample in family.samples:
+                samples[sample.name].append((sample.labels, sample.value))
+
+        def by(name: str, key: str, zeros: bool = False) -> dict[str, int]:
+            found: collections.Counter[str] = collections.Counter()
+            for labels, value in samples.get(name, []):
+                found[labels.get(key, "")] += int(value)
+            return {k: n for k, n in found.most_common() if n or zeros}
+
+        def level(name: str) -> int | None:
+            return int(samples[name][0][1]) if samples.get(name) else None
+
+        def timed(name: str) -> dict[str, Any]:
+            buckets = _buckets(samples.get(name + "_bucket", []))
+            return {"p50": bucket_quantile(0.5, buckets), "p95": bucket_quantile(0.95, buckets)}
+
+        played = by("agentenv_episodes_total", "outcome")
+        rewards = {}
+        for split, count in by("agentenv_reward_count", "split").items():
+            total = sum(v for labels, v in samples["agentenv_reward_sum"] if labels["split"] == split)
+            cumulative = _buckets([(labels, v) for labels, v in samples["agentenv_reward_bucket"]
+                                   if labels["split"] == split])
+            rewards[split] = {"count": count, "mean": total / count, "buckets": [
+                [upper, int(n - below)] for (upper, n), (_, below)
+                in zip(cumulative, [(0.0, 0.0), *cumulative]) if math.isfinite(upper)]}
+        deployed, up = by("agentenv_deploys_total", "node"), by("agentenv_envs_live", "node")
+        warm = by("agentenv_warm_envs", "state", zeros=True) if "agentenv_warm_envs" in samples else None
+        return {
+            "episodes": {"played": sum(played.values()), "scored": played.get("scored", 0),
+                         "failed": played.get("failed", 0), "abandoned": played.get("abandoned", 0),
+                         "live": level("agentenv_episodes_live"),
+                         "waiting": level("agentenv_episodes_waiting"),
+                         "limit": level("agentenv_episodes_limit")},
+            "sessions": by("agentenv_sessions", "wire", zeros=True),
+            "masked": by("agentenv_masked_rollouts_total", "kind"),
+            "rewards": rewards,
+            "deploys": {"count": sum(deployed.values()),
+                        "failed": sum(by("agentenv_deploy_failures_total", "kind").values()),
+                        **timed("agentenv_deploy_duration_seconds")},
+            "tool_calls": {"count": sum(by("agentenv_tool_calls_total", "status").values()),
+                           "by_status": by("agentenv_tool_calls_total", "status"),
+                           **timed("agentenv_tool_call_duration_seconds")},
+            "warm": warm,
+            "nodes": [{"node": node, "envs": up.get(node, 0), "deploys": deployed.get(node, 0)}
+                      for node in sorted(set(deployed) | set(up))],
+        }
+
     def status(self, live: int, waiting: int, limit: int, interval: float) -> str:
         """The status line: episodes played, live, waiting, masked by kind, and the deploy and
         tool-call p50/p95 of the last ``interval`` seconds (whose durations it then forgets)."""
-        played = {key[0]: int(n) for key, n in self.totals(self.episodes).items()}
-        kinds: collections.Counter[str] = collections.Counter()
-        for (_, kind), n in self.totals(self.masked).items():
-            kinds[kind] += int(n)
+        numbers = self.numbers()
+        played = numbers["episodes"]
         outcomes = ", ".join(f"{played[o]:,} {o}" for o in ("scored", "failed", "abandoned")
                              if played.get(o))
-        masks = ", ".join(f"{n:,} {kind}" for kind, n in kinds.most_common()) or "none"
-        line = (f"Status: {_many(sum(played.values()), 'episode')} played"
+        masks = ", ".join(f"{n:,} {kind}" for kind, n in numbers["masked"].items()) or "none"
+        line = (f"Status: {_many(played['played'], 'episode')} played"
                 + (f" ({outcomes})" if outcomes else "")
                 + f"; {live} live of {limit}, {waiting} waiting; masked: {masks}")
         timings = []
@@ -542,6 +598,30 @@ class Metrics:
                 count, p50, p95 = taken
                 timings.append(f"{_many(count, what)} p50 {_seconds(p50)}, p95 {_seconds(p95)}")
         return line + (f"; over the last {interval:g}s: " + "; ".join(timings) if timings else "") + "."
+
+
+def _buckets(samples: list[tuple[dict[str, str], float]]) -> list[tuple[float, float]]:
+    """A histogram's cumulative buckets summed over its other labels: [(upper bound, count)]."""
+    summed: collections.Counter[float] = collections.Counter()
+    for labels, value in samples:
+        summed[float(labels["le"])] += value
+    return sorted(summed.items())
+
+
+def bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """The q-quantile of a histogram from its cumulative buckets, as Prometheus'
+    histogram_quantile() estimates it: linear within the bucket the rank falls in, and the
+    highest finite bound when it falls past them. None when nothing was observed."""
+    if not buckets or not buckets[-1][1]:
+        return None
+    rank, lower, below = q * buckets[-1][1], 0.0, 0.0
+    for upper, count in buckets:
+        if count >= rank:
+            if math.isinf(upper):
+                return lower
+            return lower + (upper - lower) * (rank - below) / (count - below) if count > below else upper
+        lower, below = upper, count
+    return lower
 
 
 class Reading:
@@ -6007,6 +6087,8 @@ class Runtime:
                            lambda: pool.waiting)
         self.metrics.watch("agentenv_episodes_limit", "Episodes live at once at most "
                            "(max_concurrent_envs)", lambda: pool.limit)
+        self.metrics.watch("agentenv_envs_live", "Envs up for live episodes, by node (a Ray "
+                           "node's address; empty for this machine)", self._envs_by_node, "node")
         self.deploy_timeout, self.verifier_timeout = deploy_timeout, verifier_timeout
         self.owner = owner_id()
         self.live: set[Episode] = set()
@@ -6020,6 +6102,10 @@ class Runtime:
             self.metrics.watch("agentenv_warm_envs", "Warm envs started ahead of demand: ready, "
                                "booting, and the pool's target", lambda: self.warm.counts, "state")
         self._toolset_tools: dict[Toolset, asyncio.Future] = {}
+
+    def _envs_by_node(self) -> dict[str, float]:
+        return dict(collections.Counter(env.instance.where for episode in self.live
+                                        for env in episode.envs.values()))
 
     async def start(self) -> Runtime:
         """Open the sandbox (sweeping what a crashed run left, building images) and the client."""
