@@ -4822,6 +4822,8 @@ class Outcome:
     reward: float | None = None
     failure: Failure | None = None
     forfeit: str | None = None           # scored 0 because the model's doing ended it: why
+    # what each verifier said, row by row (verifier_id -> {results, score}): why the scores are so
+    verifications: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
 
 
 class Turn:
@@ -5667,7 +5669,8 @@ class Episode:
             why = self.errors.get(step, "it did not run")
             return Outcome("failed", dict(self.scores), None, Failure(
                 VERIFIER_ERROR, f"no reward: the run recorded no score at step {step!r} ({why})"))
-        return Outcome("scored", dict(self.scores), self.scores[step])
+        return Outcome("scored", dict(self.scores), self.scores[step],
+                       verifications=dict(self.verifications))
 
 
 async def _first_error(tasks: list[asyncio.Task]) -> None:
@@ -6558,6 +6561,18 @@ def envelope(observation: dict[str, Any], reward: float | None = None, done: boo
     return body
 
 
+def json_safe(value: Any) -> Any:
+    """Bundle code's values (a verifier's rows) as strict JSON, which every client parses: a
+    number that is not finite as text, and anything JSON has no word for as its repr."""
+    if isinstance(value, dict):
+        return {str(key): json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value if value is None or isinstance(value, (str, int, float, bool)) else repr(value)
+
+
 def rpc_error(rid: Any, code: int, message: str, data: Any = None) -> dict[str, Any]:
     """A JSON-RPC error as OpenEnv sends one: ``data`` always there, null when there is none."""
     return {"jsonrpc": "2.0", "id": rid, "error": {"code": code, "message": message, "data": data}}
@@ -6778,8 +6793,8 @@ class OpenEnvSession:
             result = {"done": True, "reward": played.reward, "scores": played.scores,
                       **forfeit_of(played)} if tool_name else None
             return envelope({**called, "result": result, "metadata": {
-                "scores": played.scores, "task": self.where, **forfeit_of(played)}},
-                            played.reward, True)
+                "scores": played.scores, "verifications": json_safe(played.verifications),
+                "task": self.where, **forfeit_of(played)}}, played.reward, True)
         return self._error(played.failure if isinstance(played, Outcome) else played, tool_name)
 
     def _rpc(self, rid: Any, played: Played) -> dict[str, Any]:

@@ -528,6 +528,11 @@ def test_the_numbers_of_a_run_are_what_the_registry_holds():
     json.dumps(numbers, allow_nan=False)                 # strict JSON, as the status route sends it
 
 
+def test_verifier_rows_become_strict_json():
+    assert agentenv.json_safe({"score": float("nan"), "rows": ({1, 2}, None, True, 2.5), 3: "x"}) == \
+        {"score": "nan", "rows": ["{1, 2}", None, True, 2.5], "3": "x"}
+
+
 def test_progress_says_the_first_and_last_step_and_little_between():
     lines: list[str] = []
     progress = agentenv.Progress("write-gym: listing", 50, lines.append, every=3600)
