@@ -27,8 +27,9 @@ The file reads top to bottom in the order data flows; a section uses only the se
                         Forfeit), never a mask.
 7. Pool and runtime     the semaphore that bounds live episodes, the boot gate, the warm pool
                         of envs ready ahead of demand, the runtime.
-8. Plumbing             what both wires share: HTTP helpers, the JSON reader, the bearer token,
-                        the sessions table both wires count against the pool, the idle sweep.
+8. Plumbing             what both wires share: HTTP helpers, the JSON reader, the bearer token
+                        (a header, or a browser's WebSocket subprotocol), the sessions table
+                        both wires count against the pool, the idle sweep.
 9. OpenEnv surface      sessions over /ws and /mcp, the stateless routes, the task API: each
                         renders the play's values as observations or JSON-RPC.
 10. Gym surface         NeMo Gym's resources-server routes, rendering the same values as the text
@@ -57,6 +58,7 @@ import abc
 import argparse
 import ast
 import asyncio
+import base64
 import collections
 import collections.abc
 import contextlib
@@ -6274,10 +6276,22 @@ async def json_body(request: Any, allow_empty: bool = False) -> tuple[dict[str, 
     return data, None
 
 
+# The subprotocol /ws and /mcp answer to a client that offers it: a browser's WebSocket can
+# carry no header, so the web page offers its token as a second subprotocol beside this one
+# (ws_token_protocol); the server answers with this one alone, never echoing the token.
+WS_PROTOCOL = "agentenv"
+WS_TOKEN_PREFIX = "agentenv.bearer."
+
+
+def ws_token_protocol(token: str) -> str:
+    """The token as a WebSocket subprotocol: base64url, the characters a subprotocol may hold."""
+    return WS_TOKEN_PREFIX + base64.urlsafe_b64encode(token.encode()).decode().rstrip("=")
+
+
 async def accept_socket(request: Any) -> Any:
     from aiohttp import web
     # Pings every 20 s find a socket whose far end has gone without closing it.
-    socket_ = web.WebSocketResponse(heartbeat=20, max_msg_size=MAX_BODY)
+    socket_ = web.WebSocketResponse(heartbeat=20, max_msg_size=MAX_BODY, protocols=(WS_PROTOCOL,))
     await socket_.prepare(request)
     return socket_
 
@@ -6340,15 +6354,31 @@ async def read_ahead(socket_: Any, backlog: int = 16) -> AsyncIterator[Inbox]:
             await reader
 
 
-def bearer_token(token: str) -> Any:
-    """Middleware that asks every request, WebSocket upgrades included, for the bearer token."""
+def bearer_token(token: str, locked: Callable[[Any], Any] | None = None) -> Any:
+    """Middleware that asks every request, WebSocket upgrades included, for the bearer token: in
+    the Authorization header, or (an upgrade only, from a browser, which can't set a socket's
+    headers) as the subprotocol ws_token_protocol(token) offered beside WS_PROTOCOL. A request
+    without it is refused 401: ``locked(request)``'s answer where it has one (the web page's
+    form that asks for the token), else JSON that says what to send."""
     from aiohttp import web
     expected = f"Bearer {token}".encode()
+    protocol = ws_token_protocol(token).encode()
+
+    def offers_token(request: Any) -> bool:
+        if request.method != "GET" or request.headers.get("Upgrade", "").lower() != "websocket":
+            return False
+        offered = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",")]
+        # beside WS_PROTOCOL only: offered alone, aiohttp would log the protocols it can't answer
+        return WS_PROTOCOL in offered and any(secrets.compare_digest(p.encode(), protocol)
+                                              for p in offered)
 
     @web.middleware
     async def require_token(request: Any, handler: Callable) -> Any:
         # compare_digest: the time taken says nothing about how much of a guess was right
-        if not secrets.compare_digest(request.headers.get("Authorization", "").encode(), expected):
+        if not (secrets.compare_digest(request.headers.get("Authorization", "").encode(), expected)
+                or offers_token(request)):
+            if locked is not None and (page := locked(request)) is not None:
+                return page
             return web.json_response(
                 {"detail": "this server asks for a bearer token: send the header Authorization: "
                            "Bearer <token>, with the token serve was given (--token or "

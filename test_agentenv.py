@@ -533,6 +533,12 @@ def test_verifier_rows_become_strict_json():
         {"score": "nan", "rows": ["{1, 2}", None, True, 2.5], "3": "x"}
 
 
+def test_a_token_becomes_a_websocket_subprotocol():
+    for token in ("plain", "with spaces/and+signs=", "ünïcödé 🔑"):
+        protocol = agentenv.ws_token_protocol(token)
+        assert re.fullmatch(r"agentenv\.bearer\.[A-Za-z0-9_-]+", protocol), protocol
+
+
 def test_progress_says_the_first_and_last_step_and_little_between():
     lines: list[str] = []
     progress = agentenv.Progress("write-gym: listing", 50, lines.append, every=3600)
