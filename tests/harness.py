@@ -35,8 +35,11 @@ What is here, and which suite uses it:
   loop (test_bad_input). ``client()`` its aiohttp session; ``gym_row``/``gym_rows`` the rows of a
   bundle as write-gym writes them (test_bad_input, test_load, test_metrics / test_faults,
   test_gym_surface); ``responses(text)`` a Responses object (test_bad_input, test_gym_surface).
-* ``Socket``: the one OpenEnv socket client, a raw WebSocket on /ws or WebSocket /mcp: send, recv,
-  ask, closed_with, close, drop (test_bad_input, test_openenv, test_faults).
+* ``Socket``: the one OpenEnv socket client, a raw WebSocket on /ws or WebSocket /mcp, with headers
+  or subprotocols: send, recv, ask, closed_with, close, drop (test_bad_input, test_openenv,
+  test_faults, test_web).
+* ``unavailable(reason, variable)`` and its ``docker_unavailable``, ``ray_unavailable`` and
+  ``browser_unavailable`` (test_web): a skip that says why, or a failure where CI requires the part.
 * Bundles and files: ``copy_bundle`` (a private copy to change: test_bad_input, test_docker,
   test_faults, test_gym_real, test_gym_surface, test_metrics, test_openenv), ``patch``
   (test_gym_surface), ``with_sleep_tool`` (notes-v1's notebook with a ``sleep`` tool: test_faults,
@@ -303,6 +306,12 @@ def ray_unavailable(reason: str) -> None:
 def docker_unavailable(reason: str) -> None:
     """A test that needs Docker cannot run: AGENTENV_REQUIRE_DOCKER says how."""
     unavailable(reason, "AGENTENV_REQUIRE_DOCKER")
+
+
+def browser_unavailable(reason: str) -> None:
+    """A test that needs a browser (Debian's chromium and Playwright) cannot run:
+    AGENTENV_REQUIRE_BROWSER says how."""
+    unavailable(reason, "AGENTENV_REQUIRE_BROWSER")
 
 
 class RayCluster:
@@ -906,11 +915,12 @@ class SyncGym:
 class Socket:
     """A raw WebSocket (/ws or /mcp): frames out, JSON frames back."""
 
-    def __init__(self, url: str, headers: dict | None = None):
+    def __init__(self, url: str, headers: dict | None = None, protocols: list[str] | None = None):
         from websockets.sync.client import connect
 
         self.ws = connect(url, proxy=None, open_timeout=10, close_timeout=2, max_size=2**25,
-                          additional_headers=headers or {}).__enter__()  # (websockets warns otherwise)
+                          additional_headers=headers or {},
+                          subprotocols=protocols).__enter__()  # (websockets warns otherwise)
 
     def send(self, message: Any) -> None:
         self.ws.send(message if isinstance(message, (str, bytes)) else json.dumps(message))
