@@ -27,7 +27,6 @@ Without chromium or Playwright the browser test skips, saying why; ``AGENTENV_RE
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import shutil
@@ -35,7 +34,6 @@ import sys
 import threading
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -230,7 +228,6 @@ def test_the_token_guards_the_page_its_status_and_its_socket(tmp_path):
 # notes-v1's notebook with two tools more: tally (typed arguments) and crash (the env dies).
 TYPED = '''\
 """The notebook env of notes-v1 with a tool of typed arguments and one that kills the env."""
-import json
 import os
 import sys
 
