@@ -228,6 +228,7 @@ def test_the_token_guards_the_page_its_status_and_its_socket(tmp_path):
 # notes-v1's notebook with two tools more: tally (typed arguments) and crash (the env dies).
 TYPED = '''\
 """The notebook env of notes-v1 with a tool of typed arguments and one that kills the env."""
+import json
 import os
 import sys
 
