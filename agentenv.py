@@ -530,7 +530,7 @@ class Metrics:
     def numbers(self) -> dict[str, Any]:
         """What the registry holds, read as a scrape reads it (so the same numbers as /metrics),
         in the shape the web page and scripts read from ``GET /web/status``: episodes by outcome
-        and the levels of the pool, sessions by wire, masked rollouts by kind, rewards by split
+        (and the scored ones forfeited) and the levels of the pool, sessions by wire, masked rollouts by kind, rewards by split
         (count, mean, and each bucket's count), deploys and tool calls with their p50/p95 over
         the run (estimated from the histograms as Prometheus' histogram_quantile does), warm
         envs, and by node the envs up and deployed. A level nobody watches (a Gym server in url:
@@ -566,6 +566,7 @@ class Metrics:
         warm = by("agentenv_warm_envs", "state", zeros=True) if "agentenv_warm_envs" in samples else None
         return {
             "episodes": {"played": sum(played.values()), "scored": played.get("scored", 0),
+                         "forfeited": level("agentenv_forfeits_total") or 0,
                          "failed": played.get("failed", 0), "abandoned": played.get("abandoned", 0),
                          "live": level("agentenv_episodes_live"),
                          "waiting": level("agentenv_episodes_waiting"),
@@ -8959,15 +8960,17 @@ function scored(data) {
     }
   }
   box.hidden = false;
-  box.className = "";
+  box.className = meta.forfeit ? "failed" : "";
   box.replaceChildren(el("h3", {}, "Reward"), el("p", {class: "big", id: "reward"}, data.reward),
+    ...(meta.forfeit ? [el("h3", {}, "Forfeited"), el("pre", {}, meta.forfeit),
+      el("p", {}, "The player's own doing ended the episode before a verifier scored it: 0, not masked.")] : []),
     el("h3", {}, "Scores"),
     el("table", {"aria-label": "Scores"}, el("tr", {}, el("th", {}, "step"), el("th", {}, "score")),
       ...Object.entries(meta.scores).map(([step, score]) => el("tr", {}, el("td", {}, step), el("td", {}, score)))),
     el("h3", {}, "What the verifiers said"),
     el("table", {"aria-label": "Verifier rows"}, el("tr", {}, ...["verifier", "row", "result", "score", "why"]
       .map((head) => el("th", {}, head))), ...rows));
-  say("Scored: reward " + data.reward + ".");
+  say(meta.forfeit ? "Forfeited: reward 0." : "Scored: reward " + data.reward + ".");
 }
 
 function kindOf(spec) {       // how an argument is typed in: text, a number, a choice, or JSON
@@ -9146,7 +9149,8 @@ function show(status) {
   const played = status.episodes;
   $("served").textContent = status.bundle + " · " + status.sandbox + " sandbox · agentenv.py " + status.version;
   const outcomes = ["scored", "failed", "abandoned"].filter((outcome) => played[outcome]);
-  $("played").textContent = played.played + (outcomes.length ? " (" + outcomes.map((o) => played[o] + " " + o).join(", ") + ")" : "");
+  $("played").textContent = played.played + (outcomes.length ? " (" + outcomes.map((o) => played[o] + " " + o).join(", ") + ")" : "") +
+    (played.forfeited ? "; " + played.forfeited + " of the scored forfeited" : "");
   $("live").textContent = played.live + " of " + played.limit;
   $("live-meter").max = played.limit;
   $("live-meter").value = played.live;

@@ -492,7 +492,7 @@ def test_bucket_quantiles_are_estimated_as_prometheus_does():
 def test_the_numbers_of_a_run_are_what_the_registry_holds():
     metrics = agentenv.Metrics()
     empty = metrics.numbers()
-    assert empty["episodes"] == {"played": 0, "scored": 0, "failed": 0, "abandoned": 0,
+    assert empty["episodes"] == {"played": 0, "scored": 0, "forfeited": 0, "failed": 0, "abandoned": 0,
                                  "live": None, "waiting": None, "limit": None}   # no pool watched
     assert (empty["rewards"], empty["masked"], empty["nodes"], empty["warm"]) == ({}, {}, [], None)
     assert empty["deploys"] == {"count": 0, "failed": 0, "p50": None, "p95": None}
@@ -502,6 +502,7 @@ def test_the_numbers_of_a_run_are_what_the_registry_holds():
     for reward in (1.0, 1.0, 0.25, 0.0):
         metrics.ended("scored", "train", reward)
     metrics.ended("failed", "train", None)
+    metrics.forfeited()                                  # the 0.0 above: the model broke its box
     metrics.mask("gym", agentenv.Failure("transport_timeout", "slow"))
     metrics.mask("openenv", agentenv.Failure("transport_timeout", "slow"))
     metrics.mask("gym", agentenv.Failure("session_lost", "gone"))
@@ -511,8 +512,8 @@ def test_the_numbers_of_a_run_are_what_the_registry_holds():
     metrics.tool_called("write_note", "ok", 0.002)
     metrics.tool_called("(unknown)", "unknown_tool", None)
     numbers = metrics.numbers()
-    assert numbers["episodes"] == {"played": 5, "scored": 4, "failed": 1, "abandoned": 0,
-                                   "live": 2, "waiting": None, "limit": None}
+    assert numbers["episodes"] == {"played": 5, "scored": 4, "forfeited": 1, "failed": 1,
+                                   "abandoned": 0, "live": 2, "waiting": None, "limit": None}
     assert list(numbers["masked"].items()) == [("transport_timeout", 2), ("session_lost", 1)]
     train = numbers["rewards"]["train"]
     assert (train["count"], train["mean"]) == (4, 0.5625)

@@ -96,8 +96,8 @@ def test_the_status_route_says_what_metrics_says(tmp_path):
     with serving(NOTES, tmp_path / "serve") as server:
         before = request(server.url + "/web/status", "GET")
         assert before.status == 200 and before.content_type == "application/json", before.text
-        assert before.json()["episodes"] == {"played": 0, "scored": 0, "failed": 0, "abandoned": 0,
-                                             "live": 0, "waiting": 0, "limit": 8}
+        assert before.json()["episodes"] == {"played": 0, "scored": 0, "forfeited": 0, "failed": 0,
+                                             "abandoned": 0, "live": 0, "waiting": 0, "limit": 8}
         assert (before.json()["bundle"], before.json()["sandbox"]) == ("notes-v1", "local")
 
         async def go():
@@ -133,8 +133,8 @@ def test_the_status_route_says_what_metrics_says(tmp_path):
         page = metrics_page(server)
 
         # what the test played
-        assert status["episodes"] == {"played": 5, "scored": 4, "failed": 0, "abandoned": 1,
-                                      "live": 0, "waiting": 0, "limit": 8}
+        assert status["episodes"] == {"played": 5, "scored": 4, "forfeited": 0, "failed": 0,
+                                      "abandoned": 1, "live": 0, "waiting": 0, "limit": 8}
         assert status["masked"] == {"agentenv:tools_mismatch": 1}
         assert status["rewards"]["all"]["count"] == 4 and status["rewards"]["all"]["mean"] == 0.75
         assert status["tool_calls"]["by_status"] == {"ok": 4, "unknown_tool": 2}
@@ -148,6 +148,7 @@ def test_the_status_route_says_what_metrics_says(tmp_path):
             summed(page, "agentenv_episodes_total", "outcome")
         for level in ("live", "waiting", "limit"):
             assert status["episodes"][level] == page[f"agentenv_episodes_{level}"][0][1]
+        assert status["episodes"]["forfeited"] == page["agentenv_forfeits_total"][0][1]
         assert status["sessions"] == {labels["wire"]: int(v) for labels, v in page["agentenv_sessions"]}
         assert status["masked"] == summed(page, "agentenv_masked_rollouts_total", "kind")
         assert status["tool_calls"]["by_status"] == summed(page, "agentenv_tool_calls_total", "status")
