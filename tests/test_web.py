@@ -280,9 +280,10 @@ def with_typed_tools(root: Path) -> Path:
 def chromium() -> str:
     """Debian's chromium (or $AGENTENV_CHROMIUM), and Playwright to drive it; else a skip saying why."""
     found = os.environ.get("AGENTENV_CHROMIUM") or shutil.which("chromium")
-    if not found:
-        browser_unavailable("no chromium on PATH: the browser test drives Debian's; apt-get install "
-                            "chromium (or set AGENTENV_CHROMIUM to a Chromium)")
+    if not found or not os.access(found, os.X_OK):
+        browser_unavailable(f"no chromium {'at ' + found if found else 'on PATH'}: the browser test "
+                            "drives Debian's; apt-get install chromium (or set AGENTENV_CHROMIUM to "
+                            "a Chromium)")
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
