@@ -10,7 +10,8 @@ The file reads top to bottom in the order data flows; a section uses only the se
 
 1. Values, errors      the shapes every layer passes on: a Failure (kind, reason), a ToolResult
                         with its status, the Settings with every default, errors that say the fix;
-                        the Metrics every section records into, and a Progress line for long work.
+                        the Metrics every section records into (and reads back as numbers for
+                        the web page), and a Progress line for long work.
 2. Bundle               loading and checking a bundle: envs, artifacts, skills, tasks, steps (a
                         check per step type), splits, toolsets, reward.
 3. Sandbox              where an env runs (a Docker container on a network that reaches nothing
@@ -26,8 +27,9 @@ The file reads top to bottom in the order data flows; a section uses only the se
                         Forfeit), never a mask.
 7. Pool and runtime     the semaphore that bounds live episodes, the boot gate, the warm pool
                         of envs ready ahead of demand, the runtime.
-8. Plumbing             what both wires share: HTTP helpers, the JSON reader, the bearer token,
-                        the sessions table both wires count against the pool, the idle sweep.
+8. Plumbing             what both wires share: HTTP helpers, the JSON reader, the bearer token
+                        (a header, or a browser's WebSocket subprotocol), the sessions table
+                        both wires count against the pool, the idle sweep.
 9. OpenEnv surface      sessions over /ws and /mcp, the stateless routes, the task API: each
                         renders the play's values as observations or JSON-RPC.
 10. Gym surface         NeMo Gym's resources-server routes, rendering the same values as the text
@@ -35,7 +37,8 @@ The file reads top to bottom in the order data flows; a section uses only the se
                         aggregate metrics Gym's reward profiler computes; url: mode through an
                         OpenEnv client.
 11. The app             build_app: the one aiohttp application of both surfaces (serve runs it),
-                        and Gym's entry point.
+                        Gym's entry point, and /web: the page on which a person plays a task by
+                        hand and watches the run, with its status route.
 12. Writer              ``write-gym``: a resources server and its rows, written into a Gym root.
 13. Eval                ``eval``: those rows played against an OpenAI-compatible model through the
                         Gym surface, as NeMo Gym's simple_agent plays them, and scored.
@@ -56,6 +59,7 @@ import abc
 import argparse
 import ast
 import asyncio
+import base64
 import collections
 import collections.abc
 import contextlib
@@ -523,17 +527,73 @@ class Metrics:
         return {tuple(s.labels.values()): s.value for family in counter.collect()
                 for s in family.samples if s.name.endswith("_total")}
 
+    def numbers(self) -> dict[str, Any]:
+        """What the registry holds, read as a scrape reads it (so the same numbers as /metrics),
+        in the shape the web page and scripts read from ``GET /web/status``: episodes by outcome
+        (and the scored ones forfeited) and the levels of the pool, sessions by wire, masked rollouts by kind, rewards by split
+        (count, mean, and each bucket's count), deploys and tool calls with their p50/p95 over
+        the run (estimated from the histograms as Prometheus' histogram_quantile does), warm
+        envs, and by node the envs up and deployed. A level nobody watches (a Gym server in url:
+        mode has no pool) is None."""
+        samples: dict[str, list[tuple[dict[str, str], float]]] = collections.defaultdict(list)
+        for family in self.registry.collect():
+            for sample in family.samples:
+                samples[sample.name].append((sample.labels, sample.value))
+
+        def by(name: str, key: str, zeros: bool = False) -> dict[str, int]:
+            found: collections.Counter[str] = collections.Counter()
+            for labels, value in samples.get(name, []):
+                found[labels.get(key, "")] += int(value)
+            return {k: n for k, n in found.most_common() if n or zeros}
+
+        def level(name: str) -> int | None:
+            return int(samples[name][0][1]) if samples.get(name) else None
+
+        def timed(name: str) -> dict[str, Any]:
+            buckets = _buckets(samples.get(name + "_bucket", []))
+            return {"p50": bucket_quantile(0.5, buckets), "p95": bucket_quantile(0.95, buckets)}
+
+        played = by("agentenv_episodes_total", "outcome")
+        rewards = {}
+        for split, count in by("agentenv_reward_count", "split").items():
+            total = sum(v for labels, v in samples["agentenv_reward_sum"] if labels["split"] == split)
+            cumulative = _buckets([(labels, v) for labels, v in samples["agentenv_reward_bucket"]
+                                   if labels["split"] == split])
+            rewards[split] = {"count": count, "mean": total / count, "buckets": [
+                [upper, int(n - below)] for (upper, n), (_, below)
+                in zip(cumulative, [(0.0, 0.0), *cumulative]) if math.isfinite(upper)]}
+        deployed, up = by("agentenv_deploys_total", "node"), by("agentenv_envs_live", "node")
+        warm = by("agentenv_warm_envs", "state", zeros=True) if "agentenv_warm_envs" in samples else None
+        return {
+            "episodes": {"played": sum(played.values()), "scored": played.get("scored", 0),
+                         "forfeited": level("agentenv_forfeits_total") or 0,
+                         "failed": played.get("failed", 0), "abandoned": played.get("abandoned", 0),
+                         "live": level("agentenv_episodes_live"),
+                         "waiting": level("agentenv_episodes_waiting"),
+                         "limit": level("agentenv_episodes_limit")},
+            "sessions": by("agentenv_sessions", "wire", zeros=True),
+            "masked": by("agentenv_masked_rollouts_total", "kind"),
+            "rewards": rewards,
+            "deploys": {"count": sum(deployed.values()),
+                        "failed": sum(by("agentenv_deploy_failures_total", "kind").values()),
+                        **timed("agentenv_deploy_duration_seconds")},
+            "tool_calls": {"count": sum(by("agentenv_tool_calls_total", "status").values()),
+                           "by_status": by("agentenv_tool_calls_total", "status"),
+                           **timed("agentenv_tool_call_duration_seconds")},
+            "warm": warm,
+            "nodes": [{"node": node, "envs": up.get(node, 0), "deploys": deployed.get(node, 0)}
+                      for node in sorted(set(deployed) | set(up))],
+        }
+
     def status(self, live: int, waiting: int, limit: int, interval: float) -> str:
         """The status line: episodes played, live, waiting, masked by kind, and the deploy and
         tool-call p50/p95 of the last ``interval`` seconds (whose durations it then forgets)."""
-        played = {key[0]: int(n) for key, n in self.totals(self.episodes).items()}
-        kinds: collections.Counter[str] = collections.Counter()
-        for (_, kind), n in self.totals(self.masked).items():
-            kinds[kind] += int(n)
+        numbers = self.numbers()
+        played = numbers["episodes"]
         outcomes = ", ".join(f"{played[o]:,} {o}" for o in ("scored", "failed", "abandoned")
                              if played.get(o))
-        masks = ", ".join(f"{n:,} {kind}" for kind, n in kinds.most_common()) or "none"
-        line = (f"Status: {_many(sum(played.values()), 'episode')} played"
+        masks = ", ".join(f"{n:,} {kind}" for kind, n in numbers["masked"].items()) or "none"
+        line = (f"Status: {_many(played['played'], 'episode')} played"
                 + (f" ({outcomes})" if outcomes else "")
                 + f"; {live} live of {limit}, {waiting} waiting; masked: {masks}")
         timings = []
@@ -542,6 +602,30 @@ class Metrics:
                 count, p50, p95 = taken
                 timings.append(f"{_many(count, what)} p50 {_seconds(p50)}, p95 {_seconds(p95)}")
         return line + (f"; over the last {interval:g}s: " + "; ".join(timings) if timings else "") + "."
+
+
+def _buckets(samples: list[tuple[dict[str, str], float]]) -> list[tuple[float, float]]:
+    """A histogram's cumulative buckets summed over its other labels: [(upper bound, count)]."""
+    summed: collections.Counter[float] = collections.Counter()
+    for labels, value in samples:
+        summed[float(labels["le"])] += value
+    return sorted(summed.items())
+
+
+def bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """The q-quantile of a histogram from its cumulative buckets, as Prometheus'
+    histogram_quantile() estimates it: linear within the bucket the rank falls in, and the
+    highest finite bound when it falls past them. None when nothing was observed."""
+    if not buckets or not buckets[-1][1]:
+        return None
+    rank, lower, below = q * buckets[-1][1], 0.0, 0.0
+    for upper, count in buckets:
+        if count >= rank:
+            if math.isinf(upper):
+                return lower
+            return lower + (upper - lower) * (rank - below) / (count - below) if count > below else upper
+        lower, below = upper, count
+    return lower
 
 
 class Reading:
@@ -4742,6 +4826,8 @@ class Outcome:
     reward: float | None = None
     failure: Failure | None = None
     forfeit: str | None = None           # scored 0 because the model's doing ended it: why
+    # what each verifier said, row by row (verifier_id -> {results, score}): why the scores are so
+    verifications: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
 
 
 class Turn:
@@ -5587,7 +5673,8 @@ class Episode:
             why = self.errors.get(step, "it did not run")
             return Outcome("failed", dict(self.scores), None, Failure(
                 VERIFIER_ERROR, f"no reward: the run recorded no score at step {step!r} ({why})"))
-        return Outcome("scored", dict(self.scores), self.scores[step])
+        return Outcome("scored", dict(self.scores), self.scores[step],
+                       verifications=dict(self.verifications))
 
 
 async def _first_error(tasks: list[asyncio.Task]) -> None:
@@ -6007,6 +6094,8 @@ class Runtime:
                            lambda: pool.waiting)
         self.metrics.watch("agentenv_episodes_limit", "Episodes live at once at most "
                            "(max_concurrent_envs)", lambda: pool.limit)
+        self.metrics.watch("agentenv_envs_live", "Envs up for live episodes, by node (a Ray "
+                           "node's address; empty for this machine)", self._envs_by_node, "node")
         self.deploy_timeout, self.verifier_timeout = deploy_timeout, verifier_timeout
         self.owner = owner_id()
         self.live: set[Episode] = set()
@@ -6020,6 +6109,10 @@ class Runtime:
             self.metrics.watch("agentenv_warm_envs", "Warm envs started ahead of demand: ready, "
                                "booting, and the pool's target", lambda: self.warm.counts, "state")
         self._toolset_tools: dict[Toolset, asyncio.Future] = {}
+
+    def _envs_by_node(self) -> dict[str, float]:
+        return dict(collections.Counter(env.instance.where for episode in self.live
+                                        for env in episode.envs.values()))
 
     async def start(self) -> Runtime:
         """Open the sandbox (sweeping what a crashed run left, building images) and the client."""
@@ -6185,10 +6278,22 @@ async def json_body(request: Any, allow_empty: bool = False) -> tuple[dict[str, 
     return data, None
 
 
+# The subprotocol /ws and /mcp answer to a client that offers it: a browser's WebSocket can
+# carry no header, so the web page offers its token as a second subprotocol beside this one
+# (ws_token_protocol); the server answers with this one alone, never echoing the token.
+WS_PROTOCOL = "agentenv"
+WS_TOKEN_PREFIX = "agentenv.bearer."
+
+
+def ws_token_protocol(token: str) -> str:
+    """The token as a WebSocket subprotocol: base64url, the characters a subprotocol may hold."""
+    return WS_TOKEN_PREFIX + base64.urlsafe_b64encode(token.encode()).decode().rstrip("=")
+
+
 async def accept_socket(request: Any) -> Any:
     from aiohttp import web
     # Pings every 20 s find a socket whose far end has gone without closing it.
-    socket_ = web.WebSocketResponse(heartbeat=20, max_msg_size=MAX_BODY)
+    socket_ = web.WebSocketResponse(heartbeat=20, max_msg_size=MAX_BODY, protocols=(WS_PROTOCOL,))
     await socket_.prepare(request)
     return socket_
 
@@ -6251,15 +6356,31 @@ async def read_ahead(socket_: Any, backlog: int = 16) -> AsyncIterator[Inbox]:
             await reader
 
 
-def bearer_token(token: str) -> Any:
-    """Middleware that asks every request, WebSocket upgrades included, for the bearer token."""
+def bearer_token(token: str, locked: Callable[[Any], Any] | None = None) -> Any:
+    """Middleware that asks every request, WebSocket upgrades included, for the bearer token: in
+    the Authorization header, or (an upgrade only, from a browser, which can't set a socket's
+    headers) as the subprotocol ws_token_protocol(token) offered beside WS_PROTOCOL. A request
+    without it is refused 401: ``locked(request)``'s answer where it has one (the web page's
+    form that asks for the token), else JSON that says what to send."""
     from aiohttp import web
     expected = f"Bearer {token}".encode()
+    protocol = ws_token_protocol(token).encode()
+
+    def offers_token(request: Any) -> bool:
+        if request.method != "GET" or request.headers.get("Upgrade", "").lower() != "websocket":
+            return False
+        offered = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",")]
+        # beside WS_PROTOCOL only: offered alone, aiohttp would log the protocols it can't answer
+        return WS_PROTOCOL in offered and any(secrets.compare_digest(p.encode(), protocol)
+                                              for p in offered)
 
     @web.middleware
     async def require_token(request: Any, handler: Callable) -> Any:
         # compare_digest: the time taken says nothing about how much of a guess was right
-        if not secrets.compare_digest(request.headers.get("Authorization", "").encode(), expected):
+        if not (secrets.compare_digest(request.headers.get("Authorization", "").encode(), expected)
+                or offers_token(request)):
+            if locked is not None and (page := locked(request)) is not None:
+                return page
             return web.json_response(
                 {"detail": "this server asks for a bearer token: send the header Authorization: "
                            "Bearer <token>, with the token serve was given (--token or "
@@ -6470,6 +6591,18 @@ def envelope(observation: dict[str, Any], reward: float | None = None, done: boo
     if observation.get("metadata"):
         body["metadata"] = observation["metadata"]
     return body
+
+
+def json_safe(value: Any) -> Any:
+    """Bundle code's values (a verifier's rows) as strict JSON, which every client parses: a
+    number that is not finite as text, and anything JSON has no word for as its repr."""
+    if isinstance(value, dict):
+        return {str(key): json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value if value is None or isinstance(value, (str, int, float, bool)) else repr(value)
 
 
 def rpc_error(rid: Any, code: int, message: str, data: Any = None) -> dict[str, Any]:
@@ -6692,8 +6825,8 @@ class OpenEnvSession:
             result = {"done": True, "reward": played.reward, "scores": played.scores,
                       **forfeit_of(played)} if tool_name else None
             return envelope({**called, "result": result, "metadata": {
-                "scores": played.scores, "task": self.where, **forfeit_of(played)}},
-                            played.reward, True)
+                "scores": played.scores, "verifications": json_safe(played.verifications),
+                "task": self.where, **forfeit_of(played)}}, played.reward, True)
         return self._error(played.failure if isinstance(played, Outcome) else played, tool_name)
 
     def _rpc(self, rid: Any, played: Played) -> dict[str, Any]:
@@ -7162,6 +7295,9 @@ def openapi_document() -> dict[str, Any]:
         "/ws": {"get": op("WebSocket OpenEnv session: reset, step, state, mcp, close")},
         "/list_environments": {"get": op("The environment served")},
         "/metrics": {"get": op("Prometheus metrics: episodes, deploys, tool calls, masks, process")},
+        "/web": {"get": op("The web page: play a task by hand, watch the run")},
+        "/web/status": {"get": op("The run's numbers as JSON, the same as /metrics: episodes, "
+                                  "masks, rewards by split, deploy and tool-call p50/p95")},
         "/{env}/splits": {"get": op("The splits: all, and one per eval")},
         "/{env}/tasks": {"post": op("The tasks of a split", True)},
         "/{env}/num_tasks": {"post": op("How many tasks a split has", True)},
@@ -8271,7 +8407,8 @@ GYM_OWN_ROUTES = {"docs", "redoc", "openapi.json", "health", "healthz", "livez",
                   "reverify_mode", "mcp", "ng-rollout"}
 RESERVED_NAMES = frozenset({path.split("/")[1] for _, path, _ in
                             (*OpenEnvSurface.ROUTES, *GymSurface.ROUTES)
-                            if path != "/" and not path.startswith("/{")} | GYM_OWN_ROUTES)
+                            if path != "/" and not path.startswith("/{")} | GYM_OWN_ROUTES
+                           | {"web"})          # the web page's routes (WebPage, below)
 
 
 class Server:
@@ -8287,13 +8424,15 @@ class Server:
                  token: str | None = None):
         from aiohttp import web
         self.runtime, self.settings, self.host, self.port = runtime, settings, host, port
+        self.metrics = runtime.metrics if runtime else Metrics()
+        # the page plays over OpenEnv's /ws, which only a server with a runtime has
+        self.web = WebPage(runtime, self.metrics) if runtime else None
         # A request whose client goes away is cancelled (however the app is run): a call under
         # way stops, and its episode ends, instead of holding its box and slot to the end.
         self.app = web.Application(client_max_size=MAX_BODY, middlewares=[
-            json_errors(), *([bearer_token(token)] if token else [])],
+            json_errors(), *([bearer_token(token, self.web and self.web.locked)] if token else [])],
             handler_args={"handler_cancellation": True})
         sessions = Sessions(runtime.pool.limit if runtime else settings.max_concurrent_envs)
-        self.metrics = runtime.metrics if runtime else Metrics()
         self.metrics.watch("agentenv_sessions", "Live sessions, by wire", sessions.by_wire, "wire")
         self.openenv = OpenEnvSurface(runtime, sessions, settings) if runtime else None
         rollouts: Rollouts = LocalRollouts(runtime) if runtime else RemoteRollouts(str(url), settings)
@@ -8302,6 +8441,8 @@ class Server:
         self._status: asyncio.Task | None = None
         router = self.app.router
         _add_route(router, "GET", "/metrics", metrics_route(self.metrics))
+        for method, path, handler in WebPage.ROUTES if self.web else ():
+            _add_route(router, method, path, handler.__get__(self.web))
         for surface in self.surfaces:
             for method, path, handler in surface.ROUTES:
                 _add_route(router, method, path, handler.__get__(surface))
@@ -8326,9 +8467,9 @@ class Server:
             url = f"http://{self.host}:{self.port}" if self.host is not None else ""
             log.info("Serving %s: %d tasks in the splits %s, up to %d episodes at once, envs in the "
                      "%s sandbox, %s(OpenEnv: %s/ws; NeMo Gym: %s/seed_session; metrics: "
-                     "%s/metrics).", bundle.name, len(bundle.tasks), ", ".join(bundle.splits),
-                     self.runtime.pool.limit, self.runtime.sandbox.kind,
-                     f"at {url} " if url else "", url, url, url)
+                     "%s/metrics; web page: %s/web).", bundle.name, len(bundle.tasks),
+                     ", ".join(bundle.splits), self.runtime.pool.limit, self.runtime.sandbox.kind,
+                     f"at {url} " if url else "", url, url, url, url)
             if warm := self.runtime.warm.counts["target"]:
                 log.info("Keeping %d warm env(s) started and ready ahead of demand (%s), beside the "
                          "%d episode slots.", warm, self.runtime.warm.describe(),
@@ -8492,6 +8633,618 @@ def run_gym_server() -> None:
         web.run_app(server.app, host=host, port=port, print=None, access_log=None, shutdown_timeout=30)
     except AgentEnvError as exc:
         sys.exit(f"agentenv.py: {exc}")
+
+
+# ---------------------------------------------------------------- the web page
+
+class WebPage:
+    """``GET /web``: one page, with no build step and nothing fetched from anywhere else, on
+    which a person plays any task by hand and watches the run; and ``GET /web/status``, the
+    numbers it shows (``Metrics.numbers``: the same as /metrics), for scripts too.
+
+    The page is an ordinary client of the server's own wires: the task API for the splits and
+    tasks, an OpenEnv session over /ws to play (so its episodes count like any other), and
+    /web/status every second. Behind a token, a browser's first ask (a navigation carries no
+    header) is refused 401 with a small form that asks for the token; the form fetches the page
+    with it as a bearer token and keeps it in the tab's sessionStorage, and the page sends it on
+    every fetch, and on /ws as a subprotocol (a browser's WebSocket takes no header): never in
+    a URL, so never in a log, the history or a Referer. Both are served with a
+    Content-Security-Policy that lets them run their own script and reach their own origin
+    only."""
+
+    def __init__(self, runtime: Runtime, metrics: Metrics):
+        self.runtime, self.metrics = runtime, metrics
+
+    @staticmethod
+    def _html(text: str, status: int = 200, **headers: str) -> Any:
+        from aiohttp import web
+        return web.Response(text=text, status=status, content_type="text/html",
+                            headers={**WEB_HEADERS, **headers})
+
+    def locked(self, request: Any) -> Any:
+        """What a request for the page without the token is answered (None: not the page)."""
+        if request.method in ("GET", "HEAD") and request.path == "/web":
+            return self._html(WEB_LOCKED, 401, **{"WWW-Authenticate": 'Bearer realm="agentenv.py"'})
+        return None
+
+    async def page(self, request: Any) -> Any:
+        return self._html(WEB_PAGE)
+
+    async def status(self, request: Any) -> Any:
+        return json_reply({"bundle": self.runtime.bundle.name, "sandbox": self.runtime.sandbox.kind,
+                           "version": __version__, **self.metrics.numbers()})
+
+    ROUTES = [("GET", "/web", page), ("GET", "/web/status", status)]
+
+
+def _document(title: str, body: str, script: str) -> str:
+    """A document of the page's: the head and style both share, its body, its script last."""
+    return ('<!doctype html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+            '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+            f'<link rel="icon" href="data:,">\n<title>{title}</title>\n<style>{WEB_STYLE}</style>\n'
+            f'</head>\n<body>\n{body}<script>{script}</script>\n</body>\n</html>\n')
+
+
+def _csp_source(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+WEB_STYLE = r""":root { --ink: #1d232b; --muted: #5d6776; --line: #dce1e8; --bg: #f3f5f8; --accent: #2e5bcc;
+  --good: #1b7343; --bad: #b3261e; }
+* { box-sizing: border-box; }
+body { margin: 0; background: var(--bg); color: var(--ink);
+  font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif; }
+header { display: flex; flex-wrap: wrap; align-items: baseline; gap: 4px 14px; padding: 10px 20px;
+  background: var(--ink); color: #fff; }
+header h1 { margin: 0; font-size: 17px; }
+header span { color: #b4bdca; }
+main { display: grid; grid-template-columns: minmax(0, 1fr) 370px; gap: 16px; padding: 16px 20px;
+  align-items: start; }
+main.lock { display: block; max-width: 420px; margin: 60px auto; }
+@media (max-width: 900px) { main { grid-template-columns: minmax(0, 1fr); } }
+section, form.card { background: #fff; border: 1px solid var(--line); border-radius: 8px;
+  padding: 14px 16px; }
+section section { border: 0; padding: 0; }
+h2 { margin: 0 0 10px; font-size: 15px; }
+h3 { margin: 16px 0 6px; font-size: 12px; letter-spacing: .04em; text-transform: uppercase;
+  color: var(--muted); }
+label { font-weight: 600; }
+input, select, textarea, button { font: inherit; color: inherit; }
+input, select, textarea { border: 1px solid #c5ccd6; border-radius: 5px; padding: 4px 7px;
+  background: #fff; max-width: 100%; }
+textarea { width: 100%; resize: vertical; }
+button { border: 1px solid var(--accent); border-radius: 5px; padding: 4px 12px;
+  background: var(--accent); color: #fff; cursor: pointer; }
+button:disabled { opacity: .4; cursor: default; }
+:focus-visible { outline: 2px solid var(--accent); outline-offset: 1px; }
+.row { display: flex; flex-wrap: wrap; align-items: center; gap: 6px 8px; }
+.row label:not(:first-child) { margin-left: 8px; }
+.spread { justify-content: space-between; }
+pre { margin: 0; white-space: pre-wrap; overflow-wrap: anywhere;
+  font: 13px/1.45 ui-monospace, "DejaVu Sans Mono", monospace; }
+.prompt { padding: 6px 10px; border-left: 3px solid var(--accent); background: #f6f8fc; }
+.muted, .hint { color: var(--muted); }
+.hint { margin: 0; font-size: 12px; }
+.alert { margin: 4px 0 0; color: var(--bad); font-size: 12px; }
+.tools { display: grid; grid-template-columns: repeat(auto-fill, minmax(240px, 1fr)); gap: 10px; }
+fieldset { margin: 0; padding: 6px 10px 10px; border: 1px solid var(--line); border-radius: 6px; }
+fieldset:disabled { opacity: .6; }
+legend { padding: 0 4px; font: 600 13px ui-monospace, "DejaVu Sans Mono", monospace; }
+.field { display: grid; gap: 2px; margin: 6px 0; }
+ol.log { display: grid; gap: 6px; margin: 0; padding: 0; list-style: none; }
+ol.log li { padding: 6px 10px; border: 1px solid var(--line); border-radius: 6px; }
+ol.log li.reply { border-color: #bcdcc7; background: #f2f8f4; }
+ol.log li.error, .failed { border-color: #eab6b1; background: #fdf3f2; }
+.who { font-size: 12px; font-weight: 600; color: var(--muted); }
+#outcome { margin-top: 14px; padding: 10px 12px; border: 1px solid #bcdcc7; border-radius: 6px;
+  background: #f2f8f4; }
+#outcome.failed { border-color: #eab6b1; background: #fdf3f2; }
+#outcome h3 { margin-top: 10px; }
+#outcome h3:first-child { margin-top: 0; }
+.big { margin: 0; font-size: 26px; font-weight: 700; }
+table { width: 100%; border-collapse: collapse; }
+th, td { padding: 3px 6px; border-bottom: 1px solid var(--line); text-align: left; vertical-align: top; }
+th { font-size: 12px; font-weight: 600; color: var(--muted); }
+.pass { color: var(--good); font-weight: 600; }
+.fail { color: var(--bad); font-weight: 600; }
+dl { display: grid; grid-template-columns: auto minmax(0, 1fr); gap: 5px 12px; margin: 0; }
+dt { color: var(--muted); }
+dd { margin: 0; font-variant-numeric: tabular-nums; }
+meter { display: block; width: 100%; height: 10px; }
+.split { margin: 6px 0 10px; }
+.bars { display: flex; align-items: flex-end; gap: 2px; height: 40px; border-bottom: 1px solid #c5ccd6; }
+.bars span { flex: 1; min-height: 1px; border-radius: 2px 2px 0 0; background: var(--accent); }
+.axis { font-size: 11px; }
+"""
+
+# The form a browser is answered without the token.
+WEB_LOCKED_SCRIPT = r""""use strict";
+{
+// The page is fetched with the token as a bearer header, kept for this tab (sessionStorage:
+// gone when the tab closes, never in a URL), and written over this one.
+const form = document.getElementById("unlock"), said = document.getElementById("said");
+
+async function unlock(token) {
+  let response;
+  try {
+    response = await fetch("/web", {headers: {Authorization: "Bearer " + token}});
+  } catch (error) {
+    said.textContent = "The token could not be sent: " + error.message;
+    return;
+  }
+  if (!response.ok) {
+    sessionStorage.removeItem("agentenv-token");
+    said.textContent = response.status === 401 ? "The server refused that token." :
+      "The server answered " + response.status + ".";
+    return;
+  }
+  sessionStorage.setItem("agentenv-token", token);
+  const page = await response.text();
+  document.open();
+  document.write(page);
+  document.close();
+}
+
+form.addEventListener("submit", (event) => {
+  event.preventDefault();
+  unlock(document.getElementById("token").value);
+});
+const kept = sessionStorage.getItem("agentenv-token");
+if (kept) unlock(kept);
+}
+"""
+
+WEB_LOCKED = _document("agentenv.py: token", r"""<header><h1>agentenv.py</h1></header>
+<main class="lock">
+<form id="unlock" class="card">
+  <h2>This server asks for its token</h2>
+  <p class="muted">The token serve was given (--token or AGENTENV_TOKEN). This tab keeps it until it closes, and sends it as a bearer token.</p>
+  <div class="field"><label for="token">Token</label><input id="token" type="password" autocomplete="off" required></div>
+  <div class="row"><button>Open</button></div>
+  <p id="said" class="alert" role="alert"></p>
+</form>
+</main>
+""", WEB_LOCKED_SCRIPT)
+
+# The page: play by hand on the left, the run on the right.
+WEB_SCRIPT = r""""use strict";
+{
+// The token the form of the locked page was given (none when the server asks for none).
+const TOKEN = sessionStorage.getItem("agentenv-token");
+const AUTH = TOKEN ? {Authorization: "Bearer " + TOKEN} : {};
+const $ = (id) => document.getElementById(id);
+
+// An element; its children's text goes in as text, never as markup (prompts, tool results and
+// verifier rows come from the bundle, its envs and the player).
+function el(tag, attributes, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attributes || {})) {
+    if (value === false || value == null) continue;
+    if (key === "class") node.className = value;
+    else node.setAttribute(key, value === true ? "" : value);
+  }
+  node.append(...children.filter((child) => child != null)
+    .map((child) => child instanceof Node ? child : String(child)));
+  return node;
+}
+
+function refused() {     // a token the server no longer takes: the locked page asks again
+  sessionStorage.removeItem("agentenv-token");
+  location.reload();
+}
+
+async function api(path, body) {
+  const response = await fetch(path, body === undefined ? {headers: AUTH} : {method: "POST",
+    headers: {...AUTH, "Content-Type": "application/json"}, body: JSON.stringify(body)});
+  if (response.status === 401) refused();
+  const data = await response.json();
+  if (!response.ok) throw new Error(path + " answered " + response.status + ": " + JSON.stringify(data.detail));
+  return data;
+}
+
+function base64url(text) {
+  const bytes = new TextEncoder().encode(text);
+  return btoa(String.fromCharCode(...bytes)).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
+}
+
+// ---- one OpenEnv session over /ws, as any client plays one: one reply per message, in order
+
+const session = {
+  socket: null, opened: null, pending: [], said: "",
+  open() {
+    if (this.socket) return this.opened;
+    // A browser's WebSocket takes no headers: the token goes as a subprotocol beside "agentenv".
+    const protocols = ["agentenv", ...(TOKEN ? ["agentenv.bearer." + base64url(TOKEN)] : [])];
+    const socket = this.socket = new WebSocket(location.origin.replace(/^http/, "ws") + "/ws", protocols);
+    this.opened = new Promise((resolve, reject) => {
+      socket.onopen = resolve;
+      socket.onerror = () => reject(new Error("the server's /ws did not open"));
+    });
+    socket.onmessage = (event) => {
+      const reply = JSON.parse(event.data), next = this.pending.shift();
+      if (next) next.resolve(reply);
+      else if (reply.type === "error") this.said = reply.data.message;    // a refusal, then a close
+    };
+    socket.onclose = (event) => {
+      this.socket = null;
+      const why = new Error("the session ended: " + (event.reason || this.said || "its socket closed"));
+      for (const next of this.pending.splice(0)) next.reject(why);
+      if (!episode.over) { over(); say(why.message + ". Start again to play on.", true); }
+    };
+    return this.opened;
+  },
+  async ask(message) {
+    await this.open();
+    return new Promise((resolve, reject) => {
+      this.pending.push({resolve, reject});
+      this.socket.send(JSON.stringify(message));
+    });
+  },
+};
+
+// ---- playing a task by hand
+
+const episode = {turn: 0, over: true, busy: false};
+
+function say(text, bad) {
+  $("phase").textContent = text;
+  $("phase").className = bad ? "alert" : "muted";
+}
+
+function settle() {     // what can be pressed: nothing while a message is out; no turn once over
+  $("start").disabled = episode.busy;
+  for (const control of document.querySelectorAll("#turn fieldset, #turn button")) {
+    control.disabled = episode.busy || episode.over;
+  }
+}
+
+function over() {
+  episode.over = true;
+  $("turn").hidden = true;
+  settle();
+}
+
+async function act(work) {
+  episode.busy = true;
+  settle();
+  try {
+    await work();
+  } catch (error) {
+    over();
+    say(error.message, true);
+  } finally {
+    episode.busy = false;
+    settle();
+  }
+}
+
+function observed(reply) {     // an observation's data; an error frame (a refused message) throws
+  if (reply.type === "error") throw new Error(reply.data.message);
+  return reply.data;
+}
+
+function logged(kind, who, text) {
+  $("transcript").append(el("li", {class: kind}, el("div", {class: "who"}, who), el("pre", {}, text)));
+}
+
+function failed(data) {      // shows the episode's failure or a refusal, if the observation is one
+  const meta = data.observation.metadata || {};
+  if (meta.status !== "error") return false;
+  over();
+  const box = $("outcome");
+  box.hidden = false;
+  box.className = "failed";
+  if (meta.failure_kind) {
+    box.replaceChildren(el("h3", {}, "Masked"), el("p", {class: "big"}, meta.failure_kind),
+      el("p", {}, "The environment failed this episode, not the player: a trainer masks the rollout."),
+      el("pre", {}, meta.error));
+    say("The episode failed, masked " + meta.failure_kind + ".", true);
+  } else {
+    box.replaceChildren(el("h3", {}, "Refused"), el("pre", {}, meta.error));
+    say("The server refused: " + meta.error, true);
+  }
+  return true;
+}
+
+function scored(data) {
+  over();
+  const meta = data.observation.metadata, box = $("outcome");
+  const rows = [];
+  for (const [verifier, verification] of Object.entries(meta.verifications || {})) {
+    for (const row of verification.results || []) {
+      const result = row.result === true ? "pass" : row.result === false ? "fail" : "";
+      rows.push(el("tr", {}, el("td", {}, verifier),
+        el("td", {}, row.id ?? row.type ?? "#" + row.criterion_index),
+        el("td", {class: result}, result), el("td", {}, row.score ?? ""),
+        el("td", {}, row.justification ?? row.message ?? row.description ?? "")));
+    }
+  }
+  box.hidden = false;
+  box.className = meta.forfeit ? "failed" : "";
+  box.replaceChildren(el("h3", {}, "Reward"), el("p", {class: "big", id: "reward"}, data.reward),
+    ...(meta.forfeit ? [el("h3", {}, "Forfeited"), el("pre", {}, meta.forfeit),
+      el("p", {}, "The player's own doing ended the episode before a verifier scored it: 0, not masked.")] : []),
+    el("h3", {}, "Scores"),
+    el("table", {"aria-label": "Scores"}, el("tr", {}, el("th", {}, "step"), el("th", {}, "score")),
+      ...Object.entries(meta.scores).map(([step, score]) => el("tr", {}, el("td", {}, step), el("td", {}, score)))),
+    el("h3", {}, "What the verifiers said"),
+    el("table", {"aria-label": "Verifier rows"}, el("tr", {}, ...["verifier", "row", "result", "score", "why"]
+      .map((head) => el("th", {}, head))), ...rows));
+  say(meta.forfeit ? "Forfeited: reward 0." : "Scored: reward " + data.reward + ".");
+}
+
+function kindOf(spec) {       // how an argument is typed in: text, a number, a choice, or JSON
+  const types = [].concat(spec.type ?? []).filter((type) => type !== "null");
+  if (types.length !== 1) return "json";
+  if (types[0] === "string") return Array.isArray(spec.enum) ? "choice" : "text";
+  return {integer: "number", number: "number", boolean: "choice"}[types[0]] || "json";
+}
+
+function toolForm(tool, n) {
+  const schema = tool.input_schema || {}, required = new Set(schema.required || []);
+  const box = el("fieldset", {}, el("legend", {}, tool.name));
+  if (tool.description) box.append(el("p", {class: "hint"}, tool.description));
+  const fields = Object.entries(schema.properties || {}).map(([name, spec], m) => {
+    const id = "arg-" + n + "-" + m, kind = kindOf(spec);
+    const type = [].concat(spec.type ?? "any JSON").join(" or ");
+    let input;
+    if (kind === "choice") {
+      const choices = type === "boolean" ? [true, false] : spec.enum;
+      input = el("select", {id}, el("option", {value: ""}, "(not sent)"),
+        ...choices.map((choice) => el("option", {value: JSON.stringify(choice)}, choice)));
+    } else if (kind === "number") {
+      input = el("input", {id, type: "number", step: type === "integer" ? "1" : "any"});
+    } else if (kind === "text") {
+      input = el("input", {id, type: "text", autocomplete: "off"});
+    } else {
+      input = el("textarea", {id, rows: 2, spellcheck: "false", placeholder: type === "array" ? "[ ]" : "{ }"});
+    }
+    const hint = el("p", {class: "hint", id: id + "-hint"},
+      [required.has(name) ? "required" : "optional", kind === "json" ? type + ", as JSON" : type,
+       spec.description].filter(Boolean).join(" · "));
+    input.setAttribute("aria-describedby", hint.id);
+    box.append(el("div", {class: "field"}, el("label", {for: id}, name), input, hint));
+    return {name, kind, input};
+  });
+  const alert = el("p", {class: "alert", role: "alert"});
+  box.append(el("div", {class: "row"}, el("button", {type: "submit"}, "Call " + tool.name)), alert);
+  const form = el("form", {novalidate: true}, box);
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    call(tool.name, fields, alert);
+  });
+  return form;
+}
+
+function argumentsOf(fields, alert) {     // what the form holds; an empty field is not sent
+  const args = {}, problems = [];
+  for (const {name, kind, input} of fields) {
+    const text = input.value;
+    if (text.trim() === "") continue;
+    if (kind === "text") args[name] = text;
+    else if (kind === "number") args[name] = Number(text);
+    else {
+      try {
+        args[name] = JSON.parse(text);
+      } catch (error) {
+        problems.push(name + " is not JSON (" + error.message + ")");
+      }
+    }
+  }
+  alert.textContent = problems.join("; ");
+  return problems.length ? null : args;
+}
+
+async function call(name, fields, alert) {
+  const args = argumentsOf(fields, alert);
+  if (!args) return;
+  await act(async () => {
+    const data = observed(await session.ask({type: "step",
+      data: {type: "call_tool", tool_name: name, arguments: args}}));
+    const seen = data.observation, who = name + " " + JSON.stringify(args);
+    if (seen.error) logged("error", who, seen.error.error_type + ": " + seen.error.message);
+    else if (seen.result) logged("call", who, seen.result.data ?? JSON.stringify(seen.result));
+    else logged("error", who, "no answer: the call ended the episode");
+    failed(data);
+  });
+}
+
+async function openTurn(prompt) {
+  episode.turn += 1;
+  logged("prompt", "Turn " + episode.turn + ": the prompt", prompt);
+  const data = observed(await session.ask({type: "step", data: {type: "list_tools"}}));
+  const tools = data.observation.tools.filter((tool) => tool.name !== "end_turn");
+  $("tools").replaceChildren(...tools.map(toolForm));
+  if (!tools.length) $("tools").append(el("p", {class: "hint"}, "This turn offers no tools."));
+  say("Turn " + episode.turn + ": call tools as you like, then end the turn with your reply.");
+}
+
+$("pick").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const split = $("split").value, index = Number($("task").value);
+  episode.turn = 0;
+  episode.over = false;
+  $("episode").hidden = false;
+  $("turn").hidden = false;
+  $("outcome").hidden = true;
+  $("transcript").replaceChildren();
+  $("tools").replaceChildren();
+  $("system-prompt").textContent = "";
+  say("Deploying the envs of " + $("task").selectedOptions[0].textContent + " and opening its first turn…");
+  act(async () => {
+    const data = observed(await session.ask({type: "reset", data: {split, index}}));
+    if (failed(data)) return;
+    $("system-prompt").textContent = data.observation.metadata.system_prompt || "(none)";
+    await openTurn(data.observation.metadata.prompt);
+  });
+});
+
+$("reply-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const response = $("reply").value;
+  say("Ending the turn: the task's next steps run (after the last turn, its verifiers)…");
+  act(async () => {
+    const data = observed(await session.ask({type: "step",
+      data: {type: "call_tool", tool_name: "end_turn", arguments: {response}}}));
+    logged("reply", "Your reply", response || "(empty)");
+    $("reply").value = "";
+    if (failed(data)) return;
+    if (data.done) return scored(data);
+    await openTurn(data.observation.result.prompt);
+  });
+});
+
+let served = "";
+async function tasks() {
+  const {tasks} = await api("/" + encodeURIComponent(served) + "/tasks", {split: $("split").value});
+  $("task").replaceChildren(...tasks.map((task) =>
+    el("option", {value: task.index}, task.name + " (" + task.toolset + ")")));
+}
+
+async function splits() {
+  [served] = await api("/list_environments");
+  const found = await api("/" + encodeURIComponent(served) + "/splits");
+  $("split").replaceChildren(...found.map((split) => el("option", {value: split.name}, split.name)));
+  await tasks();
+  settle();
+}
+
+$("split").addEventListener("change", () => tasks().catch((error) => say(error.message, true)));
+
+// ---- watching the run: /web/status every second
+
+function seconds(value) {
+  if (value == null) return "–";
+  return value < 1 ? (value * 1000).toFixed(value < 0.1 ? 1 : 0) + " ms" : value.toFixed(2) + " s";
+}
+
+function listed(counts, unit) {
+  return Object.entries(counts).map(([name, n]) => n + " " + (unit ? unit[name] || name : name)).join(", ");
+}
+
+function timing(timed) {
+  return timed.count + (timed.p50 == null ? "" : " · p50 " + seconds(timed.p50) + " · p95 " + seconds(timed.p95));
+}
+
+function rewards(splits) {
+  const parts = Object.entries(splits).map(([split, reward]) => {
+    const most = Math.max(1, ...reward.buckets.map(([, n]) => n));
+    const bars = el("div", {class: "bars", role: "img", "aria-label": "rewards of " + split + " by bucket: " +
+      reward.buckets.filter(([, n]) => n).map(([upper, n]) => n + " up to " + upper).join(", ")});
+    for (const [upper, n] of reward.buckets) {
+      const bar = el("span", {title: "up to " + upper + ": " + n});
+      bar.style.height = (100 * n / most) + "%";
+      bar.style.opacity = n ? 1 : 0.2;
+      bars.append(bar);
+    }
+    return el("div", {class: "split"},
+      el("div", {class: "row spread"}, el("strong", {}, split),
+        el("span", {}, "mean " + reward.mean.toFixed(3) + " · " + reward.count + " scored")),
+      bars, el("div", {class: "row spread axis muted"}, el("span", {}, "0"), el("span", {}, "1")));
+  });
+  $("rewards").replaceChildren(...(parts.length ? parts : [el("p", {class: "muted"}, "No episode scored yet.")]));
+}
+
+function show(status) {
+  const played = status.episodes;
+  $("served").textContent = status.bundle + " · " + status.sandbox + " sandbox · agentenv.py " + status.version;
+  const outcomes = ["scored", "failed", "abandoned"].filter((outcome) => played[outcome]);
+  $("played").textContent = played.played + (outcomes.length ? " (" + outcomes.map((o) => played[o] + " " + o).join(", ") + ")" : "") +
+    (played.forfeited ? "; " + played.forfeited + " of the scored forfeited" : "");
+  $("live").textContent = played.live + " of " + played.limit;
+  $("live-meter").max = played.limit;
+  $("live-meter").value = played.live;
+  $("waiting").textContent = played.waiting;
+  $("sessions").textContent = listed(status.sessions, {openenv: "OpenEnv", gym: "NeMo Gym"});
+  $("masked").textContent = listed(status.masked) || "none";
+  $("deploys").textContent = timing(status.deploys) + (status.deploys.failed ? " · " + status.deploys.failed + " failed" : "");
+  $("tool-calls").textContent = timing(status.tool_calls);
+  $("envs").textContent = status.nodes.reduce((sum, node) => sum + node.envs, 0);
+  $("warm").textContent = status.warm ? status.warm.ready + " ready, " + status.warm.booting + " booting, of " + status.warm.target : "none kept";
+  rewards(status.rewards);
+  const nodes = status.nodes.filter((node) => node.node);      // Ray's nodes; "" is this machine
+  $("nodes-part").hidden = !nodes.length;
+  $("nodes").replaceChildren(el("tr", {}, el("th", {}, "node"), el("th", {}, "envs up"), el("th", {}, "deployed")),
+    ...nodes.map((node) => el("tr", {}, el("td", {}, node.node), el("td", {}, node.envs), el("td", {}, node.deploys))));
+}
+
+async function watch() {
+  try {
+    show(await api("/web/status"));
+    $("updated").textContent = "Updated " + new Date().toLocaleTimeString() + "; every second.";
+  } catch (error) {
+    $("updated").textContent = "The status did not come: " + error.message;
+  }
+  setTimeout(watch, 1000);
+}
+
+settle();
+splits().catch((error) => say(error.message, true));
+watch();
+}
+"""
+
+WEB_PAGE = _document("agentenv.py", r"""<header><h1>agentenv.py</h1><span id="served"></span></header>
+<main>
+<section aria-labelledby="play-title">
+  <h2 id="play-title">Play by hand</h2>
+  <form id="pick" class="row">
+    <label for="split">Split</label><select id="split"></select>
+    <label for="task">Task</label><select id="task"></select>
+    <button id="start">Start</button>
+  </form>
+  <p id="phase" class="muted" role="status">Start a task to play it as a model would: its envs are deployed for you, and its verifiers score what you did.</p>
+  <div id="episode" hidden>
+    <h3>System prompt</h3>
+    <pre id="system-prompt" class="prompt"></pre>
+    <h3>Transcript</h3>
+    <ol id="transcript" class="log" aria-label="Transcript"></ol>
+    <div id="turn">
+      <h3>Tools</h3>
+      <p class="hint">An argument left empty is not sent; arrays and objects are written as JSON.</p>
+      <div id="tools" class="tools"></div>
+      <form id="reply-form">
+        <h3><label for="reply">Reply</label></h3>
+        <textarea id="reply" rows="3" placeholder="The turn's final message, as the model's reply"></textarea>
+        <div class="row"><button>End turn</button></div>
+      </form>
+    </div>
+    <section id="outcome" aria-label="Outcome" aria-live="polite" hidden></section>
+  </div>
+</section>
+<section aria-labelledby="run-title">
+  <h2 id="run-title">Run</h2>
+  <dl>
+    <dt>Episodes played</dt><dd id="played">–</dd>
+    <dt>Live</dt><dd><span id="live">–</span><meter id="live-meter" min="0" max="1" value="0" aria-label="Live episodes against the limit"></meter></dd>
+    <dt>Waiting</dt><dd id="waiting">–</dd>
+    <dt>Sessions</dt><dd id="sessions">–</dd>
+    <dt>Masked</dt><dd id="masked">–</dd>
+    <dt>Deploys</dt><dd id="deploys">–</dd>
+    <dt>Tool calls</dt><dd id="tool-calls">–</dd>
+    <dt>Envs up</dt><dd id="envs">–</dd>
+    <dt>Warm envs</dt><dd id="warm">–</dd>
+  </dl>
+  <h3>Reward by split</h3>
+  <div id="rewards"></div>
+  <div id="nodes-part" hidden>
+    <h3>Envs by node</h3>
+    <table id="nodes" aria-label="Envs by node"></table>
+  </div>
+  <p id="updated" class="hint"></p>
+</section>
+</main>
+""", WEB_SCRIPT)
+
+# Both documents run only their own script and style, reach only their own origin (fetches and
+# /ws), and can't be framed; the form's document is written over with the page, so one policy
+# lets both scripts run.
+WEB_HEADERS = {
+    "Content-Security-Policy": (
+        f"default-src 'none'; script-src {_csp_source(WEB_LOCKED_SCRIPT)} {_csp_source(WEB_SCRIPT)}; "
+        f"style-src {_csp_source(WEB_STYLE)}; connect-src 'self'; img-src data:; base-uri 'none'; "
+        "form-action 'none'; frame-ancestors 'none'"),
+    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}
 
 
 # ================================================================ 12. Writer

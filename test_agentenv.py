@@ -479,6 +479,67 @@ def test_two_metrics_count_apart_and_the_page_parses():
     assert kind.startswith("application/openmetrics-text") and openmetrics.endswith(b"# EOF\n")
 
 
+def test_bucket_quantiles_are_estimated_as_prometheus_does():
+    quantile = agentenv.bucket_quantile
+    assert quantile(0.5, []) is None and quantile(0.5, [(1.0, 0), (float("inf"), 0)]) is None
+    buckets = [(0.1, 2), (0.5, 6), (1.0, 10), (float("inf"), 10)]
+    assert quantile(0.5, buckets) == pytest.approx(0.1 + 0.4 * (5 - 2) / 4)   # within (0.1, 0.5]
+    assert quantile(0.1, buckets) == pytest.approx(0.05)                      # the first from 0
+    assert quantile(0.95, buckets) == pytest.approx(0.5 + 0.5 * (9.5 - 6) / 4)
+    assert quantile(0.99, [(0.1, 1), (float("inf"), 5)]) == 0.1               # past the bounds
+
+
+def test_the_numbers_of_a_run_are_what_the_registry_holds():
+    metrics = agentenv.Metrics()
+    empty = metrics.numbers()
+    assert empty["episodes"] == {"played": 0, "scored": 0, "forfeited": 0, "failed": 0, "abandoned": 0,
+                                 "live": None, "waiting": None, "limit": None}   # no pool watched
+    assert (empty["rewards"], empty["masked"], empty["nodes"], empty["warm"]) == ({}, {}, [], None)
+    assert empty["deploys"] == {"count": 0, "failed": 0, "p50": None, "p95": None}
+    metrics.watch("agentenv_episodes_live", "live", lambda: 2)
+    metrics.watch("agentenv_warm_envs", "warm", lambda: {"ready": 1, "booting": 0, "target": 2}, "state")
+    metrics.watch("agentenv_envs_live", "by node", lambda: {"127.0.0.2": 2}, "node")
+    for reward in (1.0, 1.0, 0.25, 0.0):
+        metrics.ended("scored", "train", reward)
+    metrics.ended("failed", "train", None)
+    metrics.forfeited()                                  # the 0.0 above: the model broke its box
+    metrics.mask("gym", agentenv.Failure("transport_timeout", "slow"))
+    metrics.mask("openenv", agentenv.Failure("transport_timeout", "slow"))
+    metrics.mask("gym", agentenv.Failure("session_lost", "gone"))
+    for node, seconds in (("127.0.0.2", 0.3), ("127.0.0.2", 0.4), ("127.0.0.3", 0.35)):
+        metrics.deployed("notebook", "ray", seconds, node)
+    metrics.deploy_failed("notebook", "ray", "provider_unavailable")
+    metrics.tool_called("write_note", "ok", 0.002)
+    metrics.tool_called("(unknown)", "unknown_tool", None)
+    numbers = metrics.numbers()
+    assert numbers["episodes"] == {"played": 5, "scored": 4, "forfeited": 1, "failed": 1,
+                                   "abandoned": 0, "live": 2, "waiting": None, "limit": None}
+    assert list(numbers["masked"].items()) == [("transport_timeout", 2), ("session_lost", 1)]
+    train = numbers["rewards"]["train"]
+    assert (train["count"], train["mean"]) == (4, 0.5625)
+    assert train["buckets"] == [[0.0, 1], [0.1, 0], [0.2, 0], [0.3, 1], [0.4, 0], [0.5, 0], [0.6, 0],
+                                [0.7, 0], [0.8, 0], [0.9, 0], [1.0, 2]]
+    assert numbers["deploys"]["count"] == 3 and numbers["deploys"]["failed"] == 1
+    assert 0.25 <= numbers["deploys"]["p50"] <= 0.5 and 0.25 <= numbers["deploys"]["p95"] <= 0.5
+    assert numbers["tool_calls"] == {"count": 2, "by_status": {"ok": 1, "unknown_tool": 1},
+                                     "p50": pytest.approx(0.00175), "p95": pytest.approx(0.002425)}
+    assert numbers["warm"] == {"ready": 1, "booting": 0, "target": 2}
+    assert numbers["nodes"] == [{"node": "127.0.0.2", "envs": 2, "deploys": 2},
+                                {"node": "127.0.0.3", "envs": 0, "deploys": 1}]
+    json.dumps(numbers, allow_nan=False)                 # strict JSON, as the status route sends it
+
+
+def test_verifier_rows_become_strict_json():
+    assert agentenv.json_safe({"score": float("nan"), "rows": ({1, 2}, None, True, 2.5), 3: "x"}) == \
+        {"score": "nan", "rows": ["{1, 2}", None, True, 2.5], "3": "x"}
+
+
+def test_a_token_becomes_a_websocket_subprotocol():
+    for token in ("plain", "with spaces/and+signs=", "ünïcödé 🔑"):
+        protocol = agentenv.ws_token_protocol(token)
+        assert re.fullmatch(r"agentenv\.bearer\.[A-Za-z0-9_-]+", protocol), protocol
+
+
 def test_progress_says_the_first_and_last_step_and_little_between():
     lines: list[str] = []
     progress = agentenv.Progress("write-gym: listing", 50, lines.append, every=3600)
