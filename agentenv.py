@@ -10,22 +10,26 @@ The file reads top to bottom in the order data flows; a section uses only the se
 
 1. Values, errors      the shapes every layer passes on: a Failure (kind, reason), a ToolResult
                         with its status, the Settings with every default, errors that say the fix;
-                        the Metrics every section records into, and a Progress line for long work.
+                        the Metrics every section records into (and reads back as numbers for
+                        the web page), and a Progress line for long work.
 2. Bundle               loading and checking a bundle: envs, artifacts, skills, tasks, steps (a
                         check per step type), splits, toolsets, reward.
 3. Sandbox              where an env runs (a Docker container on a network that reaches nothing
                         it should not, a local process, or either of those on the Ray node a
                         placement group picked), and the boxes the agent works in with bash
-                        (a container of its own, or a work folder).
+                        (a container of its own, whose keeper stops every process of the agent's
+                        at a turn's end and a command's deadline; or a work folder).
 4. Env client           an MCP client on aiohttp, readiness, the env's card and extensions; bash.
 5. Verifiers            the verifier kinds (an env's outcome, a reply, a box's state, unit tests)
                         and AgentEnv's score aggregators.
 6. Episode              one play of a task: its steps as a graph (a handler per step type), its
-                        turns, its outcome.
+                        turns, its outcome; what the model does to its own box is its 0 (a
+                        Forfeit), never a mask.
 7. Pool and runtime     the semaphore that bounds live episodes, the boot gate, the warm pool
                         of envs ready ahead of demand, the runtime.
-8. Plumbing             what both wires share: HTTP helpers, the JSON reader, the bearer token,
-                        the sessions table both wires count against the pool, the idle sweep.
+8. Plumbing             what both wires share: HTTP helpers, the JSON reader, the bearer token
+                        (a header, or a browser's WebSocket subprotocol), the sessions table
+                        both wires count against the pool, the idle sweep.
 9. OpenEnv surface      sessions over /ws and /mcp, the stateless routes, the task API: each
                         renders the play's values as observations or JSON-RPC.
 10. Gym surface         NeMo Gym's resources-server routes, rendering the same values as the text
@@ -33,7 +37,8 @@ The file reads top to bottom in the order data flows; a section uses only the se
                         aggregate metrics Gym's reward profiler computes; url: mode through an
                         OpenEnv client.
 11. The app             build_app: the one aiohttp application of both surfaces (serve runs it),
-                        and Gym's entry point.
+                        Gym's entry point, and /web: the page on which a person plays a task by
+                        hand and watches the run, with its status route.
 12. Writer              ``write-gym``: a resources server and its rows, written into a Gym root.
 13. Trainers and eval  ``eval``: those rows played against an OpenAI-compatible model through the
                         Gym surface, as NeMo Gym's simple_agent plays them, and scored; TRL's
@@ -57,6 +62,7 @@ import argparse
 import ast
 import asyncio
 import atexit
+import base64
 import collections
 import collections.abc
 import concurrent.futures
@@ -152,6 +158,12 @@ class EpisodeFailed(AgentEnvError):
     def __init__(self, reason: str | Failure, kind: str = ENV_FAILED):
         self.failure = reason if isinstance(reason, Failure) else Failure(kind, reason)
         super().__init__(self.failure.reason)
+
+
+class Forfeit(AgentEnvError):
+    """The model's own doing ended the episode, or failed a step, before its reward was recorded:
+    its box broken, filled or made unreadable, its tests failing or hanging. The rollout scores 0
+    and is never masked: a mask would teach the model to break what it cannot solve."""
 
 
 # A tool call's status. The model's own mistakes and the tool's own errors are answers it reads
@@ -446,6 +458,10 @@ class Metrics:
         self.rewards = prom.Histogram(
             "agentenv_reward", "The rewards of scored episodes, by split", ["split"],
             buckets=REWARD_BUCKETS, registry=registry)
+        self.forfeits = prom.Counter(
+            "agentenv_forfeits", "Episodes scored 0, not masked, because the model's own doing "
+            "ended them before a verifier scored them (its box broken, filled or made unreadable; "
+            "its tests failing with fail_task_on_error set)", registry=registry)
         self.masked = prom.Counter(
             "agentenv_masked_rollouts", "Rollouts answered as failed by the environment (Gym: a "
             "masked verify; OpenEnv: an error observation with its failure_kind), by wire and "
@@ -493,6 +509,9 @@ class Metrics:
         if isinstance(reward, (int, float)) and math.isfinite(reward):
             self._of(self.rewards, split).observe(reward)
 
+    def forfeited(self) -> None:
+        self.forfeits.inc()
+
     def mask(self, wire: str, failure: Failure) -> None:
         self._of(self.masked, wire, failure.kind).inc()
 
@@ -521,17 +540,73 @@ class Metrics:
         return {tuple(s.labels.values()): s.value for family in counter.collect()
                 for s in family.samples if s.name.endswith("_total")}
 
+    def numbers(self) -> dict[str, Any]:
+        """What the registry holds, read as a scrape reads it (so the same numbers as /metrics),
+        in the shape the web page and scripts read from ``GET /web/status``: episodes by outcome
+        (and the scored ones forfeited) and the levels of the pool, sessions by wire, masked rollouts by kind, rewards by split
+        (count, mean, and each bucket's count), deploys and tool calls with their p50/p95 over
+        the run (estimated from the histograms as Prometheus' histogram_quantile does), warm
+        envs, and by node the envs up and deployed. A level nobody watches (a Gym server in url:
+        mode has no pool) is None."""
+        samples: dict[str, list[tuple[dict[str, str], float]]] = collections.defaultdict(list)
+        for family in self.registry.collect():
+            for sample in family.samples:
+                samples[sample.name].append((sample.labels, sample.value))
+
+        def by(name: str, key: str, zeros: bool = False) -> dict[str, int]:
+            found: collections.Counter[str] = collections.Counter()
+            for labels, value in samples.get(name, []):
+                found[labels.get(key, "")] += int(value)
+            return {k: n for k, n in found.most_common() if n or zeros}
+
+        def level(name: str) -> int | None:
+            return int(samples[name][0][1]) if samples.get(name) else None
+
+        def timed(name: str) -> dict[str, Any]:
+            buckets = _buckets(samples.get(name + "_bucket", []))
+            return {"p50": bucket_quantile(0.5, buckets), "p95": bucket_quantile(0.95, buckets)}
+
+        played = by("agentenv_episodes_total", "outcome")
+        rewards = {}
+        for split, count in by("agentenv_reward_count", "split").items():
+            total = sum(v for labels, v in samples["agentenv_reward_sum"] if labels["split"] == split)
+            cumulative = _buckets([(labels, v) for labels, v in samples["agentenv_reward_bucket"]
+                                   if labels["split"] == split])
+            rewards[split] = {"count": count, "mean": total / count, "buckets": [
+                [upper, int(n - below)] for (upper, n), (_, below)
+                in zip(cumulative, [(0.0, 0.0), *cumulative]) if math.isfinite(upper)]}
+        deployed, up = by("agentenv_deploys_total", "node"), by("agentenv_envs_live", "node")
+        warm = by("agentenv_warm_envs", "state", zeros=True) if "agentenv_warm_envs" in samples else None
+        return {
+            "episodes": {"played": sum(played.values()), "scored": played.get("scored", 0),
+                         "forfeited": level("agentenv_forfeits_total") or 0,
+                         "failed": played.get("failed", 0), "abandoned": played.get("abandoned", 0),
+                         "live": level("agentenv_episodes_live"),
+                         "waiting": level("agentenv_episodes_waiting"),
+                         "limit": level("agentenv_episodes_limit")},
+            "sessions": by("agentenv_sessions", "wire", zeros=True),
+            "masked": by("agentenv_masked_rollouts_total", "kind"),
+            "rewards": rewards,
+            "deploys": {"count": sum(deployed.values()),
+                        "failed": sum(by("agentenv_deploy_failures_total", "kind").values()),
+                        **timed("agentenv_deploy_duration_seconds")},
+            "tool_calls": {"count": sum(by("agentenv_tool_calls_total", "status").values()),
+                           "by_status": by("agentenv_tool_calls_total", "status"),
+                           **timed("agentenv_tool_call_duration_seconds")},
+            "warm": warm,
+            "nodes": [{"node": node, "envs": up.get(node, 0), "deploys": deployed.get(node, 0)}
+                      for node in sorted(set(deployed) | set(up))],
+        }
+
     def status(self, live: int, waiting: int, limit: int, interval: float) -> str:
         """The status line: episodes played, live, waiting, masked by kind, and the deploy and
         tool-call p50/p95 of the last ``interval`` seconds (whose durations it then forgets)."""
-        played = {key[0]: int(n) for key, n in self.totals(self.episodes).items()}
-        kinds: collections.Counter[str] = collections.Counter()
-        for (_, kind), n in self.totals(self.masked).items():
-            kinds[kind] += int(n)
+        numbers = self.numbers()
+        played = numbers["episodes"]
         outcomes = ", ".join(f"{played[o]:,} {o}" for o in ("scored", "failed", "abandoned")
                              if played.get(o))
-        masks = ", ".join(f"{n:,} {kind}" for kind, n in kinds.most_common()) or "none"
-        line = (f"Status: {_many(sum(played.values()), 'episode')} played"
+        masks = ", ".join(f"{n:,} {kind}" for kind, n in numbers["masked"].items()) or "none"
+        line = (f"Status: {_many(played['played'], 'episode')} played"
                 + (f" ({outcomes})" if outcomes else "")
                 + f"; {live} live of {limit}, {waiting} waiting; masked: {masks}")
         timings = []
@@ -540,6 +615,30 @@ class Metrics:
                 count, p50, p95 = taken
                 timings.append(f"{_many(count, what)} p50 {_seconds(p50)}, p95 {_seconds(p95)}")
         return line + (f"; over the last {interval:g}s: " + "; ".join(timings) if timings else "") + "."
+
+
+def _buckets(samples: list[tuple[dict[str, str], float]]) -> list[tuple[float, float]]:
+    """A histogram's cumulative buckets summed over its other labels: [(upper bound, count)]."""
+    summed: collections.Counter[float] = collections.Counter()
+    for labels, value in samples:
+        summed[float(labels["le"])] += value
+    return sorted(summed.items())
+
+
+def bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """The q-quantile of a histogram from its cumulative buckets, as Prometheus'
+    histogram_quantile() estimates it: linear within the bucket the rank falls in, and the
+    highest finite bound when it falls past them. None when nothing was observed."""
+    if not buckets or not buckets[-1][1]:
+        return None
+    rank, lower, below = q * buckets[-1][1], 0.0, 0.0
+    for upper, count in buckets:
+        if count >= rank:
+            if math.isinf(upper):
+                return lower
+            return lower + (upper - lower) * (rank - below) / (count - below) if count > below else upper
+        lower, below = upper, count
+    return lower
 
 
 class Reading:
@@ -656,9 +755,12 @@ SCORE_AGGREGATORS = ("all_pass", "any_pass", "weighted_average")
 CRITERION_TYPES = ("response_contains", "response_regex_present")
 SANDBOX_CRITERIA = ("probe_file_exists", "probe_dir_exists", "probe_file_contains",
                     "bash_cmd_succeeds")
-# The steps that record a score (as AgentEnv's verifications), and those that use the agent's box.
+# The steps that record a score (as AgentEnv's verifications).
 SCORING_TYPES = {"env_outcome_verifier", "agent_prompt_response_verifier", "verify_sandbox",
                  "aggregate_verifiers", "run_container_unit_tests_verifier"}
+# The steps that act in a box (its commands and copies).
+BOX_STEPS = {"load_artifact", "run_code", "verify_sandbox", "add_skills",
+             "run_container_unit_tests_verifier"}
 POSIX_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SKILL_NAME = re.compile(r"(?!-)(?!.*--)[a-z0-9-]{1,64}(?<!-)")
 DEFAULT_AGENT = "default-agent"
@@ -1816,6 +1918,10 @@ build_log = logging.getLogger("agentenv.build")
 DOCKER_PIDS_LIMIT = 1024          # processes and threads in one env container (a fork bomb stops)
 ENV_PORT = 18765                  # the port an env's MCP server listens on in its container
 OUTPUT_LINES = 40                 # how much of an env's last output a failure quotes
+# An env's log on the host: two files of 1 MiB at most (its last output is what a failure quotes).
+ENV_LOG = {"type": "json-file", "config": {"max-size": "1m", "max-file": "2"}}
+URGENT_THREADS = 16               # threads for kills, removals and fault inspections (no slot)
+STREAM_THREADS = 1024             # threads reading commands' output (one per command running)
 
 
 def owner_id() -> str:
@@ -1921,10 +2027,10 @@ class Sandbox(abc.ABC):
 
     async def open_box(self, episode: str, name: str, limits: dict[str, Any],
                        image: str | None = None, network: dict[str, tuple[str, ...]] | None = None,
-                       share: Box | None = None) -> Box:
-        """Open a box for an episode: the agent's, or a deploy_sandbox's (``image``: its own).
-        With no ``network`` it is on none; else on those segments of its episode's network
-        ("" the first), by those names; or it shares the network of box ``share``."""
+                       share: Box | None = None, agents: bool = False) -> Box:
+        """Open a box for an episode: the agent's (``agents``), or a deploy_sandbox's (``image``:
+        its own). With no ``network`` it is on none; else on those segments of its episode's
+        network ("" the first), by those names; or it shares the network of box ``share``."""
         raise EpisodeFailed(f"the {self.kind or 'this'} sandbox runs no boxes, and box {name!r} is "
                             "one; serve with --sandbox docker (or local)", PROVIDER_UNAVAILABLE)
 
@@ -2156,11 +2262,12 @@ class LocalSandbox(Sandbox):
     async def prepare_box(self) -> None:
         log.warning("The agent's boxes are work folders on this machine (--sandbox local): its "
                     "bash commands and the bundle's code run here, as this user, isolated from "
-                    "nothing. Serve only bundles you trust so, or use --sandbox docker.")
+                    "nothing, and a model can forge its reward. Serve only bundles and models you "
+                    "trust so (a scripted baseline), or use --sandbox docker to train.")
 
     async def open_box(self, episode: str, name: str, limits: dict[str, Any],
                        image: str | None = None, network: dict[str, tuple[str, ...]] | None = None,
-                       share: Box | None = None) -> Box:
+                       share: Box | None = None, agents: bool = False) -> Box:
         # (a folder on this machine: on its network, as everything here)
         if image:
             raise EpisodeFailed(f"box {name!r} runs the image {image!r}, and the local sandbox runs "
@@ -2341,7 +2448,7 @@ async def container_exit(sandbox: DockerSandbox, container: Any) -> str | None:
     sentence saying how: an env's or a box's, read the same way."""
     import docker.errors
     try:
-        await sandbox.call(container.reload, timeout=10)
+        await sandbox.urgent(container.reload, timeout=10)
     except docker.errors.NotFound:
         return "its container is gone (removed from outside)"
     except Exception as exc:                        # noqa: BLE001 - a busy daemon is not a dead env
@@ -2428,6 +2535,14 @@ class DockerSandbox(Sandbox):
         self.images: dict[str, str] = {}
         self.limit = asyncio.Semaphore(ops)
         self.threads = ThreadPoolExecutor(max_workers=ops + 4, thread_name_prefix="docker")
+        # Three lanes, so no episode waits behind another's long work: ``call`` takes one of the
+        # ``ops`` slots (creations, builds, execs' starts); ``urgent`` (kills, removals, the
+        # inspections that decide a rollout's fate) and the reading of a command's output for as
+        # long as it runs take none, each on threads of their own.
+        self.urgent_threads = ThreadPoolExecutor(max_workers=URGENT_THREADS,
+                                                 thread_name_prefix="docker-urgent")
+        self.stream_threads = ThreadPoolExecutor(max_workers=STREAM_THREADS,
+                                                 thread_name_prefix="docker-stream")
         self.removals: set[asyncio.Task] = set()
         self.creating: set[asyncio.Future] = set()
         # the networks made, by episode ("" for the envs' shared one), each as its creation
@@ -2478,8 +2593,23 @@ class DockerSandbox(Sandbox):
         return asyncio.wrap_future(job)
 
     async def call(self, fn: Callable, *args: Any, timeout: float = 60, **kwargs: Any) -> Any:
-        """Run a blocking docker SDK call in a thread, with a deadline."""
-        return await asyncio.wait_for(await self.start(fn, *args, **kwargs), timeout)
+        """Run a blocking docker SDK call in a thread, with a deadline that covers its wait for a
+        slot too."""
+        async with asyncio.timeout(timeout):
+            return await (await self.start(fn, *args, **kwargs))
+
+    async def urgent(self, fn: Callable, *args: Any, timeout: float = 30, **kwargs: Any) -> Any:
+        """A blocking docker SDK call that must not queue behind other work (a kill, a removal,
+        the inspection that decides whose fault a failure was): threads of its own, no slot, a
+        deadline all the same."""
+        loop = asyncio.get_running_loop()
+        return await asyncio.wait_for(
+            loop.run_in_executor(self.urgent_threads, lambda: fn(*args, **kwargs)), timeout)
+
+    def streamed(self, fn: Callable, *args: Any) -> asyncio.Future:
+        """A blocking read of a command's output, on a thread of its own for as long as the
+        command runs, holding no slot."""
+        return asyncio.get_running_loop().run_in_executor(self.stream_threads, fn, *args)
 
     async def prepare(self, envs: list[EnvSpec]) -> None:
         await self.sweep()
@@ -2638,8 +2768,10 @@ class DockerSandbox(Sandbox):
                          "DATABASE_URL": f"sqlite:////tmp/{env.environment_name}.sqlite"},
             labels={"agentenv.owner": self.owner, "agentenv.episode": episode,
                     "agentenv.env": env.name},
-            # unprivileged: no capabilities, no privilege gain, no host mounts, bounded processes
-            security_opt=["no-new-privileges"], cap_drop=["ALL"], pids_limit=DOCKER_PIDS_LIMIT)
+            # unprivileged: no capabilities, no privilege gain, no host mounts, bounded processes,
+            # and a log on the host of a few MiB at most, whatever a tool call makes the env print
+            security_opt=["no-new-privileges"], cap_drop=["ALL"], pids_limit=DOCKER_PIDS_LIMIT,
+            log_config=ENV_LOG)
         own_port = 0
         if self.node_network:       # no bridge: on the daemon's network, on a port of its own
             own_port = reserve_port(self.publish, self.ports)
@@ -2712,6 +2844,12 @@ class DockerSandbox(Sandbox):
     async def prepare_box(self) -> None:
         self.images[""] = await self.box_image()
 
+    async def memory(self) -> int | None:
+        """The memory of the Docker host, in bytes (None if the daemon does not say)."""
+        with contextlib.suppress(Exception):
+            return int((await self.call(self.client.info, timeout=30)).get("MemTotal") or 0) or None
+        return None
+
     async def build_context(self, folder: Path, dockerfile: str, name: str) -> str:
         """An image of a bundle artifact's build context (run_docker_container), once per content."""
         tag = f"agentenv-box/{plain_slug(name)}:{_digest(folder)}"
@@ -2765,6 +2903,12 @@ class DockerSandbox(Sandbox):
             "/home/agent": f"size={max(16, memory // 16)}m,uid=1000,gid=1000,mode=0755",
             "/tmp": f"size={max(16, memory // 8)}m,mode=1777",
             "/var/tmp": f"size={max(16, memory // 32)}m,mode=1777"})
+        # Our own box's first process is its keeper, root's and the box's init (so nothing in the
+        # box can kill it, not even root, nor write to its output), with the one capability it
+        # needs to stop the agent's; it reaps the orphans, as an init does.
+        if own:
+            own.update(user="0", command=["bash", "-c", BOX_KEEPER, KEEPER_NAME], stdin_open=True,
+                       cap_add=["KILL"], init=False)
         if share is not None:
             where: dict[str, Any] = {"network_mode": f"container:{share.container.id}"}
         elif network:
@@ -2776,20 +2920,22 @@ class DockerSandbox(Sandbox):
                          aliases=list(aliases))}}
         else:
             where = {"network_mode": "none", "hostname": "box"}
-        return dict(**own, **where,
-            image=image, detach=True, init=True,
+        return dict(**{"init": True, **own}, **where,
+            image=image, detach=True,
             labels={"agentenv.owner": self.owner, "agentenv.episode": episode,
                     "agentenv.box": name},
+            # no log on the host: nothing a box prints can fill its disk
+            log_config={"type": "none"},
             security_opt=["no-new-privileges"], cap_drop=["ALL"], pids_limit=BOX_PIDS_LIMIT,
             mem_limit=f"{memory}m", memswap_limit=f"{memory}m",
             nano_cpus=int(float(limits.get("cpu") or 1.0) * 1e9),
             environment=dict(limits.get("env_vars") or {}),
             **({"command": _shell_words(command) if isinstance(command, str) else list(command)}
-               if (command := limits.get("command_override")) else {}))
+               if (command := limits.get("command_override")) and not own else {}))
 
     async def open_box(self, episode: str, name: str, limits: dict[str, Any],
                        image: str | None = None, network: dict[str, tuple[str, ...]] | None = None,
-                       share: Box | None = None) -> Box:
+                       share: Box | None = None, agents: bool = False) -> Box:
         own = image is None
         if own:
             image = self.images[""] = self.images.get("") or await self.box_image()
@@ -2807,6 +2953,7 @@ class DockerSandbox(Sandbox):
                     self.client.api.connect_container_to_network(container.id, more,
                                                                  aliases=list(named))
                 container.start()
+                container.reload()          # its State.Pid: its first process, as the host sees it
                 return container
             except BaseException:
                 container.remove(force=True)
@@ -2814,14 +2961,14 @@ class DockerSandbox(Sandbox):
 
         container = await self.created(create_and_start, lambda made: made, f"box {name!r}",
                                        "did not start")
-        return DockerBox(self, container, name, "agent" if own else None)
+        return DockerBox(self, container, name, "agent" if own else None, agents)
 
     async def remove(self, container: Any) -> None:
         """Force-remove a container; retried, and reported if it still stands."""
         import docker.errors
         for attempt in range(3):
             try:
-                await self.call(container.remove, force=True, timeout=30)
+                await self.urgent(container.remove, force=True, timeout=30)
                 return
             except docker.errors.NotFound:
                 return
@@ -2847,7 +2994,8 @@ class DockerSandbox(Sandbox):
             if network is not None:
                 log.error("Could not remove network %s; remove it with docker network rm %s.",
                           network.name, network.name)
-        self.threads.shutdown(wait=False)
+        for threads in (self.threads, self.urgent_threads, self.stream_threads):
+            threads.shutdown(wait=False)
 
 
 # -- boxes: where the played agent works with bash, and where bundle code runs
@@ -2862,8 +3010,23 @@ WORKDIR /app
 USER agent
 CMD ["sleep", "infinity"]
 """
+# The first process of our own box, its init, root's, with CAP_KILL and nothing else: on SIGUSR1
+# (Docker's kill, from outside) it stops every other process of the box with one kill(-1), which the
+# kernel makes atomic against forks (a fork bomb can't outrun it), with nothing forked (a box out of
+# processes can't refuse it). As the init of its pid namespace it takes no signal from inside it but
+# those it handles, so not even root there can kill it. It waits on a stdin no one writes to.
+KEEPER_NAME = "agentenv-keeper"
+BOX_KEEPER = r"""trap 'kill -KILL -1' USR1
+trap '' TERM INT HUP QUIT PIPE
+while :; do read -r _ || { sleep 3600 & wait $!; }; done"""
+STOP_DEADLINE = 10.0              # seconds for the agent's processes in a box to be stopped
+KILL_GRACE = 5.0                  # seconds for a stopped command's output to end, before it is cut
+# A command run with nothing the agent planted on the way in: a fresh, empty HOME (and, by the
+# environment, no user site), so no startup file or hook of the agent's is read.
+CLEAN_START = 'HOME=$(mktemp -d /tmp/.home.XXXXXXXX) && export HOME && exec "$@"'
 # Kills every process of one call, found by the marker in its environment, group and all: run as
-# the call's own user (a box's root has no CAP_KILL). Rounds, for a tree that forks meanwhile.
+# the call's own user (in a box of a bundle's image, root has no CAP_KILL). Rounds, for a tree that
+# forks meanwhile.
 BOX_KILLER = r"""m="AGENTENV_CALL=$0"
 for round in 1 2 3 4 5 6 7 8; do
   found=
@@ -2875,22 +3038,33 @@ for round in 1 2 3 4 5 6 7 8; do
   done
   [ -z "$found" ] && exit 0
 done"""
+# Clears a path before a step loads files there again: run as the agent first (it may have made
+# what it owns unreadable), then as root for what root put there.
+CLEAR_PATH = 'chmod -R u+rwX -- "$1" 2>/dev/null; rm -rf -- "$1"; [ ! -e "$1" ] && [ ! -L "$1" ]'
 
 
 class BoxGone(AgentEnvError):
-    """The box stopped (or was removed) under a command: the environment failed, not the model."""
+    """The box stopped (or was removed) under a command or a copy."""
+
+
+class BoxFailed(EpisodeFailed):
+    """A step's command or copy in a box failed on what the box holds (a folder full or made
+    unreadable, a command that hangs or exits non-zero) or on the bundle's own mistake. In the
+    agent's box once its turn has begun, that is the model's doing (Episode._run_step)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Ran:
     """A command's run in a box: its exit code (None when killed at its deadline), its stdout and
-    stderr (each kept up to a cap), and how many bytes it printed in all."""
+    stderr (each kept up to a cap), how many bytes it printed in all, and, past its deadline, what
+    stopping it stopped."""
 
     exit_code: int | None
     stdout: bytes
     stderr: bytes
     timed_out: bool = False
     printed: int = 0
+    stopped: str = ""
 
     @property
     def output(self) -> str:
@@ -2913,12 +3087,27 @@ class Box(abc.ABC):
     @abc.abstractmethod
     async def run(self, argv: list[str], timeout: float, *, root: bool = False,
                   cwd: str | None = None, env: dict[str, str] | None = None,
-                  cap: int = 1 << 20) -> Ran:
-        """Run a command to its end or its deadline; BoxGone if the box is gone."""
+                  cap: int = 1 << 20, stdin: bytes | None = None, clean: bool = False) -> Ran:
+        """Run a command to its end or its deadline; BoxGone if the box is gone. ``stdin`` is
+        what it reads (else nothing); ``clean`` runs it with nothing the agent planted on the way
+        in: a fresh, empty HOME and no Python user site."""
 
     @abc.abstractmethod
-    async def put(self, files: dict[str, bytes], dest: str, agent_owns: bool = True) -> None:
-        """Write files (path inside ``dest`` -> bytes), making folders as needed."""
+    async def put(self, files: dict[str, bytes], dest: str, agent_owns: bool = True,
+                  replace: bool = False) -> None:
+        """Write files (path inside ``dest`` -> bytes), making folders as needed; with
+        ``replace``, whatever stood at ``dest`` is removed first (loaded again, not merged)."""
+
+    @abc.abstractmethod
+    async def stop_all(self) -> None:
+        """Stop every process of the agent's in the box, its background jobs too; EpisodeFailed
+        (the machine's fault) if some could not be stopped."""
+
+    @abc.abstractmethod
+    async def fault(self) -> str | None:
+        """After a command or copy failed: None when the box stands as the model's commands left
+        it (or died of the memory they took), so the failure is the model's doing; else the
+        machine's fault, in a sentence."""
 
     @abc.abstractmethod
     async def stopped(self) -> str | None:
@@ -2934,16 +3123,19 @@ class Box(abc.ABC):
 
 
 def box_tar(files: dict[str, bytes], dest: str, uid: int) -> bytes:
-    """Files as a tar rooted at /, for Docker's put_archive, owned by ``uid``; folders made."""
+    """Files as a tar rooted at /, for Docker's put_archive, owned by ``uid``; the folders inside
+    ``dest`` made. ``dest`` and those above it are left to the extraction: an entry for /tmp would
+    set its mode, and the agent could no longer write there."""
     import io
     import tarfile
     buffer = io.BytesIO()
     made: set[str] = set()
+    base = dest.strip("/").count("/") + 1 if dest.strip("/") else 0
     with tarfile.open(fileobj=buffer, mode="w") as tar:
         for rel, data in files.items():
             full = (dest.rstrip("/") + "/" + rel).lstrip("/")
             parts = full.split("/")
-            for n in range(1, len(parts)):
+            for n in range(base + 1, len(parts)):
                 folder = "/".join(parts[:n])
                 if folder not in made:
                     made.add(folder)
@@ -2957,81 +3149,221 @@ def box_tar(files: dict[str, bytes], dest: str, uid: int) -> bytes:
     return buffer.getvalue()
 
 
+def read_exec(stream: Any, stdin: bytes | None, cap: int) -> tuple[bytes, bytes, int]:
+    """A docker exec's output, read from its attached socket until the command and everything
+    holding its output are gone: stdout and stderr, each kept up to ``cap`` bytes, and how many
+    it printed in all. ``stdin`` is written first, then closed. (Docker frames the output: one
+    byte for the stream, three of padding, four of size, then the bytes.)"""
+    raw = getattr(stream, "_sock", stream)
+    kept = {1: bytearray(), 2: bytearray()}
+    printed, buffer = 0, bytearray()
+    try:
+        if stdin is not None:
+            raw.sendall(stdin)
+            raw.shutdown(socket.SHUT_WR)
+        while chunk := raw.recv(65536):
+            buffer += chunk
+            while len(buffer) >= 8 and len(buffer) >= 8 + (size := int.from_bytes(buffer[4:8], "big")):
+                out = kept.get(buffer[0], kept[1])
+                printed += size
+                if len(out) < cap:
+                    out += buffer[8:8 + min(size, cap - len(out))]
+                del buffer[:8 + size]
+    except OSError:                 # cut by a caller that stopped waiting (shut_stream)
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            stream.close()
+    return bytes(kept[1]), bytes(kept[2]), printed
+
+
+def shut_stream(stream: Any) -> None:
+    """Cut a command's output stream, so the thread reading it (read_exec) ends."""
+    with contextlib.suppress(OSError):
+        getattr(stream, "_sock", stream).shutdown(socket.SHUT_RDWR)
+
+
 class DockerBox(Box):
     """A box that is a container of its own: no network, every capability dropped, bounded
-    processes and memory; each command a ``docker exec``, its output read as it comes."""
+    processes and memory; each command a ``docker exec``, its output read as it comes on a thread
+    of its own (holding none of the daemon's slots). Our own box (not a bundle's image) has a
+    keeper for its first process, which in the agent's box stops every process of the agent's at
+    once."""
 
     kind = "docker"
 
-    def __init__(self, sandbox: DockerSandbox, container: Any, name: str, user: str | None = "agent"):
+    def __init__(self, sandbox: DockerSandbox, container: Any, name: str, user: str | None = "agent",
+                 agents: bool = False):
         super().__init__(name)
         self.sandbox, self.container = sandbox, container
         self.user = user or "root"
         self.exec_user = user          # None: the image's own user, in its own working folder
+        # the played agent's box (our own image, with its keeper): a deadline of its user's
+        # commands stops every process of the agent's, and so does the end of a turn
+        self.agents = agents and user is not None
+        self.opening: set[asyncio.Future] = set()   # commands the daemon is starting
         if user is None:
             self.workdir = ((container.attrs or {}).get("Config") or {}).get("WorkingDir") or "/"
 
     async def run(self, argv: list[str], timeout: float, *, root: bool = False,
                   cwd: str | None = None, env: dict[str, str] | None = None,
-                  cap: int = 1 << 20) -> Ran:
+                  cap: int = 1 << 20, stdin: bytes | None = None, clean: bool = False) -> Ran:
         import docker.errors
         marker = uuid.uuid4().hex
         user = "0" if root else self.exec_user
-        api = self.sandbox.client.api
-
-        def blocking() -> Ran:
-            # (docker runs each exec as a session leader of its own: its group is the call's)
-            created = api.exec_create(self.container.id, argv, stdout=True,
-                                      stderr=True, stdin=False, user=user or "",
-                                      workdir=cwd or (self.workdir if self.exec_user else None),
-                                      environment={**(env or {}), "AGENTENV_CALL": marker})
-            out, err, printed = bytearray(), bytearray(), 0
-            for chunks in api.exec_start(created["Id"], stream=True, demux=True):
-                for chunk, kept in zip(chunks, (out, err)):
-                    if chunk:
-                        printed += len(chunk)
-                        if len(kept) < cap:
-                            kept += chunk[:cap - len(kept)]
-            code = api.exec_inspect(created["Id"]).get("ExitCode")
-            return Ran(code, bytes(out), bytes(err), False, printed)
-        job = await self.sandbox.start(blocking)
+        environment = {**(env or {}), "AGENTENV_CALL": marker}
+        if clean and not root:
+            argv, environment["PYTHONNOUSERSITE"] = ["sh", "-c", CLEAN_START, "sh", *argv], "1"
+        workdir = cwd or (self.workdir if self.exec_user else None)
+        # (docker runs each exec as a session leader of its own: its group is the call's)
+        opened = asyncio.ensure_future(self.sandbox.call(
+            self._open, argv, user or "", workdir, environment, stdin is not None,
+            timeout=timeout + 5))
+        self.opening.add(opened)
+        opened.add_done_callback(self.opening.discard)
+        reading: asyncio.Future | None = None
+        stream: Any = None
         try:
-            try:
-                return await asyncio.wait_for(asyncio.shield(job), timeout)
-            except asyncio.TimeoutError:
-                await self._kill(marker, user)
-                with contextlib.suppress(asyncio.TimeoutError, Exception):
-                    ran = await asyncio.wait_for(asyncio.shield(job), 5)
-                    return dataclasses.replace(ran, exit_code=None, timed_out=True)
-                return Ran(None, b"", b"", True)
-            except asyncio.CancelledError:        # the turn closed under it: it ends too
-                await asyncio.shield(self._kill(marker, user))
-                raise
+            async with asyncio.timeout(timeout):
+                exec_id, stream = await asyncio.shield(opened)
+                reading = self.sandbox.streamed(read_exec, stream, stdin, cap)
+                out, err, printed = await asyncio.shield(reading)
+            return Ran(await self._exit_code(exec_id), out, err, False, printed)
+        except asyncio.TimeoutError:
+            if reading is None:          # the daemon never started it: the machine's fault
+                self._abandon(opened, marker)
+                if why := await self.stopped():
+                    raise BoxGone(f"box {self.name!r} stopped: {why}") from None
+                raise EpisodeFailed(f"the Docker daemon did not start a command in box "
+                                    f"{self.name!r} within {timeout:g}s; it may be overloaded "
+                                    "(lower --max-concurrent-envs)", PROVIDER_UNAVAILABLE) from None
+            stopped = await self._stop(marker, root, reading, stream)
+            return Ran(None, b"", b"", True, 0, stopped)
+        except asyncio.CancelledError:        # its caller gave up (the turn closed, the client left)
+            if reading is not None:
+                await asyncio.shield(self._stop(marker, root, reading, stream))
+            else:
+                self._abandon(opened, marker)
+            raise
         except docker.errors.APIError as exc:
-            if why := await self.stopped():
-                raise BoxGone(f"box {self.name!r} stopped: {why}") from None
+            if gone := await self._gone(exc):
+                raise gone from None
             return Ran(126, b"", f"error: the command couldn't start: {short(str(exc), 300)}\n"
                        .encode())
-        except (asyncio.CancelledError, AgentEnvError):
+        except (AgentEnvError, asyncio.CancelledError):
             raise
         except Exception as exc:                        # noqa: BLE001 - the daemon's stream broke
             why = await self.stopped() or f"{type(exc).__name__}: {short(str(exc), 300)}"
             raise BoxGone(f"box {self.name!r} failed under a command: {why}") from None
 
-    async def _kill(self, marker: str, user: str | None) -> None:
+    def _open(self, argv: list[str], user: str, workdir: str | None, environment: dict[str, str],
+              stdin: bool) -> tuple[str, Any]:
+        """Create an exec and start it, attached: its id and its socket."""
+        api = self.sandbox.client.api
+        made = api.exec_create(self.container.id, argv, stdout=True, stderr=True, stdin=stdin,
+                               user=user, workdir=workdir, environment=environment)
+        return made["Id"], api.exec_start(made["Id"], socket=True)
+
+    async def _exit_code(self, exec_id: str) -> int | None:
+        """An exec's exit code, once the daemon has seen its process exit: its output may end a
+        moment before, and the daemon sends no event of it to wait on, so it is asked again, a
+        little later each time, for a second at most."""
+        pause = 0.005
+        for _ in range(8):
+            inspected = await self.sandbox.urgent(self.sandbox.client.api.exec_inspect, exec_id,
+                                                  timeout=10)
+            if inspected.get("ExitCode") is not None or not inspected.get("Running"):
+                return inspected.get("ExitCode")
+            await asyncio.sleep(pause)
+            pause *= 2
+        return inspected.get("ExitCode")
+
+    def _abandon(self, opened: asyncio.Future, marker: str) -> None:
+        """A command whose caller stopped waiting before it started: once the daemon has started
+        it (if ever), it is killed and its output cut."""
+        def undo(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is None:
+                shut_stream(done.result()[1])
+                killing = asyncio.ensure_future(self._kill(marker))
+                self.sandbox.removals.add(killing)
+                killing.add_done_callback(self.sandbox.removals.discard)
+        opened.add_done_callback(undo)
+
+    async def _stop(self, marker: str, root: bool, reading: asyncio.Future, stream: Any) -> str:
+        """Stop a command past its deadline, or whose caller gave up, with its whole tree: for
+        the agent's commands in our own box, every process of the agent's (however it was
+        started, nothing can escape that); else the processes that carry the call's marker. Then
+        let its output end, or cut it. What was stopped, in a phrase the model reads."""
+        if self.agents and not root:
+            await self.stop_all()
+            said = ("every process of yours in the box was stopped: the command, all it started, "
+                    "and anything left running in the background")
+        else:
+            said = ("it was killed, with every process it started" if await self._kill(marker)
+                    else "it could not be killed, and runs on until the episode ends")
+        if not (await asyncio.wait({reading}, timeout=KILL_GRACE))[0]:
+            shut_stream(stream)
+        return said
+
+    async def stop_all(self) -> None:
+        """Stop every process of the agent's: the keeper kills all but itself and the init, again
+        while ``docker top`` still shows one of the agent's, within STOP_DEADLINE."""
+        if not self.agents:             # no box of the agent's: it has no processes there
+            return
+        import docker.errors
+        left: list[str] = []
+        try:
+            async with asyncio.timeout(STOP_DEADLINE):
+                if self.opening:        # a command the daemon is starting now is stopped too
+                    await asyncio.wait(set(self.opening))
+                while True:
+                    await self.sandbox.urgent(self.container.kill, signal="SIGUSR1", timeout=10)
+                    if not (left := await self._agents_processes()):
+                        return
+        except docker.errors.APIError as exc:
+            if gone := await self._gone(exc):
+                raise gone from None
+            raise EpisodeFailed(f"the agent's processes in box {self.name!r} could not be stopped: "
+                                f"the Docker daemon said {short(str(exc), 300)}",
+                                PROVIDER_UNAVAILABLE) from None
+        except asyncio.TimeoutError:
+            raise EpisodeFailed(f"{len(left) or 'some'} process(es) of the agent's in box "
+                                f"{self.name!r} still ran after {STOP_DEADLINE:g}s of stopping "
+                                "them (or the daemon did not answer)", ENV_FAILED) from None
+
+    async def _gone(self, exc: Exception) -> BoxGone | None:
+        """The daemon's error as the box's end, when it came of the box being gone or stopped."""
+        import docker.errors
+        if isinstance(exc, docker.errors.NotFound):
+            return BoxGone(f"box {self.name!r} is gone: its container was removed")
+        if why := await self.stopped():
+            return BoxGone(f"box {self.name!r} stopped: {why}")
+        return None
+
+    async def _agents_processes(self) -> list[str]:
+        """The box's live processes that are not root's (the keeper and the init are, and the
+        agent can never be), as the host sees them."""
+        top = await self.sandbox.urgent(self.container.top, ps_args="-eo pid,uid,stat", timeout=10)
+        rows = top.get("Processes") or []
+        first = str(((self.container.attrs or {}).get("State") or {}).get("Pid", ""))
+        root = next((uid for pid, uid, _ in rows if pid == first), "0")
+        return [pid for pid, uid, stat in rows if uid != root and not stat.startswith("Z")]
+
+    async def _kill(self, marker: str) -> bool:
         """Kill every process of the call marked ``marker``: from this machine when the daemon
         runs here (no process of the box is needed, so a box out of processes can't refuse
-        it), else with a killer run in the box; within seconds either way."""
+        it), else with a killer run in the box; within seconds either way. False if neither
+        could."""
         with contextlib.suppress(Exception):
-            if await self.sandbox.call(self._kill_from_host, marker, timeout=10):
-                return
+            if await self.sandbox.urgent(self._kill_from_host, marker, timeout=10):
+                return True
         with contextlib.suppress(Exception):
-            async with asyncio.timeout(10):
-                await self.sandbox.call(self.container.exec_run, ["sh", "-c", BOX_KILLER, marker],
-                                        user=user or "", timeout=10)
-                return
+            await self.sandbox.urgent(self.container.exec_run, ["sh", "-c", BOX_KILLER, marker],
+                                      user=self.exec_user or "", timeout=10)
+            return True
         log.warning("Could not kill a command in box %r past its deadline (the box may be out of "
                     "processes); it runs on until its episode ends.", self.name)
+        return False
 
     def _kill_from_host(self, marker: str) -> bool:
         """The box's processes as this machine sees them (docker top), those with the marker in
@@ -3057,49 +3389,57 @@ class DockerBox(Box):
                 return True
         return True
 
-    async def put(self, files: dict[str, bytes], dest: str, agent_owns: bool = True) -> None:
+    async def put(self, files: dict[str, bytes], dest: str, agent_owns: bool = True,
+                  replace: bool = False) -> None:
+        if replace:
+            await self._clear(dest)
         data = box_tar(files, dest, 1000 if agent_owns and self.exec_user else 0)
-        try:
-            if self.exec_user is None:           # an image of the bundle's: its disk, as it is
+        if self.exec_user is None:           # an image of the bundle's: its disk, as it is
+            try:
                 await self.sandbox.call(self.container.put_archive, "/", data, timeout=120)
-                return
-            # Our own box's root is read-only, its writable places bounded tmpfs mounts, where
-            # Docker's archive API can't reach: tar reads the files from the exec's stdin. Root
-            # (with no capabilities) may write only in /tmp; elsewhere the agent owns the files.
-            root = not agent_owns and (dest == "/tmp" or dest.startswith("/tmp/"))
-            said = await self.sandbox.call(self._untar, data, "0" if root else "1000", timeout=120)
-        except Exception as exc:                        # noqa: BLE001 - docker raises many kinds
-            if why := await self.stopped():
-                raise BoxGone(f"box {self.name!r} stopped: {why}") from None
-            raise BoxGone(f"files could not be put in box {self.name!r} at {dest}: "
-                          f"{short(str(exc), 300)}") from None
-        if said is not None:
-            raise EpisodeFailed(f"the files could not be put in box {self.name!r} at {dest}: "
-                                f"{short(said, 500)}")
+            except Exception as exc:                    # noqa: BLE001 - docker raises many kinds
+                if gone := await self._gone(exc):
+                    raise gone from None
+                raise BoxFailed(f"files could not be put in box {self.name!r} at {dest}: "
+                                f"{short(str(exc), 300)}") from None
+            return
+        # Our own box's root is read-only, its writable places bounded tmpfs mounts, where
+        # Docker's archive API can't reach: tar reads the files from its stdin. Root (with no
+        # capability but KILL) may write only in /tmp; elsewhere the agent owns the files.
+        root = not agent_owns and (dest == "/tmp" or dest.startswith("/tmp/"))
+        ran = await self.run(["tar", "-x", "-m", "--no-same-owner", "-C", "/"], 120, root=root,
+                             stdin=data)
+        if ran.timed_out or ran.exit_code != 0:
+            said = "it did not finish within 120s" if ran.timed_out else \
+                short(ran.output.strip() or f"tar exited {ran.exit_code}", 500)
+            raise BoxFailed(f"the files could not be put in box {self.name!r} at {dest}: {said}")
 
-    def _untar(self, data: bytes, user: str) -> str | None:
-        """Extract a tar in the box from the exec's stdin; None, or what tar said when it failed."""
-        api = self.sandbox.client.api
-        made = api.exec_create(self.container.id, ["tar", "-x", "-m", "--no-same-owner", "-C", "/"],
-                               stdin=True, stdout=True, stderr=True, user=user)
-        stream = api.exec_start(made["Id"], socket=True)
-        raw = getattr(stream, "_sock", stream)
+    async def _clear(self, path: str) -> None:
+        """Remove whatever stands at ``path`` (a folder, a file, a FIFO, a link), so what a step
+        loads there is all there is."""
+        said = []
+        for root in ((False, True) if self.exec_user else (True,)):
+            ran = await self.run(["sh", "-c", CLEAR_PATH, "sh", path], 60, root=root)
+            if ran.exit_code == 0:
+                return
+            said.append(f"as {'root' if root else self.user}: " + (
+                "it did not finish within 60s" if ran.timed_out else
+                short(ran.output.strip() or f"exit code {ran.exit_code}", 300)))
+        raise BoxFailed(f"{path} in box {self.name!r} could not be cleared to load it again "
+                        f"({'; '.join(said)})")
+
+    async def fault(self) -> str | None:
+        import docker.errors
         try:
-            raw.sendall(data)
-            raw.shutdown(socket.SHUT_WR)
-            out = bytearray()
-            while chunk := raw.recv(65536):
-                out += chunk
-        finally:
-            stream.close()
-        if api.exec_inspect(made["Id"]).get("ExitCode") == 0:
+            await self.sandbox.urgent(self.container.reload, timeout=10)
+        except docker.errors.NotFound:
+            return f"box {self.name!r} is gone: its container was removed from outside"
+        except Exception as exc:                        # noqa: BLE001 - docker raises many kinds
+            return f"the Docker daemon did not answer about box {self.name!r} ({short(str(exc), 200)})"
+        state = self.container.attrs.get("State") or {}
+        if state.get("Status") == "running" or state.get("OOMKilled"):
             return None
-        said, at = bytearray(), 0          # Docker's frames: an 8-byte header, then the bytes
-        while at + 8 <= len(out):
-            size = int.from_bytes(out[at + 4:at + 8], "big")
-            said += out[at + 8:at + 8 + size]
-            at += 8 + size
-        return said.decode(errors="replace").strip() or "tar failed"
+        return f"box {self.name!r} stopped: its container exited with code {state.get('ExitCode')}"
 
     async def stopped(self) -> str | None:
         return await container_exit(self.sandbox, self.container)
@@ -3166,18 +3506,28 @@ class LocalBox(Box):
 
     async def run(self, argv: list[str], timeout: float, *, root: bool = False,
                   cwd: str | None = None, env: dict[str, str] | None = None,
-                  cap: int = 1 << 20) -> Ran:
+                  cap: int = 1 << 20, stdin: bytes | None = None, clean: bool = False) -> Ran:
+        home = self.home
+        if clean:                   # a fresh, empty HOME in the box's tmp, and no user site
+            home = await asyncio.to_thread(tempfile.mkdtemp, prefix=".home.",
+                                           dir=self.here("/tmp"))
         environ = {**{k: v for k, v in os.environ.items() if k != "AGENTENV_TOKEN"},
-                   "HOME": self.home, "PWD": self.here(cwd or "/app"), "AGENTENV_OWNER": self.owner,
-                   **(env or {})}
+                   "HOME": home, "PWD": self.here(cwd or "/app"), "AGENTENV_OWNER": self.owner,
+                   **({"PYTHONNOUSERSITE": "1"} if clean else {}), **(env or {})}
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self._script(argv), cwd=self.here(cwd or "/app"), env=environ,
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, start_new_session=True)
+                stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                start_new_session=True)
         except OSError as exc:
             return Ran(126, b"", f"error: the command couldn't start: {exc}\n".encode())
         self.running[proc.pid] = proc
+        if stdin is not None:
+            proc.stdin.write(stdin)
+            with contextlib.suppress(ConnectionError):
+                await proc.stdin.drain()
+            proc.stdin.close()
         printed = 0
         out, err = bytearray(), bytearray()
 
@@ -3198,7 +3548,9 @@ class LocalBox(Box):
                 self._kill(proc.pid)
                 await proc.wait()
                 await asyncio.wait(readers, timeout=1)
-                return Ran(None, b"", b"", True, printed)
+                return Ran(None, b"", b"", True, printed,
+                           "it was killed, with every process of its group (what left the group, a "
+                           "local box can't reach)")
             # a background job that holds the pipes: read them a second longer, then let go
             await asyncio.wait(readers, timeout=1)
             return Ran(code, bytes(out), bytes(err), False, printed)
@@ -3216,13 +3568,36 @@ class LocalBox(Box):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(group, signal.SIGKILL)
 
-    async def put(self, files: dict[str, bytes], dest: str, agent_owns: bool = True) -> None:
+    async def put(self, files: dict[str, bytes], dest: str, agent_owns: bool = True,
+                  replace: bool = False) -> None:
         def write() -> None:
+            if replace:
+                where = Path(self.here(dest))
+                if where.is_symlink() or (where.exists() and not where.is_dir()):
+                    where.unlink()
+                elif where.exists():
+                    for folder, _, _ in os.walk(where):       # what was made unreadable
+                        with contextlib.suppress(OSError):
+                            os.chmod(folder, 0o755)
+                    shutil.rmtree(where)
             for rel, data in files.items():
                 path = Path(self.here(dest.rstrip("/") + "/" + rel))
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(data)
-        await asyncio.to_thread(write)
+        try:
+            await asyncio.to_thread(write)
+        except OSError as exc:
+            raise BoxFailed(f"the files could not be put in box {self.name!r} at {dest}: "
+                            f"{exc}") from None
+
+    async def stop_all(self) -> None:
+        # what left its process group (setsid, a double fork) is out of reach here: a local box
+        # isolates nothing, and its rewards are only as sound as the bundle's trust in the model
+        for group in self.running:
+            self._kill(group)
+
+    async def fault(self) -> str | None:
+        return None                 # a work folder: nothing but the model's commands breaks it
 
     async def stopped(self) -> str | None:
         return None if self.folder.is_dir() else "its work folder is gone"
@@ -4049,6 +4424,11 @@ SH_TOOL = {"name": "bash", "inputSchema": BASH_SCHEMA,
                           "arrays or <(...) fails. Returns its stdout, then its stderr."}
 
 
+LONG_COMMAND = 100_000        # bytes of a bash command past which it goes on stdin, not argv
+# Reads the command from stdin (its trailing newlines kept), then runs it with stdin empty.
+FROM_STDIN = 'c=$(cat; echo .); c=${c%.}; exec </dev/null; eval "$c"'
+
+
 async def run_bash(box: Box, arguments: dict[str, Any], timeout: float) -> ToolResult:
     """One bash call in the agent's box: a fresh shell in its folder as its user, stdin empty;
     stdout then stderr, and ``exit code N`` after a failure, as AgentEnv's proxy answers. Past
@@ -4056,12 +4436,15 @@ async def run_bash(box: Box, arguments: dict[str, Any], timeout: float) -> ToolR
     command = arguments.get("command")
     if not isinstance(command, str):
         return ToolResult(f"tool 'bash' takes a command string, not {command!r}", BAD_ARGUMENTS)
-    ran = await box.run(["bash" if box.has_bash else "sh", "-c", command], timeout,
-                        cap=MAX_TOOL_OUTPUT)
+    shell = "bash" if box.has_bash else "sh"
+    text = command.encode("utf-8", "replace")
+    # A long command goes on stdin (an argument has at most 128 KiB), and runs as it would in -c.
+    ran = await (box.run([shell, "-c", command], timeout, cap=MAX_TOOL_OUTPUT)
+                 if len(text) <= LONG_COMMAND else
+                 box.run([shell, "-c", FROM_STDIN], timeout, cap=MAX_TOOL_OUTPUT, stdin=text))
     if ran.timed_out:
-        return ToolResult(f"error: the command timed out after {timeout:g}s, so it was killed, with "
-                          "every process it started; run long jobs in the background or in steps",
-                          TOOL_ERROR)
+        return ToolResult(f"error: the command timed out after {timeout:g}s, so {ran.stopped}; "
+                          "the files are as it left them. Run long jobs in steps", TOOL_ERROR)
     out = ran.output
     if ran.printed > len(ran.stdout) + len(ran.stderr):
         out = out[:MAX_TOOL_OUTPUT] + (f"\n[output cut: the command printed {ran.printed} bytes; "
@@ -4272,9 +4655,10 @@ def response_rows(criteria: list[dict[str, Any]], response: str) -> list[dict[st
 
 
 async def sandbox_rows(box: Box, criteria: list[dict[str, Any]], base_dir: str,
-                       timeout: float) -> list[dict[str, Any]]:
+                       timeout: float, clean: bool = False) -> list[dict[str, Any]]:
     """Check a box against verify_sandbox criteria, one row per criterion, as AgentEnv does:
-    probes of paths and reads as root, shell checks as the box's user in ``base_dir``."""
+    probes of paths and reads as root, shell checks as the box's user in ``base_dir`` (``clean``:
+    with nothing the agent planted on the way in)."""
     rows = []
     for n, criterion in enumerate(criteria):
         kind = criterion.get("type")
@@ -4283,14 +4667,14 @@ async def sandbox_rows(box: Box, criteria: list[dict[str, Any]], base_dir: str,
             rows.append({**row, "skipped": True,
                          "justification": f"type {kind!r} not handled by verify_sandbox"})
             continue
-        passed, why = await _criterion(box, criterion, base_dir, timeout)
+        passed, why = await _criterion(box, criterion, base_dir, timeout, clean)
         rows.append({**row, "score": 1.0 if passed else 0.0, "result": passed,
                      "justification": why, "skipped": False})
     return rows
 
 
 async def _criterion(box: Box, criterion: dict[str, Any], base_dir: str,
-                     timeout: float) -> tuple[bool, str]:
+                     timeout: float, clean: bool) -> tuple[bool, str]:
     kind, paths = criterion["type"], criterion.get("paths") or []
     if kind in ("probe_file_exists", "probe_dir_exists"):
         if not paths:
@@ -4321,7 +4705,7 @@ async def _criterion(box: Box, criterion: dict[str, Any], base_dir: str,
     command = criterion.get("bash_cmd")
     if not command:
         return False, "no bash_cmd"
-    ran = await box.run(["bash", "-c", command], timeout, cwd=box.path(base_dir))
+    ran = await box.run(["bash", "-c", command], timeout, cwd=box.path(base_dir), clean=clean)
     if ran.timed_out:
         return False, f"timed out after {timeout:g}s"
     return ran.exit_code == 0, f"exit={ran.exit_code}; stderr={ran.stderr.decode(errors='replace')[:200]}"
@@ -4454,6 +4838,9 @@ class Outcome:
     scores: dict[str, float]
     reward: float | None = None
     failure: Failure | None = None
+    forfeit: str | None = None           # scored 0 because the model's doing ended it: why
+    # what each verifier said, row by row (verifier_id -> {results, score}): why the scores are so
+    verifications: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
 
 
 class Turn:
@@ -4466,6 +4853,7 @@ class Turn:
         self.prompt, self.system_prompt = prompt, system_prompt
         self.tools, self.route = tools, route
         self.box = box                       # the agent's box, where its bash runs (route None)
+        self.commands: set[asyncio.Task] = set()   # its bash commands under way
         self.ended: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     @property
@@ -4474,7 +4862,7 @@ class Turn:
 
     @property
     def is_open(self) -> bool:
-        return not self.ended.done() and self.episode.stopped is None
+        return not self.ended.done() and not self.episode.over
 
     @property
     def tool_specs(self) -> list[dict[str, Any]]:
@@ -4507,6 +4895,11 @@ class Turn:
             return result
         except EpisodeFailed as exc:
             status = CANCELLED_CALL if exc.failure.kind == SESSION_LOST else ENV_FAILED_CALL
+            raise
+        except asyncio.CancelledError:
+            # Its caller gave up mid-call (its client went away): what the call does may still be
+            # under way, so the episode ends, and its env and box go at once.
+            self.episode.end(f"its client went away during a call to {name}")
             raise
         finally:
             metrics.tool_called(name, status, time.monotonic() - started)
@@ -4543,18 +4936,39 @@ class Turn:
         limit = self.episode.runtime.bash_timeout
         if timeout:
             limit = min(limit, max(0.5, timeout - min(5.0, timeout / 5)))
+        # the command in a task of the turn's, so that the turn's end stops it (stop_commands)
+        command = asyncio.ensure_future(run_bash(self.box, arguments, limit))
+        self.commands.add(command)
+        command.add_done_callback(self.commands.discard)
         try:
-            return await run_bash(self.box, arguments, limit)
+            return await command
+        except asyncio.CancelledError:
+            if command.cancelled() and not asyncio.current_task().cancelling():
+                return ToolResult("error: the turn ended while this command ran, so it was stopped",
+                                  TOOL_ERROR)
+            raise
         except BoxGone as exc:
             if stopped := self.episode.stopped:
                 raise EpisodeFailed(f"bash was cut short: the episode was ended, since "
                                     f"{stopped.reason}", SESSION_LOST) from None
-            failure = Failure(PEER_DROP, f"bash failed because the agent's box failed: {exc}")
-            self.episode.end(failure)
-            raise EpisodeFailed(failure) from None
+            if fault := await self.box.fault():
+                failure = Failure(PEER_DROP, f"bash failed because the agent's box failed: {exc}; "
+                                             f"{fault}")
+                self.episode.end(failure)
+                raise EpisodeFailed(failure) from None
+            # the box died of what the model's commands did (its memory): the model's 0
+            self.episode.forfeit(f"the agent's box died under a bash command: {exc}")
+            return ToolResult(f"error: your box died under this command ({exc}), so the episode "
+                              "has ended, and scores 0", TOOL_ERROR)
 
     def _schema(self, name: str) -> Any:
         return next((t.get("inputSchema") for t in self.tools if t.get("name") == name), None)
+
+    async def stop_commands(self) -> None:
+        """Stop the bash commands still under way (the turn has ended: none starts after)."""
+        for command in self.commands:
+            command.cancel()
+        await asyncio.gather(*self.commands, return_exceptions=True)
 
     def end(self, response: str | None) -> None:
         """End the turn with the agent's reply; the episode goes on to its next step."""
@@ -4592,6 +5006,8 @@ class Episode:
         self.scores: dict[str, float] = {}
         self.errors: dict[str, str] = {}          # step id -> why it failed (tolerated steps)
         self.system_prompt: str | None = None     # the agent's, as its deploy or a prompt last set it
+        self.played = False                       # a turn has opened: the agent's box is the model's
+        self.forfeits: list[str] = []             # the model's doing that failed tolerated steps
         self.outcome: Outcome | None = None
         self.closed = asyncio.Event()
         self._changed = asyncio.Event()
@@ -4616,6 +5032,11 @@ class Episode:
     def stopped(self) -> Failure | None:
         """Why the episode was ended from outside, once it was."""
         return self._ending.failure if self._ending else None
+
+    @property
+    def over(self) -> bool:
+        """Whether the episode has ended, or been ended (scored, failed, forfeited or abandoned)."""
+        return self.outcome is not None or self._ending is not None
 
     def start(self) -> Episode:
         self._driver = asyncio.create_task(self._drive(), name=f"episode {self.id}")
@@ -4655,6 +5076,12 @@ class Episode:
                 self._ending = Outcome("abandoned", {}, None, Failure(SESSION_LOST, why))
             self._driver.cancel()
 
+    def forfeit(self, reason: str) -> None:
+        """Stop the episode wherever it is, scored 0: the model's own doing broke it (Forfeit)."""
+        if self.outcome is None and self._ending is None and self._driver is not None:
+            self._ending = self._forfeited(reason)
+            self._driver.cancel()
+
     async def abandon(self, reason: str) -> None:
         """End the episode (as ``end``) and wait until it is torn down."""
         self.end(reason)
@@ -4683,6 +5110,10 @@ class Episode:
             if outcome.status == "failed":
                 log.warning("Episode %s of task %r failed: %s", self.id[:8], self.task.name,
                             outcome.failure)
+            if outcome.forfeit:
+                self.runtime.metrics.forfeited()
+                log.info("Episode %s of task %r scores 0, not masked, since the model's own doing "
+                         "ended it: %s", self.id[:8], self.task.name, outcome.forfeit)
             self._signal()
 
     def _closed(self, driver: asyncio.Task) -> None:
@@ -4695,7 +5126,11 @@ class Episode:
 
     def _ended_outcome(self, reason: str) -> Outcome:
         ending = self._ending or Outcome("abandoned", {}, None, Failure(SESSION_LOST, reason))
-        return dataclasses.replace(ending, scores=dict(self.scores))
+        return ending if ending.forfeit else dataclasses.replace(ending, scores=dict(self.scores))
+
+    def _forfeited(self, reason: str) -> Outcome:
+        """The outcome of an episode the model's own doing ended: its reward 0, never masked."""
+        return Outcome("scored", {**self.scores, self.task.reward_step: 0.0}, 0.0, None, reason)
 
     # -- the driver
 
@@ -4707,6 +5142,8 @@ class Episode:
             self._settle(self._score())
         except asyncio.CancelledError:
             self._settle(self._ended_outcome("the episode was cancelled"))
+        except Forfeit as exc:
+            self._settle(self._forfeited(str(exc)))
         except EpisodeFailed as exc:
             self._settle(Outcome("failed", dict(self.scores), None, exc.failure))
         except Exception as exc:                        # noqa: BLE001 - a bug must not leak an env
@@ -4746,10 +5183,14 @@ class Episode:
                 await done[dep].wait()
             try:
                 await self._run_step(step)
-            except EpisodeFailed as exc:
+            except (EpisodeFailed, Forfeit) as exc:
                 if step.fail_task_on_error:     # its dependents never start: the episode ends
+                    if isinstance(exc, Forfeit):
+                        raise Forfeit(f"step {step.id!r} ({step.type}) failed: {exc}") from None
                     raise EpisodeFailed(exc.failure.told(
                         f"step {step.id!r} ({step.type}) failed: ")) from None
+                if isinstance(exc, Forfeit):
+                    self.forfeits.append(f"step {step.id!r} ({step.type}) failed: {exc}")
                 self.errors[step.id] = str(exc)
                 log.info("Episode %s: step %r (%s) failed: %s; going on (fail_task_on_error is "
                          "false).", self.id[:8], step.id, step.type, str(exc).rstrip())
@@ -4765,7 +5206,16 @@ class Episode:
 
     async def _run_step(self, step: Step) -> None:
         try:
-            await self.HANDLERS[step.type](self, step)
+            try:
+                await self.HANDLERS[step.type](self, step)
+            except (BoxFailed, BoxGone) as exc:
+                # Once a turn has begun, the agent's box is the model's: what fails there on what
+                # its commands left is its doing, scored 0; a box the machine lost is masked.
+                if self.played and self._target(step) is self.agent_box is not None:
+                    if fault := await self.agent_box.fault():
+                        raise EpisodeFailed(f"{exc}; {fault}", PEER_DROP) from None
+                    raise Forfeit(f"{exc} (in the agent's box, as its commands left it)") from None
+                raise
         except asyncio.TimeoutError:        # before OSError, of which it is a kind
             raise EpisodeFailed("a call to its env got no answer within its deadline; the env may "
                                 "be stuck or overloaded (its output may say which)",
@@ -4839,17 +5289,19 @@ class Episode:
             name, vm = step.get("agent_name", DEFAULT_AGENT), step.get("sandbox_name")
             # Placed on a VM-mode sandbox, its box is a container there, beside the sandbox's
             # own: on the sandbox's network, where it reaches the sandbox and its containers.
-            self.agent_box = await self._open_box(name, step, network={"": (name,)} if vm else None)
+            self.agent_box = await self._open_box(name, step, network={"": (name,)} if vm else None,
+                                                  agents=True)
             for skill in step.get("skills") or []:
                 await self._add_skill(skill)
 
     async def _open_box(self, name: str, step: Step, image: str | None = None,
                         network: dict[str, tuple[str, ...]] | None = None,
-                        share: Box | None = None) -> Box:
+                        share: Box | None = None, agents: bool = False) -> Box:
         limits = {k: step.get(k) for k in ("cpu", "memory_mb", "env_vars", "command_override")
                   if step.get(k)}
         async with self.runtime.starting.slot():
-            return await self.runtime.sandbox.open_box(self.id, name, limits, image, network, share)
+            return await self.runtime.sandbox.open_box(self.id, name, limits, image, network, share,
+                                                       agents)
 
     def _segments(self, step: Step) -> list[str]:
         """The networks of its VM-mode sandbox a run_docker_container step's container joins:
@@ -4873,16 +5325,35 @@ class Episode:
                 segments.add("")
         return {s: (name,) for s in sorted(segments)} or None
 
-    def _box_of(self, step: Step, default_agent: str | None = DEFAULT_AGENT) -> Box:
-        """The box a step acts in: where its env runs (env_id), a deploy_sandbox's
-        (sandbox_name), else the agent's."""
+    def _target(self, step: Step) -> Box | None:
+        """The box a step acts in, if any: a sandbox's container (container_name, or a unit-test
+        verifier's without agent_name), where its env runs (env_id), a deploy_sandbox's
+        (sandbox_name), else the agent's; a turn's is the agent's."""
+        if step.type == "prompt_agent":
+            return self.agent_box
+        if step.type not in BOX_STEPS:
+            return None
+        if step.get("container_name") or (step.type == "run_container_unit_tests_verifier"
+                                          and not step.get("agent_name")):
+            return self.containers.get((step.get("sandbox_name"), step.get("container_name")))
         if step.get("env_id"):
-            return self.envs[step.get("env_id")].instance.box(step.get("env_id"))
+            env = self.envs.get(step.get("env_id"))
+            return env.instance.box(step.get("env_id")) if env else None
         if step.get("sandbox_name"):
-            return self.boxes[step.get("sandbox_name")]
-        if self.agent_box is None:
-            raise EpisodeFailed(f"agent {step.get('agent_name', default_agent)!r} works in no box")
+            return self.boxes.get(step.get("sandbox_name"))
         return self.agent_box
+
+    def _box_of(self, step: Step, default_agent: str | None = DEFAULT_AGENT) -> Box:
+        """The box a step acts in (``_target``), which must be there."""
+        if (box := self._target(step)) is None:
+            raise EpisodeFailed(f"agent {step.get('agent_name', default_agent)!r} works in no box")
+        return box
+
+    def _the_models(self, box: Box) -> bool:
+        """Whether a step's commands and copies in ``box`` meet what the model's may have left:
+        the agent's box once a turn has begun. There, what a step loads replaces what stood at
+        its destination, and its commands run with nothing the agent planted on the way in."""
+        return self.played and box is self.agent_box
 
     async def _add_skill(self, skill: dict[str, Any]) -> None:
         """Put a skill in the agent's box at ~/skills/<name>/: its SKILL.md (written from an
@@ -4908,7 +5379,8 @@ class Episode:
         if name in self.skills:
             raise EpisodeFailed(f"skill {name!r} is already added; give each skill its own name")
         self.skills.add(name)
-        await self.agent_box.put(files, f"{self.agent_box.home}/skills/{name}")
+        await self.agent_box.put(files, f"{self.agent_box.home}/skills/{name}",
+                                 replace=self._the_models(self.agent_box))
 
     async def _deploy_sandbox(self, step: Step) -> None:
         mode, name = step.get("sandbox_mode"), step.get("sandbox_name")
@@ -4923,18 +5395,19 @@ class Episode:
             await self._add_skill(skill)
 
     async def _load_artifact(self, step: Step) -> None:
-        box = self.containers[(step.get("sandbox_name"), step.get("container_name"))] \
-            if step.get("container_name") else self._box_of(step, None)
+        box = self._box_of(step, None)
         to_agent = not step.get("sandbox_name") and not step.get("env_id")
         dest = box.path(step.get("destination_path") or ("/tmp/file_artifacts" if to_agent
                                                           else "/loaded"))
         names = [a["id"] for a in step.get("artifacts") or []] or [step.get("artifact_id")]
+        replace = self._the_models(box)          # once, before the step's first artifact
         for name in names:
             folder = self.runtime.bundle.artifacts[name]
             files = await asyncio.to_thread(lambda f=folder: {
                 rel: path.read_bytes() for rel, path in artifact_files(f).items()})
             # The agent owns what it is given, so it can edit the repository it is to repair.
-            await box.put(files, dest, agent_owns=to_agent)
+            await box.put(files, dest, agent_owns=to_agent, replace=replace)
+            replace = False
 
     async def _run_code(self, step: Step) -> None:
         box = self._box_of(step)
@@ -4953,33 +5426,37 @@ class Episode:
             inner = env.instance.inner_url
             given["env"] = {"id": env_id, "url": inner,
                             "mcp_url": inner + env.mcp_url[len(env.instance.base_url):]}
+        models = self._the_models(box)
         await box.put({**scripts, "runner.py": RUN_CODE_RUNNER.encode(),
-                       "input.json": json.dumps(given).encode()}, run_dir, agent_owns=False)
+                       "input.json": json.dumps(given).encode()}, run_dir, agent_owns=False,
+                      replace=models)
         timeout = float(step.get("timeout_seconds", 600))
         where = f"run_code {step.id!r}"
         ran = await box.run(["python3", f"{run_dir}/runner.py", run_dir,
-                             step.get("entrypoint", "run"), script], timeout, root=True)
+                             step.get("entrypoint", "run"), script], timeout, root=True,
+                            clean=models)
         if ran.timed_out:
-            raise EpisodeFailed(f"{where}: timed out after {timeout:g}s")
+            raise BoxFailed(f"{where}: timed out after {timeout:g}s")
         if ran.exit_code != 0:
             said = ran.stderr.decode(errors="replace")      # its tail, as the script ended it
-            raise EpisodeFailed(f"{where}: exited {ran.exit_code}: "
-                                f"{said if len(said) <= 4000 else '…' + said[-4000:]}")
+            raise BoxFailed(f"{where}: exited {ran.exit_code}: "
+                            f"{said if len(said) <= 4000 else '…' + said[-4000:]}")
         out = await box.run(["cat", f"{run_dir}/output.json"], 60, root=True,
                             cap=RUN_CODE_RESULT_CAP + 1)
         if out.exit_code != 0:
-            raise EpisodeFailed(f"{where}: wrote no result file: {out.stderr.decode(errors='replace')}")
+            raise BoxFailed(f"{where}: wrote no result file: {out.stderr.decode(errors='replace')}")
         if len(out.stdout) > RUN_CODE_RESULT_CAP:
-            raise EpisodeFailed(f"{where}: result exceeds {RUN_CODE_RESULT_CAP}-byte cap")
+            raise BoxFailed(f"{where}: result exceeds {RUN_CODE_RESULT_CAP}-byte cap")
         try:
             self.script_results[step.get("result_id", step.id)] = json.loads(out.stdout)
         except ValueError as exc:
-            raise EpisodeFailed(f"{where}: result is not valid JSON: {exc}") from None
+            raise BoxFailed(f"{where}: result is not valid JSON: {exc}") from None
 
     async def _verify_sandbox(self, step: Step) -> None:
         box = self._box_of(step)
         rows = await sandbox_rows(box, step.get("criteria", []), step.get("base_dir", "/app"),
-                                  float(step.get("shell_timeout_seconds", 120)))
+                                  float(step.get("shell_timeout_seconds", 120)),
+                                  self._the_models(box))
         self._record(step, [r for r in rows if not r.get("skipped")], rows)
 
     async def _aggregate_verifiers(self, step: Step) -> None:
@@ -5019,10 +5496,8 @@ class Episode:
             raise EpisodeFailed(f"container {name!r} was not ready: {ready!r} failed for 120s")
 
     async def _run_container_unit_tests_verifier(self, step: Step) -> None:
-        if step.get("agent_name"):
-            box = self._box_of(step)
-        else:
-            box = self.containers[(step.get("sandbox_name"), step.get("container_name"))]
+        box = self._box_of(step)
+        clean = self._the_models(box)
         user, name = step.get("user", "root"), step.get("verifier_id", step.id)
         if user not in ("root", box.user):
             raise EpisodeFailed(f"user {user!r} is not one box {box.name!r} has; use root or "
@@ -5031,9 +5506,9 @@ class Episode:
         env = {**self._seed_env(env), **env}
         timeout = float(step.get("timeout_sec", 300))
         for command in self._quoted(step, "setup_commands"):
-            ran = await box.run(["bash", "-c", command], timeout, root=root, env=env)
+            ran = await box.run(["bash", "-c", command], timeout, root=root, env=env, clean=clean)
             if ran.timed_out or ran.exit_code != 0:
-                raise EpisodeFailed(f"Verifier {name!r}: setup command {command!r} "
+                raise BoxFailed(f"Verifier {name!r}: setup command {command!r} "
                                     f"{'timed out' if ran.timed_out else f'exited {ran.exit_code}'}: "
                                     f"{short(ran.output, 1500)}")
         reward_path = step.get("reward_path")
@@ -5042,9 +5517,11 @@ class Episode:
         if reward_path:
             await box.run(["rm", "-f", box.path(reward_path, "/")], 30, root=root)
         ran = await box.run(["bash", "-c", self._quoted(step, "command")], timeout, root=root,
-                            env=env)
+                            env=env, clean=clean)
         if ran.timed_out:       # recorded as AgentEnv's `timeout` reports it
             ran = dataclasses.replace(ran, exit_code=TIMED_OUT_EXIT)
+        if clean and not root:  # nothing the tested code started may write the results it reads
+            await box.stop_all()
         extracted: dict[str, Any] = {}
         for path in [*step.get("result_paths", []), *([reward_path] if reward_path else [])]:
             got = await box.run(["cat", box.path(path, "/")], 60, root=True)
@@ -5060,11 +5537,13 @@ class Episode:
             "exit_code": ran.exit_code, "timed_out": ran.timed_out,
             "stdout_head": ran.stdout[:500].decode(errors="replace"),
             "stderr_head": ran.stderr[:500].decode(errors="replace"), "extracted_files": extracted}
+        # Its score is kept; the step fails as AgentEnv's does, and the tests that failed or hung
+        # are the model's doing wherever they ran: a 0, never a masked rollout.
         if ran.timed_out:
-            raise EpisodeFailed(f"Verifier {name!r} timed out after {timeout:g}s")
+            raise Forfeit(f"Verifier {name!r} timed out after {timeout:g}s")
         if ran.exit_code != 0 and not reward_path:
-            raise EpisodeFailed(f"Verifier {name!r} exited {ran.exit_code}; stderr (last 1500 "
-                                f"chars):\n{ran.stderr.decode(errors='replace')[-1500:]}")
+            raise Forfeit(f"Verifier {name!r} exited {ran.exit_code}; stderr (last 1500 "
+                          f"chars):\n{ran.stderr.decode(errors='replace')[-1500:]}")
 
     def _seed_env(self, env: dict[str, str]) -> dict[str, str]:
         """The episode's seed as environment variables for a unit-test verifier, as AgentEnv
@@ -5128,7 +5607,7 @@ class Episode:
             self.system_prompt = step.get("system_prompt") or self.system_prompt or \
                 agent.get("system_prompt")
             turn = Turn(self, step, step.get("prompt"), self.system_prompt, tools, route, box)
-            self.turn = turn
+            self.turn, self.played = turn, True
             self._signal()
             timeout = float(step.get("timeout_seconds", 600))
             try:
@@ -5137,6 +5616,11 @@ class Episode:
                 turn.end(None)       # over for the caller too, even if the task goes on
                 raise EpisodeFailed(f"turn {step.id!r} was not ended within {timeout:g}s (its "
                                     "prompt_agent step's timeout_seconds)") from None
+            # Once the turn ends, nothing of the agent's runs on: not a background job, nor one
+            # that would rewrite what the steps after it load or check.
+            if box is not None:
+                await turn.stop_commands()
+                await box.stop_all()
             self.replies[step.get("prompt_id") or step.id] = reply
         finally:
             await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
@@ -5196,11 +5680,14 @@ class Episode:
 
     def _score(self) -> Outcome:
         step = self.task.reward_step
+        if step not in self.scores and self.forfeits:   # the model's doing kept it from a score
+            return self._forfeited(self.forfeits[0])
         if step not in self.scores:
             why = self.errors.get(step, "it did not run")
             return Outcome("failed", dict(self.scores), None, Failure(
                 VERIFIER_ERROR, f"no reward: the run recorded no score at step {step!r} ({why})"))
-        return Outcome("scored", dict(self.scores), self.scores[step])
+        return Outcome("scored", dict(self.scores), self.scores[step],
+                       verifications=dict(self.verifications))
 
 
 async def _first_error(tasks: list[asyncio.Task]) -> None:
@@ -5580,6 +6067,21 @@ class WarmPool:
         await asyncio.gather(*set(self._removals), return_exceptions=True)
 
 
+MIB = 1 << 20
+
+
+def episode_memory(task: Task) -> int:
+    """The most memory (MiB) one episode of a task may hold in the Docker sandbox: its boxes'
+    limits (a step's memory_mb, else BOX_MEMORY_MB) and its envs' where a deploy_env sets one."""
+    total = 0
+    for step in task.steps:
+        boxed = step.type in ("deploy_sandbox", "run_docker_container") or (
+            step.type == "deploy_agent" and task.sandboxed)
+        if boxed or (step.type == "deploy_env" and step.get("memory_mb")):
+            total += int(step.get("memory_mb") or BOX_MEMORY_MB)
+    return total
+
+
 class Runtime:
     """What every episode of a served bundle shares: the bundle, the sandbox, the pool, one HTTP
     client, the loaded verifiers, and the set of live episodes (so shutdown can end them all)."""
@@ -5605,6 +6107,8 @@ class Runtime:
                            lambda: pool.waiting)
         self.metrics.watch("agentenv_episodes_limit", "Episodes live at once at most "
                            "(max_concurrent_envs)", lambda: pool.limit)
+        self.metrics.watch("agentenv_envs_live", "Envs up for live episodes, by node (a Ray "
+                           "node's address; empty for this machine)", self._envs_by_node, "node")
         self.deploy_timeout, self.verifier_timeout = deploy_timeout, verifier_timeout
         self.owner = owner_id()
         self.live: set[Episode] = set()
@@ -5619,6 +6123,10 @@ class Runtime:
                                "booting, and the pool's target", lambda: self.warm.counts, "state")
         self._toolset_tools: dict[Toolset, asyncio.Future] = {}
 
+    def _envs_by_node(self) -> dict[str, float]:
+        return dict(collections.Counter(env.instance.where for episode in self.live
+                                        for env in episode.envs.values()))
+
     async def start(self) -> Runtime:
         """Open the sandbox (sweeping what a crashed run left, building images) and the client."""
         self.sandbox = await open_sandbox(self.sandbox_kind, self.owner, self.ray)
@@ -5628,6 +6136,8 @@ class Runtime:
         await self.sandbox.prepare(list(self.bundle.envs.values()))
         if self.bundle.boxed:
             await self.sandbox.prepare_box()
+        if isinstance(self.sandbox, DockerSandbox):
+            self._weigh_memory(await self.sandbox.memory())
         # MCP keeps its session in a header; a cookie jar would only cost every call its upkeep.
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False),
                                           cookie_jar=aiohttp.DummyCookieJar(),
@@ -5640,6 +6150,23 @@ class Runtime:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
+
+    def _weigh_memory(self, machine: int | None) -> None:
+        """Say once, at start, when the pool's episodes may together hold more memory in their
+        boxes and containers (by their limits) than the Docker host has: past it, the host's
+        OOM killer picks among them, not each one's own limit."""
+        if not machine:
+            return
+        need, task = max((episode_memory(t), t.name) for t in self.bundle.tasks.values())
+        total = need * self.pool.limit
+        if total * MIB > machine:
+            fits = max(1, machine // (need * MIB))
+            log.warning("Up to %d episodes run at once, and each may hold %s MiB in its boxes and "
+                        "containers (by the limits of task %r): %.1f GiB in all, more than the "
+                        "%.1f GiB the Docker host has, so a full pool can run the host out of "
+                        "memory. Lower %s to %d, or give the boxes less (the memory_mb of "
+                        "deploy_agent, deploy_sandbox and deploy_env steps).", self.pool.limit,
+                        f"{need:,}", task, total / 1024, machine / (1 << 30), self.pool.knob, fits)
 
     def episode(self, task: Task, seed: dict[str, Any] | None = None, split: str = "all") -> Episode:
         """Start an episode of a task (played from ``split``); it waits for a slot, then deploys."""
@@ -5765,28 +6292,74 @@ async def json_body(request: Any, allow_empty: bool = False) -> tuple[dict[str, 
     return data, None
 
 
+# The subprotocol /ws and /mcp answer to a client that offers it: a browser's WebSocket can
+# carry no header, so the web page offers its token as a second subprotocol beside this one
+# (ws_token_protocol); the server answers with this one alone, never echoing the token.
+WS_PROTOCOL = "agentenv"
+WS_TOKEN_PREFIX = "agentenv.bearer."
+
+
+def ws_token_protocol(token: str) -> str:
+    """The token as a WebSocket subprotocol: base64url, the characters a subprotocol may hold."""
+    return WS_TOKEN_PREFIX + base64.urlsafe_b64encode(token.encode()).decode().rstrip("=")
+
+
 async def accept_socket(request: Any) -> Any:
     from aiohttp import web
     # Pings every 20 s find a socket whose far end has gone without closing it.
-    socket_ = web.WebSocketResponse(heartbeat=20, max_msg_size=MAX_BODY)
+    socket_ = web.WebSocketResponse(heartbeat=20, max_msg_size=MAX_BODY, protocols=(WS_PROTOCOL,))
     await socket_.prepare(request)
     return socket_
 
 
+class Inbox(asyncio.Queue):
+    """A socket's frames as read_ahead reads them (None once it closes), and the handler's task
+    while it answers one (``while_open``), for the socket's close to cancel."""
+
+    def __init__(self, backlog: int):
+        super().__init__(backlog)
+        self.closed = False
+        self.answering: asyncio.Task | None = None
+
+    async def while_open(self, answer: Any) -> Any:
+        """Answer a frame unless the socket closes first: a client gone mid-call cancels the
+        handler then, as aiohttp cancels one whose connection is lost, so the call stops and the
+        session ends at once, instead of holding its box and slot until the call would have
+        ended."""
+        if self.closed:
+            answer.close()
+            raise ConnectionResetError("the client closed its socket before its reply")
+        self.answering = task = asyncio.current_task()
+        try:
+            return await answer
+        except asyncio.CancelledError:
+            if self.closed and task.uncancel() == 0:    # the close's cancel, not the handler's own
+                raise ConnectionResetError("the client closed its socket during a call") from None
+            raise
+        finally:
+            self.answering = None
+
+    def close(self) -> None:
+        self.closed = True
+        if self.answering is not None:
+            self.answering.cancel()
+
+
 @contextlib.asynccontextmanager
-async def read_ahead(socket_: Any, backlog: int = 16) -> AsyncIterator[asyncio.Queue]:
-    """A socket's frames in a queue (None once it closes), read by a task of their own: while
-    its handler is busy with one frame (a reset that deploys for a minute), the client's pings
-    are still answered and its close still seen, as OpenEnv's own server does. aiohttp answers a
-    ping only inside ``receive``; without this, a websockets client (20 s pings, 20 s to answer)
-    drops a session whose reset outlasts 40 s."""
-    inbox: asyncio.Queue = asyncio.Queue(backlog)   # a client that floods waits, as before
+async def read_ahead(socket_: Any, backlog: int = 16) -> AsyncIterator[Inbox]:
+    """A socket's frames in an Inbox, read by a task of their own: while its handler is busy
+    with one frame (a reset that deploys for a minute), the client's pings are still answered
+    and its close still seen, as OpenEnv's own server does. aiohttp answers a ping only inside
+    ``receive``; without this, a websockets client (20 s pings, 20 s to answer) drops a session
+    whose reset outlasts 40 s."""
+    inbox = Inbox(backlog)                          # a client that floods waits, as before
 
     async def read() -> None:
         try:
             async for message in socket_:
                 await inbox.put(message)
         finally:
+            inbox.close()
             await inbox.put(None)
     reader = asyncio.create_task(read())
     try:
@@ -5797,15 +6370,31 @@ async def read_ahead(socket_: Any, backlog: int = 16) -> AsyncIterator[asyncio.Q
             await reader
 
 
-def bearer_token(token: str) -> Any:
-    """Middleware that asks every request, WebSocket upgrades included, for the bearer token."""
+def bearer_token(token: str, locked: Callable[[Any], Any] | None = None) -> Any:
+    """Middleware that asks every request, WebSocket upgrades included, for the bearer token: in
+    the Authorization header, or (an upgrade only, from a browser, which can't set a socket's
+    headers) as the subprotocol ws_token_protocol(token) offered beside WS_PROTOCOL. A request
+    without it is refused 401: ``locked(request)``'s answer where it has one (the web page's
+    form that asks for the token), else JSON that says what to send."""
     from aiohttp import web
     expected = f"Bearer {token}".encode()
+    protocol = ws_token_protocol(token).encode()
+
+    def offers_token(request: Any) -> bool:
+        if request.method != "GET" or request.headers.get("Upgrade", "").lower() != "websocket":
+            return False
+        offered = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",")]
+        # beside WS_PROTOCOL only: offered alone, aiohttp would log the protocols it can't answer
+        return WS_PROTOCOL in offered and any(secrets.compare_digest(p.encode(), protocol)
+                                              for p in offered)
 
     @web.middleware
     async def require_token(request: Any, handler: Callable) -> Any:
         # compare_digest: the time taken says nothing about how much of a guess was right
-        if not secrets.compare_digest(request.headers.get("Authorization", "").encode(), expected):
+        if not (secrets.compare_digest(request.headers.get("Authorization", "").encode(), expected)
+                or offers_token(request)):
+            if locked is not None and (page := locked(request)) is not None:
+                return page
             return web.json_response(
                 {"detail": "this server asks for a bearer token: send the header Authorization: "
                            "Bearer <token>, with the token serve was given (--token or "
@@ -6016,6 +6605,18 @@ def envelope(observation: dict[str, Any], reward: float | None = None, done: boo
     if observation.get("metadata"):
         body["metadata"] = observation["metadata"]
     return body
+
+
+def json_safe(value: Any) -> Any:
+    """Bundle code's values (a verifier's rows) as strict JSON, which every client parses: a
+    number that is not finite as text, and anything JSON has no word for as its repr."""
+    if isinstance(value, dict):
+        return {str(key): json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value if value is None or isinstance(value, (str, int, float, bool)) else repr(value)
 
 
 def rpc_error(rid: Any, code: int, message: str, data: Any = None) -> dict[str, Any]:
@@ -6244,11 +6845,11 @@ class OpenEnvSession:
             return envelope({"metadata": {**prompt, "task": self.where}})
         if isinstance(played, Outcome) and played.failure is None:
             # The score in the result too: a client that reads only call_tool's result sees it.
-            result = {"done": True, "reward": played.reward, "scores": played.scores} \
-                if tool_name else None
-            return envelope({**called, "result": result,
-                             "metadata": {"scores": played.scores, "task": self.where}},
-                            played.reward, True)
+            result = {"done": True, "reward": played.reward, "scores": played.scores,
+                      **forfeit_of(played)} if tool_name else None
+            return envelope({**called, "result": result, "metadata": {
+                "scores": played.scores, "verifications": json_safe(played.verifications),
+                "task": self.where, **forfeit_of(played)}}, played.reward, True)
         return self._error(played.failure if isinstance(played, Outcome) else played, tool_name)
 
     def _rpc(self, rid: Any, played: Played) -> dict[str, Any]:
@@ -6264,7 +6865,8 @@ class OpenEnvSession:
             data = {"prompt": played.prompt, "system_prompt": played.system_prompt}
             return {"jsonrpc": "2.0", "id": rid, "result": {"data": data}}
         if isinstance(played, Outcome) and played.failure is None:
-            data = {"done": True, "reward": played.reward, "scores": played.scores}
+            data = {"done": True, "reward": played.reward, "scores": played.scores,
+                    **forfeit_of(played)}
             return {"jsonrpc": "2.0", "id": rid, "result": {"data": data}}
         return rpc_error(rid, -32603, str(played.failure if isinstance(played, Outcome) else played))
 
@@ -6285,6 +6887,12 @@ class OpenEnvSession:
 # What a play of an OpenEnv session gives: a tool's result, the next turn, the scored outcome, the
 # environment's failure, or a refusal of what was asked (a caller's mistake, in words).
 Played = ToolResult | Turn | Outcome | Failure | str
+
+
+def forfeit_of(outcome: Outcome) -> dict[str, str]:
+    """Why a scored episode's reward is 0 when the model's own doing ended it, for each wire to
+    carry beside the score (nothing for any other)."""
+    return {"forfeit": outcome.forfeit} if outcome.forfeit else {}
 
 
 def tool_content(result: ToolResult) -> dict[str, Any]:
@@ -6536,7 +7144,7 @@ class OpenEnvSurface:
                         except ValueError as exc:
                             await socket_.send_json(rpc_error(None, -32700, f"Parse error: {exc}"))
                             continue
-                        await socket_.send_json(await self.rpc(request_, session))
+                        await socket_.send_json(await inbox.while_open(self.rpc(request_, session)))
         except ConnectionError:                 # the client left before a reply: frames are read
             pass                                # ahead, so before any of them, not only a call's
         finally:
@@ -6578,7 +7186,7 @@ class OpenEnvSurface:
                     if message.type != aiohttp.WSMsgType.TEXT:
                         continue
                     async with session.lease.using():
-                        reply = await self._answer(session, message.data)
+                        reply = await inbox.while_open(self._answer(session, message.data))
                     if reply is None:
                         break
                     await socket_.send_json(reply)
@@ -6711,6 +7319,9 @@ def openapi_document() -> dict[str, Any]:
         "/ws": {"get": op("WebSocket OpenEnv session: reset, step, state, mcp, close")},
         "/list_environments": {"get": op("The environment served")},
         "/metrics": {"get": op("Prometheus metrics: episodes, deploys, tool calls, masks, process")},
+        "/web": {"get": op("The web page: play a task by hand, watch the run")},
+        "/web/status": {"get": op("The run's numbers as JSON, the same as /metrics: episodes, "
+                                  "masks, rewards by split, deploy and tool-call p50/p95")},
         "/{env}/splits": {"get": op("The splits: all, and one per eval")},
         "/{env}/tasks": {"post": op("The tasks of a split", True)},
         "/{env}/num_tasks": {"post": op("How many tasks a split has", True)},
@@ -7199,7 +7810,7 @@ class Verdict:
             return cls(digest(reply), {}, failure)
         return cls(digest(reply), {"reward": float(outcome.reward), "mask_sample": False,
                                    "failure_kind": None, "failure_reason": None,
-                                   "scores": outcome.scores})
+                                   "scores": outcome.scores, **forfeit_of(outcome)})
 
     def reply(self, body: dict[str, Any]) -> dict[str, Any]:
         return masked(body, self.failure, quiet=True) if self.failure else {**body, **self.fields}
@@ -7853,7 +8464,8 @@ GYM_OWN_ROUTES = {"docs", "redoc", "openapi.json", "health", "healthz", "livez",
                   "reverify_mode", "mcp", "ng-rollout"}
 RESERVED_NAMES = frozenset({path.split("/")[1] for _, path, _ in
                             (*OpenEnvSurface.ROUTES, *GymSurface.ROUTES)
-                            if path != "/" and not path.startswith("/{")} | GYM_OWN_ROUTES)
+                            if path != "/" and not path.startswith("/{")} | GYM_OWN_ROUTES
+                           | {"web"})          # the web page's routes (WebPage, below)
 
 
 class Server:
@@ -7869,10 +8481,15 @@ class Server:
                  token: str | None = None):
         from aiohttp import web
         self.runtime, self.settings, self.host, self.port = runtime, settings, host, port
-        self.app = web.Application(client_max_size=MAX_BODY, middlewares=[
-            json_errors(), *([bearer_token(token)] if token else [])])
-        sessions = Sessions(runtime.pool.limit if runtime else settings.max_concurrent_envs)
         self.metrics = runtime.metrics if runtime else Metrics()
+        # the page plays over OpenEnv's /ws, which only a server with a runtime has
+        self.web = WebPage(runtime, self.metrics) if runtime else None
+        # A request whose client goes away is cancelled (however the app is run): a call under
+        # way stops, and its episode ends, instead of holding its box and slot to the end.
+        self.app = web.Application(client_max_size=MAX_BODY, middlewares=[
+            json_errors(), *([bearer_token(token, self.web and self.web.locked)] if token else [])],
+            handler_args={"handler_cancellation": True})
+        sessions = Sessions(runtime.pool.limit if runtime else settings.max_concurrent_envs)
         self.metrics.watch("agentenv_sessions", "Live sessions, by wire", sessions.by_wire, "wire")
         self.openenv = OpenEnvSurface(runtime, sessions, settings) if runtime else None
         rollouts: Rollouts = LocalRollouts(runtime) if runtime else RemoteRollouts(str(url), settings)
@@ -7881,6 +8498,8 @@ class Server:
         self._status: asyncio.Task | None = None
         router = self.app.router
         _add_route(router, "GET", "/metrics", metrics_route(self.metrics))
+        for method, path, handler in WebPage.ROUTES if self.web else ():
+            _add_route(router, method, path, handler.__get__(self.web))
         for surface in self.surfaces:
             for method, path, handler in surface.ROUTES:
                 _add_route(router, method, path, handler.__get__(surface))
@@ -7905,9 +8524,9 @@ class Server:
             url = f"http://{self.host}:{self.port}" if self.host is not None else ""
             log.info("Serving %s: %d tasks in the splits %s, up to %d episodes at once, envs in the "
                      "%s sandbox, %s(OpenEnv: %s/ws; NeMo Gym: %s/seed_session; metrics: "
-                     "%s/metrics).", bundle.name, len(bundle.tasks), ", ".join(bundle.splits),
-                     self.runtime.pool.limit, self.runtime.sandbox.kind,
-                     f"at {url} " if url else "", url, url, url)
+                     "%s/metrics; web page: %s/web).", bundle.name, len(bundle.tasks),
+                     ", ".join(bundle.splits), self.runtime.pool.limit, self.runtime.sandbox.kind,
+                     f"at {url} " if url else "", url, url, url, url)
             if warm := self.runtime.warm.counts["target"]:
                 log.info("Keeping %d warm env(s) started and ready ahead of demand (%s), beside the "
                          "%d episode slots.", warm, self.runtime.warm.describe(),
@@ -8072,6 +8691,618 @@ def run_gym_server() -> None:
         web.run_app(server.app, host=host, port=port, print=None, access_log=None, shutdown_timeout=30)
     except AgentEnvError as exc:
         sys.exit(f"agentenv.py: {exc}")
+
+
+# ---------------------------------------------------------------- the web page
+
+class WebPage:
+    """``GET /web``: one page, with no build step and nothing fetched from anywhere else, on
+    which a person plays any task by hand and watches the run; and ``GET /web/status``, the
+    numbers it shows (``Metrics.numbers``: the same as /metrics), for scripts too.
+
+    The page is an ordinary client of the server's own wires: the task API for the splits and
+    tasks, an OpenEnv session over /ws to play (so its episodes count like any other), and
+    /web/status every second. Behind a token, a browser's first ask (a navigation carries no
+    header) is refused 401 with a small form that asks for the token; the form fetches the page
+    with it as a bearer token and keeps it in the tab's sessionStorage, and the page sends it on
+    every fetch, and on /ws as a subprotocol (a browser's WebSocket takes no header): never in
+    a URL, so never in a log, the history or a Referer. Both are served with a
+    Content-Security-Policy that lets them run their own script and reach their own origin
+    only."""
+
+    def __init__(self, runtime: Runtime, metrics: Metrics):
+        self.runtime, self.metrics = runtime, metrics
+
+    @staticmethod
+    def _html(text: str, status: int = 200, **headers: str) -> Any:
+        from aiohttp import web
+        return web.Response(text=text, status=status, content_type="text/html",
+                            headers={**WEB_HEADERS, **headers})
+
+    def locked(self, request: Any) -> Any:
+        """What a request for the page without the token is answered (None: not the page)."""
+        if request.method in ("GET", "HEAD") and request.path == "/web":
+            return self._html(WEB_LOCKED, 401, **{"WWW-Authenticate": 'Bearer realm="agentenv.py"'})
+        return None
+
+    async def page(self, request: Any) -> Any:
+        return self._html(WEB_PAGE)
+
+    async def status(self, request: Any) -> Any:
+        return json_reply({"bundle": self.runtime.bundle.name, "sandbox": self.runtime.sandbox.kind,
+                           "version": __version__, **self.metrics.numbers()})
+
+    ROUTES = [("GET", "/web", page), ("GET", "/web/status", status)]
+
+
+def _document(title: str, body: str, script: str) -> str:
+    """A document of the page's: the head and style both share, its body, its script last."""
+    return ('<!doctype html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+            '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+            f'<link rel="icon" href="data:,">\n<title>{title}</title>\n<style>{WEB_STYLE}</style>\n'
+            f'</head>\n<body>\n{body}<script>{script}</script>\n</body>\n</html>\n')
+
+
+def _csp_source(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+WEB_STYLE = r""":root { --ink: #1d232b; --muted: #5d6776; --line: #dce1e8; --bg: #f3f5f8; --accent: #2e5bcc;
+  --good: #1b7343; --bad: #b3261e; }
+* { box-sizing: border-box; }
+body { margin: 0; background: var(--bg); color: var(--ink);
+  font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif; }
+header { display: flex; flex-wrap: wrap; align-items: baseline; gap: 4px 14px; padding: 10px 20px;
+  background: var(--ink); color: #fff; }
+header h1 { margin: 0; font-size: 17px; }
+header span { color: #b4bdca; }
+main { display: grid; grid-template-columns: minmax(0, 1fr) 370px; gap: 16px; padding: 16px 20px;
+  align-items: start; }
+main.lock { display: block; max-width: 420px; margin: 60px auto; }
+@media (max-width: 900px) { main { grid-template-columns: minmax(0, 1fr); } }
+section, form.card { background: #fff; border: 1px solid var(--line); border-radius: 8px;
+  padding: 14px 16px; }
+section section { border: 0; padding: 0; }
+h2 { margin: 0 0 10px; font-size: 15px; }
+h3 { margin: 16px 0 6px; font-size: 12px; letter-spacing: .04em; text-transform: uppercase;
+  color: var(--muted); }
+label { font-weight: 600; }
+input, select, textarea, button { font: inherit; color: inherit; }
+input, select, textarea { border: 1px solid #c5ccd6; border-radius: 5px; padding: 4px 7px;
+  background: #fff; max-width: 100%; }
+textarea { width: 100%; resize: vertical; }
+button { border: 1px solid var(--accent); border-radius: 5px; padding: 4px 12px;
+  background: var(--accent); color: #fff; cursor: pointer; }
+button:disabled { opacity: .4; cursor: default; }
+:focus-visible { outline: 2px solid var(--accent); outline-offset: 1px; }
+.row { display: flex; flex-wrap: wrap; align-items: center; gap: 6px 8px; }
+.row label:not(:first-child) { margin-left: 8px; }
+.spread { justify-content: space-between; }
+pre { margin: 0; white-space: pre-wrap; overflow-wrap: anywhere;
+  font: 13px/1.45 ui-monospace, "DejaVu Sans Mono", monospace; }
+.prompt { padding: 6px 10px; border-left: 3px solid var(--accent); background: #f6f8fc; }
+.muted, .hint { color: var(--muted); }
+.hint { margin: 0; font-size: 12px; }
+.alert { margin: 4px 0 0; color: var(--bad); font-size: 12px; }
+.tools { display: grid; grid-template-columns: repeat(auto-fill, minmax(240px, 1fr)); gap: 10px; }
+fieldset { margin: 0; padding: 6px 10px 10px; border: 1px solid var(--line); border-radius: 6px; }
+fieldset:disabled { opacity: .6; }
+legend { padding: 0 4px; font: 600 13px ui-monospace, "DejaVu Sans Mono", monospace; }
+.field { display: grid; gap: 2px; margin: 6px 0; }
+ol.log { display: grid; gap: 6px; margin: 0; padding: 0; list-style: none; }
+ol.log li { padding: 6px 10px; border: 1px solid var(--line); border-radius: 6px; }
+ol.log li.reply { border-color: #bcdcc7; background: #f2f8f4; }
+ol.log li.error, .failed { border-color: #eab6b1; background: #fdf3f2; }
+.who { font-size: 12px; font-weight: 600; color: var(--muted); }
+#outcome { margin-top: 14px; padding: 10px 12px; border: 1px solid #bcdcc7; border-radius: 6px;
+  background: #f2f8f4; }
+#outcome.failed { border-color: #eab6b1; background: #fdf3f2; }
+#outcome h3 { margin-top: 10px; }
+#outcome h3:first-child { margin-top: 0; }
+.big { margin: 0; font-size: 26px; font-weight: 700; }
+table { width: 100%; border-collapse: collapse; }
+th, td { padding: 3px 6px; border-bottom: 1px solid var(--line); text-align: left; vertical-align: top; }
+th { font-size: 12px; font-weight: 600; color: var(--muted); }
+.pass { color: var(--good); font-weight: 600; }
+.fail { color: var(--bad); font-weight: 600; }
+dl { display: grid; grid-template-columns: auto minmax(0, 1fr); gap: 5px 12px; margin: 0; }
+dt { color: var(--muted); }
+dd { margin: 0; font-variant-numeric: tabular-nums; }
+meter { display: block; width: 100%; height: 10px; }
+.split { margin: 6px 0 10px; }
+.bars { display: flex; align-items: flex-end; gap: 2px; height: 40px; border-bottom: 1px solid #c5ccd6; }
+.bars span { flex: 1; min-height: 1px; border-radius: 2px 2px 0 0; background: var(--accent); }
+.axis { font-size: 11px; }
+"""
+
+# The form a browser is answered without the token.
+WEB_LOCKED_SCRIPT = r""""use strict";
+{
+// The page is fetched with the token as a bearer header, kept for this tab (sessionStorage:
+// gone when the tab closes, never in a URL), and written over this one.
+const form = document.getElementById("unlock"), said = document.getElementById("said");
+
+async function unlock(token) {
+  let response;
+  try {
+    response = await fetch("/web", {headers: {Authorization: "Bearer " + token}});
+  } catch (error) {
+    said.textContent = "The token could not be sent: " + error.message;
+    return;
+  }
+  if (!response.ok) {
+    sessionStorage.removeItem("agentenv-token");
+    said.textContent = response.status === 401 ? "The server refused that token." :
+      "The server answered " + response.status + ".";
+    return;
+  }
+  sessionStorage.setItem("agentenv-token", token);
+  const page = await response.text();
+  document.open();
+  document.write(page);
+  document.close();
+}
+
+form.addEventListener("submit", (event) => {
+  event.preventDefault();
+  unlock(document.getElementById("token").value);
+});
+const kept = sessionStorage.getItem("agentenv-token");
+if (kept) unlock(kept);
+}
+"""
+
+WEB_LOCKED = _document("agentenv.py: token", r"""<header><h1>agentenv.py</h1></header>
+<main class="lock">
+<form id="unlock" class="card">
+  <h2>This server asks for its token</h2>
+  <p class="muted">The token serve was given (--token or AGENTENV_TOKEN). This tab keeps it until it closes, and sends it as a bearer token.</p>
+  <div class="field"><label for="token">Token</label><input id="token" type="password" autocomplete="off" required></div>
+  <div class="row"><button>Open</button></div>
+  <p id="said" class="alert" role="alert"></p>
+</form>
+</main>
+""", WEB_LOCKED_SCRIPT)
+
+# The page: play by hand on the left, the run on the right.
+WEB_SCRIPT = r""""use strict";
+{
+// The token the form of the locked page was given (none when the server asks for none).
+const TOKEN = sessionStorage.getItem("agentenv-token");
+const AUTH = TOKEN ? {Authorization: "Bearer " + TOKEN} : {};
+const $ = (id) => document.getElementById(id);
+
+// An element; its children's text goes in as text, never as markup (prompts, tool results and
+// verifier rows come from the bundle, its envs and the player).
+function el(tag, attributes, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attributes || {})) {
+    if (value === false || value == null) continue;
+    if (key === "class") node.className = value;
+    else node.setAttribute(key, value === true ? "" : value);
+  }
+  node.append(...children.filter((child) => child != null)
+    .map((child) => child instanceof Node ? child : String(child)));
+  return node;
+}
+
+function refused() {     // a token the server no longer takes: the locked page asks again
+  sessionStorage.removeItem("agentenv-token");
+  location.reload();
+}
+
+async function api(path, body) {
+  const response = await fetch(path, body === undefined ? {headers: AUTH} : {method: "POST",
+    headers: {...AUTH, "Content-Type": "application/json"}, body: JSON.stringify(body)});
+  if (response.status === 401) refused();
+  const data = await response.json();
+  if (!response.ok) throw new Error(path + " answered " + response.status + ": " + JSON.stringify(data.detail));
+  return data;
+}
+
+function base64url(text) {
+  const bytes = new TextEncoder().encode(text);
+  return btoa(String.fromCharCode(...bytes)).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
+}
+
+// ---- one OpenEnv session over /ws, as any client plays one: one reply per message, in order
+
+const session = {
+  socket: null, opened: null, pending: [], said: "",
+  open() {
+    if (this.socket) return this.opened;
+    // A browser's WebSocket takes no headers: the token goes as a subprotocol beside "agentenv".
+    const protocols = ["agentenv", ...(TOKEN ? ["agentenv.bearer." + base64url(TOKEN)] : [])];
+    const socket = this.socket = new WebSocket(location.origin.replace(/^http/, "ws") + "/ws", protocols);
+    this.opened = new Promise((resolve, reject) => {
+      socket.onopen = resolve;
+      socket.onerror = () => reject(new Error("the server's /ws did not open"));
+    });
+    socket.onmessage = (event) => {
+      const reply = JSON.parse(event.data), next = this.pending.shift();
+      if (next) next.resolve(reply);
+      else if (reply.type === "error") this.said = reply.data.message;    // a refusal, then a close
+    };
+    socket.onclose = (event) => {
+      this.socket = null;
+      const why = new Error("the session ended: " + (event.reason || this.said || "its socket closed"));
+      for (const next of this.pending.splice(0)) next.reject(why);
+      if (!episode.over) { over(); say(why.message + ". Start again to play on.", true); }
+    };
+    return this.opened;
+  },
+  async ask(message) {
+    await this.open();
+    return new Promise((resolve, reject) => {
+      this.pending.push({resolve, reject});
+      this.socket.send(JSON.stringify(message));
+    });
+  },
+};
+
+// ---- playing a task by hand
+
+const episode = {turn: 0, over: true, busy: false};
+
+function say(text, bad) {
+  $("phase").textContent = text;
+  $("phase").className = bad ? "alert" : "muted";
+}
+
+function settle() {     // what can be pressed: nothing while a message is out; no turn once over
+  $("start").disabled = episode.busy;
+  for (const control of document.querySelectorAll("#turn fieldset, #turn button")) {
+    control.disabled = episode.busy || episode.over;
+  }
+}
+
+function over() {
+  episode.over = true;
+  $("turn").hidden = true;
+  settle();
+}
+
+async function act(work) {
+  episode.busy = true;
+  settle();
+  try {
+    await work();
+  } catch (error) {
+    over();
+    say(error.message, true);
+  } finally {
+    episode.busy = false;
+    settle();
+  }
+}
+
+function observed(reply) {     // an observation's data; an error frame (a refused message) throws
+  if (reply.type === "error") throw new Error(reply.data.message);
+  return reply.data;
+}
+
+function logged(kind, who, text) {
+  $("transcript").append(el("li", {class: kind}, el("div", {class: "who"}, who), el("pre", {}, text)));
+}
+
+function failed(data) {      // shows the episode's failure or a refusal, if the observation is one
+  const meta = data.observation.metadata || {};
+  if (meta.status !== "error") return false;
+  over();
+  const box = $("outcome");
+  box.hidden = false;
+  box.className = "failed";
+  if (meta.failure_kind) {
+    box.replaceChildren(el("h3", {}, "Masked"), el("p", {class: "big"}, meta.failure_kind),
+      el("p", {}, "The environment failed this episode, not the player: a trainer masks the rollout."),
+      el("pre", {}, meta.error));
+    say("The episode failed, masked " + meta.failure_kind + ".", true);
+  } else {
+    box.replaceChildren(el("h3", {}, "Refused"), el("pre", {}, meta.error));
+    say("The server refused: " + meta.error, true);
+  }
+  return true;
+}
+
+function scored(data) {
+  over();
+  const meta = data.observation.metadata, box = $("outcome");
+  const rows = [];
+  for (const [verifier, verification] of Object.entries(meta.verifications || {})) {
+    for (const row of verification.results || []) {
+      const result = row.result === true ? "pass" : row.result === false ? "fail" : "";
+      rows.push(el("tr", {}, el("td", {}, verifier),
+        el("td", {}, row.id ?? row.type ?? "#" + row.criterion_index),
+        el("td", {class: result}, result), el("td", {}, row.score ?? ""),
+        el("td", {}, row.justification ?? row.message ?? row.description ?? "")));
+    }
+  }
+  box.hidden = false;
+  box.className = meta.forfeit ? "failed" : "";
+  box.replaceChildren(el("h3", {}, "Reward"), el("p", {class: "big", id: "reward"}, data.reward),
+    ...(meta.forfeit ? [el("h3", {}, "Forfeited"), el("pre", {}, meta.forfeit),
+      el("p", {}, "The player's own doing ended the episode before a verifier scored it: 0, not masked.")] : []),
+    el("h3", {}, "Scores"),
+    el("table", {"aria-label": "Scores"}, el("tr", {}, el("th", {}, "step"), el("th", {}, "score")),
+      ...Object.entries(meta.scores).map(([step, score]) => el("tr", {}, el("td", {}, step), el("td", {}, score)))),
+    el("h3", {}, "What the verifiers said"),
+    el("table", {"aria-label": "Verifier rows"}, el("tr", {}, ...["verifier", "row", "result", "score", "why"]
+      .map((head) => el("th", {}, head))), ...rows));
+  say(meta.forfeit ? "Forfeited: reward 0." : "Scored: reward " + data.reward + ".");
+}
+
+function kindOf(spec) {       // how an argument is typed in: text, a number, a choice, or JSON
+  const types = [].concat(spec.type ?? []).filter((type) => type !== "null");
+  if (types.length !== 1) return "json";
+  if (types[0] === "string") return Array.isArray(spec.enum) ? "choice" : "text";
+  return {integer: "number", number: "number", boolean: "choice"}[types[0]] || "json";
+}
+
+function toolForm(tool, n) {
+  const schema = tool.input_schema || {}, required = new Set(schema.required || []);
+  const box = el("fieldset", {}, el("legend", {}, tool.name));
+  if (tool.description) box.append(el("p", {class: "hint"}, tool.description));
+  const fields = Object.entries(schema.properties || {}).map(([name, spec], m) => {
+    const id = "arg-" + n + "-" + m, kind = kindOf(spec);
+    const type = [].concat(spec.type ?? "any JSON").join(" or ");
+    let input;
+    if (kind === "choice") {
+      const choices = type === "boolean" ? [true, false] : spec.enum;
+      input = el("select", {id}, el("option", {value: ""}, "(not sent)"),
+        ...choices.map((choice) => el("option", {value: JSON.stringify(choice)}, choice)));
+    } else if (kind === "number") {
+      input = el("input", {id, type: "number", step: type === "integer" ? "1" : "any"});
+    } else if (kind === "text") {
+      input = el("input", {id, type: "text", autocomplete: "off"});
+    } else {
+      input = el("textarea", {id, rows: 2, spellcheck: "false", placeholder: type === "array" ? "[ ]" : "{ }"});
+    }
+    const hint = el("p", {class: "hint", id: id + "-hint"},
+      [required.has(name) ? "required" : "optional", kind === "json" ? type + ", as JSON" : type,
+       spec.description].filter(Boolean).join(" · "));
+    input.setAttribute("aria-describedby", hint.id);
+    box.append(el("div", {class: "field"}, el("label", {for: id}, name), input, hint));
+    return {name, kind, input};
+  });
+  const alert = el("p", {class: "alert", role: "alert"});
+  box.append(el("div", {class: "row"}, el("button", {type: "submit"}, "Call " + tool.name)), alert);
+  const form = el("form", {novalidate: true}, box);
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    call(tool.name, fields, alert);
+  });
+  return form;
+}
+
+function argumentsOf(fields, alert) {     // what the form holds; an empty field is not sent
+  const args = {}, problems = [];
+  for (const {name, kind, input} of fields) {
+    const text = input.value;
+    if (text.trim() === "") continue;
+    if (kind === "text") args[name] = text;
+    else if (kind === "number") args[name] = Number(text);
+    else {
+      try {
+        args[name] = JSON.parse(text);
+      } catch (error) {
+        problems.push(name + " is not JSON (" + error.message + ")");
+      }
+    }
+  }
+  alert.textContent = problems.join("; ");
+  return problems.length ? null : args;
+}
+
+async function call(name, fields, alert) {
+  const args = argumentsOf(fields, alert);
+  if (!args) return;
+  await act(async () => {
+    const data = observed(await session.ask({type: "step",
+      data: {type: "call_tool", tool_name: name, arguments: args}}));
+    const seen = data.observation, who = name + " " + JSON.stringify(args);
+    if (seen.error) logged("error", who, seen.error.error_type + ": " + seen.error.message);
+    else if (seen.result) logged("call", who, seen.result.data ?? JSON.stringify(seen.result));
+    else logged("error", who, "no answer: the call ended the episode");
+    failed(data);
+  });
+}
+
+async function openTurn(prompt) {
+  episode.turn += 1;
+  logged("prompt", "Turn " + episode.turn + ": the prompt", prompt);
+  const data = observed(await session.ask({type: "step", data: {type: "list_tools"}}));
+  const tools = data.observation.tools.filter((tool) => tool.name !== "end_turn");
+  $("tools").replaceChildren(...tools.map(toolForm));
+  if (!tools.length) $("tools").append(el("p", {class: "hint"}, "This turn offers no tools."));
+  say("Turn " + episode.turn + ": call tools as you like, then end the turn with your reply.");
+}
+
+$("pick").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const split = $("split").value, index = Number($("task").value);
+  episode.turn = 0;
+  episode.over = false;
+  $("episode").hidden = false;
+  $("turn").hidden = false;
+  $("outcome").hidden = true;
+  $("transcript").replaceChildren();
+  $("tools").replaceChildren();
+  $("system-prompt").textContent = "";
+  say("Deploying the envs of " + $("task").selectedOptions[0].textContent + " and opening its first turn…");
+  act(async () => {
+    const data = observed(await session.ask({type: "reset", data: {split, index}}));
+    if (failed(data)) return;
+    $("system-prompt").textContent = data.observation.metadata.system_prompt || "(none)";
+    await openTurn(data.observation.metadata.prompt);
+  });
+});
+
+$("reply-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const response = $("reply").value;
+  say("Ending the turn: the task's next steps run (after the last turn, its verifiers)…");
+  act(async () => {
+    const data = observed(await session.ask({type: "step",
+      data: {type: "call_tool", tool_name: "end_turn", arguments: {response}}}));
+    logged("reply", "Your reply", response || "(empty)");
+    $("reply").value = "";
+    if (failed(data)) return;
+    if (data.done) return scored(data);
+    await openTurn(data.observation.result.prompt);
+  });
+});
+
+let served = "";
+async function tasks() {
+  const {tasks} = await api("/" + encodeURIComponent(served) + "/tasks", {split: $("split").value});
+  $("task").replaceChildren(...tasks.map((task) =>
+    el("option", {value: task.index}, task.name + " (" + task.toolset + ")")));
+}
+
+async function splits() {
+  [served] = await api("/list_environments");
+  const found = await api("/" + encodeURIComponent(served) + "/splits");
+  $("split").replaceChildren(...found.map((split) => el("option", {value: split.name}, split.name)));
+  await tasks();
+  settle();
+}
+
+$("split").addEventListener("change", () => tasks().catch((error) => say(error.message, true)));
+
+// ---- watching the run: /web/status every second
+
+function seconds(value) {
+  if (value == null) return "–";
+  return value < 1 ? (value * 1000).toFixed(value < 0.1 ? 1 : 0) + " ms" : value.toFixed(2) + " s";
+}
+
+function listed(counts, unit) {
+  return Object.entries(counts).map(([name, n]) => n + " " + (unit ? unit[name] || name : name)).join(", ");
+}
+
+function timing(timed) {
+  return timed.count + (timed.p50 == null ? "" : " · p50 " + seconds(timed.p50) + " · p95 " + seconds(timed.p95));
+}
+
+function rewards(splits) {
+  const parts = Object.entries(splits).map(([split, reward]) => {
+    const most = Math.max(1, ...reward.buckets.map(([, n]) => n));
+    const bars = el("div", {class: "bars", role: "img", "aria-label": "rewards of " + split + " by bucket: " +
+      reward.buckets.filter(([, n]) => n).map(([upper, n]) => n + " up to " + upper).join(", ")});
+    for (const [upper, n] of reward.buckets) {
+      const bar = el("span", {title: "up to " + upper + ": " + n});
+      bar.style.height = (100 * n / most) + "%";
+      bar.style.opacity = n ? 1 : 0.2;
+      bars.append(bar);
+    }
+    return el("div", {class: "split"},
+      el("div", {class: "row spread"}, el("strong", {}, split),
+        el("span", {}, "mean " + reward.mean.toFixed(3) + " · " + reward.count + " scored")),
+      bars, el("div", {class: "row spread axis muted"}, el("span", {}, "0"), el("span", {}, "1")));
+  });
+  $("rewards").replaceChildren(...(parts.length ? parts : [el("p", {class: "muted"}, "No episode scored yet.")]));
+}
+
+function show(status) {
+  const played = status.episodes;
+  $("served").textContent = status.bundle + " · " + status.sandbox + " sandbox · agentenv.py " + status.version;
+  const outcomes = ["scored", "failed", "abandoned"].filter((outcome) => played[outcome]);
+  $("played").textContent = played.played + (outcomes.length ? " (" + outcomes.map((o) => played[o] + " " + o).join(", ") + ")" : "") +
+    (played.forfeited ? "; " + played.forfeited + " of the scored forfeited" : "");
+  $("live").textContent = played.live + " of " + played.limit;
+  $("live-meter").max = played.limit;
+  $("live-meter").value = played.live;
+  $("waiting").textContent = played.waiting;
+  $("sessions").textContent = listed(status.sessions, {openenv: "OpenEnv", gym: "NeMo Gym"});
+  $("masked").textContent = listed(status.masked) || "none";
+  $("deploys").textContent = timing(status.deploys) + (status.deploys.failed ? " · " + status.deploys.failed + " failed" : "");
+  $("tool-calls").textContent = timing(status.tool_calls);
+  $("envs").textContent = status.nodes.reduce((sum, node) => sum + node.envs, 0);
+  $("warm").textContent = status.warm ? status.warm.ready + " ready, " + status.warm.booting + " booting, of " + status.warm.target : "none kept";
+  rewards(status.rewards);
+  const nodes = status.nodes.filter((node) => node.node);      // Ray's nodes; "" is this machine
+  $("nodes-part").hidden = !nodes.length;
+  $("nodes").replaceChildren(el("tr", {}, el("th", {}, "node"), el("th", {}, "envs up"), el("th", {}, "deployed")),
+    ...nodes.map((node) => el("tr", {}, el("td", {}, node.node), el("td", {}, node.envs), el("td", {}, node.deploys))));
+}
+
+async function watch() {
+  try {
+    show(await api("/web/status"));
+    $("updated").textContent = "Updated " + new Date().toLocaleTimeString() + "; every second.";
+  } catch (error) {
+    $("updated").textContent = "The status did not come: " + error.message;
+  }
+  setTimeout(watch, 1000);
+}
+
+settle();
+splits().catch((error) => say(error.message, true));
+watch();
+}
+"""
+
+WEB_PAGE = _document("agentenv.py", r"""<header><h1>agentenv.py</h1><span id="served"></span></header>
+<main>
+<section aria-labelledby="play-title">
+  <h2 id="play-title">Play by hand</h2>
+  <form id="pick" class="row">
+    <label for="split">Split</label><select id="split"></select>
+    <label for="task">Task</label><select id="task"></select>
+    <button id="start">Start</button>
+  </form>
+  <p id="phase" class="muted" role="status">Start a task to play it as a model would: its envs are deployed for you, and its verifiers score what you did.</p>
+  <div id="episode" hidden>
+    <h3>System prompt</h3>
+    <pre id="system-prompt" class="prompt"></pre>
+    <h3>Transcript</h3>
+    <ol id="transcript" class="log" aria-label="Transcript"></ol>
+    <div id="turn">
+      <h3>Tools</h3>
+      <p class="hint">An argument left empty is not sent; arrays and objects are written as JSON.</p>
+      <div id="tools" class="tools"></div>
+      <form id="reply-form">
+        <h3><label for="reply">Reply</label></h3>
+        <textarea id="reply" rows="3" placeholder="The turn's final message, as the model's reply"></textarea>
+        <div class="row"><button>End turn</button></div>
+      </form>
+    </div>
+    <section id="outcome" aria-label="Outcome" aria-live="polite" hidden></section>
+  </div>
+</section>
+<section aria-labelledby="run-title">
+  <h2 id="run-title">Run</h2>
+  <dl>
+    <dt>Episodes played</dt><dd id="played">–</dd>
+    <dt>Live</dt><dd><span id="live">–</span><meter id="live-meter" min="0" max="1" value="0" aria-label="Live episodes against the limit"></meter></dd>
+    <dt>Waiting</dt><dd id="waiting">–</dd>
+    <dt>Sessions</dt><dd id="sessions">–</dd>
+    <dt>Masked</dt><dd id="masked">–</dd>
+    <dt>Deploys</dt><dd id="deploys">–</dd>
+    <dt>Tool calls</dt><dd id="tool-calls">–</dd>
+    <dt>Envs up</dt><dd id="envs">–</dd>
+    <dt>Warm envs</dt><dd id="warm">–</dd>
+  </dl>
+  <h3>Reward by split</h3>
+  <div id="rewards"></div>
+  <div id="nodes-part" hidden>
+    <h3>Envs by node</h3>
+    <table id="nodes" aria-label="Envs by node"></table>
+  </div>
+  <p id="updated" class="hint"></p>
+</section>
+</main>
+""", WEB_SCRIPT)
+
+# Both documents run only their own script and style, reach only their own origin (fetches and
+# /ws), and can't be framed; the form's document is written over with the page, so one policy
+# lets both scripts run.
+WEB_HEADERS = {
+    "Content-Security-Policy": (
+        f"default-src 'none'; script-src {_csp_source(WEB_LOCKED_SCRIPT)} {_csp_source(WEB_SCRIPT)}; "
+        f"style-src {_csp_source(WEB_STYLE)}; connect-src 'self'; img-src data:; base-uri 'none'; "
+        "form-action 'none'; frame-ancestors 'none'"),
+    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}
 
 
 # ================================================================ 12. Writer

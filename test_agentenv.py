@@ -483,6 +483,67 @@ def test_two_metrics_count_apart_and_the_page_parses():
     assert kind.startswith("application/openmetrics-text") and openmetrics.endswith(b"# EOF\n")
 
 
+def test_bucket_quantiles_are_estimated_as_prometheus_does():
+    quantile = agentenv.bucket_quantile
+    assert quantile(0.5, []) is None and quantile(0.5, [(1.0, 0), (float("inf"), 0)]) is None
+    buckets = [(0.1, 2), (0.5, 6), (1.0, 10), (float("inf"), 10)]
+    assert quantile(0.5, buckets) == pytest.approx(0.1 + 0.4 * (5 - 2) / 4)   # within (0.1, 0.5]
+    assert quantile(0.1, buckets) == pytest.approx(0.05)                      # the first from 0
+    assert quantile(0.95, buckets) == pytest.approx(0.5 + 0.5 * (9.5 - 6) / 4)
+    assert quantile(0.99, [(0.1, 1), (float("inf"), 5)]) == 0.1               # past the bounds
+
+
+def test_the_numbers_of_a_run_are_what_the_registry_holds():
+    metrics = agentenv.Metrics()
+    empty = metrics.numbers()
+    assert empty["episodes"] == {"played": 0, "scored": 0, "forfeited": 0, "failed": 0, "abandoned": 0,
+                                 "live": None, "waiting": None, "limit": None}   # no pool watched
+    assert (empty["rewards"], empty["masked"], empty["nodes"], empty["warm"]) == ({}, {}, [], None)
+    assert empty["deploys"] == {"count": 0, "failed": 0, "p50": None, "p95": None}
+    metrics.watch("agentenv_episodes_live", "live", lambda: 2)
+    metrics.watch("agentenv_warm_envs", "warm", lambda: {"ready": 1, "booting": 0, "target": 2}, "state")
+    metrics.watch("agentenv_envs_live", "by node", lambda: {"127.0.0.2": 2}, "node")
+    for reward in (1.0, 1.0, 0.25, 0.0):
+        metrics.ended("scored", "train", reward)
+    metrics.ended("failed", "train", None)
+    metrics.forfeited()                                  # the 0.0 above: the model broke its box
+    metrics.mask("gym", agentenv.Failure("transport_timeout", "slow"))
+    metrics.mask("openenv", agentenv.Failure("transport_timeout", "slow"))
+    metrics.mask("gym", agentenv.Failure("session_lost", "gone"))
+    for node, seconds in (("127.0.0.2", 0.3), ("127.0.0.2", 0.4), ("127.0.0.3", 0.35)):
+        metrics.deployed("notebook", "ray", seconds, node)
+    metrics.deploy_failed("notebook", "ray", "provider_unavailable")
+    metrics.tool_called("write_note", "ok", 0.002)
+    metrics.tool_called("(unknown)", "unknown_tool", None)
+    numbers = metrics.numbers()
+    assert numbers["episodes"] == {"played": 5, "scored": 4, "forfeited": 1, "failed": 1,
+                                   "abandoned": 0, "live": 2, "waiting": None, "limit": None}
+    assert list(numbers["masked"].items()) == [("transport_timeout", 2), ("session_lost", 1)]
+    train = numbers["rewards"]["train"]
+    assert (train["count"], train["mean"]) == (4, 0.5625)
+    assert train["buckets"] == [[0.0, 1], [0.1, 0], [0.2, 0], [0.3, 1], [0.4, 0], [0.5, 0], [0.6, 0],
+                                [0.7, 0], [0.8, 0], [0.9, 0], [1.0, 2]]
+    assert numbers["deploys"]["count"] == 3 and numbers["deploys"]["failed"] == 1
+    assert 0.25 <= numbers["deploys"]["p50"] <= 0.5 and 0.25 <= numbers["deploys"]["p95"] <= 0.5
+    assert numbers["tool_calls"] == {"count": 2, "by_status": {"ok": 1, "unknown_tool": 1},
+                                     "p50": pytest.approx(0.00175), "p95": pytest.approx(0.002425)}
+    assert numbers["warm"] == {"ready": 1, "booting": 0, "target": 2}
+    assert numbers["nodes"] == [{"node": "127.0.0.2", "envs": 2, "deploys": 2},
+                                {"node": "127.0.0.3", "envs": 0, "deploys": 1}]
+    json.dumps(numbers, allow_nan=False)                 # strict JSON, as the status route sends it
+
+
+def test_verifier_rows_become_strict_json():
+    assert agentenv.json_safe({"score": float("nan"), "rows": ({1, 2}, None, True, 2.5), 3: "x"}) == \
+        {"score": "nan", "rows": ["{1, 2}", None, True, 2.5], "3": "x"}
+
+
+def test_a_token_becomes_a_websocket_subprotocol():
+    for token in ("plain", "with spaces/and+signs=", "ünïcödé 🔑"):
+        protocol = agentenv.ws_token_protocol(token)
+        assert re.fullmatch(r"agentenv\.bearer\.[A-Za-z0-9_-]+", protocol), protocol
+
+
 def test_progress_says_the_first_and_last_step_and_little_between():
     lines: list[str] = []
     progress = agentenv.Progress("write-gym: listing", 50, lines.append, every=3600)
@@ -1657,6 +1718,57 @@ def test_a_docker_call_past_its_deadline_keeps_its_slot_until_its_thread_ends():
     assert result == "c" and started == ["a", "b", "c"]
 
 
+def test_a_kill_or_removal_never_waits_behind_the_slots_and_a_slots_wait_is_in_its_deadline():
+    """With every slot held by a slow call: an urgent call (a kill, a removal) runs at once on
+    threads of its own, and a call that waits for a slot gives up at its deadline, not later."""
+    release = threading.Event()
+
+    async def go():
+        sandbox = agentenv.DockerSandbox("test-owner", client=None, ops=1)
+        held = asyncio.ensure_future(sandbox.call(release.wait, 10, timeout=20))
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        urgent = await sandbox.urgent(lambda: "killed", timeout=5)
+        urgent_took = time.monotonic() - started
+        started = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            await sandbox.call(lambda: "never", timeout=0.3)
+        waited = time.monotonic() - started
+        release.set()
+        await held
+        for threads in (sandbox.threads, sandbox.urgent_threads, sandbox.stream_threads):
+            threads.shutdown(wait=True)
+        return urgent, urgent_took, waited
+
+    urgent, urgent_took, waited = asyncio.run(go())
+    assert urgent == "killed" and urgent_took < 1
+    assert 0.25 < waited < 2
+
+
+def test_a_pool_whose_boxes_could_outgrow_the_machine_is_said_at_start(make_bundle, caplog):
+    """64 episodes of a task with a 2 GiB box and a 512 MiB env could hold 160 GiB, on a host of
+    24: said once, with the fix."""
+    steps = [deploy(memory_mb=512), {"id": "agent", "type": "deploy_agent", "agent_name": "solver",
+                                     "env_ids": ["main"]},
+             prompt(agent_name="solver"),
+             {"id": "check", "type": "verify_sandbox", "agent_name": "solver",
+              "criteria": [{"type": "probe_file_exists", "paths": ["x"]}]}]
+    bundle = Bundle.load(make_bundle({"t": steps}))
+    assert agentenv.episode_memory(bundle.tasks["t"]) == 2048 + 512
+    runtime = local(bundle, max_concurrent_envs=64)
+    with caplog.at_level(logging.WARNING):
+        runtime._weigh_memory(24 << 30)
+        runtime._weigh_memory(None)
+        Runtime(bundle, sandbox="local", max_concurrent_envs=9)._weigh_memory(24 << 30)
+    [said] = [r.getMessage() for r in caplog.records if "Docker host has" in r.getMessage()]
+    assert said.startswith("Up to 64 episodes run at once, and each may hold 2,560 MiB in its boxes "
+                           "and containers (by the limits of task 't'): 160.0 GiB in all, more "
+                           "than the 24.0 GiB the Docker host has"), said
+    assert said.endswith("Lower --max-concurrent-envs (or MAX_CONCURRENT_ENVS) to 9, or give the "
+                         "boxes less (the memory_mb of deploy_agent, deploy_sandbox and deploy_env "
+                         "steps).")
+
+
 # ================================================================ Env client
 
 # -- the MCP client
@@ -2708,6 +2820,144 @@ def test_abandon_right_after_the_episode_starts(make_bundle):
             await rt.close()
 
     assert run(go()) == (agentenv.Outcome("abandoned", {}, None, agentenv.Failure("session_lost", "at once")), set())
+
+
+# -- the model's doing, scored: the agent's box once its turn has begun is the model's
+
+REPO_FILES = {"artifacts/repo/tests/test_x.py": "x = 1\n", "artifacts/repo/mod.py": "y = 2\n",
+              "artifacts/tests/test_x.py": "x = 1\n"}
+
+
+def played_in_a_box(*after, before=()):
+    """A task whose agent works in a box: the repo loaded into /app, ``before``, the turn,
+    ``after`` (the steps that load, check and score), as pyfix-v1's tasks go."""
+    return [{"id": "agent", "type": "deploy_agent", "agent_name": "solver"},
+            {"id": "repo", "type": "load_artifact", "agent_name": "solver", "artifact_id": "repo",
+             "destination_path": "/app"}, *before, prompt(agent_name="solver"), *after]
+
+
+def unit_tests(command, **fields):
+    return {"id": "tests-ran", "type": "run_container_unit_tests_verifier", "agent_name": "solver",
+            "command": command, "user": "agent", "timeout_sec": 20, **fields}
+
+
+def play_box(bundle, commands, task="t"):
+    """Play ``task`` with bash ``commands`` in the turn; the outcome and the metrics' page."""
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks[task])
+            turn = await ep.next_turn()
+            for command in commands:
+                await turn.call("bash", {"command": command})
+            turn.end("done")
+            outcome = await ep.result()
+            await ep.closed.wait()
+            return outcome, rt.metrics.page(None)[0].decode()
+    return run(go())
+
+
+def test_a_step_the_models_box_fails_after_its_turn_scores_0_not_masked(make_bundle):
+    """The turn put a file where the tests are loaded again: the load fails on what the model
+    left, so the rollout forfeits: scored 0 (never masked, which would teach the model to break
+    what it can't solve), the reason said, and counted. The same step failing before any turn is
+    the environment's, as before."""
+    reload = {"id": "tests", "type": "load_artifact", "agent_name": "solver",
+              "artifact_id": "tests", "destination_path": "/app/tests/more"}
+    bundle = Bundle.load(make_bundle({"t": played_in_a_box(reload, unit_tests("true"))},
+                                     envs=(), artifacts=(), files=REPO_FILES))
+    outcome, page = play_box(bundle, ["rm -rf /app/tests && echo not-a-folder > /app/tests"])
+    assert (outcome.status, outcome.reward, outcome.failure) == ("scored", 0.0, None)
+    assert outcome.scores == {"tests-ran": 0.0}
+    assert outcome.forfeit.startswith("step 'tests' (load_artifact) failed: the files could not be "
+                                      "put in box 'solver' at /app/tests/more"), outcome.forfeit
+    assert outcome.forfeit.endswith("(in the agent's box, as its commands left it)")
+    assert "agentenv_forfeits_total 1.0" in page
+    assert 'agentenv_episodes_total{outcome="scored"} 1.0' in page
+
+    early = Bundle.load(make_bundle({"t": played_in_a_box(
+        unit_tests("true"), before=[{**reload, "id": "early", "destination_path": "/app/mod.py/x"}])},
+        envs=(), artifacts=(), files=REPO_FILES))
+    with pytest.raises(EpisodeFailed, match="step 'early' .* could not be put"):
+        run(_first_turn(early))
+
+
+async def _first_turn(bundle):
+    async with local(bundle) as rt:
+        await rt.episode(bundle.tasks["t"]).next_turn()
+
+
+def test_tests_that_fail_or_hang_score_0_not_masked_even_with_fail_task_on_error(make_bundle):
+    """A unit-test verifier whose tests fail (fail_task_on_error left true, as AgentEnv's default)
+    ends the episode, as AgentEnv's does, but scored 0 with its reason: a failing test is the
+    model's, never the environment's."""
+    bundle = Bundle.load(make_bundle({"t": played_in_a_box(unit_tests("echo nope >&2; exit 3"))},
+                                     envs=(), artifacts=(), files=REPO_FILES))
+    outcome, _ = play_box(bundle, [])
+    assert (outcome.status, outcome.reward, outcome.failure) == ("scored", 0.0, None)
+    assert outcome.forfeit.startswith("step 'tests-ran' (run_container_unit_tests_verifier) "
+                                      "failed: Verifier 'tests-ran' exited 3"), outcome.forfeit
+
+
+def test_after_the_turn_a_load_replaces_what_stood_and_checks_run_with_nothing_planted(make_bundle):
+    """The turn added a test file and planted a home for the verifier (a marker, a user site):
+    the tests folder loaded after the turn is exactly the artifact's, and the verifier's commands
+    run with a fresh, empty HOME and no user site."""
+    reload = {"id": "tests", "type": "load_artifact", "agent_name": "solver",
+              "artifact_id": "tests", "destination_path": "/app/tests"}
+    check = ('test "$(ls /app/tests)" = test_x.py && test ! -e "$HOME/marker" && '
+             'test "$PYTHONNOUSERSITE" = 1 && test "$HOME" != /home/agent')
+    bundle = Bundle.load(make_bundle({"t": played_in_a_box(reload, unit_tests(check))},
+                                     envs=(), artifacts=(), files=REPO_FILES))
+    outcome, _ = play_box(bundle, ["echo 'import os; os._exit(0)' > /app/tests/test_000.py",
+                                   "touch $HOME/marker", "chmod 000 /app/tests"])
+    assert (outcome.status, outcome.scores, outcome.forfeit) == ("scored", {"tests-ran": 1.0}, None)
+
+
+def test_a_command_under_way_when_its_turn_ends_is_stopped_and_said_so(make_bundle):
+    """The turn ends while a bash command runs (its caller still waiting): the command is stopped
+    before any step after the turn, and its caller reads why; the episode is scored."""
+    bundle = Bundle.load(make_bundle({"t": played_in_a_box(unit_tests("true"))},
+                                     envs=(), artifacts=(), files=REPO_FILES))
+
+    async def go():
+        async with local(bundle) as rt:
+            ep = rt.episode(bundle.tasks["t"])
+            turn = await ep.next_turn()
+            call = asyncio.ensure_future(turn.call("bash", {"command": "sleep 30"}))
+            await asyncio.sleep(0.5)
+            started = time.monotonic()
+            turn.end("done")
+            said = await call
+            return said, time.monotonic() - started, await ep.result()
+    said, took, outcome = run(go())
+    assert said == agentenv.ToolResult("error: the turn ended while this command ran, so it was "
+                                       "stopped", agentenv.TOOL_ERROR)
+    assert took < 5 and outcome.scores == {"tests-ran": 1.0}
+
+
+def test_a_call_whose_caller_gives_up_ends_its_episode_at_once(make_bundle):
+    """The caller of a bash call is cancelled mid-call (its client went away): the command is
+    killed, and the episode ends then, abandoned, saying so, its slot free."""
+    bundle = Bundle.load(make_bundle({"t": played_in_a_box(unit_tests("true"))},
+                                     envs=(), artifacts=(), files=REPO_FILES))
+
+    async def go():
+        async with local(bundle, max_concurrent_envs=1) as rt:
+            ep = rt.episode(bundle.tasks["t"])
+            turn = await ep.next_turn()
+            call = asyncio.ensure_future(turn.call("bash", {"command": "sleep 60"}))
+            await asyncio.sleep(0.5)
+            started = time.monotonic()
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+            async with asyncio.timeout(10):
+                await ep.closed.wait()
+            return ep.outcome, time.monotonic() - started, rt.pool.in_use
+    outcome, took, in_use = run(go())
+    assert outcome.status == "abandoned" and took < 5 and in_use == 0
+    assert outcome.failure == agentenv.Failure(agentenv.SESSION_LOST,
+                                               "its client went away during a call to bash")
 
 
 # ================================================================ Pool and runtime

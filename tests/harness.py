@@ -7,13 +7,13 @@ What is here, and which suite uses it:
   starts Ray runs (tests/gym's full-CLI run); ``NamespaceUnavailable`` where none can be made.
 * Running things: ``run(coro, timeout)`` (a coroutine to its end on a fresh loop, within a
   deadline: test_docker, test_faults, test_gridsim, test_gym_surface, test_isolation, test_load,
-  test_metrics, test_warm), ``free_port()`` (test_bad_input, test_gym_surface, test_metrics) and
+  test_metrics, test_warm, test_web), ``free_port()`` (test_bad_input, test_gym_surface, test_metrics) and
   ``free_ports(n)`` (tests/gym), ``wait_until`` (test_faults, test_gym_surface, test_load,
-  test_metrics, test_openenv, test_warm), ``alive(pid)`` (test_faults, test_load),
+  test_metrics, test_openenv, test_warm, test_web), ``alive(pid)`` (test_faults, test_load),
   ``gone(pid, within)`` (test_gym_surface), ``processes_with_env`` (a /proc scan: test_gym_real,
   tests/gym) and ``environ(state)`` (a child's environment: test_gym_surface, test_gym_real).
 * ``Server``: a server of ours as a subprocess, to start, break and stop (test_bad_input,
-  test_faults, test_gym_surface, test_load, test_metrics, test_openenv, test_gym_real).
+  test_faults, test_gym_surface, test_load, test_metrics, test_openenv, test_gym_real, test_web).
   ``Server.serve(bundle, folder, *flags)`` is ``agentenv.py serve``; ``Server.gym(folder, config)``
   the resources server as NeMo Gym starts it (``python app.py`` in a folder write-gym wrote, or
   this repository's ``run_gym_server()``); both take extra env vars (``env=``), the headers every
@@ -30,22 +30,27 @@ What is here, and which suite uses it:
   name and labels (test_metrics, test_trl).
 * HTTP: ``request()``, one request on a fresh connection with bytes as they are (a body, a
   chunked body, a cookie that isn't text), and its ``Reply`` (status, headers, body, text,
-  json(), elapsed): test_bad_input, test_gym_surface, test_metrics, test_openenv, tests/gym.
+  json(), elapsed): test_bad_input, test_gym_surface, test_metrics, test_openenv, test_web, tests/gym.
 * ``Gym``: the one NeMo Gym client, a rollout as simple_agent plays it (seed; tools with the
   session cookie, recorded as Responses items; verify; close), async over aiohttp (test_faults,
-  test_gym_surface, test_load, test_metrics); ``SyncGym`` is the same client for code with no event
+  test_gym_surface, test_load, test_metrics, test_web); ``SyncGym`` is the same client for code with no event
   loop (test_bad_input). ``client()`` its aiohttp session; ``gym_row``/``gym_rows`` the rows of a
-  bundle as write-gym writes them (test_bad_input, test_load, test_metrics / test_faults,
+  bundle as write-gym writes them (test_bad_input, test_load, test_metrics, test_web / test_faults,
   test_gym_surface); ``responses(text)`` a Responses object (test_bad_input, test_gym_surface).
-* ``Socket``: the one OpenEnv socket client, a raw WebSocket on /ws or WebSocket /mcp: send, recv,
-  ask, closed_with, close, drop (test_bad_input, test_openenv, test_faults).
+* ``Socket``: the one OpenEnv socket client, a raw WebSocket on /ws or WebSocket /mcp, with headers
+  or subprotocols: send, recv, ask, closed_with, close, drop (test_bad_input, test_openenv,
+  test_faults, test_web).
+* ``unavailable(reason, variable)`` and its ``docker_unavailable``, ``ray_unavailable`` and
+  ``browser_unavailable`` (test_web): a skip that says why, or a failure where CI requires the part.
 * Bundles and files: ``copy_bundle`` (a private copy to change: test_bad_input, test_docker,
-  test_faults, test_gym_real, test_gym_surface, test_metrics, test_openenv), ``patch``
-  (test_gym_surface), ``with_sleep_tool`` (notes-v1's notebook with a ``sleep`` tool: test_faults,
+  test_faults, test_gym_real, test_gym_surface, test_metrics, test_openenv, test_web), ``patch``
+  (test_gym_surface, test_web), ``with_sleep_tool`` (notes-v1's notebook with a ``sleep`` tool: test_faults,
   test_metrics, test_openenv), ``one_turn_task`` and ``resources_config`` (test_faults,
   test_gym_surface, test_metrics), ``read_jsonl`` / ``write_jsonl`` (test_gym_real,
   test_gym_surface, tests/gym), and ``labelled`` / ``remove_quietly`` for Docker containers
-  (test_docker, test_faults, test_isolation, test_warm).
+  (test_docker, test_faults, test_isolation, test_warm); ``started_here`` (a container's owner is
+  this run), ``boxes_of`` (a server's boxes) and ``box_of`` (the box a Gym rollout works in):
+  test_agent_sandbox, test_adversary.
 
 A server runs as ``sys.executable`` (signals to pyenv's ``python`` shim never reach the server), in
 a session of its own, with its own AGENTENV_STATE_DIR, so its env processes can be found by that
@@ -303,6 +308,12 @@ def ray_unavailable(reason: str) -> None:
 def docker_unavailable(reason: str) -> None:
     """A test that needs Docker cannot run: AGENTENV_REQUIRE_DOCKER says how."""
     unavailable(reason, "AGENTENV_REQUIRE_DOCKER")
+
+
+def browser_unavailable(reason: str) -> None:
+    """A test that needs a browser (Debian's chromium and Playwright) cannot run:
+    AGENTENV_REQUIRE_BROWSER says how."""
+    unavailable(reason, "AGENTENV_REQUIRE_BROWSER")
 
 
 class RayCluster:
@@ -937,11 +948,12 @@ class SyncGym:
 class Socket:
     """A raw WebSocket (/ws or /mcp): frames out, JSON frames back."""
 
-    def __init__(self, url: str, headers: dict | None = None):
+    def __init__(self, url: str, headers: dict | None = None, protocols: list[str] | None = None):
         from websockets.sync.client import connect
 
         self.ws = connect(url, proxy=None, open_timeout=10, close_timeout=2, max_size=2**25,
-                          additional_headers=headers or {}).__enter__()  # (websockets warns otherwise)
+                          additional_headers=headers or {},
+                          subprotocols=protocols).__enter__()  # (websockets warns otherwise)
 
     def send(self, message: Any) -> None:
         self.ws.send(message if isinstance(message, (str, bytes)) else json.dumps(message))
@@ -1078,3 +1090,45 @@ def remove_quietly(containers: Iterable[Any]) -> None:
     for container in containers:
         with contextlib.suppress(Exception):
             container.remove(force=True)
+
+
+def started_here(owner: str) -> bool:
+    """Whether a container's owner (``host:pid:start``) is this test process or a process it
+    started (a serve of a test): other runs on the machine have boxes of their own, never ours to
+    judge."""
+    host, _, rest = owner.partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    seen = int(pid)
+    while seen > 1:
+        if seen == os.getpid():
+            return True
+        try:
+            seen = int(Path(f"/proc/{seen}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
+
+
+def boxes_of(docker_client: Any, pid: int) -> list:
+    """The boxes a server of ours (its pid) labelled, alive or not: other runs' boxes left out."""
+    return [c for c in labelled(docker_client, "agentenv.box")
+            if c.labels.get("agentenv.owner", "").split(":")[1:2] == [str(pid)]]
+
+
+async def box_of(gym: Gym, boxes: Any) -> Any:
+    """The box a Gym rollout works in, of ``boxes`` (or of what ``boxes()`` lists once the
+    rollout's bash has run, so its box exists): the one where a marker its bash writes shows up
+    (None if none)."""
+    marker = f"mark-{time.monotonic_ns()}"
+    await gym.call("bash", command=f"echo {marker} > /tmp/marker")
+    for box in (boxes() if callable(boxes) else boxes):
+        try:
+            ran = await asyncio.to_thread(box.exec_run, ["cat", "/tmp/marker"])
+        except Exception:                   # noqa: BLE001 - a box already removed
+            continue
+        if ran.output.decode().strip() == marker:
+            return box
+    return None
+

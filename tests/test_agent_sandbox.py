@@ -25,34 +25,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import agentenv  # noqa: E402
-from tests.harness import (NOTES, REPO, Gym, Socket, client, gym_row, labelled,  # noqa: E402
-                           remove_quietly, run, serving)
+from tests.harness import (NOTES, REPO, Gym, Socket, box_of, boxes_of, client,  # noqa: E402
+                           gym_row, labelled, remove_quietly, run, serving, started_here)
 
 PYFIX = REPO / "bundles" / "pyfix-v1"
-
-
-def started_here(owner: str) -> bool:
-    """Whether a box's owner (``host:pid:start``) is this test process or a process it started (a
-    serve of a test): other runs on the machine have boxes of their own, never ours to judge."""
-    host, _, rest = owner.partition(":")
-    pid = rest.partition(":")[0]
-    if host != agentenv.socket.gethostname() or not pid.isdigit():
-        return False
-    seen = int(pid)
-    while seen > 1:
-        if seen == os.getpid():
-            return True
-        try:
-            seen = int(Path(f"/proc/{seen}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            return False
-    return False
-
-
-def boxes_of(docker_client, pid: int) -> list:
-    """The boxes a server of ours (its pid) labelled, alive or not: other runs' boxes left out."""
-    return [c for c in labelled(docker_client, "agentenv.box")
-            if c.labels.get("agentenv.owner", "").split(":")[1:2] == [str(pid)]]
 
 
 @pytest.fixture
@@ -312,14 +288,18 @@ def test_bash_in_the_agents_box_answers_as_the_spec_measured(tmp_path, no_box_le
             assert (await turn.call("bash", {})).text == "tool 'bash' takes a command string, not None"
             extra = await turn.call("bash", {"command": "echo extra", "timeout": 5})
             assert extra.text == "extra\n"
+            # past 128 KiB, an argument Linux refuses: the command goes on stdin, and runs as with -c
+            long = await turn.call("bash", {"command": "x='" + "a" * 300_000 + "'; echo ${#x} $0; "
+                                                       "read y; echo [$y]\n\n"})
+            assert long.text == "300000 bash\n[]\n", long.text[:200]
             killed = await turn.call("bash", {"command": "kill -9 $$"})
             assert killed.text == "exit code 137" and killed.is_error    # Docker's code for -9
             started = time.monotonic()
             slow = await turn.call("bash", {"command": "sleep 41 & sleep 42; echo never"})
             assert time.monotonic() - started < 15
             assert slow.status == agentenv.TOOL_ERROR and slow.text.startswith(
-                "error: the command timed out after 8s, so it was killed, with every process it "
-                "started")
+                "error: the command timed out after 8s, so every process of yours in the box was "
+                "stopped: the command, all it started, and anything left running in the background")
             left = await turn.call("bash", {"command": "ls /proc | grep -c '^[0-9]'; "
                                                        "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"})
             assert "sleep 41" not in left.text and "sleep 42" not in left.text, left.text
@@ -718,8 +698,7 @@ def test_pyfix_over_gym_and_a_dead_box_masks_only_its_rollout(tmp_path, no_box_l
                     assert (await gym.call("bash", command=f"echo {words}")).status == 200
                 # the box of `dead` dies: its rollout is masked, the others go on
                 await bomb.close()
-                ids = await _box_id(dead, victims)
-                box = next(c for c in victims if c.id in ids)
+                box = await box_of(dead, victims)
                 box.kill()
                 gone = await dead.call("bash", command="echo still there?")
                 assert "the rollout will be masked" in gone.text, gone.text
@@ -729,21 +708,6 @@ def test_pyfix_over_gym_and_a_dead_box_masks_only_its_rollout(tmp_path, no_box_l
     assert (fixed["reward"], fixed["mask_sample"]) == (1.0, False)
     assert (idle["reward"], idle["mask_sample"]) == (0.0, False)
     assert dead["mask_sample"] is True and dead["failure_kind"] == agentenv.PEER_DROP
-
-
-async def _box_id(gym: Gym, boxes: list) -> set[str]:
-    """The id of the box a rollout works in: the one where a marker its bash writes shows up."""
-    marker = f"mark-{time.monotonic_ns()}"
-    await gym.call("bash", command=f"echo {marker} > /tmp/marker")
-    found = set()
-    for box in boxes:
-        try:
-            ran = await asyncio.to_thread(box.exec_run, ["cat", "/tmp/marker"])
-        except Exception:                   # noqa: BLE001 - a box already removed
-            continue
-        if ran.output.decode().strip() == marker:
-            found.add(box.id)
-    return found
 
 
 # ================================================================ write-gym rows, and Gym's own simple_agent
@@ -797,7 +761,13 @@ def test_boxes_go_with_their_episode_and_a_killed_servers_boxes_are_swept(tmp_pa
             assert len(mine) == 1 and mine[0].attrs["HostConfig"]["NetworkMode"] == "none"
             host = mine[0].attrs["HostConfig"]
             assert host["CapDrop"] == ["ALL"] and host["PidsLimit"] == agentenv.BOX_PIDS_LIMIT
-            assert host["Memory"] == agentenv.BOX_MEMORY_MB * 2**20 and host["Init"] is True
+            # its keeper is its init, root's, with CAP_KILL alone; the agent has no capability
+            assert host["CapAdd"] == ["KILL"] and not host["Init"] and host["ReadonlyRootfs"]
+            assert host["LogConfig"]["Type"] == "none"
+            assert mine[0].attrs["Config"]["User"] == "0"
+            agents = mine[0].exec_run(["grep", "Cap", "/proc/self/status"], user="agent").output.decode()
+            assert "CapEff:\t0000000000000000" in agents and "CapPrm:\t0000000000000000" in agents
+            assert host["Memory"] == agentenv.BOX_MEMORY_MB * 2**20
             assert mine[0].image.tags[0].startswith("agentenv-box/agent:")
             first.kill()                            # SIGKILL: no teardown
     finally:

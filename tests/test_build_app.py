@@ -73,7 +73,7 @@ def test_serve_py_serves_one_bundle_on_both_wires(tmp_path):
             server.wait_envs(1)
         log = server.log()
     assert "Serving notes-v1: 3 tasks in the splits all, " in log
-    assert "(OpenEnv: /ws; NeMo Gym: /seed_session; metrics: /metrics)" in log
+    assert "(OpenEnv: /ws; NeMo Gym: /seed_session; metrics: /metrics; web page: /web)" in log
 
 
 def test_serve_py_serves_a_mapping_of_two_bundles_each_a_split(tmp_path):

@@ -3,7 +3,8 @@
 Each entry is a short Python module with one bug: its fixed source, the one replacement that puts
 the bug in, and the unittest tests the fixed module passes and the buggy one fails. Run it from any
 folder (``python bundles/pyfix-v1/make.py``); it rewrites the bundle's generated files and checks
-each bug: the tests pass on the fix and fail on the bug.
+each bug, both ways the tests run: the model's way (``python3 -m unittest discover -s tests``) and
+the trusted runner's (``run_tests.py``, which scores), passing on the fix and failing on the bug.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+RUNNER = "pyfix-runner"        # the judge every task shares: artifacts/pyfix-runner/run_tests.py,
+JUDGE = HERE / "artifacts" / RUNNER / "run_tests.py"      # written by hand, never by this script
+VERIFY_DIR = "/tmp/pyfix-verify"
 
 # name: (fixed source, (the fix's text, the bug's text), tests)
 BUGS: dict[str, tuple[str, tuple[str, str], str]] = {
@@ -173,17 +177,22 @@ def task(name: str) -> list[dict]:
         {"id": "repo", "type": "load_artifact", "agent_name": "solver", "artifact_id": f"{name}-repo",
          "destination_path": "/app"},
         {"id": "fix", "type": "prompt_agent", "agent_name": "solver", "prompt": prompt},
-        # the tests as written, over whatever the turn left of them
-        {"id": "tests", "type": "load_artifact", "agent_name": "solver",
-         "artifact_id": f"{name}-tests", "destination_path": "/app/tests"},
+        # After the turn (nothing of the agent's runs on), the judge and the tests as written, in
+        # a folder loaded afresh: what the turn left at that path is gone.
+        {"id": "judge", "type": "load_artifact", "agent_name": "solver",
+         "artifacts": [{"id": RUNNER}, {"id": f"{name}-tests"}], "destination_path": VERIFY_DIR},
+        # The trusted runner: the tests and their assertions run in its process, the module in a
+        # child that only hands back values; exit 0 only if every test of the file ran and passed.
         {"id": "unit-tests", "type": "run_container_unit_tests_verifier", "agent_name": "solver",
-         "command": "python3 -m unittest discover -s tests", "user": "agent", "timeout_sec": 60,
-         "fail_task_on_error": False},
+         "command": f"python3 -I -S {VERIFY_DIR}/run_tests.py /app/{name}.py "
+                    f"{VERIFY_DIR}/test_{name}.py",
+         "user": "agent", "timeout_sec": 60, "fail_task_on_error": False},
     ]
 
 
 def check(name: str, fixed: str, buggy: str, tests: str) -> None:
-    """The tests pass on the fix and fail on the bug."""
+    """The tests pass on the fix and fail on the bug, run as the model runs them and as the
+    trusted runner does."""
     for source, passes in ((fixed, True), (buggy, False)):
         with tempfile.TemporaryDirectory() as folder:
             (Path(folder) / f"{name}.py").write_text(source)
@@ -192,12 +201,19 @@ def check(name: str, fixed: str, buggy: str, tests: str) -> None:
             ran = subprocess.run([sys.executable, "-m", "unittest", "discover", "-s", "tests"],
                                  cwd=folder, capture_output=True, timeout=30)
             assert (ran.returncode == 0) == passes, (name, passes, ran.stderr.decode())
+            judged = subprocess.run([sys.executable, "-I", "-S", str(JUDGE),
+                                     f"{folder}/{name}.py", f"{folder}/tests/test_{name}.py"],
+                                    capture_output=True, timeout=60)
+            assert (judged.returncode == 0) == passes, (name, passes, judged.stdout.decode(),
+                                                        judged.stderr.decode())
 
 
 def main() -> None:
     for sub in ("tasks", "artifacts", "reference", "evals"):
-        shutil.rmtree(HERE / sub, ignore_errors=True)
-        (HERE / sub).mkdir()
+        for made in (HERE / sub).glob("*"):
+            if made != JUDGE.parent:
+                shutil.rmtree(made) if made.is_dir() else made.unlink()
+        (HERE / sub).mkdir(exist_ok=True)
     for name, (fixed, (good, bad), tests) in BUGS.items():
         assert fixed.count(good) == 1, name
         buggy = fixed.replace(good, bad)
