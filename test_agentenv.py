@@ -1659,7 +1659,8 @@ def test_a_local_box_stands_its_folder_for_app_and_answers_as_bash_does(tmp_path
         for command in ("cat /app/in/notes.txt; pwd", "echo out; echo err >&2; exit 4",
                         "(sleep 20; echo late) & echo started", "sleep 20", "read x; echo [$x]"):
             started = time.monotonic()
-            said[command] = (await agentenv.run_bash(box, {"command": command}, 2),
+            # 5 s: a deadline a loaded machine keeps for commands that take a second at most
+            said[command] = (await agentenv.run_bash(box, {"command": command}, 5),
                              time.monotonic() - started)
         await box.remove()                          # the background job goes with it
         return said
@@ -1669,10 +1670,10 @@ def test_a_local_box_stands_its_folder_for_app_and_answers_as_bash_does(tmp_path
     assert said["echo out; echo err >&2; exit 4"][0] == agentenv.ToolResult(
         "out\nerr\nexit code 4", agentenv.TOOL_ERROR)
     started, took = said["(sleep 20; echo late) & echo started"]
-    assert started.text == "started\n" and took < 1.8       # the job holds the pipes: a 1 s grace
+    assert started.text == "started\n" and took < 4        # the job holds the pipes: a 1 s grace
     slow, took = said["sleep 20"]
     assert slow.status == agentenv.TOOL_ERROR and slow.text.startswith(
-        "error: the command timed out after 2s, so it was killed") and took < 3
+        "error: the command timed out after 5s, so it was killed") and 5 <= took < 8
     assert said["read x; echo [$x]"][0].text == "[]\n"
     assert not box.folder.exists() and not box.running
 
