@@ -9,16 +9,20 @@ takes its *turns*, calling the env's tools), and the task's own *verifier* score
 The file reads top to bottom in the order data flows; a section uses only the sections above it:
 
 1. Values, errors      the shapes every layer passes on: a Failure (kind, reason), a ToolResult
-                        with its status, the Settings with every default, errors that say the fix;
-                        the Metrics every section records into (and reads back as numbers for
-                        the web page), and a Progress line for long work.
+                        with its status, the Settings with every default (``Settings.checked``
+                        the one way in; the sandboxes' settings Declared by section 3), errors
+                        that say the fix; the Metrics every section records into (and reads back
+                        as numbers for the web page), and a Progress line for long work.
 2. Bundle               loading and checking a bundle: envs, artifacts, skills, tasks, steps (a
                         check per step type), splits, toolsets, reward.
-3. Sandbox              where an env runs (a Docker container on a network that reaches nothing
-                        it should not, a local process, or either of those on the Ray node a
-                        placement group picked), and the boxes the agent works in with bash
-                        (a container of its own, whose keeper stops every process of the agent's
-                        at a turn's end and a command's deadline; or a work folder).
+3. Sandbox providers    where an env runs, one class per provider in one registry (PROVIDERS):
+                        local processes; Docker (its daemon apart from its sandbox: containers
+                        on a network that reaches nothing it should not); either of those on the
+                        Ray node a placement group picked; and auto. Each has its settings, its
+                        options, ``connect``, ``describe`` and its capabilities; and the boxes
+                        the agent works in with bash (a container of its own, whose keeper stops
+                        every process of the agent's at a turn's end and a command's deadline;
+                        or a work folder).
 4. Env client           an MCP client on aiohttp, readiness, the env's card and extensions; bash.
 5. Verifiers            the verifier kinds (an env's outcome, a reply, a box's state, unit tests)
                         and AgentEnv's score aggregators.
@@ -48,7 +52,20 @@ The file reads top to bottom in the order data flows; a section uses only the se
 
 A Gym tool call, for instance, goes: the route (10) → the session → its rollout → the episode's
 open turn (6) → the env's MCP session (4) → the env; the ToolResult it gives comes back up
-unchanged, and only the route renders it.
+unchanged, and only the route renders it. A setting goes: a flag, a Gym config key or a build_app
+keyword → ``Settings.checked`` (1) → ``Runtime(bundle, settings)`` (7) → the provider's options (3).
+
+To add a sandbox provider (say Kubernetes), write one class in section 3 and a line of the README,
+nothing else: subclass ``Sandbox`` with ``@provider``; give it a ``kind`` (its name, which
+``--sandbox``, ``build_app(sandbox=...)``, a Gym config's ``sandbox:`` and ``check`` then offer),
+a ``summary`` and ``place`` (what ``--help`` and errors say of it), and its ``settings`` (each a
+``Declared``: a name such as ``k8s_namespace``, which becomes a flag of every command, a
+build_app keyword and a Gym config key, with its check and help), read into an options dataclass
+in ``connect(owner, settings)``; ``connect`` reaches the provider and checks that what it starts
+can be reached from where calls come from. Then ``launch`` (an ``Instance`` per env: its URL,
+liveness, output, removal), and whichever capabilities it has (``open_box``, ``open_image``,
+``run_sibling``, ``build_image``, ``episode_network``): the others refuse, provider_unavailable,
+saying which provider has them. ``describe`` and ``network_mode`` say what ``check`` prints.
 
 Only the standard library, aiohttp, prometheus-client (for /metrics), the docker SDK (for the
 Docker sandbox), PyYAML (for Gym's YAML) and, with ``--sandbox ray`` only, Ray (an optional extra)
@@ -96,7 +113,7 @@ import urllib.parse
 import uuid
 import weakref
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Literal, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Union
 
 import aiohttp
 
@@ -201,9 +218,29 @@ def missed(name: str, timeout: float) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class Declared:
+    """A setting that section 3 declares beside Settings' own: which sandbox provider, and each
+    provider's options (Ray's cluster, Docker's publish address). Like every setting it has one
+    name, which is build_app's keyword, a Gym config's key and the flag ``--NAME`` of the
+    commands; its default; its check (the value as given and how the user wrote it, to the value,
+    or AgentEnvError saying the fix); and what ``--help`` says of it."""
+
+    name: str
+    default: Any
+    check: Callable[[Any, str], Any]
+    help: str
+    metavar: str = "NAME"
+    choices: Callable[[], tuple[str, ...]] | None = None    # what argparse offers, read when asked
+    written: bool = True        # write-gym writes it into a bundle's Gym config, when it was given
+    gym_global: bool = False    # a Gym config gives it at its top (Gym's own key), not the server's
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
     """Every deadline and size a user sets, each with its one default: ``serve``'s flags show
-    these, the Gym resources server reads them from its config, and ``write-gym`` writes them."""
+    these, the Gym resources server reads them from its config, and ``write-gym`` writes them.
+    The settings of sandboxes (which provider, and each provider's options) are declared by
+    section 3 (``DECLARED``), kept in ``declared`` and read as attributes all the same."""
 
     max_concurrent_envs: int = 8      # episodes live at once; past it, new ones wait
     deploy_timeout: float = 180.0     # an env's launch until it answers
@@ -222,69 +259,116 @@ class Settings:
     warm_env: tuple[tuple[str, int], ...] = ()   # (env, count): those envs warmed, the split aside
     bash_timeout: float = 300.0       # one bash command in the agent's box (within the call's own)
     status_interval: float = 60.0     # how often serve logs its status line while episodes are live
-    ray_address: str | None = None    # --sandbox ray: the cluster's address (None: RAY_ADDRESS,
-                                      # else the ray_head_node_address Gym passes, else auto)
-    ray_resource: str | None = None   # --sandbox ray: the custom resource env nodes declare
-                                      # (None: any node with CPUs)
-    ray_node_sandbox: str | None = None   # --sandbox ray: what runs envs on each node, docker or
-                                      # local (None: auto, Docker where its daemon answers)
+    declared: tuple[tuple[str, Any], ...] = ()   # the declared settings given, by name
+
+    # The settings section 3 declares, by name, as it declares each provider: filled at import.
+    DECLARED = {}       # type: dict[str, Declared]
 
     # The keys a Gym config carries, with the resources server serving the bundle (bundle:) or
-    # playing on a running serve (url:); a bundle's Ray keys only where they are set.
+    # playing on a running serve (url:); the declared ones only where they were given.
     GYM_KEYS = ("tool_timeout", "reset_timeout", "idle_timeout")
     BUNDLE_KEYS = ("max_concurrent_envs", "deploy_timeout", "bash_timeout", "status_interval", "warm",
                    "warm_env")
-    RAY_KEYS = ("ray_address", "ray_resource", "ray_node_sandbox")
+    # eval's own settings: how it plays a model, not how a bundle is served
+    EVAL_KEYS = ("request_timeout", "model_retries", "eval_concurrency", "max_steps")
 
-    # The settings counted in whole numbers; every other number is seconds.
+    # The settings counted in whole numbers (of which some may be 0: no retries, no step limit);
+    # every other number is seconds.
     WHOLE_KEYS = ("max_concurrent_envs", "model_retries", "eval_concurrency", "max_steps")
+    ZERO_KEYS = ("model_retries", "max_steps")
+
+    def __getattr__(self, name: str) -> Any:
+        """A declared setting (``sandbox``, ``ray_address``, ...): as given, else its default."""
+        if (declared := Settings.DECLARED.get(name)) is None:
+            raise AttributeError(f"there is no setting {name!r}")
+        return dict(self.declared).get(name, declared.default)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """Every setting's name: Settings' own, then the declared ones."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "declared") + \
+            tuple(cls.DECLARED)
+
+    @classmethod
+    def served(cls) -> tuple[str, ...]:
+        """The settings of a served bundle: every one but eval's own and those Gym alone gives."""
+        return tuple(key for key in cls.names() if key not in cls.EVAL_KEYS and
+                     not getattr(cls.DECLARED.get(key), "gym_global", False))
 
     @classmethod
     def checked(cls, given: dict[str, Any], said: Callable[[str, Any], str]) -> Settings:
         """Settings from the values a user gave (None: not given), the others at their defaults.
-        Every way in (serve's flags, build_app's arguments, a Gym config) checks them here, and a
-        bad one raises AgentEnvError naming it as the user wrote it: ``said(key, value)`` (value
-        None: the name alone)."""
+        Every way in (the commands' flags, build_app's arguments, a Gym config, eval, TRL) checks
+        them here, and a bad one raises AgentEnvError naming it as the user wrote it:
+        ``said(key, value)`` (value None: the name alone)."""
         values: dict[str, Any] = {}
+        declared: dict[str, Any] = {}
         for key, value in given.items():
+            if key not in cls.names():
+                raise AgentEnvError(f"{said(key, None)} is not a setting; the settings are "
+                                    f"{', '.join(cls.names())}")
             if value is None:
                 continue
-            if key == "warm":
+            if key in cls.DECLARED:
+                declared[key] = cls.DECLARED[key].check(value, said(key, value))
+            elif key == "warm":
                 values[key] = warm_count(value, said(key, value))
             elif key == "warm_env":                     # its messages quote the value
                 values[key] = warm_envs(value, said(key, None))
-            elif key in cls.RAY_KEYS:
-                values[key] = ray_name(key, value, said(key, value))
             else:
-                whole = key in cls.WHOLE_KEYS
+                whole, least = key in cls.WHOLE_KEYS, 0 if key in cls.ZERO_KEYS else 1
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                        not math.isfinite(value) or value <= 0 or \
+                        not math.isfinite(value) or (value < least if whole else value <= 0) or \
                         (whole and not float(value).is_integer()):
-                    what = "a whole number of at least 1" if whole else "a positive number of seconds"
+                    what = f"a whole number of at least {least}" if whole else \
+                        "a positive number of seconds"
                     raise AgentEnvError(f"{said(key, value)}: it must be {what}, such as "
                                         f"{_plain(getattr(cls, key))}")
                 values[key] = int(value) if whole else float(value)
-        return cls(**values)
+        return cls(**values, declared=tuple((k, declared[k]) for k in cls.DECLARED if k in declared))
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], where: str) -> Settings:
-        """The settings a Gym config gives, the others at their defaults; a bad value says so."""
-        return cls.checked({key: config.get(key)
-                            for key in (*cls.GYM_KEYS, *cls.BUNDLE_KEYS, *cls.RAY_KEYS)},
-                           lambda key, value: f"{key} in {where}" if value is None else
+    def keywords(cls, given: dict[str, Any], who: str, allowed: tuple[str, ...] | None = None
+                 ) -> Settings:
+        """Settings given as keywords by their names (build_app's, trl_environment's), checked; a
+        name that is no setting of ``who``'s (``allowed``: those it takes, else all) refused by
+        name."""
+        takes = cls.names() if allowed is None else allowed
+        if unknown := [key for key in given if key not in takes]:
+            raise AgentEnvError(f"{who} takes no setting {unknown[0]!r}; it takes "
+                                f"{', '.join(takes)}")
+        return cls.checked(given, lambda key, value: key if value is None else f"{key}={value!r}")
+
+    @classmethod
+    def of(cls, **given: Any) -> Settings:
+        """Settings by their names, checked: ``Settings.of(sandbox="docker", bash_timeout=30)``."""
+        return cls.keywords(given, "Settings.of")
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], where: str,
+                    gym: dict[str, Any] | None = None) -> Settings:
+        """The settings a Gym config gives (its server's block ``config``; the keys Gym itself
+        sets at the top of ``gym``), the others at their defaults; a bad value says so."""
+        served = [key for key in cls.names() if key not in cls.EVAL_KEYS]
+        given = {key: config.get(key) for key in served}
+        for key, declared in cls.DECLARED.items():
+            if declared.gym_global and gym is not None:
+                given[key] = gym.get(key)
+        return cls.checked(given, lambda key, value: f"{key} in {where}" if value is None else
                            f"{key}: {value!r} in {where}")
 
     def gym_config(self, bundle: bool) -> dict[str, Any]:
-        """The settings as a Gym config writes them (a warm pool only when there is one)."""
+        """The settings as a Gym config writes them (a warm pool only when there is one; a
+        declared setting only where it was given)."""
         keys = self.GYM_KEYS + (self.BUNDLE_KEYS if bundle else ())
         config = {key: _plain(getattr(self, key)) for key in keys if not key.startswith("warm")}
         if bundle and self.warm:
             config["warm"] = self.warm
         if bundle and self.warm_env:
             config["warm_env"] = dict(self.warm_env)
-        for key in self.RAY_KEYS if bundle else ():
-            if getattr(self, key) is not None:
-                config[key] = getattr(self, key)
+        for key, value in self.declared if bundle else ():
+            if self.DECLARED[key].written:
+                config[key] = value
         return config
 
 
@@ -315,33 +399,6 @@ def warm_envs(value: Any, what: str) -> tuple[tuple[str, int], ...]:
                                 "the bundle's envs/ folder once, as NAME=N")
         named[name] = warm_count(count, f"{what}: {name}={count!r}")
     return tuple(named.items())
-
-
-RAY_OWN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
-RAY_NODE_SANDBOXES = ("auto", "docker", "local")
-
-
-def ray_name(key: str, value: Any, what: str) -> str:
-    """A Ray cluster's address (auto, HOST:PORT or ray://HOST:PORT), the custom resource env
-    nodes declare, or the sandbox each node runs envs in, as a user gave it."""
-    text = value.strip() if isinstance(value, str) else ""
-    if key == "ray_node_sandbox":
-        if text not in RAY_NODE_SANDBOXES:
-            raise AgentEnvError(f"{what}: it must be auto (Docker on each node whose daemon "
-                                "answers, else local processes), docker or local")
-    elif key == "ray_address":
-        host, _, port = text.removeprefix("ray://").rpartition(":")
-        if text != "auto" and not (host and port.isdigit() and 0 < int(port) < 65536):
-            raise AgentEnvError(f"{what}: it must be the Ray cluster's head as HOST:PORT (such as "
-                                "10.0.0.5:6379, the address ray start --head printed), "
-                                "ray://HOST:PORT, or auto (the cluster ray start made on this "
-                                "machine)")
-    elif not text or any(c.isspace() for c in text) or text in RAY_OWN_RESOURCES or \
-            text.startswith("node:"):
-        raise AgentEnvError(f"{what}: it must name a custom resource that the env nodes declare "
-                            "(ray start --resources='{\"env_node\": 1}'), such as env_node, not "
-                            "one of Ray's own (CPU, GPU, memory, node:...)")
-    return text
 
 
 def _plain(value: float) -> float | int:
@@ -1974,6 +2031,11 @@ class Instance(abc.ABC):
         then starting it again on another port is all it takes."""
         return False
 
+    async def up(self) -> bool | None:
+        """Polled while the env boots: True once it answers and is known to be the env itself;
+        False once it answers but may be another's, or has exited; None while it boots."""
+        return None
+
     @property
     def where(self) -> str:
         """The node it runs on, where there are several (a Ray node's address); else empty."""
@@ -1993,13 +2055,35 @@ class Instance(abc.ABC):
 
 
 class Sandbox(abc.ABC):
-    """Where envs run. ``prepare`` once at start-up, ``launch`` per env per episode, then ``close``."""
+    """A sandbox provider: where envs run, and the boxes an episode works in. One class per
+    provider, registered by its name (``provider``, below): the commands' ``--sandbox``, build_app's
+    ``sandbox=``, a Gym config's ``sandbox:`` and ``check`` read the registry. Its ``settings`` are
+    the settings it declares, which its ``Options`` (a dataclass) are read from.
 
-    kind = ""
+    ``connect`` once at start-up (reaching the provider, and checking that what it starts can be
+    reached from here), then ``prepare``, ``launch`` per env per episode, and ``close``. Its
+    capabilities (a box, a box from an image, a sibling container, an image built, an episode's
+    network) are refused here, by default: provider_unavailable, saying which sandbox has them."""
+
+    kind = ""                   # its name: --sandbox KIND
+    summary = ""                # what --help says it is
+    place = ""                  # where it runs envs, in a phrase: "run {place}"
+    settings: tuple[Declared, ...] = ()     # the settings it declares, its options' names
     gates_its_boots = False     # True where the sandbox bounds its own envs' boots (Ray: per node)
 
     def __init__(self, owner: str):
         self.owner = owner
+
+    @classmethod
+    async def connect(cls, owner: str, settings: Settings) -> Sandbox:
+        """The provider reached (its daemon, its cluster) for the server ``owner``, with its
+        options read from ``settings``: AgentEnvError, saying the fix, if it can't be."""
+        return cls(owner)
+
+    def describe(self, envs: list[EnvSpec]) -> list[str]:
+        """What ``check`` prints of the sandbox: its name, and what each env can reach."""
+        return [f"sandbox: {self.kind}", "networks:",
+                *(f"  {env.name}: {self.network_mode(env)}" for env in envs)]
 
     async def prepare(self, envs: list[EnvSpec]) -> None:
         """Remove what a crashed earlier run left, and make every env ready to launch."""
@@ -2010,32 +2094,75 @@ class Sandbox(abc.ABC):
 
     def network_mode(self, env: EnvSpec) -> str:
         """What the env can reach from where it runs, in a phrase ``check`` prints."""
-        return "the host's network: the local sandbox isolates nothing"
+        return f"the host's network: the {self.kind} sandbox isolates nothing"
 
-    async def episode_network(self, episode: str, segment: str = "") -> str:
-        """The name of a network of this episode alone, for containers of one episode that talk to
-        each other (made on first ask, removed by ``end_episode``); ``segment`` names another of
-        its networks, for containers that a task puts on a network of their own."""
-        raise AgentEnvError(f"the {self.kind} sandbox has no networks of its own; a network of one "
-                            "episode needs the Docker sandbox (--sandbox docker)")
+    async def memory(self) -> int | None:
+        """The memory of the machine its boxes share, in bytes, where one machine holds them all
+        (None: unknown, or several)."""
+        return None
 
     async def end_episode(self, episode: str) -> None:
         """Let go of what the sandbox holds for an episode whose envs are all removed."""
+
+    async def close(self) -> None:
+        """Wait for removals under way, and let go of what the sandbox holds."""
+
+    # -- capabilities, refused unless the provider has them
+
+    def unable(self, what: str, capability: str) -> EpisodeFailed:
+        """The refusal of a capability this provider lacks: what was asked, and where it is had."""
+        able = [kind for kind in sandbox_names() if issubclass(PROVIDERS[kind], Sandbox) and
+                getattr(PROVIDERS[kind], capability) is not getattr(Sandbox, capability)]
+        return EpisodeFailed(f"{what}, and the {self.kind} sandbox can't; serve with "
+                             f"--sandbox {' or '.join(able) or 'docker'}", PROVIDER_UNAVAILABLE)
 
     async def prepare_box(self) -> None:
         """Make the agent's box ready to open (its image built), for a bundle whose tasks use one."""
 
     async def open_box(self, episode: str, name: str, limits: dict[str, Any],
-                       image: str | None = None, network: dict[str, tuple[str, ...]] | None = None,
-                       share: Box | None = None, agents: bool = False) -> Box:
-        """Open a box for an episode: the agent's (``agents``), or a deploy_sandbox's (``image``:
-        its own). With no ``network`` it is on none; else on those segments of its episode's
-        network ("" the first), by those names; or it shares the network of box ``share``."""
-        raise EpisodeFailed(f"the {self.kind or 'this'} sandbox runs no boxes, and box {name!r} is "
-                            "one; serve with --sandbox docker (or local)", PROVIDER_UNAVAILABLE)
+                       network: dict[str, tuple[str, ...]] | None = None,
+                       agents: bool = False) -> Box:
+        """Open a box of our own for an episode: the agent's (``agents``), or a VM-mode
+        deploy_sandbox's. With no ``network`` it is on none; else on those segments of its
+        episode's network ("" the first), by those names."""
+        raise self.unable(f"box {name!r} is a box to work in", "open_box")
 
-    async def close(self) -> None:
-        """Wait for removals under way, and let go of what the sandbox holds."""
+    async def open_image(self, episode: str, name: str, limits: dict[str, Any], image: str) -> Box:
+        """Open a box that runs a bundle's image (a deploy_sandbox in container mode), on no
+        network."""
+        raise self.unable(f"box {name!r} runs the image {image!r}", "open_image")
+
+    async def run_sibling(self, episode: str, name: str, limits: dict[str, Any], image: str,
+                          network: dict[str, tuple[str, ...]] | None = None,
+                          share: Box | None = None) -> Box:
+        """Run a container beside an episode's box (run_docker_container): on those segments of
+        the episode's network, or in the network of box ``share``, or on none."""
+        raise self.unable(f"container {name!r} runs beside its sandbox's box", "run_sibling")
+
+    async def build_image(self, folder: Path, dockerfile: str, name: str) -> str:
+        """An image of a bundle artifact's build context, built once per content: its tag."""
+        raise self.unable(f"the image of artifacts/{name} is to be built", "build_image")
+
+    async def episode_network(self, episode: str, segment: str = "") -> str:
+        """The name of a network of this episode alone, for containers of one episode that talk to
+        each other (made on first ask, removed by ``end_episode``); ``segment`` names another of
+        its networks, for containers that a task puts on a network of their own."""
+        raise self.unable("the episode's containers need a network of their own",
+                          "episode_network")
+
+
+# The sandbox providers by name: the one registry that the commands' --sandbox, build_app's
+# sandbox=, a Gym config's sandbox: and check read. A provider joins it by ``@provider``, which
+# declares its settings beside Settings' own.
+PROVIDERS: dict[str, Any] = {}
+
+
+def provider(cls: Any) -> Any:
+    """Register a sandbox provider under its ``kind``, and declare its settings."""
+    PROVIDERS[cls.kind] = cls
+    for declared in cls.settings:
+        Settings.DECLARED[declared.name] = declared
+    return cls
 
 
 async def guarded(awaitable: Any, undo: Callable[[Any], None]) -> Any:
@@ -2117,6 +2244,11 @@ class LocalInstance(Instance):
         found = listens(self.proc.pid, self.port)
         return found is True or (found is None and not LINUX_SAYS_WHO_LISTENS)
 
+    async def up(self) -> bool | None:
+        if listens(self.proc.pid, self.port):
+            return True
+        return False if self.proc.returncode is not None else None
+
     async def lost_its_port(self) -> bool:
         if self.proc.returncode is None:
             return False
@@ -2147,6 +2279,7 @@ class LocalInstance(Instance):
             shutil.rmtree(self.scratch, ignore_errors=True)
 
 
+@provider
 class LocalSandbox(Sandbox):
     """Runs each env's image command as a host process, in the env's folder, on a free port.
 
@@ -2157,6 +2290,7 @@ class LocalSandbox(Sandbox):
     """
 
     kind = "local"
+    summary = "local processes, isolated from nothing"
 
     def __init__(self, owner: str, host: str = "127.0.0.1", die_with_parent: bool = False):
         super().__init__(owner)
@@ -2165,12 +2299,12 @@ class LocalSandbox(Sandbox):
         self.ports: set[int] = set()        # handed to envs still running: never handed twice
 
     async def prepare(self, envs: list[EnvSpec]) -> None:
-        killed = await asyncio.to_thread(self._sweep)
+        killed = await asyncio.to_thread(self.kill_leftovers)
         if killed:
             log.warning("Killed %d env process group(s) that an earlier run of agentenv.py left "
                         "behind when it stopped without tearing down.", killed)
 
-    def _sweep(self) -> int:
+    def kill_leftovers(self) -> int:
         """Kill, once each, the process groups of env processes whose server is gone: those its
         records name, and (Linux's /proc) any with a dead owner in their environment, which finds
         one whose record a crash kept from being written."""
@@ -2258,7 +2392,6 @@ class LocalSandbox(Sandbox):
         return LocalInstance(proc, port, record, scratch, lambda: self.ports.discard(port), self.host,
                              self.owner)
 
-
     async def prepare_box(self) -> None:
         log.warning("The agent's boxes are work folders on this machine (--sandbox local): its "
                     "bash commands and the bundle's code run here, as this user, isolated from "
@@ -2266,12 +2399,9 @@ class LocalSandbox(Sandbox):
                     "trust so (a scripted baseline), or use --sandbox docker to train.")
 
     async def open_box(self, episode: str, name: str, limits: dict[str, Any],
-                       image: str | None = None, network: dict[str, tuple[str, ...]] | None = None,
-                       share: Box | None = None, agents: bool = False) -> Box:
+                       network: dict[str, tuple[str, ...]] | None = None,
+                       agents: bool = False) -> Box:
         # (a folder on this machine: on its network, as everything here)
-        if image:
-            raise EpisodeFailed(f"box {name!r} runs the image {image!r}, and the local sandbox runs "
-                                "no images; serve with --sandbox docker", PROVIDER_UNAVAILABLE)
         # beside the records, so a crashed run's folders are swept with them
         self.records.mkdir(parents=True, exist_ok=True)
         folder = Path(tempfile.mkdtemp(prefix=f"box-{plain_slug(name)}-", dir=self.records))
@@ -2443,96 +2573,18 @@ EPISODE_NETWORK_OPTIONS = {"com.docker.network.bridge.enable_ip_masquerade": "fa
 BRIDGE_PREFIX = "ae-"
 
 
-async def container_exit(sandbox: DockerSandbox, container: Any) -> str | None:
-    """None while a container runs (or the daemon is too busy to say); once it has stopped, a
-    sentence saying how: an env's or a box's, read the same way."""
-    import docker.errors
-    try:
-        await sandbox.urgent(container.reload, timeout=10)
-    except docker.errors.NotFound:
-        return "its container is gone (removed from outside)"
-    except Exception as exc:                        # noqa: BLE001 - a busy daemon is not a dead env
-        log.info("Could not inspect container %s (%s); taking it to be still up.",
-                 container.short_id, exc)
-        return None
-    state = container.attrs.get("State", {})
-    if state.get("Status") in ("exited", "dead"):
-        return (f"its container exited with code {state.get('ExitCode')}"
-                + (" (killed for running out of memory)" if state.get("OOMKilled") else ""))
-    return None
+class DockerDaemon:
+    """The user's Docker daemon, as the Docker sandbox and its boxes call it: its client, and
+    every call in a thread with a deadline, at most ``ops`` of them at once, so a slow daemon never
+    stalls the event loop; the sweep of what a killed earlier run left; and the image builds.
+    Containers being created and removed are kept until their threads end, so none is lost to a
+    deadline or a shutdown (one created after its waiter gave up is removed the moment it
+    appears)."""
 
-
-class DockerInstance(Instance):
-    """An env's container, published on a random port of the sandbox's address (127.0.0.1, or
-    a Ray node's own); or, on a daemon with no bridge, listening on that port itself."""
-
-    def __init__(self, sandbox: DockerSandbox, container: Any, port: str | int, own_port: int = 0):
-        self.sandbox, self.container, self.own_port = sandbox, container, own_port
-        self.base_url = f"http://{sandbox.publish}:{port}"
-        self._checked = 0.0
-        self._box: DockerBox | None = None
-
-    @property
-    def inner_url(self) -> str:
-        return self.base_url if self.sandbox.node_network else f"http://127.0.0.1:{ENV_PORT}"
-
-    def box(self, name: str) -> Box:
-        # its container, as its image made it: the image's user and folder, root for steps
-        if self._box is None:
-            self._box = DockerBox(self.sandbox, self.container, name, None)
-        return self._box
-
-    async def exited(self, settle: float = 0.0) -> str | None:
-        if not settle and time.monotonic() - self._checked < 0.5:   # a daemon call twice a second
-            return None
-        self._checked = time.monotonic()
-        return await container_exit(self.sandbox, self.container)
-
-    async def output(self) -> str:
-        try:
-            raw = await self.sandbox.call(self.container.logs, tail=OUTPUT_LINES, timeout=10)
-            return raw.decode(errors="replace")
-        except Exception as exc:                        # noqa: BLE001
-            return f"(its logs could not be read: {exc})"
-
-    async def lost_its_port(self) -> bool:
-        # only an env bound to a port of its own (no bridge) can find it taken by another
-        if not self.own_port or await self.exited(settle=0.1) is None:
-            return False
-        return says_port_taken(await self.output())
-
-    async def remove(self) -> None:
-        try:
-            await self.sandbox.remove(self.container)
-        finally:
-            self.sandbox.ports.discard(self.own_port)
-
-
-class DockerSandbox(Sandbox):
-    """Runs each env as a container on the user's Docker, from an image built once per content.
-
-    Containers carry labels naming their owner (this server) and episode before they exist, so a
-    sweep at start-up removes what a killed earlier run left, and a container created after its
-    episode gave up is removed the moment it appears. Every daemon call runs in a thread with a
-    deadline, and at most ``ops`` of them at once, so a slow daemon never stalls the event loop.
-    """
-
-    kind = "docker"
-
-    def __init__(self, owner: str, client: Any, ops: int = 8, publish: str = "127.0.0.1",
-                 node_network: bool = False):
-        super().__init__(owner)
+    def __init__(self, client: Any, ops: int = 8, bridged: bool = True):
         from concurrent.futures import ThreadPoolExecutor
         self.client = client
-        # Where envs are reached: their ports published on this address; or, where the daemon
-        # has no bridge (node_network), each container on the daemon's own network, its env
-        # bound to a free port of this address as a local env would be.
-        self.publish, self.node_network = publish, node_network
-        self.ports: set[int] = set()
-        # in this sandbox's network names: its own, since two sandboxes of one process (two
-        # runtimes, or the hosts of nodes in one test) would otherwise make networks of one name
-        self.tag = hashlib.sha1(f"{owner}/{secrets.token_hex(4)}".encode()).hexdigest()[:10]
-        self.images: dict[str, str] = {}
+        self.bridged = bridged          # False: it runs with --bridge=none (no networks of its own)
         self.limit = asyncio.Semaphore(ops)
         self.threads = ThreadPoolExecutor(max_workers=ops + 4, thread_name_prefix="docker")
         # Three lanes, so no episode waits behind another's long work: ``call`` takes one of the
@@ -2545,14 +2597,10 @@ class DockerSandbox(Sandbox):
                                                  thread_name_prefix="docker-stream")
         self.removals: set[asyncio.Task] = set()
         self.creating: set[asyncio.Future] = set()
-        # the networks made, by episode ("" for the envs' shared one), each as its creation
-        self.networks: dict[str, asyncio.Future] = {}
-        self.unremoved: list[Any] = []      # networks a removal left standing: retried at close
 
     @classmethod
-    async def connect(cls, owner: str, publish: str = "127.0.0.1") -> DockerSandbox:
-        """The daemon DOCKER_HOST names (else the default socket), its envs reached at
-        ``publish``."""
+    async def reach(cls) -> DockerDaemon:
+        """The daemon DOCKER_HOST names (else the default socket), once it answers."""
         try:
             import docker
         except ImportError:
@@ -2566,12 +2614,9 @@ class DockerSandbox(Sandbox):
         except Exception as exc:                        # noqa: BLE001 - docker raises many kinds
             raise AgentEnvError(f"no Docker daemon answered ({short(str(exc), 300)}); start Docker, "
                                 "set DOCKER_HOST, or pass --sandbox local") from None
-        if not bridged:
-            log.warning("The Docker daemon at %s has no bridge network (it runs with "
-                        "--bridge=none), so env containers share its host's network, each env "
-                        "bound to a port of %s: isolated in files, processes and users, not in "
-                        "network.", os.environ.get("DOCKER_HOST") or "the default socket", publish)
-        return cls(owner, client, publish=publish, node_network=not bridged)
+        return cls(client, bridged=bool(bridged))
+
+    # -- calls, in three lanes
 
     async def start(self, fn: Callable, *args: Any, **kwargs: Any) -> asyncio.Future:
         """Start a blocking docker SDK call in a thread, once one of the ``ops`` slots is free.
@@ -2611,22 +2656,83 @@ class DockerSandbox(Sandbox):
         command runs, holding no slot."""
         return asyncio.get_running_loop().run_in_executor(self.stream_threads, fn, *args)
 
-    async def prepare(self, envs: list[EnvSpec]) -> None:
-        await self.sweep()
-        started, built = time.monotonic(), 0
-        for n, env in enumerate(envs, 1):
-            self.images[env.name], fresh = await self.build(env, f"{n} of {len(envs)}")
-            built += fresh
-        if built:
-            build_log.info("The images of %d env(s) are ready (%d built, %d already there) after "
-                           "%.1fs.", len(envs), built, len(envs) - built, time.monotonic() - started)
-        if any(env.network == "isolated" for env in envs) and not self.node_network:
+    # -- containers
+
+    async def created(self, create_and_start: Callable[[], Any], container_of: Callable[[Any], Any],
+                      what: str, failed: str) -> Any:
+        """Create and start a container in a thread, within 120 s: what ``create_and_start``
+        gives, or EpisodeFailed saying what the daemon did (``what`` names the env or box).
+
+        The thread's own future is kept until the thread ends, so neither a deadline nor an
+        abandoned episode nor close() can lose a container that is still being created (one that
+        appears after its waiter gave up is removed at once); and a creation past its deadline
+        holds its slot until it ends, capping those in flight."""
+        def undo(made: Any) -> None:
+            self.removing(asyncio.get_running_loop().create_task(self.remove(container_of(made))))
+        job = await self.start(create_and_start)
+        self.creating.add(job)
+        job.add_done_callback(self.creating.discard)
+        try:
+            return await asyncio.wait_for(guarded(job, undo), 120)
+        except asyncio.TimeoutError:
+            raise EpisodeFailed(f"{what}: the Docker daemon did not create and start its container "
+                                "within 120s; it may be overloaded (lower --max-concurrent-envs)",
+                                PROVIDER_UNAVAILABLE) from None
+        except Exception as exc:                    # noqa: BLE001 - docker raises many kinds
+            raise EpisodeFailed(f"{what} {failed}: {short(str(exc), 2500)}",
+                                PROVIDER_UNAVAILABLE) from None
+
+    def removing(self, task: asyncio.Future) -> None:
+        """Keep a removal (or a kill) under way until it ends: ``settle`` waits for it."""
+        self.removals.add(task)
+        task.add_done_callback(self.removals.discard)
+
+    async def exited(self, container: Any) -> str | None:
+        """None while a container runs (or the daemon is too busy to say); once it has stopped,
+        a sentence saying how: an env's or a box's, read the same way."""
+        import docker.errors
+        try:
+            await self.urgent(container.reload, timeout=10)
+        except docker.errors.NotFound:
+            return "its container is gone (removed from outside)"
+        except Exception as exc:                    # noqa: BLE001 - a busy daemon is not a dead env
+            log.info("Could not inspect container %s (%s); taking it to be still up.",
+                     container.short_id, exc)
+            return None
+        state = container.attrs.get("State", {})
+        if state.get("Status") in ("exited", "dead"):
+            return (f"its container exited with code {state.get('ExitCode')}"
+                    + (" (killed for running out of memory)" if state.get("OOMKilled") else ""))
+        return None
+
+    async def remove(self, container: Any) -> None:
+        """Force-remove a container; retried, and reported if it still stands."""
+        import docker.errors
+        for attempt in range(3):
             try:
-                await self._network("")
-            except EpisodeFailed as exc:
-                raise AgentEnvError(str(exc)) from None
+                await self.urgent(container.remove, force=True, timeout=30)
+                return
+            except docker.errors.NotFound:
+                return
+            except Exception as exc:                    # noqa: BLE001
+                error = exc
+        log.error("Could not remove container %s (%s); remove it with docker rm -f %s.",
+                  container.short_id, error, container.short_id)
+
+    async def remove_network(self, network: Any) -> Any:
+        """Remove a network; the network back if it still stands (a container still on it)."""
+        import docker.errors
+        try:
+            await self.call(network.remove, timeout=30)
+        except docker.errors.NotFound:
+            pass
+        except Exception as exc:                        # noqa: BLE001
+            log.info("Could not remove network %s yet (%s).", network.name, short(str(exc), 200))
+            return network
+        return None
 
     async def sweep(self) -> None:
+        """Remove the containers and networks of servers that are gone (by their owner label)."""
         # sparse: the list as the daemon gave it, with no inspect of each container, which fails
         # for one removed meanwhile (by another server's sweep, say)
         containers = await self.call(self.client.containers.list, all=True, sparse=True,
@@ -2641,7 +2747,7 @@ class DockerSandbox(Sandbox):
         networks = await self.call(self.client.networks.list, filters={"label": "agentenv.owner"})
         stale = [n for n in networks
                  if owner_alive((n.attrs.get("Labels") or {}).get("agentenv.owner", "")) is False]
-        left = [n for n in await asyncio.gather(*(self._remove_network(n) for n in stale)) if n]
+        left = [n for n in await asyncio.gather(*(self.remove_network(n) for n in stale)) if n]
         if len(stale) > len(left):
             log.warning("Removed %d network(s) that an earlier run of agentenv.py left behind when "
                         "it stopped without tearing down.", len(stale) - len(left))
@@ -2654,79 +2760,11 @@ class DockerSandbox(Sandbox):
                         "docker network rm %s (the next start also tries).", network.name,
                         network.name)
 
-    def network_name(self, episode: str = "", segment: str = "") -> str:
-        """The name of this server's network for its envs (or for one episode's containers, or
-        for a segment of them)."""
-        return f"agentenv-{self.tag}-" + (episode[:16] if episode else "envs") + \
-            (f"-{plain_slug(segment)[:24]}-{hashlib.sha1(segment.encode()).hexdigest()[:6]}"
-             if segment else "")
-
-    def network_mode(self, env: EnvSpec) -> str:
-        if self.node_network:
-            return (f"the host's: its daemon has no bridge, so its container shares the host's "
-                    f"network, its env bound to {self.publish}")
-        if env.network == "bridge":
-            return ("bridge: Docker's default bridge, with egress and other bridge containers in "
-                    "reach (network = \"bridge\" in its env.toml)")
-        return (f"isolated: on {self.network_name()}, no egress, no other env's container in reach, "
-                f"its port published on {self.publish} only")
-
-    async def episode_network(self, episode: str, segment: str = "") -> str:
-        return await self._network(episode, segment)
-
-    async def _network(self, episode: str, segment: str = "") -> str:
-        """Make (once) the envs' network or an episode's, labelled so a sweep finds it."""
-        name = self.network_name(episode, segment)
-        if self.node_network:
-            raise EpisodeFailed("this episode's containers need a network of their own, and the "
-                                "Docker daemon has no bridge to make one on (it runs with "
-                                "--bridge=none); run it with bridging on", PROVIDER_UNAVAILABLE)
-        key = f"{episode}/{segment}" if segment else episode
-        if key not in self.networks:
-            labels = {"agentenv.owner": self.owner, "agentenv.episode": episode or "(envs)"}
-            options = EPISODE_NETWORK_OPTIONS if episode else ENVS_NETWORK_OPTIONS
-            bridge = BRIDGE_PREFIX + secrets.token_hex(6)          # at most 15 characters
-            self.networks[key] = asyncio.ensure_future(self.call(
-                self.client.networks.create, name, driver="bridge", labels=labels,
-                internal=bool(episode),
-                options={**options, "com.docker.network.bridge.name": bridge}, timeout=60))
-        try:
-            await asyncio.shield(self.networks[key])
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:                        # noqa: BLE001 - docker raises many kinds
-            self.networks.pop(key, None)
-            raise EpisodeFailed(
-                f"the Docker network {name} could not be made ({short(str(exc), 300)}); if the "
-                "daemon has run out of address pools, remove unused networks (docker network "
-                "prune) or give it more (default-address-pools in daemon.json)",
-                PROVIDER_UNAVAILABLE) from None
-        return name
-
-    async def end_episode(self, episode: str) -> None:
-        keys = [k for k in self.networks if episode and (k == episode or
-                                                         k.startswith(episode + "/"))]
-        for made in [self.networks.pop(k) for k in keys]:
-            with contextlib.suppress(Exception):
-                if network := await made:
-                    if await self._remove_network(network):
-                        self.unremoved.append(network)
-
-    async def _remove_network(self, network: Any) -> Any:
-        """Remove a network; the network back if it still stands (a container still on it)."""
-        import docker.errors
-        try:
-            await self.call(network.remove, timeout=30)
-        except docker.errors.NotFound:
-            pass
-        except Exception as exc:                        # noqa: BLE001
-            log.info("Could not remove network %s yet (%s).", network.name, short(str(exc), 200))
-            return network
-        return None
+    # -- images
 
     BUILD_NEWS = 30.0            # seconds between the lines that say a build is still going
 
-    async def build(self, env: EnvSpec, which: str = "") -> tuple[str, bool]:
+    async def build_env(self, env: EnvSpec, which: str = "") -> tuple[str, bool]:
         """The env's image tag, built first if no image of its content exists; and whether it was
         built now."""
         tag = f"agentenv/{re.sub(r'[^a-z0-9_.-]', '-', env.name.lower())}:{env.digest}"
@@ -2759,96 +2797,6 @@ class DockerSandbox(Sandbox):
             raise AgentEnvError(f"the image of env {env.name!r} did not build: {exc}") from None
         build_log.info("Built %s in %.1fs.", tag, time.monotonic() - started)
         return tag, True
-
-    async def launch(self, env: EnvSpec, episode: str, limits: dict[str, Any]) -> Instance:
-        options: dict[str, Any] = dict(
-            image=self.images.get(env.name) or (await self.build(env))[0], detach=True,
-            ports={f"{ENV_PORT}/tcp": (self.publish, None)},
-            environment={"ENVIRONMENT_NAME": env.environment_name, "MCP_HOST": "0.0.0.0",
-                         "DATABASE_URL": f"sqlite:////tmp/{env.environment_name}.sqlite"},
-            labels={"agentenv.owner": self.owner, "agentenv.episode": episode,
-                    "agentenv.env": env.name},
-            # unprivileged: no capabilities, no privilege gain, no host mounts, bounded processes,
-            # and a log on the host of a few MiB at most, whatever a tool call makes the env print
-            security_opt=["no-new-privileges"], cap_drop=["ALL"], pids_limit=DOCKER_PIDS_LIMIT,
-            log_config=ENV_LOG)
-        own_port = 0
-        if self.node_network:       # no bridge: on the daemon's network, on a port of its own
-            own_port = reserve_port(self.publish, self.ports)
-            del options["ports"]
-            options.update(network_mode="host", environment={
-                **options["environment"], "MCP_HOST": self.publish, "MCP_PORT": str(own_port)})
-        elif env.network == "isolated":
-            options["network"] = await self._network("")
-        if limits.get("cpu"):
-            options["nano_cpus"] = int(float(limits["cpu"]) * 1e9)
-        if limits.get("memory_mb"):
-            options["mem_limit"] = f"{int(limits['memory_mb'])}m"
-
-        def create_and_start() -> tuple[Any, str]:
-            container = self.client.containers.create(**options)
-            try:
-                container.start()
-                if own_port:
-                    return container, str(own_port)
-                for _ in range(100):    # the published port shows once the daemon has bound it
-                    container.reload()
-                    ports = (container.attrs.get("NetworkSettings") or {}).get("Ports") or {}
-                    if ports.get(f"{ENV_PORT}/tcp"):
-                        return container, ports[f"{ENV_PORT}/tcp"][0]["HostPort"]
-                    state = container.attrs.get("State") or {}
-                    if state.get("Status") in ("exited", "dead"):
-                        output = container.logs(tail=OUTPUT_LINES).decode(errors="replace")
-                        raise RuntimeError(f"its container exited with code {state.get('ExitCode')} "
-                                           f"as it started. Its last output:\n{short(output)}")
-                    time.sleep(0.02)
-                raise RuntimeError("the daemon published no port for its container within 2s")
-            except BaseException:
-                container.remove(force=True)
-                raise
-
-        try:
-            container, port = await self.created(create_and_start, lambda made: made[0],
-                                                 f"env {env.name!r}", "did not come up")
-        except BaseException:
-            self.ports.discard(own_port)
-            raise
-        return DockerInstance(self, container, port, own_port)
-
-    async def created(self, create_and_start: Callable[[], Any], container_of: Callable[[Any], Any],
-                      what: str, failed: str) -> Any:
-        """Create and start a container in a thread, within 120 s: what ``create_and_start``
-        gives, or EpisodeFailed saying what the daemon did (``what`` names the env or box).
-
-        The thread's own future is kept until the thread ends, so neither a deadline nor an
-        abandoned episode nor close() can lose a container that is still being created (one that
-        appears after its waiter gave up is removed at once); and a creation past its deadline
-        holds its slot until it ends, capping those in flight."""
-        def undo(made: Any) -> None:
-            task = asyncio.get_running_loop().create_task(self.remove(container_of(made)))
-            self.removals.add(task)
-            task.add_done_callback(self.removals.discard)
-        job = await self.start(create_and_start)
-        self.creating.add(job)
-        job.add_done_callback(self.creating.discard)
-        try:
-            return await asyncio.wait_for(guarded(job, undo), 120)
-        except asyncio.TimeoutError:
-            raise EpisodeFailed(f"{what}: the Docker daemon did not create and start its container "
-                                "within 120s; it may be overloaded (lower --max-concurrent-envs)",
-                                PROVIDER_UNAVAILABLE) from None
-        except Exception as exc:                    # noqa: BLE001 - docker raises many kinds
-            raise EpisodeFailed(f"{what} {failed}: {short(str(exc), 2500)}",
-                                PROVIDER_UNAVAILABLE) from None
-
-    async def prepare_box(self) -> None:
-        self.images[""] = await self.box_image()
-
-    async def memory(self) -> int | None:
-        """The memory of the Docker host, in bytes (None if the daemon does not say)."""
-        with contextlib.suppress(Exception):
-            return int((await self.call(self.client.info, timeout=30)).get("MemTotal") or 0) or None
-        return None
 
     async def build_context(self, folder: Path, dockerfile: str, name: str) -> str:
         """An image of a bundle artifact's build context (run_docker_container), once per content."""
@@ -2889,6 +2837,313 @@ class DockerSandbox(Sandbox):
                                 "Docker (the bundles' envs build FROM it too)") from None
         return tag
 
+    async def memory(self) -> int | None:
+        """The memory of the Docker host, in bytes (None if the daemon does not say)."""
+        with contextlib.suppress(Exception):
+            return int((await self.call(self.client.info, timeout=30)).get("MemTotal") or 0) or None
+        return None
+
+    # -- the end
+
+    async def settle(self) -> None:
+        """Wait for containers still being created (they are removed as they appear), then for
+        every removal under way."""
+        if self.creating:
+            await asyncio.wait(set(self.creating), timeout=150)
+            await asyncio.sleep(0)          # let their done-callbacks schedule the removals
+        if self.removals:
+            await asyncio.gather(*set(self.removals), return_exceptions=True)
+
+    def close(self) -> None:
+        for threads in (self.threads, self.urgent_threads, self.stream_threads):
+            threads.shutdown(wait=False)
+
+
+class DockerInstance(Instance):
+    """An env's container, published on a random port of the sandbox's address (127.0.0.1, or
+    a Ray node's own); or, on a daemon with no bridge, listening on that port itself."""
+
+    def __init__(self, daemon: DockerDaemon, container: Any, base_url: str, own_port: int = 0,
+                 release: Callable[[], None] = lambda: None):
+        self.daemon, self.container, self.own_port = daemon, container, own_port
+        self.base_url, self.release = base_url, release
+        self._checked = 0.0
+        self._box: DockerBox | None = None
+
+    @property
+    def inner_url(self) -> str:
+        return self.base_url if self.own_port else f"http://127.0.0.1:{ENV_PORT}"
+
+    def box(self, name: str) -> Box:
+        # its container, as its image made it: the image's user and folder, root for steps
+        if self._box is None:
+            self._box = DockerBox(self.daemon, self.container, name, None)
+        return self._box
+
+    async def exited(self, settle: float = 0.0) -> str | None:
+        if not settle and time.monotonic() - self._checked < 0.5:   # a daemon call twice a second
+            return None
+        self._checked = time.monotonic()
+        return await self.daemon.exited(self.container)
+
+    async def output(self) -> str:
+        try:
+            raw = await self.daemon.call(self.container.logs, tail=OUTPUT_LINES, timeout=10)
+            return raw.decode(errors="replace")
+        except Exception as exc:                        # noqa: BLE001
+            return f"(its logs could not be read: {exc})"
+
+    async def up(self) -> bool | None:
+        if await http_answers(self.base_url):
+            # a published port is Docker's own for the container; one of the daemon's own ports
+            # (no bridge) may have been taken by another first
+            return not self.own_port
+        return False if await self.exited() is not None else None
+
+    async def lost_its_port(self) -> bool:
+        # only an env bound to a port of its own (no bridge) can find it taken by another
+        if not self.own_port or await self.exited(settle=0.1) is None:
+            return False
+        return says_port_taken(await self.output())
+
+    async def remove(self) -> None:
+        try:
+            await self.daemon.remove(self.container)
+        finally:
+            self.release()
+
+
+@dataclasses.dataclass(frozen=True)
+class DockerOptions:
+    """Where the Docker sandbox's envs are reached: the address their ports are published on,
+    which is the address this server dials (127.0.0.1 by default)."""
+
+    publish: str = "127.0.0.1"
+
+    @classmethod
+    def of(cls, settings: Settings) -> DockerOptions:
+        return cls(settings.docker_publish or "127.0.0.1")
+
+
+def publish_address(value: Any, what: str) -> str:
+    """``--docker-publish`` as a user gave it: an IP address (v4 or v6)."""
+    import ipaddress
+    try:
+        return str(ipaddress.ip_address(str(value).strip().strip("[]")))
+    except ValueError:
+        raise AgentEnvError(f"{what}: it must be an IP address of the Docker daemon's machine that "
+                            "this server reaches, such as 127.0.0.1 (the default) or 10.0.0.5") from None
+
+
+@provider
+class DockerSandbox(Sandbox):
+    """Runs each env as a container on the user's Docker daemon, from an image built once per
+    content, and the boxes as containers of their own.
+
+    Containers carry labels naming their owner (this server) and episode before they exist, so a
+    sweep at start-up removes what a killed earlier run left. Envs share a network of this
+    sandbox's; an episode's boxes get networks of the episode's own.
+    """
+
+    kind = "docker"
+    summary = "containers of the Docker daemon DOCKER_HOST names (else the default socket)"
+    place = "in Docker containers"
+    settings = (Declared("docker_publish", None, publish_address,
+                         "with --sandbox docker: the address the envs' ports are published on and "
+                         "dialled at (default 127.0.0.1)", metavar="ADDRESS"),)
+
+    def __init__(self, owner: str, daemon: DockerDaemon, publish: str = "127.0.0.1"):
+        super().__init__(owner)
+        self.daemon = daemon
+        # Where envs are reached: their ports published on this address; or, where the daemon
+        # has no bridge (node_network), each container on the daemon's own network, its env
+        # bound to a free port of this address as a local env would be.
+        self.publish, self.node_network = publish, not daemon.bridged
+        self.ports: set[int] = set()
+        # in this sandbox's network names: its own, since two sandboxes of one process (two
+        # runtimes, or the hosts of nodes in one test) would otherwise make networks of one name
+        self.tag = hashlib.sha1(f"{owner}/{secrets.token_hex(4)}".encode()).hexdigest()[:10]
+        self.images: dict[str, str] = {}
+        # the networks made, by episode ("" for the envs' shared one), each as its creation
+        self.networks: dict[str, asyncio.Future] = {}
+        self.unremoved: list[Any] = []      # networks a removal left standing: retried at close
+
+    @classmethod
+    async def connect(cls, owner: str, settings: Settings) -> DockerSandbox:
+        return await cls.reached(owner, DockerOptions.of(settings).publish)
+
+    @classmethod
+    async def reached(cls, owner: str, publish: str = "127.0.0.1") -> DockerSandbox:
+        """The sandbox on the daemon DOCKER_HOST names, its envs reached at ``publish``."""
+        daemon = await DockerDaemon.reach()
+        if not daemon.bridged:
+            log.warning("The Docker daemon at %s has no bridge network (it runs with "
+                        "--bridge=none), so env containers share its host's network, each env "
+                        "bound to a port of %s: isolated in files, processes and users, not in "
+                        "network.", os.environ.get("DOCKER_HOST") or "the default socket", publish)
+        return cls(owner, daemon, publish)
+
+    async def prepare(self, envs: list[EnvSpec]) -> None:
+        await self.daemon.sweep()
+        started, built = time.monotonic(), 0
+        for n, env in enumerate(envs, 1):
+            self.images[env.name], fresh = await self.daemon.build_env(env, f"{n} of {len(envs)}")
+            built += fresh
+        if built:
+            build_log.info("The images of %d env(s) are ready (%d built, %d already there) after "
+                           "%.1fs.", len(envs), built, len(envs) - built, time.monotonic() - started)
+        if any(env.network == "isolated" for env in envs) and not self.node_network:
+            try:
+                await self._network("")
+            except EpisodeFailed as exc:
+                raise AgentEnvError(str(exc)) from None
+
+    async def memory(self) -> int | None:
+        return await self.daemon.memory()
+
+    # -- networks
+
+    def network_name(self, episode: str = "", segment: str = "") -> str:
+        """The name of this server's network for its envs (or for one episode's containers, or
+        for a segment of them)."""
+        return f"agentenv-{self.tag}-" + (episode[:16] if episode else "envs") + \
+            (f"-{plain_slug(segment)[:24]}-{hashlib.sha1(segment.encode()).hexdigest()[:6]}"
+             if segment else "")
+
+    def network_mode(self, env: EnvSpec) -> str:
+        if self.node_network:
+            return (f"the host's: its daemon has no bridge, so its container shares the host's "
+                    f"network, its env bound to {self.publish}")
+        if env.network == "bridge":
+            return ("bridge: Docker's default bridge, with egress and other bridge containers in "
+                    "reach (network = \"bridge\" in its env.toml)")
+        return (f"isolated: on {self.network_name()}, no egress, no other env's container in reach, "
+                f"its port published on {self.publish} only")
+
+    async def episode_network(self, episode: str, segment: str = "") -> str:
+        return await self._network(episode, segment)
+
+    async def _network(self, episode: str, segment: str = "") -> str:
+        """Make (once) the envs' network or an episode's, labelled so a sweep finds it."""
+        name = self.network_name(episode, segment)
+        if self.node_network:
+            raise EpisodeFailed("this episode's containers need a network of their own, and the "
+                                "Docker daemon has no bridge to make one on (it runs with "
+                                "--bridge=none); run it with bridging on", PROVIDER_UNAVAILABLE)
+        key = f"{episode}/{segment}" if segment else episode
+        if key not in self.networks:
+            labels = {"agentenv.owner": self.owner, "agentenv.episode": episode or "(envs)"}
+            options = EPISODE_NETWORK_OPTIONS if episode else ENVS_NETWORK_OPTIONS
+            bridge = BRIDGE_PREFIX + secrets.token_hex(6)          # at most 15 characters
+            self.networks[key] = asyncio.ensure_future(self.daemon.call(
+                self.daemon.client.networks.create, name, driver="bridge", labels=labels,
+                internal=bool(episode),
+                options={**options, "com.docker.network.bridge.name": bridge}, timeout=60))
+        try:
+            await asyncio.shield(self.networks[key])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:                        # noqa: BLE001 - docker raises many kinds
+            self.networks.pop(key, None)
+            raise EpisodeFailed(
+                f"the Docker network {name} could not be made ({short(str(exc), 300)}); if the "
+                "daemon has run out of address pools, remove unused networks (docker network "
+                "prune) or give it more (default-address-pools in daemon.json)",
+                PROVIDER_UNAVAILABLE) from None
+        return name
+
+    async def end_episode(self, episode: str) -> None:
+        keys = [k for k in self.networks if episode and (k == episode or
+                                                         k.startswith(episode + "/"))]
+        for made in [self.networks.pop(k) for k in keys]:
+            with contextlib.suppress(Exception):
+                if network := await made:
+                    if await self.daemon.remove_network(network):
+                        self.unremoved.append(network)
+
+    # -- envs
+
+    async def launch(self, env: EnvSpec, episode: str, limits: dict[str, Any]) -> Instance:
+        options: dict[str, Any] = dict(
+            image=self.images.get(env.name) or (await self.daemon.build_env(env))[0], detach=True,
+            ports={f"{ENV_PORT}/tcp": (self.publish, None)},
+            environment={"ENVIRONMENT_NAME": env.environment_name, "MCP_HOST": "0.0.0.0",
+                         "DATABASE_URL": f"sqlite:////tmp/{env.environment_name}.sqlite"},
+            labels={"agentenv.owner": self.owner, "agentenv.episode": episode,
+                    "agentenv.env": env.name},
+            # unprivileged: no capabilities, no privilege gain, no host mounts, bounded processes,
+            # and a log on the host of a few MiB at most, whatever a tool call makes the env print
+            security_opt=["no-new-privileges"], cap_drop=["ALL"], pids_limit=DOCKER_PIDS_LIMIT,
+            log_config=ENV_LOG)
+        own_port = 0
+        if self.node_network:       # no bridge: on the daemon's network, on a port of its own
+            own_port = reserve_port(self.publish, self.ports)
+            del options["ports"]
+            options.update(network_mode="host", environment={
+                **options["environment"], "MCP_HOST": self.publish, "MCP_PORT": str(own_port)})
+        elif env.network == "isolated":
+            options["network"] = await self._network("")
+        if limits.get("cpu"):
+            options["nano_cpus"] = int(float(limits["cpu"]) * 1e9)
+        if limits.get("memory_mb"):
+            options["mem_limit"] = f"{int(limits['memory_mb'])}m"
+
+        def create_and_start() -> tuple[Any, str]:
+            container = self.daemon.client.containers.create(**options)
+            try:
+                container.start()
+                if own_port:
+                    return container, str(own_port)
+                for _ in range(100):    # the published port shows once the daemon has bound it
+                    container.reload()
+                    ports = (container.attrs.get("NetworkSettings") or {}).get("Ports") or {}
+                    if ports.get(f"{ENV_PORT}/tcp"):
+                        return container, ports[f"{ENV_PORT}/tcp"][0]["HostPort"]
+                    state = container.attrs.get("State") or {}
+                    if state.get("Status") in ("exited", "dead"):
+                        output = container.logs(tail=OUTPUT_LINES).decode(errors="replace")
+                        raise RuntimeError(f"its container exited with code {state.get('ExitCode')} "
+                                           f"as it started. Its last output:\n{short(output)}")
+                    time.sleep(0.02)
+                raise RuntimeError("the daemon published no port for its container within 2s")
+            except BaseException:
+                container.remove(force=True)
+                raise
+
+        try:
+            container, port = await self.daemon.created(create_and_start, lambda made: made[0],
+                                                        f"env {env.name!r}", "did not come up")
+        except BaseException:
+            self.ports.discard(own_port)
+            raise
+        return DockerInstance(self.daemon, container, f"http://{self.publish}:{port}", own_port,
+                              lambda: self.ports.discard(own_port))
+
+    # -- boxes
+
+    async def prepare_box(self) -> None:
+        self.images[""] = await self.daemon.box_image()
+
+    async def build_image(self, folder: Path, dockerfile: str, name: str) -> str:
+        return await self.daemon.build_context(folder, dockerfile, name)
+
+    async def open_box(self, episode: str, name: str, limits: dict[str, Any],
+                       network: dict[str, tuple[str, ...]] | None = None,
+                       agents: bool = False) -> Box:
+        image = self.images[""] = self.images.get("") or await self.daemon.box_image()
+        return await self._box(episode, name, limits, image, network, None, agents, own=True)
+
+    async def open_image(self, episode: str, name: str, limits: dict[str, Any], image: str) -> Box:
+        return await self._box(episode, name, limits, image)
+
+    async def run_sibling(self, episode: str, name: str, limits: dict[str, Any], image: str,
+                          network: dict[str, tuple[str, ...]] | None = None,
+                          share: Box | None = None) -> Box:
+        if share is not None and not isinstance(share, DockerBox):
+            raise EpisodeFailed(f"container {name!r} is to share the network of box {share.name!r}, "
+                                "which is no container", PROVIDER_UNAVAILABLE)
+        return await self._box(episode, name, limits, image, network, share)
+
     def box_options(self, episode: str, name: str, limits: dict[str, Any], image: str,
                     network: str | None = None, aliases: tuple[str, ...] = (),
                     share: DockerBox | None = None) -> dict[str, Any]:
@@ -2916,7 +3171,7 @@ class DockerSandbox(Sandbox):
             # even a Docker that forwards an internal network's lookups from the host's
             # namespace (before 26) sends no query off this machine.
             where = {"network": network, "hostname": "box", "dns": ["127.0.0.1"],
-                     "networking_config": {network: self.client.api.create_endpoint_config(
+                     "networking_config": {network: self.daemon.client.api.create_endpoint_config(
                          aliases=list(aliases))}}
         else:
             where = {"network_mode": "none", "hostname": "box"}
@@ -2933,25 +3188,23 @@ class DockerSandbox(Sandbox):
             **({"command": _shell_words(command) if isinstance(command, str) else list(command)}
                if (command := limits.get("command_override")) and not own else {}))
 
-    async def open_box(self, episode: str, name: str, limits: dict[str, Any],
-                       image: str | None = None, network: dict[str, tuple[str, ...]] | None = None,
-                       share: Box | None = None, agents: bool = False) -> Box:
-        own = image is None
-        if own:
-            image = self.images[""] = self.images.get("") or await self.box_image()
+    async def _box(self, episode: str, name: str, limits: dict[str, Any], image: str,
+                   network: dict[str, tuple[str, ...]] | None = None, share: DockerBox | None = None,
+                   agents: bool = False, own: bool = False) -> Box:
+        """A box's container, created and started: our own box (``own``: its user the agent),
+        or one of a bundle's image (its image's user)."""
         # its networks, by name, with the names it is reached by on each (the first at creation)
         joins = [(await self.episode_network(episode, segment), aliases)
                  for segment, aliases in (network or {}).items()]
         first, aliases = joins[0] if joins else (None, ())
-        options = self.box_options(episode, name, limits, image, first, aliases,
-                                   share if isinstance(share, DockerBox) else None)
+        options = self.box_options(episode, name, limits, image, first, aliases, share)
+        api = self.daemon.client.api
 
         def create_and_start() -> Any:
-            container = self.client.containers.create(**options)
+            container = self.daemon.client.containers.create(**options)
             try:
                 for more, named in joins[1:]:
-                    self.client.api.connect_container_to_network(container.id, more,
-                                                                 aliases=list(named))
+                    api.connect_container_to_network(container.id, more, aliases=list(named))
                 container.start()
                 container.reload()          # its State.Pid: its first process, as the host sees it
                 return container
@@ -2959,43 +3212,24 @@ class DockerSandbox(Sandbox):
                 container.remove(force=True)
                 raise
 
-        container = await self.created(create_and_start, lambda made: made, f"box {name!r}",
-                                       "did not start")
-        return DockerBox(self, container, name, "agent" if own else None, agents)
-
-    async def remove(self, container: Any) -> None:
-        """Force-remove a container; retried, and reported if it still stands."""
-        import docker.errors
-        for attempt in range(3):
-            try:
-                await self.urgent(container.remove, force=True, timeout=30)
-                return
-            except docker.errors.NotFound:
-                return
-            except Exception as exc:                    # noqa: BLE001
-                error = exc
-        log.error("Could not remove container %s (%s); remove it with docker rm -f %s.",
-                  container.short_id, error, container.short_id)
+        container = await self.daemon.created(create_and_start, lambda made: made, f"box {name!r}",
+                                              "did not start")
+        return DockerBox(self.daemon, container, name, "agent" if own else None, agents)
 
     async def close(self) -> None:
-        """Wait for containers still being created (they are removed as they appear), then for
-        every removal under way."""
-        if self.creating:
-            await asyncio.wait(set(self.creating), timeout=150)
-            await asyncio.sleep(0)          # let their done-callbacks schedule the removals
-        if self.removals:
-            await asyncio.gather(*set(self.removals), return_exceptions=True)
-        # the networks last, once no container of this server is on them
+        """Wait for containers still being created and removals under way, then remove the
+        networks, once no container of this server is on them."""
+        await self.daemon.settle()
         made = await asyncio.gather(*self.networks.values(), return_exceptions=True)
         self.networks.clear()
         networks = [n for n in made if not isinstance(n, BaseException)] + self.unremoved
         self.unremoved = []
-        for network in await asyncio.gather(*(self._remove_network(n) for n in networks)):
+        for network in await asyncio.gather(*(self.daemon.remove_network(n) for n in networks)):
             if network is not None:
                 log.error("Could not remove network %s; remove it with docker network rm %s.",
                           network.name, network.name)
-        for threads in (self.threads, self.urgent_threads, self.stream_threads):
-            threads.shutdown(wait=False)
+        self.daemon.close()
+
 
 
 # -- boxes: where the played agent works with bash, and where bundle code runs
@@ -3192,10 +3426,10 @@ class DockerBox(Box):
 
     kind = "docker"
 
-    def __init__(self, sandbox: DockerSandbox, container: Any, name: str, user: str | None = "agent",
+    def __init__(self, daemon: DockerDaemon, container: Any, name: str, user: str | None = "agent",
                  agents: bool = False):
         super().__init__(name)
-        self.sandbox, self.container = sandbox, container
+        self.daemon, self.container = daemon, container
         self.user = user or "root"
         self.exec_user = user          # None: the image's own user, in its own working folder
         # the played agent's box (our own image, with its keeper): a deadline of its user's
@@ -3216,7 +3450,7 @@ class DockerBox(Box):
             argv, environment["PYTHONNOUSERSITE"] = ["sh", "-c", CLEAN_START, "sh", *argv], "1"
         workdir = cwd or (self.workdir if self.exec_user else None)
         # (docker runs each exec as a session leader of its own: its group is the call's)
-        opened = asyncio.ensure_future(self.sandbox.call(
+        opened = asyncio.ensure_future(self.daemon.call(
             self._open, argv, user or "", workdir, environment, stdin is not None,
             timeout=timeout + 5))
         self.opening.add(opened)
@@ -3226,7 +3460,7 @@ class DockerBox(Box):
         try:
             async with asyncio.timeout(timeout):
                 exec_id, stream = await asyncio.shield(opened)
-                reading = self.sandbox.streamed(read_exec, stream, stdin, cap)
+                reading = self.daemon.streamed(read_exec, stream, stdin, cap)
                 out, err, printed = await asyncio.shield(reading)
             return Ran(await self._exit_code(exec_id), out, err, False, printed)
         except asyncio.TimeoutError:
@@ -3259,7 +3493,7 @@ class DockerBox(Box):
     def _open(self, argv: list[str], user: str, workdir: str | None, environment: dict[str, str],
               stdin: bool) -> tuple[str, Any]:
         """Create an exec and start it, attached: its id and its socket."""
-        api = self.sandbox.client.api
+        api = self.daemon.client.api
         made = api.exec_create(self.container.id, argv, stdout=True, stderr=True, stdin=stdin,
                                user=user, workdir=workdir, environment=environment)
         return made["Id"], api.exec_start(made["Id"], socket=True)
@@ -3270,7 +3504,7 @@ class DockerBox(Box):
         little later each time, for a second at most."""
         pause = 0.005
         for _ in range(8):
-            inspected = await self.sandbox.urgent(self.sandbox.client.api.exec_inspect, exec_id,
+            inspected = await self.daemon.urgent(self.daemon.client.api.exec_inspect, exec_id,
                                                   timeout=10)
             if inspected.get("ExitCode") is not None or not inspected.get("Running"):
                 return inspected.get("ExitCode")
@@ -3284,9 +3518,7 @@ class DockerBox(Box):
         def undo(done: asyncio.Future) -> None:
             if not done.cancelled() and done.exception() is None:
                 shut_stream(done.result()[1])
-                killing = asyncio.ensure_future(self._kill(marker))
-                self.sandbox.removals.add(killing)
-                killing.add_done_callback(self.sandbox.removals.discard)
+                self.daemon.removing(asyncio.ensure_future(self._kill(marker)))
         opened.add_done_callback(undo)
 
     async def _stop(self, marker: str, root: bool, reading: asyncio.Future, stream: Any) -> str:
@@ -3317,7 +3549,7 @@ class DockerBox(Box):
                 if self.opening:        # a command the daemon is starting now is stopped too
                     await asyncio.wait(set(self.opening))
                 while True:
-                    await self.sandbox.urgent(self.container.kill, signal="SIGUSR1", timeout=10)
+                    await self.daemon.urgent(self.container.kill, signal="SIGUSR1", timeout=10)
                     if not (left := await self._agents_processes()):
                         return
         except docker.errors.APIError as exc:
@@ -3343,7 +3575,7 @@ class DockerBox(Box):
     async def _agents_processes(self) -> list[str]:
         """The box's live processes that are not root's (the keeper and the init are, and the
         agent can never be), as the host sees them."""
-        top = await self.sandbox.urgent(self.container.top, ps_args="-eo pid,uid,stat", timeout=10)
+        top = await self.daemon.urgent(self.container.top, ps_args="-eo pid,uid,stat", timeout=10)
         rows = top.get("Processes") or []
         first = str(((self.container.attrs or {}).get("State") or {}).get("Pid", ""))
         root = next((uid for pid, uid, _ in rows if pid == first), "0")
@@ -3355,10 +3587,10 @@ class DockerBox(Box):
         it), else with a killer run in the box; within seconds either way. False if neither
         could."""
         with contextlib.suppress(Exception):
-            if await self.sandbox.urgent(self._kill_from_host, marker, timeout=10):
+            if await self.daemon.urgent(self._kill_from_host, marker, timeout=10):
                 return True
         with contextlib.suppress(Exception):
-            await self.sandbox.urgent(self.container.exec_run, ["sh", "-c", BOX_KILLER, marker],
+            await self.daemon.urgent(self.container.exec_run, ["sh", "-c", BOX_KILLER, marker],
                                       user=self.exec_user or "", timeout=10)
             return True
         log.warning("Could not kill a command in box %r past its deadline (the box may be out of "
@@ -3396,7 +3628,7 @@ class DockerBox(Box):
         data = box_tar(files, dest, 1000 if agent_owns and self.exec_user else 0)
         if self.exec_user is None:           # an image of the bundle's: its disk, as it is
             try:
-                await self.sandbox.call(self.container.put_archive, "/", data, timeout=120)
+                await self.daemon.call(self.container.put_archive, "/", data, timeout=120)
             except Exception as exc:                    # noqa: BLE001 - docker raises many kinds
                 if gone := await self._gone(exc):
                     raise gone from None
@@ -3431,7 +3663,7 @@ class DockerBox(Box):
     async def fault(self) -> str | None:
         import docker.errors
         try:
-            await self.sandbox.urgent(self.container.reload, timeout=10)
+            await self.daemon.urgent(self.container.reload, timeout=10)
         except docker.errors.NotFound:
             return f"box {self.name!r} is gone: its container was removed from outside"
         except Exception as exc:                        # noqa: BLE001 - docker raises many kinds
@@ -3442,10 +3674,10 @@ class DockerBox(Box):
         return f"box {self.name!r} stopped: its container exited with code {state.get('ExitCode')}"
 
     async def stopped(self) -> str | None:
-        return await container_exit(self.sandbox, self.container)
+        return await self.daemon.exited(self.container)
 
     async def remove(self) -> None:
-        await self.sandbox.remove(self.container)
+        await self.daemon.remove(self.container)
 
 
 async def process_exit(proc: asyncio.subprocess.Process) -> int:
@@ -3632,6 +3864,42 @@ RAY_LIVENESS_TIMEOUT = 2.0        # a host's answer whether an env still runs (e
 RAY_BOOT_HOLD = 10.0              # a boot stops counting against its node's gate after this
 
 
+RAY_OWN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+RAY_NODE_SANDBOXES = ("auto", "docker", "local")
+
+
+def ray_address(value: Any, what: str) -> str:
+    """A Ray cluster's address as a user gave it: auto, HOST:PORT or ray://HOST:PORT."""
+    text = value.strip() if isinstance(value, str) else ""
+    host, _, port = text.removeprefix("ray://").rpartition(":")
+    if text != "auto" and not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise AgentEnvError(f"{what}: it must be the Ray cluster's head as HOST:PORT (such as "
+                            "10.0.0.5:6379, the address ray start --head printed), "
+                            "ray://HOST:PORT, or auto (the cluster ray start made on this "
+                            "machine)")
+    return text
+
+
+def ray_resource(value: Any, what: str) -> str:
+    """The custom resource Ray's env nodes declare, as a user gave it."""
+    text = value.strip() if isinstance(value, str) else ""
+    if not text or any(c.isspace() for c in text) or text in RAY_OWN_RESOURCES or \
+            text.startswith("node:"):
+        raise AgentEnvError(f"{what}: it must name a custom resource that the env nodes declare "
+                            "(ray start --resources='{\"env_node\": 1}'), such as env_node, not "
+                            "one of Ray's own (CPU, GPU, memory, node:...)")
+    return text
+
+
+def ray_node_sandbox(value: Any, what: str) -> str:
+    """What runs envs on each Ray node, as a user gave it."""
+    text = value.strip() if isinstance(value, str) else ""
+    if text not in RAY_NODE_SANDBOXES:
+        raise AgentEnvError(f"{what}: it must be auto (Docker on each node whose daemon "
+                            "answers, else local processes), docker or local")
+    return text
+
+
 @dataclasses.dataclass(frozen=True)
 class RayOptions:
     """Where the Ray sandbox finds its cluster and nodes: the cluster's address, the custom
@@ -3645,11 +3913,11 @@ class RayOptions:
     node_sandbox: str = "auto"        # what runs envs on each node: auto, docker or local
 
     @classmethod
-    def of(cls, settings: Settings, gym: str | None = None) -> RayOptions:
-        """The Ray keys of checked settings as options (``gym``: the ray_head_node_address a Gym
-        config passes)."""
-        return cls(cls.address_from(settings.ray_address, gym), settings.ray_resource,
-                   node_sandbox=settings.ray_node_sandbox or "auto")
+    def of(cls, settings: Settings) -> RayOptions:
+        """The Ray sandbox's options, read from checked settings."""
+        return cls(cls.address_from(settings.ray_address, settings.ray_head_node_address),
+                   settings.ray_resource, settings.deploy_timeout,
+                   settings.ray_node_sandbox or "auto")
 
     @staticmethod
     def address_from(given: str | None, gym: str | None = None) -> str:
@@ -3702,7 +3970,7 @@ class EnvHost:
         self.address, self.cores, self.cpus, self.mode = address, os.cpu_count() or 2, cpus, sandbox
         self.owner = owner_id()
         self.sandbox: Sandbox = LocalSandbox(self.owner, host=address, die_with_parent=True)
-        swept = self.sandbox._sweep()          # what a host of an earlier run left on this node
+        swept = self.sandbox.kill_leftovers()   # what a host of an earlier run left on this node
         if swept:
             log.warning("Killed %d env process group(s) that an earlier host on node %s left.",
                         swept, address)
@@ -3733,7 +4001,7 @@ class EnvHost:
         if self.mode == "local":
             return
         try:
-            docker = await DockerSandbox.connect(self.owner, publish=self.address)
+            docker = await DockerSandbox.reached(self.owner, publish=self.address)
         except AgentEnvError as exc:
             if self.mode == "docker":
                 raise AgentEnvError(f"--ray-node-sandbox docker, and on Ray node {self.address} "
@@ -3770,18 +4038,8 @@ class EnvHost:
         it is known to be the env itself that answers."""
         deadline = time.monotonic() + RAY_BOOT_HOLD
         while time.monotonic() < deadline:      # polling: a port being bound sends no event
-            if isinstance(instance, LocalInstance):
-                if listens(instance.proc.pid, instance.port):
-                    return True
-                if instance.proc.returncode is not None:
-                    return False
-            elif isinstance(instance, DockerInstance):
-                if await http_answers(instance.base_url):
-                    # a published port is Docker's own for the container; one of the node's
-                    # own ports may have been taken by another first
-                    return not instance.own_port
-                if await instance.exited() is not None:
-                    return False
+            if (up := await instance.up()) is not None:
+                return up
             await asyncio.sleep(0.02)
         return False
 
@@ -3976,6 +4234,7 @@ class RayInstance(Instance):
             self.sandbox.let_go(self.group)
 
 
+@provider
 class RaySandbox(Sandbox):
     """Runs envs across a Ray cluster: a host actor per node, a placement group per env.
 
@@ -3984,6 +4243,26 @@ class RaySandbox(Sandbox):
     this server's connection to the cluster, even on SIGKILL."""
 
     kind = "ray"
+    summary = "placed across a Ray cluster, in Docker or local processes on its nodes"
+    place = "on a Ray cluster"
+    settings = (
+        Declared("ray_address", None, ray_address,
+                 "with --sandbox ray: the cluster's address (default: RAY_ADDRESS, else the "
+                 "ray_head_node_address NeMo Gym passes, else auto, the cluster ray start made on "
+                 "this machine)", metavar="HOST:PORT"),
+        Declared("ray_resource", None, ray_resource,
+                 "with --sandbox ray: place envs only on nodes declaring this custom resource "
+                 f"(each env asks {RAY_RESOURCE_SHARE:g} of it), keeping them off trainer nodes; an "
+                 f"env asks a node for its deploy_env step's cpu ({RAY_ENV_CPU:g}) and memory_mb "
+                 f"({RAY_ENV_MEMORY_MB}) where the step names none"),
+        Declared("ray_node_sandbox", None, ray_node_sandbox,
+                 "with --sandbox ray: what runs envs on each node: docker (the node's own daemon, "
+                 "from DOCKER_HOST there; its ports published on the node's address), local "
+                 "processes, or auto (Docker on each node whose daemon answers, else local; said "
+                 "per node at start)", choices=lambda: RAY_NODE_SANDBOXES),
+        # NeMo Gym's own key, at the top of its config: the cluster Gym started
+        Declared("ray_head_node_address", None, ray_address, "", written=False, gym_global=True),
+    )
     gates_its_boots = True
 
     def __init__(self, owner: str, ray: Any, options: RayOptions):
@@ -3995,16 +4274,15 @@ class RaySandbox(Sandbox):
         self._view: tuple[float, list[dict[str, Any]]] = (0.0, [])
         self._hosting: dict[str, asyncio.Future] = {}
         self._releasing: set[asyncio.Task] = set()
-        # where the latest envs landed (episode, env, node address), for check to say
-        self.placed: collections.deque[tuple[str, str, str]] = collections.deque(maxlen=256)
 
     @classmethod
-    async def connect(cls, owner: str, options: RayOptions) -> RaySandbox:
+    async def connect(cls, owner: str, settings: Settings) -> RaySandbox:
         try:
             import ray
         except ImportError:
             raise AgentEnvError(f"--sandbox ray needs Ray installed in this Python: {RAY_INSTALL}"
                                 ) from None
+        options = RayOptions.of(settings)
         address = options.address
         fix = ("start the cluster (ray start --head on one machine, ray start --address=HEAD:PORT "
                "on the others), or pass its address with --ray-address (or RAY_ADDRESS)")
@@ -4101,6 +4379,12 @@ class RaySandbox(Sandbox):
                  where, address, facts["boot_slots"])
         return found
 
+    def describe(self, envs: list[EnvSpec]) -> list[str]:
+        return [*super().describe(envs), f"nodes of the Ray cluster at {self.options.address}:",
+                *(f"  {node.address}  " + ", ".join(
+                    f"{k} {_amount(k, v)}" for k, v in sorted(node.resources.items())
+                    if not k.startswith(("node:", "object_store"))) for node in self.nodes.values())]
+
     def network_mode(self, env: EnvSpec) -> str:
         said = {node.address: node.facts.get("networks", {}).get(env.name, "?")
                 for node in self.nodes.values()}
@@ -4129,7 +4413,6 @@ class RaySandbox(Sandbox):
             raise
         log.info("Episode %s: env %r placed on Ray node %s at %s.", episode[:8], env.name,
                  node.address, url)
-        self.placed.append((episode, env.name, node.address))
         return RayInstance(self, node, key, url, group, its_own)
 
     async def _start_env(self, node: RayNode, env: EnvSpec, episode: str,
@@ -4253,23 +4536,75 @@ def in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
     return future
 
 
-async def open_sandbox(kind: str, owner: str, ray: RayOptions | None = None) -> Sandbox:
-    """The sandbox ``--sandbox`` names; ``auto`` is Docker when a daemon answers, else local;
-    ``ray`` places envs across the Ray cluster ``ray`` names."""
-    if kind == "local":
-        return LocalSandbox(owner)
-    if kind == "docker":
-        return await DockerSandbox.connect(owner)
-    if kind == "ray":
-        return await RaySandbox.connect(owner, ray or RayOptions())
-    if kind != "auto":
-        raise AgentEnvError(f"--sandbox {kind!r} is not a sandbox; use auto, docker, local or ray")
-    try:
-        return await DockerSandbox.connect(owner)
-    except AgentEnvError as exc:
-        log.warning("Envs run as local processes (--sandbox local), with no isolation, since %s.",
-                    str(exc).split(";")[0])
-        return LocalSandbox(owner)
+class AutoSandbox:
+    """``auto``, the default: the Docker sandbox where a daemon answers (and its envs can be
+    reached from here), else local processes, saying why."""
+
+    kind = "auto"
+    summary = ("docker when a daemon answers and its envs can be reached from here, else local "
+               "(the default)")
+    settings: tuple[Declared, ...] = ()
+    chooses = ("auto", "docker", "local")        # the providers whose options apply to it
+
+    @classmethod
+    async def connect(cls, owner: str, settings: Settings) -> Sandbox:
+        try:
+            return await DockerSandbox.connect(owner, settings)
+        except AgentEnvError as exc:
+            log.warning("Envs run as local processes (--sandbox local), with no isolation, since %s.",
+                        str(exc).split(";")[0])
+            return await LocalSandbox.connect(owner, settings)
+
+
+provider(AutoSandbox)
+
+
+def sandbox_named(value: Any, what: str) -> str:
+    """The sandbox a user named, one of the providers'."""
+    if value not in PROVIDERS:
+        raise AgentEnvError(f"{what} is not a sandbox agentenv.py runs envs in; pass "
+                            + ", ".join(repr(k) for k in sandbox_names() if k != "auto")
+                            + ", or None or 'auto' (docker when a daemon answers, else local)")
+    return value
+
+
+def sandbox_names() -> tuple[str, ...]:
+    """The providers' names, as the commands offer them: auto first."""
+    return tuple(sorted(PROVIDERS, key=lambda kind: (kind != "auto", kind)))
+
+
+Settings.DECLARED["sandbox"] = Declared(
+    "sandbox", "auto", sandbox_named, "where envs run: " + "; ".join(
+        f"{kind}, {PROVIDERS[kind].summary}" for kind in sandbox_names()),
+    choices=sandbox_names, written=False)
+
+
+def options_apart(settings: Settings, remote: bool) -> None:
+    """Refuse a provider's options given where they can't apply: with another sandbox, or with a
+    served URL (whose server runs its envs where it runs them)."""
+    for kind, cls in PROVIDERS.items():
+        names = [d.name for d in cls.settings if not d.gym_global]
+        chosen = getattr(PROVIDERS.get(settings.sandbox), "chooses", (settings.sandbox,))
+        if any(name in dict(settings.declared) for name in names) and \
+                (remote or kind not in chosen):
+            flags = [f"--{name.replace('_', '-')}" for name in names]
+            one = len(flags) == 1
+            raise AgentEnvError(
+                (flags[0] if one else ", ".join(flags[:-1]) + " and " + flags[-1])
+                + f" say{'s' if one else ''} where a bundle's envs run {cls.place}, and this "
+                "server's envs " + ("run where the served URL runs them" if remote else
+                                    f"run in the {settings.sandbox} sandbox")
+                + f"; pass {'it' if one else 'them'} with a bundle folder and --sandbox {kind}, or "
+                f"leave {'it' if one else 'them'} out")
+
+
+async def open_sandbox(owner: str, settings: Settings) -> Sandbox:
+    """The sandbox the settings name, connected."""
+    kind = settings.sandbox
+    if kind not in PROVIDERS:
+        raise AgentEnvError(f"--sandbox {kind!r} is not a sandbox; use "
+                            + ", ".join(sandbox_names()[:-1]) + f" or {sandbox_names()[-1]}")
+    return await PROVIDERS[kind].connect(owner, settings)
 
 
 # ================================================================ 4. Env client
@@ -4617,6 +4952,16 @@ def _mcp_path(card: dict[str, Any] | None) -> str:
 
 
 # ================================================================ 5. Verifiers
+#
+# What scores an episode, and how each verifier's failures are told apart, the same on every kind:
+# - a check that ran and failed (a criterion not met or timed out, tests that exit non-zero or
+#   hang, a reward file that says 0) is the model's: a score of 0, or, where the step fails its
+#   task, a Forfeit, scored 0, never masked;
+# - a verifier that raised, hung, or gave what can't be scored (its code, its setup commands in a
+#   box the model never had, a user its box lacks, an aggregate over a verifier that gave nothing)
+#   is VERIFIER_ERROR, masked;
+# - the env or the box under it that died is the machine's (PEER_DROP), masked; what the model's
+#   commands did to its own box is its doing (the episode tells which).
 
 def aggregate_score(rows: list[dict[str, Any]], aggregator: str) -> float:
     """AgentEnv's score aggregators, formula for formula."""
@@ -4827,7 +5172,133 @@ def check_rows(rows: Any, where: str) -> list[dict[str, Any]]:
     return rows
 
 
+class Verifiers:
+    """A bundle's verifier code (env_outcome_verifier's artifacts), run: each artifact's
+    ``verify(mcp_url)`` imported once (in a thread: bundle code may be slow), then run on a
+    verifier loop within the verifier deadline; what it raised, a hang, or rows that are no rows
+    are VERIFIER_ERROR. Each run is counted, by artifact."""
+
+    def __init__(self, artifacts: dict[str, Path], timeout: float, metrics: Metrics):
+        self.artifacts, self.timeout, self.metrics = artifacts, timeout, metrics
+        self._loaded: dict[str, asyncio.Future] = {}
+        self._loops = VerifierLoops()
+
+    async def run(self, artifact: str, mcp_url: str) -> list[dict[str, Any]]:
+        """The rows artifact ``artifact``'s verify gives for the env at ``mcp_url``."""
+        where = f"the verifier artifacts/{artifact}"
+        loop = asyncio.get_running_loop()
+        if artifact not in self._loaded:
+            self._loaded[artifact] = loop.run_in_executor(None, load_verifier,
+                                                          self.artifacts[artifact])
+        try:
+            verify = await asyncio.shield(self._loaded[artifact])
+        except Exception as exc:                        # noqa: BLE001 - bundle code may raise anything
+            raise EpisodeFailed(f"{where} did not import: {type(exc).__name__}: {exc}",
+                                VERIFIER_ERROR) from None
+        job = self._loops.run(verify, mcp_url, self.timeout)
+        started, failed = time.monotonic(), True     # None: cancelled (its episode ended)
+        try:
+            # the loop's own deadline comes first; this one is for a verifier that blocks it
+            rows = check_rows(await asyncio.wait_for(job, self.timeout + 5), where)
+            failed = False
+            return rows
+        except asyncio.TimeoutError:
+            raise EpisodeFailed(f"{where} did not finish within {self.timeout:g}s",
+                                VERIFIER_ERROR) from None
+        except (EpisodeFailed, asyncio.CancelledError) as exc:
+            failed = None if isinstance(exc, asyncio.CancelledError) else True
+            raise
+        except Exception as exc:                        # noqa: BLE001 - bundle code may raise anything
+            raise EpisodeFailed(f"{where} raised {type(exc).__name__}: {exc}", VERIFIER_ERROR) from None
+        finally:
+            if failed is not None:
+                self.metrics.verified(artifact, time.monotonic() - started, failed)
+
+    def close(self) -> None:
+        self._loops.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitTestRun:
+    """What a unit-test verifier found: its rows and score, the record AgentEnv keeps of its run,
+    and, when its tests failed or hung (the model's doing), why: its step then fails, scored."""
+
+    rows: list[dict[str, Any]]
+    score: float
+    record: dict[str, Any]
+    failed: str | None = None
+
+
+async def unit_tests(box: Box, name: str, command: str, setup: list[str], *, user: str,
+                     env: dict[str, str], timeout: float, reward_path: str | None,
+                     result_paths: list[str], clean: bool) -> UnitTestRun:
+    """Run a run_container_unit_tests_verifier in a box as AgentEnv does: its setup commands (one
+    that fails is the verifier's failure, BoxFailed as VERIFIER_ERROR, unless the box is the
+    model's), its command, then the result files read; its rows from the exit code or the reward
+    file. ``clean``: run with nothing the agent planted on the way in, and stop what the tested
+    code started before the results are read."""
+    if user not in ("root", box.user):
+        raise EpisodeFailed(f"user {user!r} is not one box {box.name!r} has; use root or "
+                            f"{box.user}", VERIFIER_ERROR)
+    root = user == "root"
+    for each in setup:
+        ran = await box.run(["bash", "-c", each], timeout, root=root, env=env, clean=clean)
+        if ran.timed_out or ran.exit_code != 0:
+            raise BoxFailed(f"Verifier {name!r}: setup command {each!r} "
+                            f"{'timed out' if ran.timed_out else f'exited {ran.exit_code}'}: "
+                            f"{short(ran.output, 1500)}", VERIFIER_ERROR)
+    # A relative result path is read from the container's root, not its working folder, as
+    # AgentEnv's `docker cp` reads it, so a bundle's score is the one AgentEnv gives it.
+    if reward_path:
+        await box.run(["rm", "-f", box.path(reward_path, "/")], 30, root=root)
+    ran = await box.run(["bash", "-c", command], timeout, root=root, env=env, clean=clean)
+    if ran.timed_out:       # recorded as AgentEnv's `timeout` reports it
+        ran = dataclasses.replace(ran, exit_code=TIMED_OUT_EXIT)
+    if clean and not root:  # nothing the tested code started may write the results it reads
+        await box.stop_all()
+    extracted: dict[str, Any] = {}
+    for path in [*result_paths, *([reward_path] if reward_path else [])]:
+        got = await box.run(["cat", box.path(path, "/")], 60, root=True)
+        text = got.stdout.decode(errors="replace") if got.exit_code == 0 else None
+        try:
+            extracted[path] = json.loads(text) if text is not None else None
+        except ValueError:
+            extracted[path] = text
+    rows, score = unit_test_rows(ran, reward_path, extracted.get(reward_path))
+    record = {"exit_code": ran.exit_code, "timed_out": ran.timed_out,
+              "stdout_head": ran.stdout[:500].decode(errors="replace"),
+              "stderr_head": ran.stderr[:500].decode(errors="replace"), "extracted_files": extracted}
+    # The tests that failed or hung are the model's doing wherever they ran: a 0, never a mask.
+    failed = None
+    if ran.timed_out:
+        failed = f"Verifier {name!r} timed out after {timeout:g}s"
+    elif ran.exit_code != 0 and not reward_path:
+        failed = (f"Verifier {name!r} exited {ran.exit_code}; stderr (last 1500 chars):\n"
+                  f"{ran.stderr.decode(errors='replace')[-1500:]}")
+    return UnitTestRun(rows, score, record, failed)
+
+
 # ================================================================ 6. Episode
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeContext:
+    """What an episode plays on, and all it uses of the runtime that holds it (section 7 makes
+    one as it starts): the bundle, the sandbox, the HTTP client, the metrics, the verifiers and
+    the deadlines; and the runtime's pool, start gate, warm envs and set of live episodes, by the
+    few calls an episode makes of them."""
+
+    bundle: Bundle
+    sandbox: Sandbox
+    http: aiohttp.ClientSession
+    metrics: Metrics
+    verifiers: Verifiers
+    deploy_timeout: float
+    bash_timeout: float
+    enter: Callable[[], Awaitable[None]]            # a slot of the pool, once one is free
+    leave: Callable[[], None]                       # the slot given back
+    starting: Callable[[], contextlib.AbstractAsyncContextManager[None]]  # a start slot: a launch
+    warm: Callable[[EnvSpec, dict[str, Any]], Awaitable[DeployedEnv | None]]  # a warm env, if ready
+    live: set[Episode]                              # the live episodes, which it joins and leaves
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
@@ -4877,7 +5348,7 @@ class Turn:
         env that fails fails the episode (EpisodeFailed). Every call is counted, by its status."""
         if not self.is_open:
             raise AgentEnvError(f"turn {self.id!r} has ended; call the tools of the current turn")
-        metrics = self.episode.runtime.metrics
+        metrics = self.episode.context.metrics
         session = self.route.get(name)
         if session is None and not (name == "bash" and self.box is not None):
             offered = ", ".join(t["name"] for t in self.tools) or "none"
@@ -4933,7 +5404,7 @@ class Turn:
         if not isinstance(arguments, dict):
             return ToolResult("the arguments of bash must be a JSON object such as "
                               '{"command": "ls"}', BAD_ARGUMENTS)
-        limit = self.episode.runtime.bash_timeout
+        limit = self.episode.context.bash_timeout
         if timeout:
             limit = min(limit, max(0.5, timeout - min(5.0, timeout / 5)))
         # the command in a task of the turn's, so that the turn's end stops it (stop_commands)
@@ -4986,9 +5457,9 @@ class Episode:
     ``end`` (or ``abandon``, which waits for the teardown) is the one way to stop it early.
     """
 
-    def __init__(self, runtime: Runtime, task: Task, seed: dict[str, Any] | None = None,
+    def __init__(self, context: EpisodeContext, task: Task, seed: dict[str, Any] | None = None,
                  split: str = "all"):
-        self.runtime, self.task, self.split = runtime, task.seeded(seed), split
+        self.context, self.task, self.split = context, task.seeded(seed), split
         self.seed = dict(seed or {})
         self.unseeded = {step.id: step for step in task.steps} if seed else {}
         self.id = uuid.uuid4().hex
@@ -5041,7 +5512,7 @@ class Episode:
     def start(self) -> Episode:
         self._driver = asyncio.create_task(self._drive(), name=f"episode {self.id}")
         self._driver.add_done_callback(self._closed)
-        self.runtime.live.add(self)
+        self.context.live.add(self)
         return self
 
     async def next_turn(self) -> Turn | None:
@@ -5106,12 +5577,12 @@ class Episode:
     def _settle(self, outcome: Outcome) -> None:
         if self.outcome is None:
             self.outcome = outcome
-            self.runtime.metrics.ended(outcome.status, self.split, outcome.reward)
+            self.context.metrics.ended(outcome.status, self.split, outcome.reward)
             if outcome.status == "failed":
                 log.warning("Episode %s of task %r failed: %s", self.id[:8], self.task.name,
                             outcome.failure)
             if outcome.forfeit:
-                self.runtime.metrics.forfeited()
+                self.context.metrics.forfeited()
                 log.info("Episode %s of task %r scores 0, not masked, since the model's own doing "
                          "ended it: %s", self.id[:8], self.task.name, outcome.forfeit)
             self._signal()
@@ -5120,7 +5591,7 @@ class Episode:
         # The one place an episode closes: after its driver ran its teardown, or was cancelled
         # before its first step, when there was nothing to tear down and no slot taken.
         self._settle(self._ended_outcome("the episode was cancelled"))
-        self.runtime.live.discard(self)
+        self.context.live.discard(self)
         self.closed.set()
         self._signal()
 
@@ -5136,7 +5607,7 @@ class Episode:
 
     async def _drive(self) -> None:
         try:
-            await self.runtime.pool.acquire()
+            await self.context.enter()
             self._holds_slot = True
             await self._run_steps()
             self._settle(self._score())
@@ -5159,7 +5630,7 @@ class Episode:
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.shield(teardown)
             if self._holds_slot:
-                self.runtime.pool.release()
+                self.context.leave()
 
     async def _teardown(self) -> None:
         """Remove every env launched and every box opened, then what the sandbox held for the
@@ -5169,7 +5640,7 @@ class Episode:
         await asyncio.gather(*(i.remove() for i in self.instances), *(b.remove() for b in boxes),
                              return_exceptions=True)
         with contextlib.suppress(Exception):
-            await self.runtime.sandbox.end_episode(self.id)
+            await self.context.sandbox.end_episode(self.id)
 
     async def _run_steps(self) -> None:
         """Run the steps as a graph: each once the steps it depends on are done. A tolerated
@@ -5228,19 +5699,19 @@ class Episode:
     # -- the step handlers, one per step type (HANDLERS, below)
 
     async def _deploy_env(self, step: Step) -> None:
-        env = self.runtime.bundle.envs[_resolve_env(step.get("env_id"), self.runtime.bundle.envs,
-                                                    self.task.id)]
+        envs = self.context.bundle.envs
+        env = envs[_resolve_env(step.get("env_id"), envs, self.task.id)]
         limits = step.limits
-        metrics, sandbox = self.runtime.metrics, self.runtime.sandbox
+        metrics, sandbox = self.context.metrics, self.context.sandbox
         started = time.monotonic()
         try:
             # A warm env of the same spec, when there is one: booted and ready, so the deploy is
             # done; what the task sets up in it (apply_server_config) still follows, for this episode.
-            if warm := await self.runtime.warm.take(env, limits):
+            if warm := await self.context.warm(env, limits):
                 self.instances.append(warm.instance)
                 self.envs[step.get("env_id")] = warm
             else:
-                async with self.runtime.starting.slot():
+                async with self.context.starting():
                     self.envs[step.get("env_id")] = await self._launch(env, limits)
         except EpisodeFailed as exc:
             metrics.deploy_failed(env.name, sandbox.kind, exc.failure.kind)
@@ -5256,13 +5727,13 @@ class Episode:
         """Launch an env and wait until it answers, within the deploy deadline. A port found
         free can be taken by another server's env before ours binds it (two servers on one
         machine); an env that died of that is started again on another port, a few times."""
-        deadline, tries = time.monotonic() + self.runtime.deploy_timeout, 1
+        deadline, tries = time.monotonic() + self.context.deploy_timeout, 1
         while True:
-            instance = await self.runtime.sandbox.launch(env, self.id, limits)
+            instance = await self.context.sandbox.launch(env, self.id, limits)
             self.instances.append(instance)
             try:
-                return await wait_ready(self.runtime.http, instance, env,
-                                        self.runtime.deploy_timeout, deadline)
+                return await wait_ready(self.context.http, instance, env,
+                                        self.context.deploy_timeout, deadline)
             except EpisodeFailed:
                 if tries == PORT_TRIES or not await instance.lost_its_port():
                     raise
@@ -5280,7 +5751,7 @@ class Episode:
             if service not in ("*", env.card_name):
                 raise EpisodeFailed(f"a directive names service {service!r}, but env "
                                     f"{step.get('env_id')!r} serves {env.card_name!r}; use that or \"*\"")
-            await env.apply(self.runtime.http, directive["uri"], directive.get("args", {}), timeout,
+            await env.apply(self.context.http, directive["uri"], directive.get("args", {}), timeout,
                             bool(step.get("tolerate_unadvertised", False)))
 
     async def _deploy_agent(self, step: Step) -> None:
@@ -5289,19 +5760,19 @@ class Episode:
             name, vm = step.get("agent_name", DEFAULT_AGENT), step.get("sandbox_name")
             # Placed on a VM-mode sandbox, its box is a container there, beside the sandbox's
             # own: on the sandbox's network, where it reaches the sandbox and its containers.
-            self.agent_box = await self._open_box(name, step, network={"": (name,)} if vm else None,
-                                                  agents=True)
+            self.agent_box = await self._open_box(
+                step, lambda sandbox, limits: sandbox.open_box(
+                    self.id, name, limits, {"": (name,)} if vm else None, agents=True))
             for skill in step.get("skills") or []:
                 await self._add_skill(skill)
 
-    async def _open_box(self, name: str, step: Step, image: str | None = None,
-                        network: dict[str, tuple[str, ...]] | None = None,
-                        share: Box | None = None, agents: bool = False) -> Box:
+    async def _open_box(self, step: Step,
+                        opening: Callable[[Sandbox, dict[str, Any]], Awaitable[Box]]) -> Box:
+        """A box the sandbox opens (``opening``, with the step's limits), under a start slot."""
         limits = {k: step.get(k) for k in ("cpu", "memory_mb", "env_vars", "command_override")
                   if step.get(k)}
-        async with self.runtime.starting.slot():
-            return await self.runtime.sandbox.open_box(self.id, name, limits, image, network, share,
-                                                       agents)
+        async with self.context.starting():
+            return await opening(self.context.sandbox, limits)
 
     def _segments(self, step: Step) -> list[str]:
         """The networks of its VM-mode sandbox a run_docker_container step's container joins:
@@ -5361,7 +5832,7 @@ class Episode:
         assert self.agent_box is not None
         if "skill_artifact_id" in skill:
             name = skill["skill_artifact_id"]
-            folder = self.runtime.bundle.skills[name]
+            folder = self.context.bundle.skills[name]
             files = {rel: path.read_bytes() for rel, path in artifact_files(folder).items()}
         else:
             name = skill["name"]
@@ -5385,9 +5856,11 @@ class Episode:
     async def _deploy_sandbox(self, step: Step) -> None:
         mode, name = step.get("sandbox_mode"), step.get("sandbox_name")
         if mode == "container":             # a container of its own, on no network
-            self.boxes[name] = await self._open_box(name, step, step.get("image"))
+            self.boxes[name] = await self._open_box(step, lambda sandbox, limits: sandbox.open_image(
+                self.id, name, limits, step.get("image")))
         else:
-            self.boxes[name] = await self._open_box(name, step, network=self._vm_network(name))
+            self.boxes[name] = await self._open_box(step, lambda sandbox, limits: sandbox.open_box(
+                self.id, name, limits, self._vm_network(name)))
 
     async def _add_skills(self, step: Step) -> None:
         self._box_of(step)
@@ -5402,7 +5875,7 @@ class Episode:
         names = [a["id"] for a in step.get("artifacts") or []] or [step.get("artifact_id")]
         replace = self._the_models(box)          # once, before the step's first artifact
         for name in names:
-            folder = self.runtime.bundle.artifacts[name]
+            folder = self.context.bundle.artifacts[name]
             files = await asyncio.to_thread(lambda f=folder: {
                 rel: path.read_bytes() for rel, path in artifact_files(f).items()})
             # The agent owns what it is given, so it can edit the repository it is to repair.
@@ -5411,7 +5884,7 @@ class Episode:
 
     async def _run_code(self, step: Step) -> None:
         box = self._box_of(step)
-        folder = self.runtime.bundle.artifacts[step.get("script_artifact_id")]
+        folder = self.context.bundle.artifacts[step.get("script_artifact_id")]
         files = artifact_files(folder)
         scripts = {rel: path.read_bytes() for rel, path in files.items()
                    if rel.endswith(".py") and "/" not in rel}
@@ -5463,7 +5936,7 @@ class Episode:
         wanted = step.get("verifier_ids", [])
         if missing := [v for v in wanted if v not in self.verifications]:
             raise EpisodeFailed(f"AggregateVerifiers: verifier_id(s) not found in the verifications: "
-                                f"{missing}. Available: {sorted(self.verifications)}")
+                                f"{missing}. Available: {sorted(self.verifications)}", VERIFIER_ERROR)
         rows = [r for v in wanted for r in self.verifications[v].get("results", [])
                 if not r.get("skipped")]
         self._record(step, rows, None, "weighted_average")
@@ -5472,21 +5945,16 @@ class Episode:
             "score": self.scores[step.id], "source_verifier_ids": wanted}
 
     async def _run_docker_container(self, step: Step) -> None:
-        sandbox = self.runtime.sandbox
         name = step.get("container_name", "task-container")
         artifact = step.get("docker_context_artifact_id")
-        if not isinstance(sandbox, DockerSandbox):
-            raise EpisodeFailed(f"run_docker_container {step.id!r} builds and runs an image, and "
-                                "the local sandbox runs none; serve with --sandbox docker",
-                                PROVIDER_UNAVAILABLE)
-        image = await sandbox.build_context(self.runtime.bundle.artifacts[artifact],
-                                            step.get("dockerfile_path", "Dockerfile"), artifact)
+        image = await self.context.sandbox.build_image(self.context.bundle.artifacts[artifact],
+                                          step.get("dockerfile_path", "Dockerfile"), artifact)
         # a container of the sandbox: on its networks, reached there by its name; with network
         # "host", in the sandbox box's own network (as on the VM's host); with "none", on none
         vm = step.get("sandbox_name")
-        box = await self._open_box(f"{vm}/{name}", step, image,
-                                   {s: (name,) for s in self._segments(step)} or None,
-                                   self.boxes[vm] if step.get("network") == "host" else None)
+        box = await self._open_box(step, lambda sandbox, limits: sandbox.run_sibling(
+            self.id, f"{vm}/{name}", limits, image, {s: (name,) for s in self._segments(step)} or None,
+            self.boxes[vm] if step.get("network") == "host" else None))
         self.containers[(step.get("sandbox_name"), name)] = box
         if ready := step.get("ready_command"):
             for _ in range(60):
@@ -5497,53 +5965,19 @@ class Episode:
 
     async def _run_container_unit_tests_verifier(self, step: Step) -> None:
         box = self._box_of(step)
-        clean = self._the_models(box)
-        user, name = step.get("user", "root"), step.get("verifier_id", step.id)
-        if user not in ("root", box.user):
-            raise EpisodeFailed(f"user {user!r} is not one box {box.name!r} has; use root or "
-                                f"{box.user}")
-        root, env = user == "root", {k: str(v) for k, v in (step.get("env_vars") or {}).items()}
-        env = {**self._seed_env(env), **env}
-        timeout = float(step.get("timeout_sec", 300))
-        for command in self._quoted(step, "setup_commands"):
-            ran = await box.run(["bash", "-c", command], timeout, root=root, env=env, clean=clean)
-            if ran.timed_out or ran.exit_code != 0:
-                raise BoxFailed(f"Verifier {name!r}: setup command {command!r} "
-                                    f"{'timed out' if ran.timed_out else f'exited {ran.exit_code}'}: "
-                                    f"{short(ran.output, 1500)}")
-        reward_path = step.get("reward_path")
-        # A relative result path is read from the container's root, not its working folder, as
-        # AgentEnv's `docker cp` reads it, so a bundle's score is the one AgentEnv gives it.
-        if reward_path:
-            await box.run(["rm", "-f", box.path(reward_path, "/")], 30, root=root)
-        ran = await box.run(["bash", "-c", self._quoted(step, "command")], timeout, root=root,
-                            env=env, clean=clean)
-        if ran.timed_out:       # recorded as AgentEnv's `timeout` reports it
-            ran = dataclasses.replace(ran, exit_code=TIMED_OUT_EXIT)
-        if clean and not root:  # nothing the tested code started may write the results it reads
-            await box.stop_all()
-        extracted: dict[str, Any] = {}
-        for path in [*step.get("result_paths", []), *([reward_path] if reward_path else [])]:
-            got = await box.run(["cat", box.path(path, "/")], 60, root=True)
-            text = got.stdout.decode(errors="replace") if got.exit_code == 0 else None
-            try:
-                extracted[path] = json.loads(text) if text is not None else None
-            except ValueError:
-                extracted[path] = text
-        rows, score = unit_test_rows(ran, reward_path, extracted.get(reward_path))
-        self.scores[step.id] = score
-        self.verifications[name] = {
-            "results": rows, "score": score, "command": step.get("command"),
-            "exit_code": ran.exit_code, "timed_out": ran.timed_out,
-            "stdout_head": ran.stdout[:500].decode(errors="replace"),
-            "stderr_head": ran.stderr[:500].decode(errors="replace"), "extracted_files": extracted}
-        # Its score is kept; the step fails as AgentEnv's does, and the tests that failed or hung
-        # are the model's doing wherever they ran: a 0, never a masked rollout.
-        if ran.timed_out:
-            raise Forfeit(f"Verifier {name!r} timed out after {timeout:g}s")
-        if ran.exit_code != 0 and not reward_path:
-            raise Forfeit(f"Verifier {name!r} exited {ran.exit_code}; stderr (last 1500 "
-                          f"chars):\n{ran.stderr.decode(errors='replace')[-1500:]}")
+        name = step.get("verifier_id", step.id)
+        env = {k: str(v) for k, v in (step.get("env_vars") or {}).items()}
+        verdict = await unit_tests(
+            box, name, self._quoted(step, "command"), self._quoted(step, "setup_commands"),
+            user=step.get("user", "root"), env={**self._seed_env(env), **env},
+            timeout=float(step.get("timeout_sec", 300)), reward_path=step.get("reward_path"),
+            result_paths=step.get("result_paths", []), clean=self._the_models(box))
+        self.scores[step.id] = verdict.score
+        self.verifications[name] = {"results": verdict.rows, "score": verdict.score,
+                                    "command": step.get("command"), **verdict.record}
+        # Its score is kept; the step fails as AgentEnv's does, scored, never masked.
+        if verdict.failed:
+            raise Forfeit(verdict.failed)
 
     def _seed_env(self, env: dict[str, str]) -> dict[str, str]:
         """The episode's seed as environment variables for a unit-test verifier, as AgentEnv
@@ -5590,7 +6024,7 @@ class Episode:
         try:
             for env_id in agent.get("env_ids", []):     # one MCP session per env per turn
                 env = self.envs[env_id]
-                session = McpSession(self.runtime.http, env.mcp_url, headers)
+                session = McpSession(self.context.http, env.mcp_url, headers)
                 sessions.append(session)
                 await session.open()
                 for tool in await session.list_tools():
@@ -5628,7 +6062,7 @@ class Episode:
     async def _env_outcome_verifier(self, step: Step) -> None:
         env = self.envs[step.get("env_id")]
         try:
-            rows = await self.runtime.verify(step.get("file_artifact_id"), env.mcp_url)
+            rows = await self.context.verifiers.run(step.get("file_artifact_id"), env.mcp_url)
         except EpisodeFailed:
             # A verifier fails when the env it reads has died: the env's fault, not the verifier's.
             if why := await env.instance.exited(settle=0.5):
@@ -6025,7 +6459,7 @@ class WarmPool:
                                                         dict(key[1]))
                 self._launched[key].append(claim)
                 assert runtime.http is not None
-                warm = await wait_ready(runtime.http, instance, env, runtime.deploy_timeout)
+                warm = await wait_ready(runtime.http, instance, env, runtime.settings.deploy_timeout)
             self._retry[key] = 0.0
             if claim in self._launched[key] or claim.cancelled():   # unclaimed, or its claimer left
                 self.ready[key].append(warm)
@@ -6083,22 +6517,16 @@ def episode_memory(task: Task) -> int:
 
 
 class Runtime:
-    """What every episode of a served bundle shares: the bundle, the sandbox, the pool, one HTTP
-    client, the loaded verifiers, and the set of live episodes (so shutdown can end them all)."""
+    """What every episode of a served bundle shares: the bundle, its settings, the sandbox, the
+    pool, one HTTP client, the loaded verifiers, and the set of live episodes (so shutdown can end
+    them all). Every way in (the commands, build_app, a Gym config, eval, TRL) builds it from
+    checked Settings, whole; ``knob`` says how its user raises the pool."""
 
-    def __init__(self, bundle: Bundle, sandbox: str = "auto",
-                 max_concurrent_envs: int = Settings.max_concurrent_envs,
-                 deploy_timeout: float = Settings.deploy_timeout,
-                 verifier_timeout: float = Settings.verifier_timeout, knob: str = SERVE_KNOB,
-                 warm: int = Settings.warm, warm_env: tuple[tuple[str, int], ...] = Settings.warm_env,
-                 bash_timeout: float = Settings.bash_timeout, metrics: Metrics | None = None,
-                 ray: RayOptions | None = None):
-        self.bundle, self.sandbox_kind = bundle, sandbox
-        self.bash_timeout = bash_timeout
-        self.ray = dataclasses.replace(ray or RayOptions(RayOptions.address_from(None)),
-                                       deploy_timeout=deploy_timeout)
+    def __init__(self, bundle: Bundle, settings: Settings = Settings(), *, knob: str = SERVE_KNOB,
+                 metrics: Metrics | None = None):
+        self.bundle, self.settings = bundle, settings
         self.heap = HeapTrim()
-        self.pool = Pool(max_concurrent_envs, knob, self.heap)
+        self.pool = Pool(settings.max_concurrent_envs, knob, self.heap)
         self.metrics = metrics or Metrics()
         pool = self.pool
         self.metrics.watch("agentenv_episodes_live", "Episodes holding a slot of the pool "
@@ -6109,15 +6537,14 @@ class Runtime:
                            "(max_concurrent_envs)", lambda: pool.limit)
         self.metrics.watch("agentenv_envs_live", "Envs up for live episodes, by node (a Ray "
                            "node's address; empty for this machine)", self._envs_by_node, "node")
-        self.deploy_timeout, self.verifier_timeout = deploy_timeout, verifier_timeout
         self.owner = owner_id()
         self.live: set[Episode] = set()
-        self.sandbox: Sandbox = LocalSandbox(self.owner)
+        self.sandbox: Sandbox | None = None               # once started
         self.http: aiohttp.ClientSession | None = None
-        self._verifiers: dict[str, asyncio.Future] = {}
-        self._verifier_loops = VerifierLoops()
+        self.context: EpisodeContext | None = None        # what its episodes play on, once started
+        self.verifiers = Verifiers(bundle.verifiers, settings.verifier_timeout, self.metrics)
         self.starting = StartGate()
-        self.warm = WarmPool(self, warm_plan(bundle, warm, warm_env))
+        self.warm = WarmPool(self, warm_plan(bundle, settings.warm, settings.warm_env))
         if self.warm.target:
             self.metrics.watch("agentenv_warm_envs", "Warm envs started ahead of demand: ready, "
                                "booting, and the pool's target", lambda: self.warm.counts, "state")
@@ -6129,19 +6556,23 @@ class Runtime:
 
     async def start(self) -> Runtime:
         """Open the sandbox (sweeping what a crashed run left, building images) and the client."""
-        self.sandbox = await open_sandbox(self.sandbox_kind, self.owner, self.ray)
+        self.sandbox = await open_sandbox(self.owner, self.settings)
         if self.sandbox.gates_its_boots:      # each node gates its own boots: only the pool bounds
             self.starting = StartGate(self.pool.limit)
         # Every env is prepared now, never inside an episode: a deploy then only starts a process.
         await self.sandbox.prepare(list(self.bundle.envs.values()))
         if self.bundle.boxed:
             await self.sandbox.prepare_box()
-        if isinstance(self.sandbox, DockerSandbox):
-            self._weigh_memory(await self.sandbox.memory())
+        self._weigh_memory(await self.sandbox.memory())
         # MCP keeps its session in a header; a cookie jar would only cost every call its upkeep.
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False),
                                           cookie_jar=aiohttp.DummyCookieJar(),
                                           timeout=aiohttp.ClientTimeout(total=None))
+        # (the start gate read when asked: a sandbox that gates its own boots replaces it)
+        self.context = EpisodeContext(
+            self.bundle, self.sandbox, self.http, self.metrics, self.verifiers,
+            self.settings.deploy_timeout, self.settings.bash_timeout, self.pool.acquire,
+            self.pool.release, lambda: self.starting.slot(), self.warm.take, self.live)
         self.warm.start()
         return self
 
@@ -6170,16 +6601,24 @@ class Runtime:
 
     def episode(self, task: Task, seed: dict[str, Any] | None = None, split: str = "all") -> Episode:
         """Start an episode of a task (played from ``split``); it waits for a slot, then deploys."""
-        return Episode(self, task, seed, split).start()
+        if self.context is None:
+            raise AgentEnvError("the runtime has not started; start it (async with Runtime(...)) "
+                                "before playing an episode")
+        return Episode(self.context, task, seed, split).start()
 
-    async def first_turn_tools(self, task: Task, why: str) -> list[dict[str, Any]]:
+    async def first_turn_tools(self, task: Task, why: str,
+                               where: dict[str, str] | None = None) -> list[dict[str, Any]]:
         """Play a task as far as its first turn and list the tools that turn offers; then end it.
         A task's tools exist only once its envs are deployed: they answer tools/list, nothing else.
-        It is a probe, not an episode anyone played: /metrics counts its deploy, not the episode."""
+        It is a probe, not an episode anyone played: /metrics counts its deploy, not the episode.
+        ``where`` is given, by env, the node each env ran on (where there are several)."""
         episode = self.episode(task, split=PROBE)
         try:
             turn = await episode.next_turn()
             assert turn is not None          # a task that loads has a turn
+            if where is not None:
+                where.update({env.spec.name: env.instance.where for env in episode.envs.values()
+                              if env.instance.where})
             return turn.tool_specs
         finally:
             await episode.abandon(why)
@@ -6196,47 +6635,17 @@ class Runtime:
             probe.add_done_callback(lambda done: done.cancelled() or done.exception())  # read: no warning
         return list(await asyncio.shield(probe))
 
-    async def verify(self, artifact: str, mcp_url: str) -> list[dict[str, Any]]:
-        """Run an artifact's ``verify(mcp_url)`` on a verifier loop, within the verifier deadline."""
-        where = f"the verifier artifacts/{artifact}"
-        loop = asyncio.get_running_loop()
-        if artifact not in self._verifiers:     # imported once, in a thread: bundle code may be slow
-            self._verifiers[artifact] = loop.run_in_executor(
-                None, load_verifier, self.bundle.verifiers[artifact])
-        try:
-            verify = await asyncio.shield(self._verifiers[artifact])
-        except Exception as exc:                        # noqa: BLE001 - bundle code may raise anything
-            raise EpisodeFailed(f"{where} did not import: {type(exc).__name__}: {exc}",
-                                VERIFIER_ERROR) from None
-        job = self._verifier_loops.run(verify, mcp_url, self.verifier_timeout)
-        started, failed = time.monotonic(), True     # None: cancelled (its episode ended)
-        try:
-            # the loop's own deadline comes first; this one is for a verifier that blocks it
-            rows = check_rows(await asyncio.wait_for(job, self.verifier_timeout + 5), where)
-            failed = False
-            return rows
-        except asyncio.TimeoutError:
-            raise EpisodeFailed(f"{where} did not finish within {self.verifier_timeout:g}s",
-                                VERIFIER_ERROR) from None
-        except (EpisodeFailed, asyncio.CancelledError) as exc:
-            failed = None if isinstance(exc, asyncio.CancelledError) else True
-            raise
-        except Exception as exc:                        # noqa: BLE001 - bundle code may raise anything
-            raise EpisodeFailed(f"{where} raised {type(exc).__name__}: {exc}", VERIFIER_ERROR) from None
-        finally:
-            if failed is not None:
-                self.metrics.verified(artifact, time.monotonic() - started, failed)
-
     async def close(self, reason: str = "the server shut down") -> None:
         """Abandon every live episode, wait for their teardown, remove the warm envs, and close
         the sandbox."""
         await asyncio.gather(*(e.abandon(reason) for e in list(self.live)), return_exceptions=True)
         await self.warm.close()
         await self.heap.close()
-        await self.sandbox.close()
+        if self.sandbox is not None:
+            await self.sandbox.close()
         if self.http is not None:
             await self.http.close()
-        self._verifier_loops.close()
+        self.verifiers.close()
 
 
 # ================================================================ 8. Plumbing
@@ -8562,54 +8971,29 @@ class Server:
             await self.runtime.close()
 
 
-SANDBOXES = ("auto", "docker", "local", "ray")
-
-
 def build_app(bundle: str | os.PathLike | collections.abc.Mapping[str, str | os.PathLike], *,
-              reward: str | None = None,
-              sandbox: str | None = None,
-              max_concurrent_envs: int = Settings.max_concurrent_envs,
-              deploy_timeout: float = Settings.deploy_timeout,
-              tool_timeout: float = Settings.tool_timeout,
-              reset_timeout: float = Settings.reset_timeout,
-              idle_timeout: float = Settings.idle_timeout,
-              client_timeout: float = Settings.client_timeout,
-              reply_margin: float = Settings.reply_margin,
-              verifier_timeout: float = Settings.verifier_timeout,
-              bash_timeout: float = Settings.bash_timeout,
-              warm: int = Settings.warm,
-              warm_env: collections.abc.Mapping[str, int] | None = None,
-              token: str | None = None) -> Any:
+              reward: str | None = None, token: str | None = None, **settings: Any) -> Any:
     """The aiohttp application that serves a bundle on both wires (OpenEnv's and NeMo Gym's) out
     of one pool of episodes; run it with ``aiohttp.web.run_app(app, host=..., port=...)`` or any
     aiohttp runner. Its start-up opens the sandbox and builds the envs' images; its shutdown ends
     every live episode and tears its envs down.
 
     ``bundle`` is a bundle's folder, or a mapping of split name to bundle folder (each bundle's
-    tasks one split, and 'all' every task). ``sandbox``: 'docker', 'local' or None/'auto' (docker
-    when a daemon answers). ``token``: every request must carry ``Authorization: Bearer TOKEN``.
-    The deadlines are ``serve``'s, in seconds; ``warm`` and ``warm_env`` ({env: count}) are its
-    --warm and --warm-env. A bad argument raises AgentEnvError, saying the fix, before anything
-    starts."""
-    settings = Settings.checked(dict(
-        max_concurrent_envs=max_concurrent_envs, deploy_timeout=deploy_timeout,
-        tool_timeout=tool_timeout, reset_timeout=reset_timeout, idle_timeout=idle_timeout,
-        client_timeout=client_timeout, reply_margin=reply_margin,
-        verifier_timeout=verifier_timeout, bash_timeout=bash_timeout, warm=warm,
-        warm_env=dict(warm_env) if warm_env else None),
-        lambda key, value: key if value is None else f"{key}={value!r}")
-    return _server(bundle, reward=reward, sandbox=sandbox, token=token, settings=settings).app
+    tasks one split, and 'all' every task). ``reward``: the scoring step whose score is the
+    reward. ``token``: every request must carry ``Authorization: Bearer TOKEN``. Every other
+    keyword is a setting by its name, as ``serve``'s flag --NAME sets it (``Settings.names()``:
+    ``sandbox``, ``max_concurrent_envs``, the deadlines in seconds, ``warm``, ``warm_env``
+    ({env: count}), each provider's options); a name that is no setting is refused by name. A
+    bad argument raises AgentEnvError, saying the fix, before anything starts."""
+    checked = Settings.keywords({k: dict(v) if isinstance(v, collections.abc.Mapping) else v
+                                 for k, v in settings.items()}, "build_app", Settings.served())
+    return _server(bundle, reward=reward, token=token, settings=checked).app
 
 
-def _server(bundle: Any, *, reward: str | None, sandbox: str | None, token: str | None,
-            settings: Settings, host: str | None = None, port: int | None = None,
-            ray: RayOptions | None = None, knob: str | None = None) -> Server:
+def _server(bundle: Any, *, reward: str | None, token: str | None, settings: Settings,
+            host: str | None = None, port: int | None = None, knob: str | None = None) -> Server:
     """build_app's Server (serve's too, which knows where it listens; a trainer's in-process one,
     whose pool ``knob`` raises): checked, loaded, unstarted."""
-    kind = "auto" if sandbox is None else sandbox
-    if kind not in SANDBOXES:
-        raise AgentEnvError(f"sandbox={sandbox!r} is not a sandbox agentenv.py runs envs in; pass "
-                            "'docker', 'local', 'ray', or None (docker when a daemon answers, else local)")
     if token is not None and (not isinstance(token, str) or not token):
         raise AgentEnvError("token must be non-empty text (what clients send as Authorization: "
                             "Bearer TOKEN), or None for no token")
@@ -8627,12 +9011,8 @@ def _server(bundle: Any, *, reward: str | None, sandbox: str | None, token: str 
     else:
         raise AgentEnvError(f"bundle must be a bundle's folder, or a mapping of split name to folder, "
                             f"not {type(bundle).__name__}")
-    runtime = Runtime(loaded, sandbox=kind, max_concurrent_envs=settings.max_concurrent_envs,
-                      deploy_timeout=settings.deploy_timeout,
-                      verifier_timeout=settings.verifier_timeout,
-                      knob=knob or ("build_app's max_concurrent_envs" if host is None else SERVE_KNOB),
-                      warm=settings.warm, warm_env=settings.warm_env,
-                      bash_timeout=settings.bash_timeout, ray=ray)
+    runtime = Runtime(loaded, settings, knob=knob or ("build_app's max_concurrent_envs" if host is None
+                                                      else SERVE_KNOB))
     return Server(runtime, settings, host=host, port=port, token=token)
 
 
@@ -8668,18 +9048,12 @@ def run_gym_server() -> None:
     port = int(config.get("port") or 8000)
     where = f"the resources server's config (configs/{instance}.yaml)"
     try:
-        settings = Settings.from_config(config, where)
+        settings = Settings.from_config(config, where, gym=full)
         if config.get("url"):
             server = Server(None, settings, url=str(config["url"]), host=host, port=port)
         elif config.get("bundle"):
             bundle = Bundle.load(Path(str(config["bundle"])).expanduser(), config.get("reward"))
-            ray = RayOptions.of(settings, full.get("ray_head_node_address"))
-            runtime = Runtime(bundle, sandbox=str(config.get("sandbox", "auto")),
-                              max_concurrent_envs=settings.max_concurrent_envs,
-                              deploy_timeout=settings.deploy_timeout,
-                              knob=f"max_concurrent_envs in {where}", warm=settings.warm,
-                              warm_env=settings.warm_env, bash_timeout=settings.bash_timeout,
-                              ray=ray)
+            runtime = Runtime(bundle, settings, knob=f"max_concurrent_envs in {where}")
             server = Server(runtime, settings, host=host, port=port)
         else:
             sys.exit("agentenv.py: the resources server's config names neither url: (a running "
@@ -9341,16 +9715,16 @@ def function_tool(tool: dict[str, Any]) -> dict[str, Any]:
             "strict": False}
 
 
-async def _toolsets_here(bundle: Bundle, sandbox: str, out: Callable[[str], None] | None = None,
+async def _toolsets_here(bundle: Bundle, settings: Settings, out: Callable[[str], None] | None = None,
                          runtime: Runtime | None = None, who: str = "write-gym",
-                         ray: RayOptions | None = None) -> dict[str, list[dict[str, Any]]]:
+                         ) -> dict[str, list[dict[str, Any]]]:
     """The tools each toolset's first turn offers (one probe episode each, as far as that turn,
-    cached by the runtime), on ``runtime`` when given, else on a runtime of its own (on the Ray
-    cluster ``ray`` names, with --sandbox ray); saying how far it has got."""
+    cached by the runtime), on ``runtime`` when given, else on a runtime of its own, in the
+    sandbox ``settings`` name; saying how far it has got."""
     toolsets: dict[str, list[dict[str, Any]]] = {}
     async with contextlib.AsyncExitStack() as stack:
         if runtime is None:
-            runtime = await stack.enter_async_context(Runtime(bundle, sandbox=sandbox, ray=ray))
+            runtime = await stack.enter_async_context(Runtime(bundle, settings))
         progress = Progress(f"{who}: listing each toolset's tools", len(bundle.toolsets), out)
         for toolset, tasks in bundle.toolsets.items():
             started = time.monotonic()
@@ -9408,30 +9782,17 @@ def _bundle_rows(bundle: Bundle) -> dict[str, list[dict[str, Any]]]:
             for split, tasks in bundle.splits.items()}
 
 
-async def write_gym(source: str, gym_root: str,
-                    max_concurrent_envs: int = Settings.max_concurrent_envs, sandbox: str = "auto",
+async def write_gym(source: str, gym_root: str, settings: Settings = Settings(), *,
                     reward: str | None = None, keep_prompts: bool = False,
                     out: Callable[[str], None] = print,
-                    progress: Callable[[str], None] | None = None,
-                    ray_address: str | None = Settings.ray_address,
-                    ray_resource: str | None = Settings.ray_resource,
-                    ray_node_sandbox: str | None = Settings.ray_node_sandbox) -> Path:
+                    progress: Callable[[str], None] | None = None) -> Path:
     """Write ``GYM_ROOT/resources_servers/<name>/``: app.py, a copy of agentenv.py, the venv's
     pyproject.toml, configs/<name>.yaml and data/<split>.jsonl for every split. What it wrote goes
-    to ``out``; how far its deploys have got to ``progress`` (stderr by default). With --sandbox
-    ray, ``ray_address``, ``ray_resource`` and ``ray_node_sandbox`` (when given) go into the
-    config, and its deploys run on that cluster too."""
+    to ``out``; how far its deploys have got to ``progress`` (stderr by default). From a bundle,
+    the config carries its sandbox and the settings (a provider's options where they were given),
+    and the deploys that list the tools run in that sandbox too."""
     remote = source.startswith(("http://", "https://"))
-    settings = Settings.checked(
-        {"max_concurrent_envs": max_concurrent_envs, "ray_address": ray_address,
-         "ray_resource": ray_resource, "ray_node_sandbox": ray_node_sandbox},
-        lambda key, value: f"--{key.replace('_', '-')}" + ("" if value is None else f" {value!r}"))
-    if any(getattr(settings, key) for key in Settings.RAY_KEYS) and (remote or sandbox != "ray"):
-        raise AgentEnvError("--ray-address, --ray-resource and --ray-node-sandbox say where a "
-                            "bundle's envs run on a Ray cluster, and this server's envs "
-                            + ("run where the served URL runs them" if remote else
-                               f"run in the {sandbox} sandbox")
-                            + "; pass them with a bundle folder and --sandbox ray, or leave them out")
+    options_apart(settings, remote)
     if remote:
         bundle_name, rows, toolsets = await _catalog_there(source, progress)
         where: dict[str, Any] = {"url": source}
@@ -9439,8 +9800,9 @@ async def write_gym(source: str, gym_root: str,
         bundle = Bundle.load(source, reward)
         bundle_name, rows = bundle.name, _bundle_rows(bundle)
         _writable(gym_root, gym_name(bundle_name))       # refused before a deploy, if it is not
-        toolsets = await _toolsets_here(bundle, sandbox, progress, ray=RayOptions.of(settings))
-        where = {"bundle": str(bundle.root), "sandbox": sandbox, **({"reward": reward} if reward else {})}
+        toolsets = await _toolsets_here(bundle, settings, progress)
+        where = {"bundle": str(bundle.root), "sandbox": settings.sandbox,
+                 **({"reward": reward} if reward else {})}
     check_tool_names(toolsets)
     name = gym_name(bundle_name)
     target = _writable(gym_root, name)
@@ -10137,9 +10499,8 @@ class EvalPlan:
     max_tokens: int | None = None
     api_key_env: str = "OPENAI_API_KEY"
     output: str = "rollouts.jsonl"
-    sandbox: str = "auto"
     reward: str | None = None
-    settings: Settings = Settings()     # the pool, the deadlines, the concurrency, max_steps, retries
+    settings: Settings = Settings()     # the sandbox, the pool, the deadlines, the concurrency, ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -10154,7 +10515,7 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def served(source: str, settings: Settings, *, sandbox: str = "auto", reward: str | None = None,
+async def served(source: str, settings: Settings, *, reward: str | None = None,
                  knob: str, who: str, out: Callable[[str], None] | None = None,
                  ) -> AsyncIterator[Served]:
     """A running serve's URL and what it serves: ``source`` itself when it is a URL, else the
@@ -10164,8 +10525,8 @@ async def served(source: str, settings: Settings, *, sandbox: str = "auto", rewa
     if source.startswith(("http://", "https://")):
         yield Served(source, *await _catalog_there(source, out, who))
         return
-    server = _server(source, reward=reward, sandbox=sandbox, token=None, settings=settings,
-                     host="127.0.0.1", port=0, knob=knob)
+    server = _server(source, reward=reward, token=None, settings=settings, host="127.0.0.1",
+                     port=0, knob=knob)
     runner = web.AppRunner(server.app, access_log=None, shutdown_timeout=30)
     await runner.setup()
     try:
@@ -10174,7 +10535,7 @@ async def served(source: str, settings: Settings, *, sandbox: str = "auto", rewa
         port = site._server.sockets[0].getsockname()[1]              # type: ignore[union-attr]
         assert server.runtime is not None
         bundle = server.runtime.bundle
-        toolsets = await _toolsets_here(bundle, sandbox, out, runtime=server.runtime, who=who)
+        toolsets = await _toolsets_here(bundle, settings, out, runtime=server.runtime, who=who)
         yield Served(f"http://127.0.0.1:{port}", bundle.name, _bundle_rows(bundle), toolsets)
     finally:
         await runner.cleanup()
@@ -10184,8 +10545,8 @@ async def served(source: str, settings: Settings, *, sandbox: str = "auto", rewa
 async def surface_for(source: str, plan: EvalPlan) -> AsyncIterator[tuple[str, dict[str, list[dict[str, Any]]]]]:
     """The Gym surface's URL and the rows write-gym writes, for a bundle (served in-process, one
     pool as ``serve``) or a running serve's URL."""
-    async with served(source, plan.settings, sandbox=plan.sandbox, reward=plan.reward,
-                      knob="--max-concurrent-envs", who="eval") as there:
+    async with served(source, plan.settings, reward=plan.reward, knob="--max-concurrent-envs",
+                      who="eval") as there:
         check_tool_names(there.toolsets)
         name = gym_name(there.bundle)
         yield there.url, {split: [_gym_row(name, split, row, there.toolsets, {}) for row in rows]
@@ -10277,9 +10638,7 @@ async def play_all(player: Player, todo: list[Planned], file: RolloutsFile, conc
 
 trl_log = logging.getLogger("agentenv.trl")
 TRL_NAMES = ("reset", "get_reward")        # what TRL calls on an environment itself: no tool's name
-TRL_CLIENT_KEYS = ("reset_timeout", "tool_timeout")
-TRL_BUNDLE_KEYS = ("max_concurrent_envs", "deploy_timeout", "verifier_timeout", "bash_timeout",
-                   "idle_timeout", "warm", "warm_env")
+TRL_CLIENT_KEYS = ("reset_timeout", "tool_timeout")      # the client's: for a URL too
 TRL_KNOB = "trl_environment's max_concurrent_envs"
 JSON_HINTS: dict[str, Any] = {"string": str, "integer": int, "number": float, "boolean": bool,
                               "null": type(None), "array": list, "object": dict}
@@ -10453,8 +10812,8 @@ class TrlClient:
     lets go of its copies of the server's connections at once, so even a process killed outright
     leaves none open: its own are closed by the OS."""
 
-    def __init__(self, source: str, settings: Settings, sandbox: str, reward: str | None):
-        self.source, self.settings, self.sandbox, self.reward = source, settings, sandbox, reward
+    def __init__(self, source: str, settings: Settings, reward: str | None):
+        self.source, self.settings, self.reward = source, settings, reward
         self.pid = os.getpid()
         self.closed = False
         self.live: set[GymSession] = set()         # sessions open on the server, or opening
@@ -10493,7 +10852,7 @@ class TrlClient:
 
     async def _start(self) -> Served:
         there = await self._stack.enter_async_context(served(
-            self.source, self.settings, sandbox=self.sandbox, reward=self.reward, knob=TRL_KNOB,
+            self.source, self.settings, reward=self.reward, knob=TRL_KNOB,
             who="trl_environment", out=trl_log.info))
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
                                           headers=client_headers(), cookie_jar=aiohttp.DummyCookieJar())
@@ -10641,39 +11000,31 @@ def _trl_forked() -> None:
 os.register_at_fork(after_in_child=_trl_forked)
 
 
-def trl_environment(source: str | os.PathLike, *, sandbox: str = "auto", reward: str | None = None,
-                    **settings: Any) -> Any:
+def trl_environment(source: str | os.PathLike, *, reward: str | None = None, **settings: Any) -> Any:
     """GRPOTrainer's ``environment_factory`` for a bundle: a class whose instances play the rows
     of trl_dataset, one method per tool of the task's turns (with end_turn, which hands over a
     task's next prompt, or ends its episode); with several toolsets, TRL's mapping of environment
     name (the toolset's) to such a class, each row then offered its own task's tools.
 
     ``source``: a running serve's URL (AGENTENV_TOKEN is sent as its bearer token), or a bundle's
-    folder, then served in-process on a loopback port, where its envs run in ``sandbox``. Settings
-    by their serve names: ``reset_timeout`` (a deploy and the wait for a free session; each
-    end_turn) and ``tool_timeout`` (one call) for either; for a folder also ``max_concurrent_envs``
-    (at least GRPOConfig's generation_batch_size), ``deploy_timeout``, ``verifier_timeout``,
-    ``bash_timeout``, ``idle_timeout``, ``warm`` and ``warm_env``. It lists each toolset's tools
-    at once (a deploy the server does not count as an episode); a tool TRL can't offer as a method
+    folder, then served in-process on a loopback port. Settings by their names, as build_app takes
+    them: ``reset_timeout`` (a deploy and the wait for a free session; each end_turn) and
+    ``tool_timeout`` (one call) for either; for a folder also every setting of a served bundle
+    (``sandbox``, ``max_concurrent_envs``, at least GRPOConfig's generation_batch_size, the
+    deadlines, ``warm``, ``warm_env``, a provider's options). It lists each toolset's tools at
+    once (a deploy the server does not count as an episode); a tool TRL can't offer as a method
     is refused, saying which and why."""
     source = str(source)
     remote = source.startswith(("http://", "https://"))
-    allowed = TRL_CLIENT_KEYS + (() if remote else TRL_BUNDLE_KEYS)
-    for key in settings:
-        if key not in TRL_CLIENT_KEYS + TRL_BUNDLE_KEYS:
-            raise AgentEnvError(f"trl_environment takes no setting {key!r}; it takes "
-                                f"{', '.join(TRL_CLIENT_KEYS + TRL_BUNDLE_KEYS)}, sandbox and reward")
-        if key not in allowed:
-            raise AgentEnvError(f"{key} is the served bundle's setting, and {source} is served "
-                                f"already: pass it to serve there (--{key.replace('_', '-')})")
-    if remote and (sandbox != "auto" or reward is not None):
+    takes = TRL_CLIENT_KEYS + tuple(k for k in Settings.served() if k not in TRL_CLIENT_KEYS)
+    if remote and (reward is not None or "sandbox" in settings):
         raise AgentEnvError(f"sandbox and reward say how to serve a bundle's folder, and {source} "
                             "is served already: pass them to serve there (--sandbox, --reward)")
-    if sandbox not in SANDBOXES:
-        raise AgentEnvError(f"sandbox={sandbox!r} is not a sandbox agentenv.py runs envs in; pass "
-                            "'docker', 'local', 'ray' or 'auto'")
-    checked = Settings.checked(settings, lambda key, value: key if value is None else f"{key}={value!r}")
-    client = TrlClient(source, checked, sandbox, reward)
+    for key in (k for k in settings if remote and k in takes and k not in TRL_CLIENT_KEYS):
+        raise AgentEnvError(f"{key} is the served bundle's setting, and {source} is served "
+                            f"already: pass it to serve there (--{key.replace('_', '-')})")
+    checked = Settings.keywords(settings, "trl_environment", takes)
+    client = TrlClient(source, checked, reward)
     there = client.served
     problems = [p for toolset, tools in there.toolsets.items()
                 for p in trl_tool_problems(toolset, tools)]
@@ -10785,27 +11136,54 @@ def _env_int(name: str, default: int) -> int:
 
 
 CHECK_TASKS_SHOWN = 20
-# serve's flags for the settings in seconds, with what each bounds; the defaults come from Settings.
-SERVE_SETTINGS = {
+# The flags of the settings in seconds, with what each bounds; the defaults come from Settings.
+# check, serve and eval take these, with the sandbox's and the pool's:
+DEADLINES = {
     "deploy_timeout": "how long an env may take from its launch until it answers; past it the "
                       "episode fails, masked transport_timeout",
+    "verifier_timeout": "one run of a verifier's code (an env_outcome_verifier); past it the "
+                        "episode fails, masked verifier_error",
+    "bash_timeout": "one bash command in the agent's box (and within the call's own deadline); "
+                    "past it every process it started is killed, and the model reads it timed out",
+}
+# NeMo Gym's, which serve and eval (which plays through Gym's routes) take:
+GYM_DEADLINES = {
     "tool_timeout": "NeMo Gym: one tool call; past it the episode ends, masked",
     "reset_timeout": "NeMo Gym: the deploy and first turn, each end_turn, and a rollout's wait for "
                      "a free episode",
+}
+# serve's alone:
+SERVE_DEADLINES = {
     "idle_timeout": "end a session with no request for this long, to free its slot",
     "client_timeout": "how long OpenEnv clients wait for a reply (their message_timeout_s); every "
                       "reply comes --reply-margin before it",
     "reply_margin": "how long before the client's timeout a call still running is ended with a "
                     "timeout error",
-    "bash_timeout": "one bash command in the agent's box (and within the call's own deadline); "
-                    "past it every process it started is killed, and the model reads it timed out",
     "status_interval": "log a status line this often while episodes are live (and one at "
                        "shutdown)",
 }
+# The flags whose names are not the setting's own.
+FLAGS = {"eval_concurrency": "--concurrency", "model_retries": "--retries"}
 
 
-async def check(folder: str, sandbox: str, reward: str | None, out: Callable[[str], None] = print,
-                ray: RayOptions | None = None) -> None:
+def flag(key: str) -> str:
+    """The command-line flag of a setting."""
+    return FLAGS.get(key, "--" + key.replace("_", "-"))
+
+
+def settings_of(args: argparse.Namespace, **given: Any) -> Settings:
+    """The settings a command's flags give (those it has), with ``given`` (what the command
+    works out itself), checked as every way in is: a bad one says its flag."""
+    flags = {key: getattr(args, key) for key in Settings.names() if hasattr(args, key)}
+    return Settings.checked(
+        {**flags, **given},
+        lambda key, value: flag(key) + ("" if value is None else f" {value!r}" if isinstance(
+            value, str) else f" {value}") + (
+            " (or MAX_CONCURRENT_ENVS)" if key == "max_concurrent_envs" else ""))
+
+
+async def check(folder: str, settings: Settings, reward: str | None,
+                out: Callable[[str], None] = print) -> None:
     """Load a bundle, show its splits, tasks and toolsets, and play one episode per toolset as far
     as its first turn to list the tools that turn offers; then tear down."""
     bundle = Bundle.load(folder, reward)
@@ -10820,32 +11198,23 @@ async def check(folder: str, sandbox: str, reward: str | None, out: Callable[[st
             f"reward {task.reward_step}")
     if len(bundle.tasks) > len(shown):
         out(f"  ... and {len(bundle.tasks) - len(shown)} more")
-    async with Runtime(bundle, sandbox=sandbox, ray=ray) as runtime:
-        out(f"sandbox: {runtime.sandbox.kind}")
-        out("networks:")
-        for env in bundle.envs.values():
-            out(f"  {env.name}: {runtime.sandbox.network_mode(env)}")
-        placed = getattr(runtime.sandbox, "placed", None)
-        if isinstance(runtime.sandbox, RaySandbox):
-            out(f"nodes of the Ray cluster at {runtime.sandbox.options.address}:")
-            for node in runtime.sandbox.nodes.values():
-                out(f"  {node.address}  " + ", ".join(
-                    f"{k} {_amount(k, v)}" for k, v in sorted(node.resources.items())
-                    if not k.startswith(("node:", "object_store"))))
+    async with Runtime(bundle, settings) as runtime:
+        for line in runtime.sandbox.describe(list(bundle.envs.values())):
+            out(line)
         out("toolsets:")
         failed = []
         count = len(bundle.toolsets)
         for n, (toolset, tasks) in enumerate(bundle.toolsets.items(), 1):
-            started, before = time.monotonic(), len(placed or ())
+            started, where = time.monotonic(), {}
             # with many toolsets each line says how far check has got
             at = f"[{n}/{count}] " if count > 1 else ""
             try:
-                tools = await runtime.first_turn_tools(tasks[0], "check is done")
+                tools = await runtime.first_turn_tools(tasks[0], "check is done", where)
                 shown = ", ".join(t["name"] for t in tools) or "(none)"
-                where = "" if placed is None else " on " + ", ".join(
-                    f"{env} at {address}" for _, env, address in list(placed)[before:])
+                placed = " on " + ", ".join(f"{env} at {node}" for env, node in where.items()) \
+                    if where else ""
                 out(f"  {at}{toolset.name} ({len(tasks)} task{'s' if len(tasks) != 1 else ''}), "
-                    f"played with {tasks[0].name}{where} in {time.monotonic() - started:.2f}s: {shown}")
+                    f"played with {tasks[0].name}{placed} in {time.monotonic() - started:.2f}s: {shown}")
             except EpisodeFailed as exc:
                 failed.append(toolset.name)
                 out(f"  {at}{toolset.name}: the episode of {tasks[0].name} failed: {exc}")
@@ -10856,60 +11225,41 @@ async def check(folder: str, sandbox: str, reward: str | None, out: Callable[[st
 
 def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
-    limit = pool_size(args.max_concurrent_envs)
-    flags = {key: getattr(args, key) for key in SERVE_SETTINGS}
-    settings = Settings.checked(
-        {"max_concurrent_envs": limit, **flags, "warm": args.warm, "warm_env": args.warm_env or None},
-        lambda key, value: f"--{key.replace('_', '-')}" + ("" if value is None else f" {value}") + (
-            " (or MAX_CONCURRENT_ENVS)" if key == "max_concurrent_envs" else ""))
+    settings = settings_of(args, max_concurrent_envs=pool_size(args.max_concurrent_envs),
+                           warm_env=args.warm_env or None)
     token = args.token or os.environ.get("AGENTENV_TOKEN") or None
     if not is_loopback(args.host) and not token:
         log.warning("Serving on %s with no token: anyone who can reach this port can run the "
                     "bundle's envs and tools. Pass --token (or set AGENTENV_TOKEN) so every request "
                     "must carry it, or bind 127.0.0.1.", args.host or "every interface")
-    server = _server(args.bundle, reward=args.reward, sandbox=args.sandbox, token=token,
-                     settings=settings, host=args.host, port=args.port, ray=ray_options(args))
+    server = _server(args.bundle, reward=args.reward, token=token, settings=settings,
+                     host=args.host, port=args.port)
     wait_for_children_by_pidfd()
     web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None,
                 shutdown_timeout=30)
 
 
-def pool_size(flag: int | None) -> int:
+def pool_size(flag: int | None, default: int = Settings.max_concurrent_envs) -> int:
     """--max-concurrent-envs as given (0 included: Settings refuses it, saying so), else
-    MAX_CONCURRENT_ENVS, else the default."""
-    return flag if flag is not None else _env_int("MAX_CONCURRENT_ENVS", Settings.max_concurrent_envs)
-
-
-def ray_options(args: argparse.Namespace) -> RayOptions:
-    """The Ray cluster, env nodes and node sandbox the ``--ray-*`` flags name, checked."""
-    settings = Settings.checked({key: getattr(args, key) for key in Settings.RAY_KEYS},
-                                lambda key, value: f"--{key.replace('_', '-')} {value!r}")
-    return RayOptions.of(settings)
+    MAX_CONCURRENT_ENVS, else ``default``."""
+    return flag if flag is not None else _env_int("MAX_CONCURRENT_ENVS", default)
 
 
 def eval_plan(args: argparse.Namespace) -> EvalPlan:
     """eval's flags as its plan, each checked."""
-    for flag in ("limit", "repeats", "concurrency", "max_concurrent_envs"):
-        value = getattr(args, flag)
+    for name in ("limit", "repeats"):
+        value = getattr(args, name)
         if value is not None and value < 1:
-            raise AgentEnvError(f"--{flag.replace('_', '-')} must be a whole number of at least 1, "
-                                f"not {value}")
-    if args.max_steps < 0 or args.retries < 0:
-        raise AgentEnvError("--max-steps and --retries must be 0 or more (--max-steps 0: no limit)")
-    if not args.request_timeout > 0:
-        raise AgentEnvError(f"--request-timeout must be a positive number of seconds, not "
-                            f"{args.request_timeout!r}")
+            raise AgentEnvError(f"--{name} must be a whole number of at least 1, not {value}")
     # The bundle's pool holds at least as many episodes as eval plays at once, and room for the
     # ones tearing down, unless told otherwise.
-    settings = Settings(max_concurrent_envs=args.max_concurrent_envs or _env_int(
-        "MAX_CONCURRENT_ENVS", max(args.concurrency, Settings.max_concurrent_envs)),
-        request_timeout=args.request_timeout,
-        model_retries=args.retries, eval_concurrency=args.concurrency, max_steps=args.max_steps)
+    settings = settings_of(args, max_concurrent_envs=pool_size(
+        args.max_concurrent_envs, max(args.eval_concurrency, Settings.max_concurrent_envs)))
     return EvalPlan(source=args.source, model_url=args.model_url, model=args.model, api=args.api,
                     splits=tuple(s for s in args.split.split(",") if s), limit=args.limit,
                     repeats=args.repeats, temperature=args.temperature, max_tokens=args.max_tokens,
-                    api_key_env=args.api_key_env, output=args.output, sandbox=args.sandbox,
-                    reward=args.reward, settings=settings)
+                    api_key_env=args.api_key_env, output=args.output, reward=args.reward,
+                    settings=settings)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -10924,14 +11274,13 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     try:
         if args.command == "check":
-            asyncio.run(check(args.bundle, args.sandbox, args.reward, ray=ray_options(args)))
+            asyncio.run(check(args.bundle, settings_of(args), args.reward))
         elif args.command == "serve":
             serve(args)
         elif args.command == "write-gym":
-            asyncio.run(write_gym(args.source, args.gym_root,
-                                  pool_size(args.max_concurrent_envs),
-                                  args.sandbox, args.reward, args.keep_prompts,
-                                  **{key: getattr(args, key) for key in Settings.RAY_KEYS}))
+            settings = settings_of(args, max_concurrent_envs=pool_size(args.max_concurrent_envs))
+            asyncio.run(write_gym(args.source, args.gym_root, settings, reward=args.reward,
+                                  keep_prompts=args.keep_prompts))
         elif args.command == "eval":
             if not args.verbose:       # the summary counts masked rollouts by kind; no line each
                 logging.getLogger("agentenv.gym").setLevel(logging.ERROR)
@@ -10950,41 +11299,44 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def ray_flags(cmd: argparse.ArgumentParser, address: str, written: bool = False) -> None:
-    """--ray-address and --ray-resource, for serve, check and write-gym (which writes them)."""
-    cmd.add_argument("--ray-address", default=Settings.ray_address, metavar="HOST:PORT",
-                     help=f"with --sandbox ray: {address}")
-    cmd.add_argument("--ray-resource", default=Settings.ray_resource, metavar="NAME",
-                     help="with --sandbox ray: place envs only on nodes declaring this custom "
-                          f"resource (each env asks {RAY_RESOURCE_SHARE:g} of it), keeping them "
-                          "off trainer nodes" + ("; written as ray_resource" if written else "")
-                          + "; an env asks a node for its deploy_env step's cpu "
-                          f"({RAY_ENV_CPU:g}) and memory_mb ({RAY_ENV_MEMORY_MB}) where the step "
-                          "names none")
-    cmd.add_argument("--ray-node-sandbox", choices=RAY_NODE_SANDBOXES, default=None,
-                     help="with --sandbox ray: what runs envs on each node: docker (the node's "
-                          "own daemon, from DOCKER_HOST there; its ports published on the node's "
-                          "address), local processes, or auto (Docker on each node whose daemon "
-                          "answers, else local; said per node at start)"
-                          + ("; written as ray_node_sandbox" if written else ""))
+def sandbox_flags(cmd: argparse.ArgumentParser, written: bool = False) -> None:
+    """--sandbox and each provider's options, from the registry (check, serve, eval, write-gym:
+    ``written`` into its config)."""
+    said = "; written into the config when given" if written else ""
+    for name in sorted(Settings.DECLARED, key=lambda name: name != "sandbox"):
+        declared = Settings.DECLARED[name]
+        if declared.gym_global:
+            continue
+        choices = declared.choices() if declared.choices else None
+        cmd.add_argument(flag(name), default=None, choices=choices,
+                         metavar=None if choices else declared.metavar,
+                         help=declared.help + (said if name != "sandbox" else ""))
+
+
+def pool_flag(cmd: argparse.ArgumentParser, default: str) -> None:
+    cmd.add_argument("--max-concurrent-envs", type=int, default=None, metavar="N",
+                     help=f"episodes live at once; past it, new ones wait (default: {default})")
+
+
+def seconds_flags(cmd: argparse.ArgumentParser, deadlines: dict[str, str]) -> None:
+    for key, help_ in deadlines.items():
+        cmd.add_argument(flag(key), type=float, default=None, metavar="SECONDS",
+                         help=f"{help_} ({getattr(Settings, key):g})")
 
 
 def command_line() -> argparse.ArgumentParser:
-    """The commands, their flags, and what each says in --help."""
+    """The commands, their flags, and what each says in --help. check, serve and eval take the
+    same sandbox, pool, deadline and box flags; the sandbox's come from the provider registry."""
     parser = argparse.ArgumentParser(
         prog="agentenv.py", description="Serve a bundle of agent tasks as training environments.")
     parser.add_argument("--version", action="version", version=f"agentenv.py {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what every episode does")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    pool_default = f"MAX_CONCURRENT_ENVS, else {Settings.max_concurrent_envs}"
 
     def bundle_options(cmd: argparse.ArgumentParser) -> None:
         cmd.add_argument("bundle", metavar="BUNDLE", help="the bundle's folder")
-        cmd.add_argument("--sandbox", choices=("auto", "docker", "local", "ray"), default="auto",
-                         help="where envs run: docker, local processes, auto (docker when a "
-                              "daemon answers, else local; the default), or ray (placed across "
-                              "a Ray cluster, in Docker or local processes on its nodes)")
-        ray_flags(cmd, "the cluster's address (default: RAY_ADDRESS, else auto, the cluster "
-                       "ray start made on this machine)")
+        sandbox_flags(cmd)
         cmd.add_argument("--reward", metavar="STEP", default=None,
                          help="the scoring step whose score is the reward, for tasks with several")
 
@@ -10993,6 +11345,8 @@ def command_line() -> argparse.ArgumentParser:
         description="Load a bundle, print its splits, tasks and toolsets, deploy one episode per "
                     "toolset, print the tools each offers, and tear everything down.")
     bundle_options(check_cmd)
+    pool_flag(check_cmd, pool_default)
+    seconds_flags(check_cmd, DEADLINES)
     serve_cmd = commands.add_parser(
         "serve", help="serve a bundle's tasks as OpenEnv envs",
         description="Serve every task of a bundle from one aiohttp app: the OpenEnv wire (/health, "
@@ -11001,13 +11355,9 @@ def command_line() -> argparse.ArgumentParser:
     bundle_options(serve_cmd)
     serve_cmd.add_argument("--host", default="127.0.0.1", help="the address to bind (127.0.0.1)")
     serve_cmd.add_argument("--port", type=int, default=8000, help="the port (8000)")
-    serve_cmd.add_argument("--max-concurrent-envs", type=int, default=None, metavar="N",
-                           help="episodes live at once; past it, new ones wait (default: "
-                                f"MAX_CONCURRENT_ENVS, else {Settings.max_concurrent_envs})")
-    for key, help_ in SERVE_SETTINGS.items():
-        serve_cmd.add_argument("--" + key.replace("_", "-"), type=float, default=getattr(Settings, key),
-                               metavar="SECONDS", help=f"{help_} ({getattr(Settings, key):g})")
-    serve_cmd.add_argument("--warm", type=int, default=Settings.warm, metavar="N",
+    pool_flag(serve_cmd, pool_default)
+    seconds_flags(serve_cmd, {**DEADLINES, **GYM_DEADLINES, **SERVE_DEADLINES})
+    serve_cmd.add_argument("--warm", type=int, default=None, metavar="N",
                            help="keep N envs started and ready ahead of demand, split among the "
                                 "bundle's envs by how many tasks use each; a deploy takes one at "
                                 "once, or deploys cold when none is ready (default "
@@ -11024,20 +11374,16 @@ def command_line() -> argparse.ArgumentParser:
         description="Write GYM_ROOT/resources_servers/<name>/: app.py, a copy of agentenv.py, the "
                     "venv's pyproject.toml, configs/<name>.yaml and data/<split>.jsonl rows for the "
                     "split 'all' and every eval. From a URL, the resources server plays its rollouts "
-                    "on that running server; from a bundle folder, it serves the bundle itself. It "
-                    "plays one task of each toolset to list the tools its rows offer.")
+                    "on that running server; from a bundle folder, it serves the bundle itself, in "
+                    "the sandbox its flags name (the tools are listed there too). It plays one task "
+                    "of each toolset to list the tools its rows offer.")
     writer.add_argument("source", metavar="URL_OR_BUNDLE",
                         help="a running server's URL (http://127.0.0.1:8000) or a bundle's folder")
     writer.add_argument("gym_root", metavar="GYM_ROOT", help="the Gym checkout (or extra root)")
     writer.add_argument("--max-concurrent-envs", type=int, default=None, metavar="N",
                         help="with a bundle: episodes the resources server runs at once "
                              f"({Settings.max_concurrent_envs})")
-    writer.add_argument("--sandbox", choices=("auto", "docker", "local", "ray"), default="auto",
-                        help="with a bundle: where its envs run")
-    ray_flags(writer, "the cluster the resources server joins, written in its config as "
-                      "ray_address (default: none written, so it joins RAY_ADDRESS, else the "
-                      "ray_head_node_address Gym passes, else auto); the tools are listed on it "
-                      "too", written=True)
+    sandbox_flags(writer, written=True)
     writer.add_argument("--reward", metavar="STEP", default=None,
                         help="with a bundle: the scoring step whose score is the reward")
     writer.add_argument("--keep-prompts", action="store_true",
@@ -11050,7 +11396,8 @@ def command_line() -> argparse.ArgumentParser:
                     "simple_agent plays them, and score them: each rollout is appended to --output "
                     "as it finishes (a rerun with the same --output resumes), with a live progress "
                     "line and a summary at the end. From a bundle folder it serves the bundle "
-                    "in-process; from a URL it plays a running serve.")
+                    "in-process, with the sandbox, pool and deadline flags serve takes; from a URL "
+                    "it plays a running serve.")
     evaluator.add_argument("source", metavar="BUNDLE_OR_URL",
                            help="a bundle's folder, or a running serve's URL (http://127.0.0.1:8000)")
     evaluator.add_argument("--model-url", required=True, metavar="URL",
@@ -11065,7 +11412,8 @@ def command_line() -> argparse.ArgumentParser:
                            help="the first N rows of each split (all)")
     evaluator.add_argument("--repeats", type=int, default=1, metavar="K",
                            help="rollouts per row; past 1 the summary gives pass@K and mean@K (1)")
-    evaluator.add_argument("--concurrency", type=int, default=Settings.eval_concurrency, metavar="C",
+    evaluator.add_argument("--concurrency", dest="eval_concurrency", type=int,
+                           default=Settings.eval_concurrency, metavar="C",
                            help=f"rollouts played at once ({Settings.eval_concurrency})")
     evaluator.add_argument("--max-steps", type=int, default=Settings.max_steps, metavar="M",
                            help="model calls in one rollout, as simple_agent's max_steps; 0 for no "
@@ -11080,20 +11428,20 @@ def command_line() -> argparse.ArgumentParser:
     evaluator.add_argument("--request-timeout", type=float, default=Settings.request_timeout,
                            metavar="SECONDS", help="one model request; past it the request is "
                                                    f"retried ({Settings.request_timeout:g})")
-    evaluator.add_argument("--retries", type=int, default=Settings.model_retries, metavar="N",
+    evaluator.add_argument("--retries", dest="model_retries", type=int,
+                           default=Settings.model_retries, metavar="N",
                            help="retries of a model request after a 429, a 5xx or a timeout, with "
                                 "backoff; then the rollout is the model's failure "
                                 f"({Settings.model_retries})")
     evaluator.add_argument("--output", default=EvalPlan.output, metavar="FILE",
                            help="the rollouts, one JSON line each, in NeMo Gym's shape; rerun with "
                                 f"the same file to resume ({EvalPlan.output})")
-    evaluator.add_argument("--sandbox", choices=("auto", "docker", "local"), default="auto",
-                           help="with a bundle: where its envs run")
+    sandbox_flags(evaluator)
     evaluator.add_argument("--reward", metavar="STEP", default=None,
                            help="with a bundle: the scoring step whose score is the reward")
-    evaluator.add_argument("--max-concurrent-envs", type=int, default=None, metavar="N",
-                           help="with a bundle: episodes live at once (default: MAX_CONCURRENT_ENVS, "
-                                f"else --concurrency or {Settings.max_concurrent_envs}, the larger)")
+    pool_flag(evaluator, "MAX_CONCURRENT_ENVS, else --concurrency or "
+                         f"{Settings.max_concurrent_envs}, the larger")
+    seconds_flags(evaluator, {**DEADLINES, **GYM_DEADLINES})
     return parser
 
 

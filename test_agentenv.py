@@ -237,7 +237,7 @@ run = functools.partial(harness.run, timeout=30)
 
 def local(bundle: Bundle, **options) -> Runtime:
     options = {"sandbox": "local", "deploy_timeout": 10, "verifier_timeout": 10, **options}
-    return Runtime(bundle, **options)
+    return Runtime(bundle, agentenv.Settings.of(**options))
 
 
 def refused(root, reward=None) -> list[str]:
@@ -278,7 +278,7 @@ def assert_torn_down(ep) -> None:
         assert instance.proc.returncode is not None, "an env process still runs"
         assert gone(instance.proc.pid), f"env process {instance.proc.pid} still exists"
         assert not instance.record.exists(), "the env's record was left in the state folder"
-    assert ep not in ep.runtime.live
+    assert ep not in ep.context.live
 
 
 # ================================================================ Values and settings
@@ -346,9 +346,9 @@ def test_write_gym_writes_the_ray_flags_into_the_config_and_lists_tools_on_that_
     asked = []
     listed = agentenv._toolsets_here
 
-    async def probes(bundle, sandbox, out=None, runtime=None, who="write-gym", ray=None):
-        asked.append((sandbox, ray))
-        return await listed(bundle, "local", out, runtime, who)
+    async def probes(bundle, settings, out=None, runtime=None, who="write-gym"):
+        asked.append((settings.sandbox, agentenv.RayOptions.of(settings)))
+        return await listed(bundle, agentenv.Settings.of(sandbox="local"), out, runtime, who)
     monkeypatch.setattr(agentenv, "_toolsets_here", probes)
     monkeypatch.setenv("RAY_ADDRESS", "elsewhere:6379")
     root = tmp_path / "gym"
@@ -390,6 +390,23 @@ def test_write_gym_refuses_a_bad_ray_flag_before_it_deploys_or_writes(tmp_path, 
     assert agentenv.main(["write-gym", str(NOTES), str(tmp_path / "gym"), *argv]) == 1
     assert says in capsys.readouterr().err
     assert not (tmp_path / "gym").exists()
+
+
+def test_check_serve_and_eval_take_the_same_sandbox_pool_deadline_and_box_flags():
+    """One set of flags for where envs run and how long they may take, on every command that
+    plays a bundle: each becomes the same Settings."""
+    shared = ["--sandbox", "ray", "--ray-address", "10.0.0.5:6379", "--ray-resource", "envs",
+              "--ray-node-sandbox", "docker", "--max-concurrent-envs", "3", "--deploy-timeout", "7",
+              "--verifier-timeout", "8", "--bash-timeout", "9"]
+    parser = agentenv.command_line()
+    made = []
+    for command in (["check", str(NOTES)], ["serve", str(NOTES)],
+                    ["eval", str(NOTES), "--model-url", "http://127.0.0.1:1/v1", "--model", "m"]):
+        settings = agentenv.settings_of(parser.parse_args([*command, *shared]))
+        made.append((settings.sandbox, agentenv.RayOptions.of(settings), settings.max_concurrent_envs,
+                     settings.deploy_timeout, settings.verifier_timeout, settings.bash_timeout))
+    assert made == [("ray", agentenv.RayOptions("10.0.0.5:6379", "envs", 7.0, "docker"), 3, 7.0, 8.0,
+                     9.0)] * 3
 
 
 def test_serve_shows_the_settings_defaults_in_its_help(capsys):
@@ -1252,11 +1269,89 @@ def test_parse_dockerfile_keeps_a_cmd_set_before_entrypoint_in_the_same_stage():
 
 # -- choosing one: local, docker, auto
 
+class _ZonedLocal(agentenv.LocalSandbox):
+    """A provider added as the module docstring says (one class, its settings declared): local
+    processes under another name, with an option of its own, which its connect records."""
+
+    kind = "zoned"
+    summary = "local processes, in a zone"
+    place = "in a zone"
+    settings = (agentenv.Declared("zone_name", None, lambda value, what: str(value),
+                                  "with --sandbox zoned: the zone", metavar="ZONE"),)
+    zones: list = []
+
+    @classmethod
+    async def connect(cls, owner, settings):
+        cls.zones.append(settings.zone_name)
+        return cls(owner)
+
+
+@pytest.fixture
+def zoned(monkeypatch):
+    """The zoned provider in the registry for one test, and its setting declared."""
+    monkeypatch.setitem(agentenv.PROVIDERS, "zoned", _ZonedLocal)
+    monkeypatch.setitem(agentenv.Settings.DECLARED, "zone_name", _ZonedLocal.settings[0])
+    monkeypatch.setattr(_ZonedLocal, "zones", [])
+    return _ZonedLocal
+
+
+def test_the_commands_build_app_and_a_gym_config_read_the_provider_registry(zoned, make_bundle,
+                                                                          capsys, tmp_path):
+    """--sandbox's choices (check, serve, eval, write-gym), each provider's flags, build_app's
+    keywords and a Gym config's keys come from the registry: a provider added there is offered
+    everywhere, and plays."""
+    root = make_bundle({"a": simple()})
+    parser = agentenv.command_line()
+    for command in (["check", str(root)], ["serve", str(root)], ["write-gym", str(root), "gym"],
+                    ["eval", str(root), "--model-url", "http://127.0.0.1:1/v1", "--model", "m"]):
+        args = parser.parse_args([*command, "--sandbox", "zoned", "--zone-name", "z1"])
+        assert (args.sandbox, args.zone_name) == ("zoned", "z1"), command
+        with pytest.raises(SystemExit):
+            parser.parse_args([*command, "--sandbox", "cloud"])
+        assert "invalid choice: 'cloud' (choose from 'auto', 'docker', 'local', 'ray', 'zoned')" in \
+            capsys.readouterr().err, command
+    assert agentenv.main(["check", str(root), "--sandbox", "zoned", "--zone-name", "z1"]) == 0
+    assert "sandbox: zoned" in capsys.readouterr().out.splitlines()
+    assert zoned.zones == ["z1"]
+    settings = agentenv.Settings.from_config({"sandbox": "zoned", "zone_name": "z2"}, "here")
+    assert (settings.sandbox, settings.zone_name) == ("zoned", "z2")
+    assert agentenv.build_app(root, sandbox="zoned", zone_name="z3") is not None
+    with pytest.raises(AgentEnvError, match="--zone-name says where a bundle's envs run in a zone, "
+                                            "and this server's envs run in the local sandbox"):
+        run(agentenv.write_gym(str(root), str(tmp_path),
+                               agentenv.Settings.of(sandbox="local", zone_name="z4")))
+
+
+@pytest.mark.parametrize("capability, call", [
+    ("open_image", lambda sandbox: sandbox.open_image("e", "vm", {}, "img")),
+    ("run_sibling", lambda sandbox: sandbox.run_sibling("e", "vm/c", {}, "img")),
+    ("build_image", lambda sandbox: sandbox.build_image(Path("."), "Dockerfile", "ctx")),
+    ("episode_network", lambda sandbox: sandbox.episode_network("e")),
+])
+def test_a_capability_the_local_sandbox_lacks_is_refused_saying_which_has_it(capability, call):
+    with pytest.raises(EpisodeFailed) as caught:
+        run(call(agentenv.LocalSandbox("test:1:1")))
+    assert caught.value.failure.kind == "provider_unavailable"
+    assert str(caught.value).endswith("and the local sandbox can't; serve with --sandbox docker"), \
+        str(caught.value)
+
+
+def test_a_box_on_the_ray_sandbox_is_refused_saying_which_have_them():
+    """Ray runs envs, and no box: its refusal names both providers that open boxes."""
+    fake_ray = type("ray", (), {"remote": staticmethod(lambda **_: (lambda cls: cls))})
+    sandbox = agentenv.RaySandbox("test:1:1", fake_ray, agentenv.RayOptions())
+    with pytest.raises(EpisodeFailed) as caught:
+        run(sandbox.open_box("e", "solver", {}, agents=True))
+    assert caught.value.failure.kind == "provider_unavailable"
+    assert str(caught.value) == ("box 'solver' is a box to work in, and the ray sandbox can't; "
+                                 "serve with --sandbox docker or local")
+
+
 def test_an_unknown_sandbox_is_refused(make_bundle):
     bundle = Bundle.load(make_bundle({"a": simple()}))
 
     async def go():
-        async with Runtime(bundle, sandbox="cloud"):
+        async with Runtime(bundle, agentenv.Settings(declared=(("sandbox", "cloud"),))):
             pass
 
     with pytest.raises(AgentEnvError, match="--sandbox 'cloud' is not a sandbox; use auto, docker, "
@@ -1269,7 +1364,7 @@ def test_the_ray_sandbox_without_ray_says_how_to_install_it(make_bundle, monkeyp
     bundle = Bundle.load(make_bundle({"a": simple()}))
 
     async def go():
-        async with Runtime(bundle, sandbox="ray"):
+        async with Runtime(bundle, agentenv.Settings.of(sandbox="ray")):
             pass
 
     with pytest.raises(AgentEnvError, match=r"--sandbox ray needs Ray installed in this Python: "
@@ -1287,7 +1382,7 @@ def test_the_ray_address_comes_from_the_flag_then_ray_address_then_gym_then_auto
     assert address("other:1") == "other:1"
     args = agentenv.command_line().parse_args(["serve", str(NOTES), "--sandbox", "ray",
                                                "--ray-resource", "envs"])
-    assert agentenv.ray_options(args) == agentenv.RayOptions("head:6379", "envs")
+    assert agentenv.RayOptions.of(agentenv.settings_of(args)) == agentenv.RayOptions("head:6379", "envs")
 
 
 def test_a_local_env_binds_the_host_it_is_given_and_only_that(tmp_path):
@@ -1397,7 +1492,7 @@ def test_auto_sandbox_without_docker_falls_back_to_local_and_says_why(make_bundl
     bundle = Bundle.load(make_bundle({"a": simple()}))
 
     async def go():
-        async with Runtime(bundle, sandbox="auto", deploy_timeout=10) as rt:
+        async with Runtime(bundle, agentenv.Settings.of(deploy_timeout=10)) as rt:
             kind = rt.sandbox.kind
             result = await play(rt, bundle.tasks["a"], calls=[("say", {"text": "hello"})])
         return kind, result
@@ -1702,7 +1797,7 @@ def test_a_docker_call_past_its_deadline_keeps_its_slot_until_its_thread_ends():
         return name
 
     async def go():
-        sandbox = agentenv.DockerSandbox("test-owner", client=None, ops=2)
+        sandbox = agentenv.DockerDaemon(client=None, ops=2)
         for name in ("a", "b"):
             with pytest.raises(asyncio.TimeoutError):
                 await sandbox.call(slow, name, timeout=0.05)
@@ -1725,7 +1820,7 @@ def test_a_kill_or_removal_never_waits_behind_the_slots_and_a_slots_wait_is_in_i
     release = threading.Event()
 
     async def go():
-        sandbox = agentenv.DockerSandbox("test-owner", client=None, ops=1)
+        sandbox = agentenv.DockerDaemon(client=None, ops=1)
         held = asyncio.ensure_future(sandbox.call(release.wait, 10, timeout=20))
         await asyncio.sleep(0.1)
         started = time.monotonic()
@@ -1760,7 +1855,7 @@ def test_a_pool_whose_boxes_could_outgrow_the_machine_is_said_at_start(make_bund
     with caplog.at_level(logging.WARNING):
         runtime._weigh_memory(24 << 30)
         runtime._weigh_memory(None)
-        Runtime(bundle, sandbox="local", max_concurrent_envs=9)._weigh_memory(24 << 30)
+        Runtime(bundle, agentenv.Settings.of(sandbox="local", max_concurrent_envs=9))._weigh_memory(24 << 30)
     [said] = [r.getMessage() for r in caplog.records if "Docker host has" in r.getMessage()]
     assert said.startswith("Up to 64 episodes run at once, and each may hold 2,560 MiB in its boxes "
                            "and containers (by the limits of task 't'): 160.0 GiB in all, more "
@@ -2030,7 +2125,7 @@ def test_the_deploy_deadline_fires_before_gyms_reset_timeout_by_default(make_bun
     defaults = agentenv.Settings()
     assert defaults.deploy_timeout < defaults.reset_timeout
     runtime = Runtime(Bundle.load(make_bundle({"a": simple()})))
-    assert runtime.deploy_timeout == defaults.deploy_timeout
+    assert runtime.settings.deploy_timeout == defaults.deploy_timeout
 
 
 @pytest.mark.parametrize("env, part", [
@@ -3081,7 +3176,7 @@ def test_the_pool_limit_is_a_whole_number_of_at_least_1(make_bundle):
     for bad in (0, -1, 2.5):
         with pytest.raises(AgentEnvError, match="--max-concurrent-envs must be a whole number of at "
                                                 "least 1"):
-            Runtime(bundle, sandbox="local", max_concurrent_envs=bad)
+            Runtime(bundle, agentenv.Settings(max_concurrent_envs=bad))
 
 
 # -- the start gate
@@ -3325,7 +3420,7 @@ def test_a_warm_env_that_can_not_boot_never_fails_a_start(make_bundle, caplog):
                                      envs=("main", "broken")))
 
     async def go():
-        async with local(bundle, warm_env=(("broken", 1),)) as rt:
+        async with local(bundle, warm_env={"broken": 1}) as rt:
             deadline = time.monotonic() + 10
             while not any("did not come up" in r.getMessage() for r in caplog.records):
                 assert time.monotonic() < deadline
@@ -3407,6 +3502,10 @@ def test_a_toolsets_tools_are_found_once_and_listed_before_a_reset(make_bundle):
     ({"bundle": {}}, "the mapping of splits to bundle folders is empty"),
     ({"bundle": {"all": "x"}}, "'all' cannot name a split"),
     ({"bundle": 5}, "bundle must be a bundle's folder, or a mapping of split name to folder, not int"),
+    ({"bash_timeot": 5}, "build_app takes no setting 'bash_timeot'; it takes max_concurrent_envs, "
+                         "deploy_timeout"),
+    ({"max_steps": 5}, "build_app takes no setting 'max_steps'"),          # eval's, not a server's
+    ({"ray_address": "head"}, "ray_address='head': it must be the Ray cluster's head as HOST:PORT"),
 ])
 def test_build_app_refuses_a_bad_argument_before_anything_starts(make_bundle, given, says):
     root = make_bundle({"a": simple()})
@@ -3695,7 +3794,7 @@ def test_check_prints_the_bundle_and_each_toolsets_tools(make_bundle, isolated):
                               outcome()]},
                        envs=("main", "other"), evals={"smoke": 'tasks = ["b"]\n'})
     lines: list[str] = []
-    run(agentenv.check(str(root), "local", None, out=lines.append))
+    run(agentenv.check(str(root), agentenv.Settings.of(sandbox="local"), None, out=lines.append))
     assert lines[0] == "bundle bundle: Fake bundle for tests."
     assert lines[1] == "splits: all (3 tasks), smoke (1 task)"
     assert lines[2:6] == ["tasks:",
@@ -3719,7 +3818,7 @@ def test_check_raises_when_a_toolset_fails(make_bundle):
     root = make_bundle({"a": simple(), "z": simple("broken")}, envs=("main", "broken"))
     lines: list[str] = []
     with pytest.raises(AgentEnvError, match=r"^the toolsets broken did not play; see above$"):
-        run(agentenv.check(str(root), "local", None, out=lines.append))
+        run(agentenv.check(str(root), agentenv.Settings.of(sandbox="local"), None, out=lines.append))
     assert any(line.startswith("  [1/2] main (1 task), played with a in ") for line in lines)
     failed = [line for line in lines if line.startswith("  [2/2] broken: the episode of z failed: ")]
     assert failed and "its process exited with code 4" in failed[0]

@@ -86,7 +86,7 @@ async def deadlines(runtime, task) -> dict:
     for name, command in EVADERS.items():
         started = time.monotonic()
         said = await turn.call("bash", {"command": command})
-        late[name] = time.monotonic() - started - runtime.bash_timeout
+        late[name] = time.monotonic() - started - runtime.settings.bash_timeout
         assert said.text.startswith("error: the command timed out"), said
         assert not await box._agents_processes(), name
     await episode.abandon("measured")
@@ -124,12 +124,12 @@ async def main() -> None:
     bundle = agentenv.Bundle.load(PYFIX)
     task = bundle.tasks["bsearch"]
     out: dict = {"command": "python bench/adversary.py " + " ".join(sys.argv[1:])}
-    async with agentenv.Runtime(bundle, sandbox="docker", bash_timeout=2,
-                                max_concurrent_envs=args.hostile + 2) as runtime:
+    async with agentenv.Runtime(bundle, agentenv.Settings.of(
+            sandbox="docker", bash_timeout=2, max_concurrent_envs=args.hostile + 2)) as runtime:
         out["turn_end"] = await turn_ends(runtime, task, args.samples)
         out["past_the_deadline"] = await deadlines(runtime, task)
-    async with agentenv.Runtime(bundle, sandbox="docker", bash_timeout=20,
-                                max_concurrent_envs=args.hostile + 2) as runtime:
+    async with agentenv.Runtime(bundle, agentenv.Settings.of(
+            sandbox="docker", bash_timeout=20, max_concurrent_envs=args.hostile + 2)) as runtime:
         out["sibling"] = await sibling(runtime, task, args.hostile, args.samples)
     print("1. a turn's end (the agent's processes stopped and confirmed), beside a bash `true`:")
     for name, samples in out["turn_end"].items():

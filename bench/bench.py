@@ -1261,7 +1261,7 @@ agentenv.Runtime.start = timed_async("runtime_start", start)
 agentenv.Runtime.close = timed_async("runtime_close", close)
 agentenv.Runtime.first_turn_tools = timed_async("first_turn_tools", first)
 t = time.perf_counter()
-target = asyncio.run(agentenv.write_gym(sys.argv[2], sys.argv[3], sandbox="local", out=lambda s: None))
+target = asyncio.run(agentenv.write_gym(sys.argv[2], sys.argv[3], agentenv.Settings.of(sandbox="local"), out=lambda s: None))
 total = time.perf_counter() - t
 rows = sum(1 for _ in open(target / "data" / "all.jsonl"))
 print(json.dumps({"total_s": total, "rows_all": rows, "deploys": deploys, **spent}))

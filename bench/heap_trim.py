@@ -25,7 +25,7 @@ async def waves(count: int, per_wave: int) -> list[float]:
     bundle = agentenv.Bundle.load(ROOT / "bundles" / "notes-v1")
     task = bundle.tasks["save-groceries"]
     took = []
-    async with agentenv.Runtime(bundle, sandbox="local", max_concurrent_envs=per_wave) as runtime:
+    async with agentenv.Runtime(bundle, agentenv.Settings.of(sandbox="local", max_concurrent_envs=per_wave)) as runtime:
         heap = runtime.heap
 
         async def one(n: int) -> None:

@@ -128,7 +128,7 @@ def records_of_ours(root: Path, turns: list[dict], sandbox: str = "local",
     (task,) = loaded.tasks.values()
 
     async def play():
-        async with agentenv.Runtime(loaded, sandbox=sandbox) as runtime:
+        async with agentenv.Runtime(loaded, agentenv.Settings.of(sandbox=sandbox)) as runtime:
             episode = runtime.episode(task)
             for planned in turns:
                 (await episode.next_turn()).end(planned["reply"])

@@ -121,7 +121,7 @@ def test_verify_sandbox_and_aggregates_give_the_spec_scores(request, tmp_path, s
     assert not task.sandboxed and task.toolset.name == "(no env)"   # the agent works in no box
 
     async def play():
-        async with agentenv.Runtime(loaded, sandbox=sandbox) as runtime:
+        async with agentenv.Runtime(loaded, agentenv.Settings.of(sandbox=sandbox)) as runtime:
             episode = runtime.episode(task)
             turn = await episode.next_turn()
             assert (turn.prompt, turn.system_prompt, turn.tools) == \
@@ -180,7 +180,7 @@ def test_run_code_results_and_failures(tmp_path):
                                          {"code": CODE, "boom": BOOM, "slow": SLOW}))
 
     async def play():
-        async with agentenv.Runtime(loaded, sandbox="local") as runtime:
+        async with agentenv.Runtime(loaded, agentenv.Settings.of(sandbox="local")) as runtime:
             episode = runtime.episode(loaded.tasks["code"])
             (await episode.next_turn()).end("ok")
             return await episode.result(), episode
@@ -256,7 +256,7 @@ def test_bash_in_the_agents_box_answers_as_the_spec_measured(tmp_path, no_box_le
 
     async def play():
         # 8 s: a docker exec on a loaded machine (load 30) took past 3 s to run a background job
-        async with agentenv.Runtime(loaded, sandbox="docker", bash_timeout=8) as runtime:
+        async with agentenv.Runtime(loaded, agentenv.Settings.of(sandbox="docker", bash_timeout=8)) as runtime:
             episode = runtime.episode(task)
             turn = await episode.next_turn()
             assert turn.system_prompt == "You work in a sandbox."
@@ -326,7 +326,7 @@ def test_two_turns_share_the_box_and_checks_run_as_the_agent(tmp_path, no_box_le
     loaded = agentenv.Bundle.load(bundle(tmp_path / "sbx-turns", {"turns": steps}))
 
     async def play():
-        async with agentenv.Runtime(loaded, sandbox="docker") as runtime:
+        async with agentenv.Runtime(loaded, agentenv.Settings.of(sandbox="docker")) as runtime:
             episode = runtime.episode(loaded.tasks["turns"])
             turn = await episode.next_turn()
             assert turn.system_prompt is None and turn.route == {"bash": None}
@@ -410,7 +410,7 @@ def test_unit_test_verifiers_in_a_sandboxs_container(tmp_path, no_box_left, dock
     assert not loaded.tasks["units"].sandboxed       # placed on a sandbox only: no bash
 
     async def play():
-        async with agentenv.Runtime(loaded, sandbox="docker") as runtime:
+        async with agentenv.Runtime(loaded, agentenv.Settings.of(sandbox="docker")) as runtime:
             episode = runtime.episode(loaded.tasks["units"])
             turn = await episode.next_turn()
             assert turn.tools == []
@@ -495,7 +495,7 @@ def test_a_vm_sandboxs_containers_are_reached_from_it_by_name_and_from_nothing_e
     assert task.sandboxed                     # (by its load_artifact and verify_sandbox)
 
     async def play():
-        async with agentenv.Runtime(loaded, sandbox="docker") as runtime:
+        async with agentenv.Runtime(loaded, agentenv.Settings.of(sandbox="docker")) as runtime:
             first, second = runtime.episode(task), runtime.episode(task)
             turn, other = await first.next_turn(), await second.next_turn()
             # the agent placed on the VM: a box of its own there (its files, its user), on the
@@ -578,7 +578,7 @@ def test_load_artifact_and_run_code_act_where_an_env_runs(request, tmp_path, san
     assert not loaded.tasks["env"].sandboxed
 
     async def play():
-        async with agentenv.Runtime(loaded, sandbox=sandbox) as runtime:
+        async with agentenv.Runtime(loaded, agentenv.Settings.of(sandbox=sandbox)) as runtime:
             episode = runtime.episode(loaded.tasks["env"])
             turn = await episode.next_turn()
             env = episode.envs["notebook"]
@@ -618,7 +618,7 @@ def test_a_unit_test_verifier_reads_the_seed_in_its_environment(request, tmp_pat
             "repo-name": "skipped"}
 
     async def play():
-        async with agentenv.Runtime(loaded, sandbox=sandbox) as runtime:
+        async with agentenv.Runtime(loaded, agentenv.Settings.of(sandbox=sandbox)) as runtime:
             episode = runtime.episode(task, seed)
             turn = await episode.next_turn()
             assert turn.prompt == "Fix a b."
@@ -720,8 +720,8 @@ def test_write_gym_rows_offer_bash_first_and_gyms_simple_agent_plays_pyfix(tmp_p
     from tests.gym import harness as gym_harness
 
     gym_harness.skip_unless_gym_venv()
-    target = run(agentenv.write_gym(str(PYFIX), str(tmp_path / "root"), sandbox="docker",
-                                    out=lambda _: None), 180)
+    target = run(agentenv.write_gym(str(PYFIX), str(tmp_path / "root"),
+                                    agentenv.Settings.of(sandbox="docker"), out=lambda _: None), 180)
     rows = [json.loads(line) for line in (target / "data" / "eval.jsonl").read_text().splitlines()]
     tools = rows[0]["responses_create_params"]["tools"]
     assert [t["name"] for t in tools] == ["bash", "end_turn"]

@@ -974,7 +974,7 @@ def test_odd_characters_in_file_names_load_and_play(tmp_path):
 
     async def play() -> agentenv.Outcome:
         async with asyncio.timeout(60):
-            async with agentenv.Runtime(bundle, sandbox="local") as runtime:
+            async with agentenv.Runtime(bundle, agentenv.Settings.of(sandbox="local")) as runtime:
                 episode = runtime.episode(bundle.splits[eval_name][0])
                 turn = await episode.next_turn()
                 assert not (await turn.call("write_note", {"title": "groceries",
@@ -986,8 +986,8 @@ def test_odd_characters_in_file_names_load_and_play(tmp_path):
     outcome = asyncio.run(play())
     assert (outcome.status, outcome.reward) == ("scored", 1.0)
     gym_root = tmp_path / "gym root"
-    target = asyncio.run(agentenv.write_gym(str(root), str(gym_root), sandbox="local",
-                                            out=lambda _: None))
+    target = asyncio.run(agentenv.write_gym(str(root), str(gym_root),
+                                            agentenv.Settings.of(sandbox="local"), out=lambda _: None))
     assert target.parent == gym_root.resolve() / "resources_servers"
     assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", target.name), target.name
     written = {p.relative_to(gym_root).as_posix() for p in gym_root.rglob("*") if p.is_file()}
@@ -1429,7 +1429,7 @@ def test_token_from_agentenv_token(tmp_path):
 def test_token_given_to_server_in_process(tmp_path):
     async def go() -> tuple[int, int]:
         from aiohttp import web
-        runtime = agentenv.Runtime(BUNDLE, sandbox="local")
+        runtime = agentenv.Runtime(BUNDLE, agentenv.Settings.of(sandbox="local"))
         app = agentenv.Server(runtime, token=TOKEN).app
         runner = web.AppRunner(app)
         await runner.setup()

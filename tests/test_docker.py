@@ -147,7 +147,7 @@ def test_episode_in_container_scores_and_leaves_nothing(docker_client, task, sco
     bundle = Bundle.load(NOTES)
 
     async def go():
-        async with Runtime(bundle, sandbox="docker", max_concurrent_envs=8, deploy_timeout=180) as rt:
+        async with Runtime(bundle, agentenv.Settings.of(sandbox="docker", max_concurrent_envs=8, deploy_timeout=180)) as rt:
             assert rt.sandbox.kind == "docker" and rt.sandbox.owner == owner_id()
             for correct, reward in ((True, 1.0), (False, 0.0)):
                 ep = rt.episode(bundle.tasks[task])
@@ -200,7 +200,7 @@ def test_container_settings_and_limits(docker_client, tmp_path):
         return {"attrs": attrs, "uid": uid, "caps": caps, "base_url": instance.base_url}
 
     async def go():
-        async with Runtime(bundle, sandbox="docker") as rt:
+        async with Runtime(bundle, agentenv.Settings.of(sandbox="docker")) as rt:
             plain = rt.episode(bundle.tasks["save-groceries"])
             limited = rt.episode(bundle.tasks["limited"])
             seen = await asyncio.gather(inspect(plain), inspect(limited))
@@ -246,7 +246,7 @@ def test_a_sandbox_told_an_address_publishes_its_envs_there_only(docker_client):
     env = bundle.envs["notebook"]
 
     async def go():
-        sandbox = await agentenv.DockerSandbox.connect(owner_id(), publish="127.0.0.2")
+        sandbox = await agentenv.DockerSandbox.reached(owner_id(), publish="127.0.0.2")
         try:
             await sandbox.prepare([env])
             instance = await sandbox.launch(env, "published-on-127-0-0-2", {})
@@ -298,7 +298,7 @@ def test_image_built_once_per_content(docker_client, tmp_path, monkeypatch, buil
 
     async def open_and_play(expect_saved: str) -> tuple[str, str]:
         bundle = Bundle.load(root)
-        async with Runtime(bundle, sandbox="docker") as rt:
+        async with Runtime(bundle, agentenv.Settings.of(sandbox="docker")) as rt:
             tag = rt.sandbox.images["notebook"]
             built_images.append(tag)
             ep = rt.episode(bundle.tasks["save-groceries"])
@@ -354,7 +354,7 @@ def broken_notes(tmp_path: Path, cmd: str) -> Bundle:
 
 async def fail_deploys(client, bundle: Bundle, built_images: list[str], tasks: list[str]) -> list:
     """Start an episode of each task at once; each must fail: (raised, outcome, seconds, left)."""
-    async with Runtime(bundle, sandbox="docker", deploy_timeout=180) as rt:
+    async with Runtime(bundle, agentenv.Settings.of(sandbox="docker", deploy_timeout=180)) as rt:
         built_images.append(rt.sandbox.images["notebook"])
 
         async def one(task: str):
@@ -403,7 +403,7 @@ def test_launch_of_env_exiting_at_once_reports_code_and_output(docker_client, tm
     episode = f"test-{uuid.uuid4().hex}"
 
     async def go() -> str:
-        async with Runtime(bundle, sandbox="docker") as rt:
+        async with Runtime(bundle, agentenv.Settings.of(sandbox="docker")) as rt:
             built_images.append(rt.sandbox.images["notebook"])
             try:
                 instance = await rt.sandbox.launch(env, episode, {})
@@ -432,7 +432,7 @@ def test_launch_of_env_exiting_at_once_reports_code_and_output(docker_client, tm
 async def runtime_closed_within(bundle, seconds: float = 10, **kwargs):
     """A docker Runtime whose close must finish within ``seconds``; if it hangs, the test fails
     (after closing the sandbox and HTTP client by hand) instead of hanging the suite."""
-    rt = await Runtime(bundle, sandbox="docker", **kwargs).start()
+    rt = await Runtime(bundle, agentenv.Settings.of(sandbox="docker", **kwargs)).start()
     failed = False
     try:
         yield rt
@@ -482,7 +482,7 @@ class CreateSpy:
         self.delay = 0.0
         self.lock = threading.Lock()
         self.started = self.returned = 0
-        self.calls = 0                  # DockerSandbox.call coroutines asked for and not done
+        self.calls = 0                  # DockerDaemon.call coroutines asked for and not done
         self.in_flight = threading.Event()
         self.created: list = []
 
@@ -540,7 +540,7 @@ def create_spy(monkeypatch):
 
     spy = CreateSpy()
     monkeypatch.setattr(ContainerCollection, "create", spy.wrap(ContainerCollection.create))
-    monkeypatch.setattr(agentenv.DockerSandbox, "call", spy.wrap_call(agentenv.DockerSandbox.call))
+    monkeypatch.setattr(agentenv.DockerDaemon, "call", spy.wrap_call(agentenv.DockerDaemon.call))
     yield spy
     spy.wait_settled()      # no create of this test may still be running in a thread
 
@@ -655,7 +655,7 @@ def test_startup_sweep_removes_only_dead_owners_containers(docker_client):
             containers[what] = c
 
         async def go():
-            async with Runtime(bundle, sandbox="docker"):
+            async with Runtime(bundle, agentenv.Settings.of(sandbox="docker")):
                 # right after start-up, before any episode
                 return {what: bool(await asyncio.to_thread(
                             labelled, docker_client, f"agentenv.owner={owner}"))
@@ -672,7 +672,7 @@ def test_startup_sweep_removes_only_dead_owners_containers(docker_client):
 
 
 async def _ensure_image(bundle):
-    async with Runtime(bundle, sandbox="docker") as rt:
+    async with Runtime(bundle, agentenv.Settings.of(sandbox="docker")) as rt:
         return rt.sandbox.images["notebook"]
 
 
@@ -682,10 +682,10 @@ def test_second_runtime_spares_live_episodes(docker_client):
     bundle = Bundle.load(NOTES)
 
     async def go():
-        async with Runtime(bundle, sandbox="docker") as first:
+        async with Runtime(bundle, agentenv.Settings.of(sandbox="docker")) as first:
             ep = first.episode(bundle.tasks["save-groceries"])
             turn = await ep.next_turn()
-            async with Runtime(bundle, sandbox="docker"):
+            async with Runtime(bundle, agentenv.Settings.of(sandbox="docker")):
                 pass
             assert await turn.call("write_note", {"title": "groceries", "text": "eggs, milk"}) == \
                 ToolResult("saved note 'groceries'")
@@ -703,7 +703,7 @@ def test_concurrent_episodes_bounded_by_max_concurrent_envs(docker_client):
     limit, count = 3, 6
 
     async def go():
-        async with Runtime(bundle, sandbox="docker", max_concurrent_envs=limit) as rt:
+        async with Runtime(bundle, agentenv.Settings.of(sandbox="docker", max_concurrent_envs=limit)) as rt:
             owner = rt.sandbox.owner
             samples: list[int] = []
             stop = threading.Event()
@@ -761,7 +761,7 @@ import agentenv
 
 async def main():
     bundle = agentenv.Bundle.load(sys.argv[2])
-    rt = await agentenv.Runtime(bundle, sandbox="docker").start()
+    rt = await agentenv.Runtime(bundle, agentenv.Settings.of(sandbox="docker")).start()
     ep = rt.episode(bundle.tasks["save-groceries"])
     await ep.next_turn()
     print("ready", agentenv.owner_id(), ep.id, flush=True)
@@ -808,7 +808,7 @@ def test_killed_server_container_swept_at_next_start(docker_client):
         assert its_networks(), "the killed server's envs ran on a network of its own"
 
         async def go():
-            async with Runtime(Bundle.load(NOTES), sandbox="docker"):
+            async with Runtime(Bundle.load(NOTES), agentenv.Settings.of(sandbox="docker")):
                 return await asyncio.to_thread(episode_containers, docker_client, episode)
 
         assert run(go()) == [], "the next Runtime.start() removes what the killed server left"

@@ -30,6 +30,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 GRIDSIM = REPO / "bundles" / "gridsim-v1"
 NOTES = REPO / "bundles" / "notes-v1"
+PYFIX = REPO / "bundles" / "pyfix-v1"
 for path in (REPO, GRIDSIM / "envs" / "gridsim"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
@@ -133,6 +134,29 @@ def test_notes_two_step_through_end_turn(tmp_path, capsys):
     assert [m["role"] for m in last] == ["system", "user"] + ["assistant", "tool"] * 3
     assert last[-1]["content"] == answers[2] and last[-1]["tool_call_id"] == last[-2]["tool_calls"][0]["id"]
     assert any(t["function"]["name"] == "end_turn" for t in chats[0]["tools"])
+
+
+def test_eval_takes_serves_deadline_flags_and_honours_bash_timeout(tmp_path, capsys):
+    """eval takes the sandbox, pool and deadline flags check and serve take: --bash-timeout 2 cuts
+    the model's `sleep 30` in its box at 2 s (it reads that the command timed out, and plays on),
+    where the default would let it run its 30 s."""
+    task = prompts(PYFIX, "eval")[0]
+    scripts = {task: [{"tool": "bash", "args": {"command": "sleep 30; echo slept"}},
+                      {"text": "I could not fix it."}]}
+    out = tmp_path / "rollouts.jsonl"
+    started = time.monotonic()
+    with fake_model.start(scripts=scripts) as model:
+        code, stdout, stderr = eval_cli(capsys, str(PYFIX), "--model-url", model.base_url,
+                                        "--model", "fake", "--limit", "1", "--sandbox", "local",
+                                        "--bash-timeout", "2", "--output", str(out))
+    took = time.monotonic() - started
+    assert code == 0, stderr
+    [line] = read_jsonl(out)
+    said = items(line, "function_call_output")[0]["output"]
+    assert said.startswith("error: the command timed out after 2s"), said
+    assert "slept" not in said
+    assert (line["reward"], line["mask_sample"]) == (0.0, False)     # the bug stands: scored 0
+    assert took < 25, f"eval took {took:.1f}s: the command ran past --bash-timeout"
 
 
 def test_the_endpoints_faults_and_malformed_calls(tmp_path, capsys):

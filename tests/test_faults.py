@@ -655,7 +655,7 @@ def test_a_container_removed_during_the_start_up_sweep_does_not_stop_the_start(d
     monkeypatch.setattr(docker.api.client.APIClient, "containers", with_one_gone)
 
     async def go():
-        async with agentenv.Runtime(agentenv.Bundle.load(NOTES), sandbox="docker") as runtime:
+        async with agentenv.Runtime(agentenv.Bundle.load(NOTES), agentenv.Settings.of(sandbox="docker")) as runtime:
             return runtime.sandbox.kind
 
     assert run(go(), 120) == "docker"
@@ -681,7 +681,7 @@ def test_two_episodes_given_the_same_port_one_after_the_other_never_share_an_env
     task = bundle.tasks["save-groceries"]
 
     async def go():
-        async with agentenv.Runtime(bundle, sandbox="local") as runtime:
+        async with agentenv.Runtime(bundle, agentenv.Settings.of(sandbox="local")) as runtime:
             first = runtime.episode(task)
             first_turn = await first.next_turn()
             second = runtime.episode(task)
@@ -724,7 +724,7 @@ def test_an_env_whose_port_another_servers_env_took_first_is_started_again_elsew
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         try:
-            async with agentenv.Runtime(bundle, sandbox="local") as runtime:
+            async with agentenv.Runtime(bundle, agentenv.Settings.of(sandbox="local")) as runtime:
                 episode = runtime.episode(task)
                 turn = await episode.next_turn()
                 await turn.call("write_note", dict(GROCERIES))
@@ -756,7 +756,7 @@ def test_two_launches_at_once_are_never_handed_the_same_port(same_port_twice):
         return (await turn.call("list_notes", {})).text
 
     async def go():
-        async with agentenv.Runtime(bundle, sandbox="local") as runtime:
+        async with agentenv.Runtime(bundle, agentenv.Settings.of(sandbox="local")) as runtime:
             episodes = [runtime.episode(task), runtime.episode(task)]        # at once
             listed = await asyncio.gather(play(episodes[0], "first"), play(episodes[1], "second"))
             for episode in episodes:
@@ -779,7 +779,7 @@ def test_a_failed_deploy_quotes_the_envs_output_even_when_its_reader_lags(faults
     bundle = agentenv.Bundle.load(faults)
 
     async def go():
-        async with agentenv.Runtime(bundle, sandbox="local") as runtime:
+        async with agentenv.Runtime(bundle, agentenv.Settings.of(sandbox="local")) as runtime:
             episode = runtime.episode(bundle.tasks["broken"])
             with pytest.raises(agentenv.EpisodeFailed) as failed:
                 await episode.next_turn()

@@ -387,7 +387,7 @@ def test_local_episodes_score_optimal_idle_and_invalid(bundle, tmp_path, monkeyp
         return {"schedule": [buy if h == dear else 0 for h in range(24)]}   # buy at the top
 
     async def main():
-        async with agentenv.Runtime(bundle, sandbox="local") as runtime:
+        async with agentenv.Runtime(bundle, agentenv.Settings.of(sandbox="local")) as runtime:
             episode = runtime.episode(task)
             turn = await episode.next_turn()
             assert [t["name"] for t in turn.tools] == ["submit_schedule"]     # grade is hidden
@@ -423,7 +423,7 @@ def test_a_docker_episode_scores_the_optimum(bundle, docker_client):
     task = bundle.splits["eval"][1]
 
     async def main():
-        async with agentenv.Runtime(bundle, sandbox="docker") as runtime:
+        async with agentenv.Runtime(bundle, agentenv.Settings.of(sandbox="docker")) as runtime:
             assert runtime.sandbox.kind == "docker"
             return await _play(runtime, task, [_schedule(baselines.optimal)])
 

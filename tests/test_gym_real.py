@@ -459,7 +459,8 @@ def test_eval_scores_the_rows_as_simple_agent_does(gym, cli, tmp_path):
     with fake_model.start(scripts=scripts) as model:
         for bundle, split, limit in ((GRIDSIM, "eval", 3), (NOTES, "all", None)):
             plan = agentenv.EvalPlan(source=str(bundle), model_url=model.base_url, model="fake",
-                                     api="responses", splits=(split,), limit=limit, sandbox="local",
+                                     api="responses", splits=(split,), limit=limit,
+                                     settings=agentenv.Settings.of(sandbox="local"),
                                      output=str(tmp_path / f"{bundle.name}.jsonl"))
             for line in asyncio.run(agentenv.evaluate(plan)):
                 ours[line["task_id"]] = line

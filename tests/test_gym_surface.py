@@ -319,8 +319,8 @@ def test_the_rows_name_the_task_and_offer_its_tools_as_responses_function_tools(
 
 def test_write_gym_in_process_writes_the_same_rows(written, tmp_path):
     lines: list[str] = []
-    target = run(agentenv.write_gym(str(NOTES), str(tmp_path / "root"), max_concurrent_envs=16,
-                                    sandbox="local", out=lines.append))
+    target = run(agentenv.write_gym(str(NOTES), str(tmp_path / "root"), agentenv.Settings.of(
+                                    max_concurrent_envs=16, sandbox="local"), out=lines.append))
     assert target == (tmp_path / "root").resolve() / "resources_servers" / "notes_v1"
     assert lines == [NOTES_ROWS.strip(), f"wrote {target}"]
     for rel in ("data/all.jsonl", "data/smoke.jsonl", "app.py", "agentenv.py", "pyproject.toml"):
@@ -345,7 +345,8 @@ def test_gridsim_writes_2200_2000_200_rows_with_one_deploy(tmp_path, monkeypatch
 
     monkeypatch.setattr(agentenv.LocalSandbox, "launch", counting)
     started = time.monotonic()
-    target = run(agentenv.write_gym(str(GRIDSIM), str(tmp_path), sandbox="local", out=lambda _: None))
+    target = run(agentenv.write_gym(str(GRIDSIM), str(tmp_path), agentenv.Settings.of(sandbox="local"),
+                                    out=lambda _: None))
     seconds = time.monotonic() - started
     assert launched == ["gridsim"], "one toolset, so one deploy"
     assert seconds < 30, f"write-gym of gridsim-v1 took {seconds:.1f}s"
@@ -436,7 +437,8 @@ def test_a_tool_gym_cant_route_to_is_refused_with_the_fix(tmp_path, name, fix):
     bundle = copy_bundle(tmp_path / "badtools-v1")
     patch(bundle / "envs" / "notebook" / "server.py", '{"name": "list_notes"', f'{{"name": "{name}"')
     with pytest.raises(agentenv.AgentEnvError) as caught:
-        run(agentenv.write_gym(str(bundle), str(tmp_path / "root"), sandbox="local", out=print))
+        run(agentenv.write_gym(str(bundle), str(tmp_path / "root"), agentenv.Settings.of(sandbox="local"),
+                               out=print))
     assert str(caught.value) == (f"the rows can't be written:\n  - toolset notebook: the tool "
                                  f"{name!r} {fix}")
     assert not (tmp_path / "root").exists()

@@ -104,7 +104,7 @@ def with_bridge(tmp_path: Path) -> Path:
 
 def test_an_env_can_not_reach_another_episodes_env_but_the_server_reaches_both(docker_client):
     async def scenario():
-        async with Runtime(Bundle.load(NOTES), sandbox="docker") as runtime:
+        async with Runtime(Bundle.load(NOTES), agentenv.Settings.of(sandbox="docker")) as runtime:
             sandbox = runtime.sandbox
             network = docker_client.networks.get(sandbox.network_name())
             options = network.attrs["Options"]
@@ -144,7 +144,7 @@ def test_an_isolated_env_has_no_egress_and_one_marked_for_the_network_gets_the_b
     assert bridged.envs["notebook"].network == "bridge"
     try:
         async def reach(bundle: Bundle) -> tuple[str, list[str], str]:
-            async with Runtime(bundle, sandbox="docker") as runtime:
+            async with Runtime(bundle, agentenv.Settings.of(sandbox="docker")) as runtime:
                 episode = runtime.episode(bundle.tasks["save-groceries"])
                 await episode.next_turn()
                 container = env_container(docker_client, episode)
@@ -170,7 +170,7 @@ def test_an_isolated_env_has_no_egress_and_one_marked_for_the_network_gets_the_b
 def test_the_containers_of_one_episode_share_its_network_and_no_other_episode_reaches_them(
         docker_client):
     async def scenario():
-        sandbox = await agentenv.DockerSandbox.connect(owner_id())
+        sandbox = await agentenv.DockerSandbox.connect(owner_id(), agentenv.Settings())
         made = []
         try:
             ours = await sandbox.episode_network("episode-a")
@@ -205,8 +205,8 @@ def test_networks_a_crashed_server_left_are_swept_at_start(docker_client):
                                          labels={"agentenv.owner": dead, "agentenv.episode": "x"})
     try:
         async def scenario():
-            sandbox = await agentenv.DockerSandbox.connect(owner_id())
-            await sandbox.sweep()
+            sandbox = await agentenv.DockerSandbox.connect(owner_id(), agentenv.Settings())
+            await sandbox.daemon.sweep()
             await sandbox.close()
         run(scenario())
         assert not docker_client.networks.list(names=[left.name]), "a stale network was not swept"
@@ -223,7 +223,8 @@ def test_check_prints_each_envs_network(docker_client, tmp_path, capsys):
     bundle = Bundle.load(root)
     try:
         lines: list[str] = []
-        run(agentenv.check(str(root), "docker", None, out=lines.append), timeout=240)
+        run(agentenv.check(str(root), agentenv.Settings.of(sandbox="docker"), None, out=lines.append),
+            timeout=240)
         at = lines.index("networks:")
         assert lines[at + 1].startswith("  notebook: bridge: Docker's default bridge, with egress")
         assert lines[at + 2].startswith("  second: isolated: on agentenv-")

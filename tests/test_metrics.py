@@ -324,7 +324,7 @@ def test_the_status_line_is_logged_while_episodes_are_live_and_quiet_when_idle(t
         logger.addHandler(lines)
         level = logger.level
         logger.setLevel(logging.INFO)
-        runtime = agentenv.Runtime(agentenv.Bundle.load(NOTES), sandbox="local")
+        runtime = agentenv.Runtime(agentenv.Bundle.load(NOTES), agentenv.Settings.of(sandbox="local"))
         server = agentenv.Server(runtime, agentenv.Settings(status_interval=interval))
         runner = web.AppRunner(server.app, access_log=None)
         try:

@@ -168,7 +168,7 @@ async def play_in_process(index: int, turns: list) -> agentenv.Outcome:
     """The same play on agentenv.Runtime directly: what the runtime itself scores."""
     bundle = agentenv.Bundle.load(NOTES)
     async with asyncio.timeout(60):
-        async with agentenv.Runtime(bundle, sandbox="local") as runtime:
+        async with agentenv.Runtime(bundle, agentenv.Settings.of(sandbox="local")) as runtime:
             episode = runtime.episode(bundle.splits["all"][index])
             for calls, reply in turns:
                 turn = await episode.next_turn()

@@ -598,5 +598,5 @@ else:
         assert len(left) == 1 and all(agentenv.owner_alive(r.parent.name) is False
                                       for r in left.values()), left
         monkeypatch.setenv("AGENTENV_STATE_DIR", str(server.state))
-        agentenv.LocalSandbox(agentenv.owner_id())._sweep()
+        agentenv.LocalSandbox(agentenv.owner_id()).kill_leftovers()
         assert not server.records()

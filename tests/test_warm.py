@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from agentenv import Bundle, Runtime, ToolResult, owner_id  # noqa: E402
+from agentenv import Bundle, Runtime, Settings, ToolResult, owner_id  # noqa: E402
 from tests.harness import NOTES, Server, labelled, remove_quietly, request, run, wait_until  # noqa: E402
 
 KEY = ("notebook", ())             # notes-v1's one env spec: the notebook, no limits
@@ -62,7 +62,7 @@ async def recall(rt: Runtime) -> tuple[float, float]:
 
 def test_a_warm_env_is_handed_over_much_faster_than_a_cold_deploy(docker_client):
     async def scenario():
-        async with Runtime(Bundle.load(NOTES), sandbox="docker", warm=1) as rt:
+        async with Runtime(Bundle.load(NOTES), Settings.of(sandbox="docker", warm=1)) as rt:
             await warm_ready(rt, 1)
             [waiting] = rt.warm.ready[KEY]
             container = waiting.instance.container
@@ -86,7 +86,7 @@ def test_a_warm_container_killed_while_it_waited_is_replaced_and_the_start_goes_
     caplog.set_level(logging.INFO, "agentenv")
 
     async def scenario():
-        async with Runtime(Bundle.load(NOTES), sandbox="docker", warm=2) as rt:
+        async with Runtime(Bundle.load(NOTES), Settings.of(sandbox="docker", warm=2)) as rt:
             await warm_ready(rt, 2)
             dead, alive = (w.instance.container for w in rt.warm.ready[KEY])
             await asyncio.to_thread(dead.kill)
@@ -141,7 +141,7 @@ def test_serve_counts_warm_envs_in_health_removes_them_at_shutdown_and_a_crash_l
         [left] = of_server(docker_client, crashed)      # a killed server leaves its warm env running
 
         async def next_start():
-            async with Runtime(Bundle.load(NOTES), sandbox="docker"):
+            async with Runtime(Bundle.load(NOTES), Settings.of(sandbox="docker")):
                 return await asyncio.to_thread(of_server, docker_client, crashed)
         assert run(next_start()) == [], "the next start sweeps a crashed server's warm envs"
     finally:
