@@ -2859,6 +2859,31 @@ class DockerDaemon:
             threads.shutdown(wait=False)
 
 
+def started_published(client: Any, options: dict[str, Any], own_port: int) -> tuple[Any, str]:
+    """Create and start a container that listens on ENV_PORT (in a thread): it and the port it is
+    reached on, once the daemon has published it (or ``own_port``, on the daemon's network)."""
+    container = client.containers.create(**options)
+    try:
+        container.start()
+        if own_port:
+            return container, str(own_port)
+        for _ in range(100):    # the published port shows once the daemon has bound it
+            container.reload()
+            ports = (container.attrs.get("NetworkSettings") or {}).get("Ports") or {}
+            if ports.get(f"{ENV_PORT}/tcp"):
+                return container, ports[f"{ENV_PORT}/tcp"][0]["HostPort"]
+            state = container.attrs.get("State") or {}
+            if state.get("Status") in ("exited", "dead"):
+                output = container.logs(tail=OUTPUT_LINES).decode(errors="replace")
+                raise RuntimeError(f"its container exited with code {state.get('ExitCode')} "
+                                   f"as it started. Its last output:\n{short(output)}")
+            time.sleep(0.02)
+        raise RuntimeError("the daemon published no port for its container within 2s")
+    except BaseException:
+        container.remove(force=True)
+        raise
+
+
 class DockerInstance(Instance):
     """An env's container, published on a random port of the sandbox's address (127.0.0.1, or
     a Ray node's own); or, on a daemon with no bridge, listening on that port itself."""
@@ -2916,13 +2941,79 @@ class DockerInstance(Instance):
 @dataclasses.dataclass(frozen=True)
 class DockerOptions:
     """Where the Docker sandbox's envs are reached: the address their ports are published on,
-    which is the address this server dials (127.0.0.1 by default)."""
+    which is the address this server dials (None: DOCKER_HOST's host for a daemon elsewhere, else
+    127.0.0.1)."""
 
-    publish: str = "127.0.0.1"
+    publish: str | None = None
 
     @classmethod
     def of(cls, settings: Settings) -> DockerOptions:
-        return cls(settings.docker_publish or "127.0.0.1")
+        return cls(settings.docker_publish)
+
+
+def remote_daemon_address() -> str | None:
+    """The address of DOCKER_HOST's host, where the daemon runs elsewhere (tcp://, ssh://): a
+    daemon publishes its containers' ports on its own machine, so they are dialled there."""
+    parts = urllib.parse.urlsplit(os.environ.get("DOCKER_HOST") or "")
+    if parts.scheme not in ("tcp", "ssh", "http", "https") or not parts.hostname:
+        return None
+    try:
+        return socket.getaddrinfo(parts.hostname, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        return parts.hostname
+
+
+def daemon_shares_network() -> bool:
+    """Whether the Docker daemon at a local socket runs in this process's network namespace, as its
+    pid file beside the socket says (False where that can't be told: then a probe tells)."""
+    url = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+    if not url.startswith("unix://"):
+        return False
+    try:
+        pid = int(Path(url[len("unix://"):]).with_suffix(".pid").read_text().strip())
+        return os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net")
+    except (OSError, ValueError):
+        return False
+
+
+PROBE_DEADLINE = 10.0             # seconds for a probe container's port to answer from here
+PROBE_REPLY = b"agentenv-probe"
+# A probe container's listener (run by BOX_BASE's python): it answers each connection with
+# PROBE_REPLY, so what answers is known to be the probe, not a port proxy nor another's server.
+PROBE_SERVER = ("import socket, sys\n"
+                "host, port = sys.argv[1], int(sys.argv[2])\n"
+                "s = socket.socket(socket.AF_INET6 if ':' in host else socket.AF_INET)\n"
+                "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+                "s.bind((host, port))\n"
+                "s.listen()\n"
+                "while True:\n"
+                "    c, _ = s.accept()\n"
+                "    c.sendall(b'agentenv-probe')\n"
+                "    c.close()\n")
+
+
+async def probe_answers(host: str, port: int, within: float) -> str | None:
+    """None once the probe answers at host:port (tried again while it starts); else what dialling
+    it gave, in a phrase, when ``within`` seconds have passed."""
+    deadline, said = time.monotonic() + within, "nothing"
+    while time.monotonic() < deadline:
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port), max(0.1, min(2.0, deadline - time.monotonic())))
+        except (OSError, asyncio.TimeoutError) as exc:
+            said = "no answer" if isinstance(exc, asyncio.TimeoutError) else \
+                (os.strerror(exc.errno) if exc.errno else str(exc)).lower()
+        else:
+            try:
+                if await asyncio.wait_for(reader.read(len(PROBE_REPLY)), 2) == PROBE_REPLY:
+                    return None
+                said = "a connection that the probe did not answer"
+            except (OSError, asyncio.TimeoutError):
+                said = "a connection that the probe did not answer"
+            finally:
+                writer.close()
+        await asyncio.sleep(0.1)      # polling: a port that starts to answer sends no event
+    return said
 
 
 def publish_address(value: Any, what: str) -> str:
@@ -2949,8 +3040,9 @@ class DockerSandbox(Sandbox):
     summary = "containers of the Docker daemon DOCKER_HOST names (else the default socket)"
     place = "in Docker containers"
     settings = (Declared("docker_publish", None, publish_address,
-                         "with --sandbox docker: the address the envs' ports are published on and "
-                         "dialled at (default 127.0.0.1)", metavar="ADDRESS"),)
+                         "with --sandbox docker: the address of the daemon's machine the envs' ports "
+                         "are published on and dialled at (default: DOCKER_HOST's host for a daemon "
+                         "elsewhere, else 127.0.0.1); checked at start", metavar="ADDRESS"),)
 
     def __init__(self, owner: str, daemon: DockerDaemon, publish: str = "127.0.0.1"):
         super().__init__(owner)
@@ -2973,15 +3065,71 @@ class DockerSandbox(Sandbox):
         return await cls.reached(owner, DockerOptions.of(settings).publish)
 
     @classmethod
-    async def reached(cls, owner: str, publish: str = "127.0.0.1") -> DockerSandbox:
-        """The sandbox on the daemon DOCKER_HOST names, its envs reached at ``publish``."""
+    async def reached(cls, owner: str, publish: str | None = None) -> DockerSandbox:
+        """The sandbox on the daemon DOCKER_HOST names, its envs reached at ``publish`` (None: on
+        DOCKER_HOST's host for a daemon elsewhere, else 127.0.0.1), once that is checked."""
         daemon = await DockerDaemon.reach()
+        publish = publish or await asyncio.to_thread(remote_daemon_address) or "127.0.0.1"
         if not daemon.bridged:
             log.warning("The Docker daemon at %s has no bridge network (it runs with "
                         "--bridge=none), so env containers share its host's network, each env "
                         "bound to a port of %s: isolated in files, processes and users, not in "
                         "network.", os.environ.get("DOCKER_HOST") or "the default socket", publish)
-        return cls(owner, daemon, publish)
+        sandbox = cls(owner, daemon, publish)
+        try:
+            await sandbox.check_reachable()
+        except BaseException:
+            await sandbox.close()
+            raise
+        return sandbox
+
+    async def check_reachable(self) -> None:
+        """Check that what the daemon publishes can be reached from here, where calls to envs
+        come from: a probe container listens as an env does, and this process dials it. A daemon
+        in this process's own network (its pid file says so) needs no probe."""
+        if await asyncio.to_thread(daemon_shares_network):
+            return
+        daemon = os.environ.get("DOCKER_HOST") or "the default socket"
+        try:
+            await self.daemon.call(self.daemon.client.images.get, BOX_BASE, timeout=30)
+        except Exception as exc:                        # noqa: BLE001 - docker raises many kinds
+            log.warning("Could not check that the Docker daemon's envs can be reached from here: "
+                        "the probe runs %s, which the daemon at %s lacks (%s); an env that can't "
+                        "be reached fails at the deploy deadline.", BOX_BASE, daemon,
+                        short(str(exc), 200))
+            return
+        own_port = reserve_port(self.publish, self.ports) if self.node_network else 0
+        options: dict[str, Any] = dict(
+            image=BOX_BASE, detach=True, labels={"agentenv.owner": self.owner,
+                                                "agentenv.episode": "(probe)"},
+            command=["python3", "-c", PROBE_SERVER, self.publish if own_port else "0.0.0.0",
+                     str(own_port or ENV_PORT)],
+            security_opt=["no-new-privileges"], cap_drop=["ALL"], log_config={"type": "none"},
+            **({"network_mode": "host"} if own_port else
+               {"ports": {f"{ENV_PORT}/tcp": (self.publish, None)}}))
+        fix = ("pass --docker-publish with an address of the daemon's machine that this server "
+               "reaches (for a daemon elsewhere, DOCKER_HOST's host is the default), or "
+               "--sandbox local")
+        try:
+            container, port = await self.daemon.created(
+                lambda: started_published(self.daemon.client, options, own_port),
+                lambda made: made[0], "the probe of whether envs can be reached", "did not start")
+        except EpisodeFailed as exc:
+            self.ports.discard(own_port)
+            raise AgentEnvError(f"the Docker daemon at {daemon} could not publish a port on "
+                                f"{self.publish} ({exc}); {fix}") from None
+        try:
+            said = await probe_answers(self.publish, int(port), PROBE_DEADLINE)
+        finally:
+            self.daemon.removing(asyncio.ensure_future(self.daemon.remove(container)))
+            self.ports.discard(own_port)
+        if said is not None:
+            raise AgentEnvError(
+                f"the Docker daemon at {daemon} answers, but its envs can't be reached from here: "
+                f"it published a probe container's port on {self.publish}:{port} of its own "
+                f"machine, and dialling {self.publish}:{port} from here gave {said} within "
+                f"{PROBE_DEADLINE:g}s (the daemon runs in another network namespace, or on another "
+                f"machine); {fix}")
 
     async def prepare(self, envs: list[EnvSpec]) -> None:
         await self.daemon.sweep()
@@ -3088,31 +3236,10 @@ class DockerSandbox(Sandbox):
         if limits.get("memory_mb"):
             options["mem_limit"] = f"{int(limits['memory_mb'])}m"
 
-        def create_and_start() -> tuple[Any, str]:
-            container = self.daemon.client.containers.create(**options)
-            try:
-                container.start()
-                if own_port:
-                    return container, str(own_port)
-                for _ in range(100):    # the published port shows once the daemon has bound it
-                    container.reload()
-                    ports = (container.attrs.get("NetworkSettings") or {}).get("Ports") or {}
-                    if ports.get(f"{ENV_PORT}/tcp"):
-                        return container, ports[f"{ENV_PORT}/tcp"][0]["HostPort"]
-                    state = container.attrs.get("State") or {}
-                    if state.get("Status") in ("exited", "dead"):
-                        output = container.logs(tail=OUTPUT_LINES).decode(errors="replace")
-                        raise RuntimeError(f"its container exited with code {state.get('ExitCode')} "
-                                           f"as it started. Its last output:\n{short(output)}")
-                    time.sleep(0.02)
-                raise RuntimeError("the daemon published no port for its container within 2s")
-            except BaseException:
-                container.remove(force=True)
-                raise
-
         try:
-            container, port = await self.daemon.created(create_and_start, lambda made: made[0],
-                                                        f"env {env.name!r}", "did not come up")
+            container, port = await self.daemon.created(
+                lambda: started_published(self.daemon.client, options, own_port),
+                lambda made: made[0], f"env {env.name!r}", "did not come up")
         except BaseException:
             self.ports.discard(own_port)
             raise

@@ -1347,6 +1347,22 @@ def test_a_box_on_the_ray_sandbox_is_refused_saying_which_have_them():
                                  "serve with --sandbox docker or local")
 
 
+def test_a_remote_docker_host_publishes_and_dials_on_its_host_unless_told_an_address(monkeypatch):
+    """A daemon elsewhere (tcp://, ssh://) publishes its containers' ports on its own machine, so
+    they are published and dialled at DOCKER_HOST's host; --docker-publish says another address,
+    checked as an IP address; a local socket's default is 127.0.0.1."""
+    for url, address in (("tcp://127.0.0.1:2375", "127.0.0.1"), ("ssh://ci@127.0.0.3", "127.0.0.3"),
+                         ("unix:///var/run/docker.sock", None), ("", None)):
+        monkeypatch.setenv("DOCKER_HOST", url)
+        assert agentenv.remote_daemon_address() == address, url
+    assert agentenv.DockerOptions.of(agentenv.Settings.of(docker_publish="10.0.0.5")).publish == \
+        "10.0.0.5"
+    assert agentenv.DockerOptions.of(agentenv.Settings()).publish is None
+    with pytest.raises(AgentEnvError, match="docker_publish='dockerhost': it must be an IP address "
+                                            "of the Docker daemon's machine"):
+        agentenv.Settings.of(docker_publish="dockerhost")
+
+
 def test_an_unknown_sandbox_is_refused(make_bundle):
     bundle = Bundle.load(make_bundle({"a": simple()}))
 

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import re
 import socket
+import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -25,7 +29,8 @@ if str(REPO) not in sys.path:
 
 import agentenv  # noqa: E402
 from agentenv import Bundle, Runtime, owner_id  # noqa: E402
-from tests.harness import NOTES, copy_bundle, labelled, remove_quietly, run  # noqa: E402
+from tests.harness import (NOTES, LoopbackNamespace, NamespaceUnavailable, Socket,  # noqa: E402
+                           copy_bundle, docker_unavailable, environ, labelled, remove_quietly, run)
 
 SESSION_LABEL = "agentenv-tests.session"
 SESSION = uuid.uuid4().hex
@@ -262,3 +267,100 @@ def test_why_not_an_internal_network_docker_publishes_no_port_on_one(docker_clie
         if container is not None:
             remove_quietly([container])
         network.remove()
+
+
+# ---------------------------------------------------------------- envs reached from where calls come from
+
+def recall_played(port: int) -> float:
+    """In the namespace: wait for serve at ``port`` to answer, then play recall-recipe over /ws
+    as a trainer does (a tool call, the reply); its reward."""
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "serve did not answer within 90s"
+            time.sleep(0.1)
+    with Socket(f"ws://127.0.0.1:{port}/ws") as ws:
+        ws.ask({"type": "reset", "data": {"split": "all", "index": 0}}, 90)
+        listed = ws.ask({"type": "step", "data": {"type": "call_tool", "tool_name": "list_notes",
+                                                  "arguments": {}}})
+        assert listed["data"]["observation"]["result"]["data"] == "pancakes", listed
+        ended = ws.ask({"type": "step", "data": {"type": "call_tool", "tool_name": "end_turn",
+                                                 "arguments": {"response": "2"}}})
+        return ended["data"]["reward"]
+
+
+def probes_of(docker_client, pids: set[int]) -> list:
+    """The reachability probes that the servers ``pids`` started and left."""
+    return [c for c in labelled(docker_client, "agentenv.episode=(probe)")
+            if int(c.labels["agentenv.owner"].split(":")[1]) in pids]
+
+
+def test_a_daemon_not_known_to_share_this_network_is_probed_and_its_envs_found_reachable(
+        docker_client, monkeypatch):
+    """Where the daemon's pid file can't tell (another user's daemon, a socket mounted from
+    elsewhere), a probe container decides: here it answers, so the sandbox connects, within
+    seconds, and the probe is gone."""
+    monkeypatch.setattr(agentenv, "daemon_shares_network", lambda: False)
+
+    async def go():
+        started = time.monotonic()
+        sandbox = await agentenv.DockerSandbox.connect(owner_id(), agentenv.Settings())
+        took = time.monotonic() - started
+        await sandbox.close()
+        return took
+    took = run(go())
+    assert took < 30, f"the probe took {took:.1f}s"
+    assert probes_of(docker_client, {os.getpid()}) == []
+
+
+def test_from_a_namespace_that_cant_reach_the_daemons_ports_docker_refuses_and_auto_serves_locally(
+        docker_client, tmp_path):
+    """The host's Docker socket, seen from a loopback-only network namespace (as a Ray node in a
+    namespace of its own sees it): the daemon answers, but publishes its containers' ports in the
+    host's namespace, which this one can't reach. ``serve --sandbox docker`` refuses within
+    seconds, naming the address it dialled, where the daemon published and the fixes; ``serve``
+    (auto) says why its envs are local processes instead, and plays."""
+    try:
+        namespace = LoopbackNamespace()
+    except NamespaceUnavailable as exc:
+        docker_unavailable(f"no loopback-only network namespace can be made here ({exc}): this "
+                           "test serves from one; run the tests as root where unshare --net works")
+    port = 18000                                   # the namespace is fresh: nothing holds a port
+    serve = [sys.executable, str(REPO / "agentenv.py"), "serve", str(NOTES), "--port", str(port)]
+    with namespace:
+        started = time.monotonic()
+        refusing = subprocess.Popen(namespace.argv([*serve, "--sandbox", "docker"]),
+                                    env=environ(tmp_path / "docker"), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
+        _, said = refusing.communicate(timeout=120)
+        took = time.monotonic() - started
+        assert refusing.returncode == 1, said
+        assert re.search(r"the Docker daemon at (the default socket|\S+) answers, but its envs can't be reached "
+                         r"from here: it published a probe container's port on 127\.0\.0\.1:(\d+) "
+                         r"of its own machine, and dialling 127\.0\.0\.1:\2 from here gave "
+                         r"connection refused within 10s", said), said
+        assert said.rstrip().endswith("pass --docker-publish with an address of the daemon's "
+                                      "machine that this server reaches (for a daemon elsewhere, "
+                                      "DOCKER_HOST's host is the default), or --sandbox local"), said
+        assert took < 60, f"the refusal took {took:.1f}s"
+
+        log = tmp_path / "auto.log"
+        with open(log, "w") as out:
+            auto = subprocess.Popen(namespace.argv(serve), env=environ(tmp_path / "auto"),
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            reward = namespace.call(recall_played, port)
+        finally:
+            auto.terminate()
+            auto.wait(60)
+        text = log.read_text()
+        assert reward == 1.0, text
+        assert auto.returncode == 0, text
+        assert "Envs run as local processes (--sandbox local), with no isolation, since the Docker " \
+               "daemon at the default socket answers, but its envs can't be reached from here" in \
+               text, text
+        assert "envs in the local sandbox" in text, text
+    assert probes_of(docker_client, {refusing.pid, auto.pid}) == [], "a probe container was left"
