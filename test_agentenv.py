@@ -68,17 +68,13 @@ import agentenv
 from agentenv import (AgentEnvError, Bundle, BundleError, EpisodeFailed, McpError, McpSession,
                       Runtime, StartGate, ToolResult, aggregate_score, parse_dockerfile,
                       response_rows, task_id_root)
-from tests import harness
-from tests.harness import free_port, gone
-
-HERE = Path(__file__).resolve().parent
-NOTES = HERE / "bundles" / "notes-v1"
+from tests.harness import NOTES, REPO, free_port, gone, run as run_within
 
 
 # ================================================================ the fake bundle
 
 # What a fake bundle is made of: real files, each saying what it is in its docstring.
-FAKE_ENV = HERE / "tests" / "fake_env"
+FAKE_ENV = REPO / "tests" / "fake_env"
 # The standard-library MCP env server of every env below but plain, switched by its ENV lines.
 FAKE_SERVER = (FAKE_ENV / "server.py").read_text()
 
@@ -232,7 +228,7 @@ def make_bundle(tmp_path):
 
 # The harness's run, with this suite's deadline: 30 s a coroutine (the harness's default is 60),
 # unless a test gives its own.
-run = functools.partial(harness.run, timeout=30)
+run = functools.partial(run_within, timeout=30)
 
 
 def local(bundle: Bundle, **options) -> Runtime:
@@ -1426,16 +1422,16 @@ def test_a_local_env_binds_the_host_it_is_given_and_only_that(tmp_path):
 def test_an_env_started_to_die_with_its_parent_dies_when_its_parent_is_killed(tmp_path):
     """What a Ray node's host asks of its envs: a parent SIGKILLed (no clean-up of its own) takes
     its env along, though the env runs in a session of its own."""
-    code = ("import asyncio, os, sys; sys.path.insert(0, %r); import agentenv\n"
+    code = ("import asyncio, agentenv\n"
             "async def go():\n"
             "    env = agentenv.Bundle.load(%r).envs['notebook']\n"
             "    sandbox = agentenv.LocalSandbox('test:1:1', die_with_parent=True)\n"
             "    instance = await sandbox.launch(env, 'episode', {})\n"
             "    print(instance.proc.pid, flush=True)\n"
             "    await asyncio.sleep(600)\n"
-            "asyncio.run(go())\n" % (str(HERE), str(NOTES)))
+            "asyncio.run(go())\n" % str(NOTES))
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "AGENTENV_STATE_DIR": str(tmp_path / "state")})
+                              cwd=REPO, env={**os.environ, "AGENTENV_STATE_DIR": str(tmp_path / "state")})
     try:
         env = int(parent.stdout.readline())
         assert not gone(env, 0.5), "the env runs while its parent does"

@@ -1,7 +1,12 @@
-"""harness.py: the one test harness the suites under tests/ share (``from tests.harness import
-...``; each suite puts the repository root on ``sys.path`` first).
+"""harness.py: the one test harness the suites share, each importing what it uses in one
+``from tests.harness import ...`` (tests/conftest.py puts the repository root on ``sys.path``, and
+``python -m pytest`` run there does for test_agentenv.py: no suite touches ``sys.path``).
 
 What is here, and which suite uses it:
+
+* The paths: ``REPO``, and the example bundles ``NOTES``, ``GRIDSIM`` and ``PYFIX``, defined here
+  once; ``load_module(name, path)`` imports a file of the repository by its path (test_gridsim),
+  and ``gridsim_battery()`` gridsim's env's battery.py (test_eval, test_gridsim, test_gym_real).
 
 * ``LoopbackNamespace``: a network namespace whose only interface is loopback, where anything that
   starts Ray runs (tests/gym's full-CLI run); ``NamespaceUnavailable`` where none can be made.
@@ -66,6 +71,7 @@ import copy
 import dataclasses
 import http.client
 import http.cookies
+import importlib.util
 import json
 import os
 import shutil
@@ -83,10 +89,28 @@ from typing import Any, Iterable
 import aiohttp
 import yaml
 
+# The paths every suite uses, defined here once.
 REPO = Path(__file__).resolve().parents[1]
 NOTES = REPO / "bundles" / "notes-v1"
+GRIDSIM = REPO / "bundles" / "gridsim-v1"
+PYFIX = REPO / "bundles" / "pyfix-v1"
 COOKIE = "agentenv_session"                  # the Gym session's cookie
 HOST = "127.0.0.1"
+
+
+def load_module(name: str, path: Path) -> Any:
+    """A Python file of the repository (a bundle's script, an env's module) imported by its path,
+    under ``name`` (registered, so code that imports it by that name gets the same module)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def gridsim_battery() -> Any:
+    """gridsim-v1's battery.py (its env's rules: the battery, the optimum), imported once."""
+    return sys.modules.get("battery") or load_module("battery", GRIDSIM / "envs" / "gridsim" / "battery.py")
 
 
 # ================================================================ running things

@@ -41,12 +41,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.harness import (REPO, Gym, Socket, box_of, boxes_of, client, gym_row, run,  # noqa: E402
+from tests.harness import (Gym, PYFIX, Socket, box_of, boxes_of, client, gym_row, run,
                            serving, started_here, wait_until)
 
-import agentenv  # noqa: E402
+import agentenv
 
-PYFIX = REPO / "bundles" / "pyfix-v1"
 TASK = "bsearch"                      # every probe plays this task: its module is /app/bsearch.py
 TOOLS = ["bash", "end_turn"]
 NAIVE = "python3 -m unittest discover -s tests >/dev/null 2>&1; echo naive=$?"

@@ -22,16 +22,14 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import agentenv  # noqa: E402
-from tests.harness import LoopbackNamespace, NamespaceUnavailable, Socket, run, serving  # noqa: E402
-from tests.test_agent_sandbox import (BOOM, CODE, INPUTS, PROBE, SLOW, TASKBOX,  # noqa: E402
+import agentenv
+from tests.harness import LoopbackNamespace, NamespaceUnavailable, Socket, run, serving
+from tests.test_agent_sandbox import (BOOM, CODE, INPUTS, PROBE, SLOW, TASKBOX,
                                       UNIT_TESTS, UNITS_SCORES, bundle, local_task, units_task)
 
 VERSION = "0.9.1364"

@@ -16,19 +16,16 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import agentenv  # noqa: E402
-from tests.harness import (NOTES, REPO, Gym, Socket, box_of, boxes_of, client,  # noqa: E402
-                           gym_row, labelled, remove_quietly, run, serving, started_here)
+import agentenv
+from tests.harness import (Gym, NOTES, PYFIX, Socket, box_of, boxes_of, client, gym_row,
+                           labelled, remove_quietly, run, serving, started_here)
 
-PYFIX = REPO / "bundles" / "pyfix-v1"
 
 
 @pytest.fixture

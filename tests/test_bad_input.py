@@ -88,16 +88,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-import agentenv  # noqa: E402
-from tests.harness import (COOKIE, Reply, Server, Socket, SyncGym, copy_bundle,  # noqa: E402
-                           free_port, request, responses, serving)
-from tests.harness import gym_row as harness_row  # noqa: E402
+import agentenv
+from tests.harness import (COOKIE, NOTES, Reply, Server, Socket, SyncGym, copy_bundle, free_port,
+                           request, responses, serving, gym_row as harness_row)
 
-NOTES = REPO / "bundles" / "notes-v1"
 BUNDLE = agentenv.Bundle.load(NOTES)
 ENV = "notes-v1"
 RECALL, SAVE, TWO_STEP = 0, 1, 2

@@ -17,11 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from tests.harness import (NOTES, Server, Socket, SyncGym, copy_bundle, environ, gym_row,  # noqa: E402
+from tests.harness import (NOTES, REPO, Server, Socket, SyncGym, copy_bundle, environ, gym_row,
                            request, running)
 
 # The README's serve.py, with the folders and port the test gives it.

@@ -28,15 +28,11 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-import agentenv  # noqa: E402
-from agentenv import Bundle, EpisodeFailed, Runtime, ToolResult, owner_id  # noqa: E402
-from tests.harness import copy_bundle, labelled, remove_quietly, run  # noqa: E402
+import agentenv
+from agentenv import Bundle, EpisodeFailed, Runtime, ToolResult, owner_id
+from tests.harness import NOTES, REPO, copy_bundle, labelled, remove_quietly, run
 
-NOTES = REPO / "bundles" / "notes-v1"
 ENV_PORT = f"{agentenv.ENV_PORT}/tcp"
 
 # Containers this session makes by hand carry this label, so the leak check at the end finds them.
@@ -756,7 +752,6 @@ def test_concurrent_episodes_bounded_by_max_concurrent_envs(docker_client):
 
 CHILD = r"""
 import asyncio, sys
-sys.path.insert(0, sys.argv[1])
 import agentenv
 
 async def main():
@@ -772,7 +767,7 @@ asyncio.run(main())
 
 
 def test_killed_server_container_swept_at_next_start(docker_client):
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(REPO), str(NOTES)],
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(REPO), str(NOTES)], cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output: list[str] = []
 

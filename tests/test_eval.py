@@ -27,18 +27,13 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-GRIDSIM = REPO / "bundles" / "gridsim-v1"
-NOTES = REPO / "bundles" / "notes-v1"
-PYFIX = REPO / "bundles" / "pyfix-v1"
-for path in (REPO, GRIDSIM / "envs" / "gridsim"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
 
-import agentenv  # noqa: E402
-import battery  # noqa: E402
-from tests.gym import fake_model  # noqa: E402
-from tests.harness import environ, processes_with_env, read_jsonl, wait_until  # noqa: E402
+import agentenv
+from tests.gym import fake_model
+from tests.harness import (GRIDSIM, NOTES, PYFIX, REPO, environ, gridsim_battery,
+                           processes_with_env, read_jsonl, wait_until)
+
+battery = gridsim_battery()
 
 GROCERIES = {"title": "groceries", "text": "eggs, milk, flour"}
 

@@ -70,21 +70,17 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import time
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-import agentenv  # noqa: E402
-from tests.harness import (Gym, Reply, Server, Socket, alive, client, copy_bundle,  # noqa: E402
-                           gym_rows, labelled, one_turn_task, remove_quietly, resources_config,
-                           run, running, wait_until, with_sleep_tool)
+import agentenv
+from tests.harness import (Gym, NOTES, Reply, Server, Socket, alive, client, copy_bundle, gym_rows,
+                           labelled, one_turn_task, remove_quietly, resources_config, run, running,
+                           wait_until, with_sleep_tool)
 
 try:
     import docker.errors
@@ -92,7 +88,6 @@ try:
 except ImportError:                                  # the Docker tests skip, saying why
     DOCKER_NOT_FOUND = Exception
 
-NOTES = REPO / "bundles" / "notes-v1"
 GROCERIES = {"title": "groceries", "text": "eggs and milk"}
 
 

@@ -9,36 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import importlib.util
 import itertools
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-BUNDLE = REPO / "bundles" / "gridsim-v1"
-for path in (REPO, BUNDLE / "envs" / "gridsim"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
 
-import agentenv  # noqa: E402
-import battery  # noqa: E402
-from battery import Battery, InvalidSchedule  # noqa: E402
-from tests.harness import run  # noqa: E402
+import agentenv
+from tests.harness import GRIDSIM, gridsim_battery, load_module, run
+
+battery = gridsim_battery()
+Battery, InvalidSchedule = battery.Battery, battery.InvalidSchedule
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-generate = _load("gridsim_generate", BUNDLE / "generate.py")
-baselines = _load("gridsim_baselines", BUNDLE / "baselines.py")
+generate = load_module("gridsim_generate", GRIDSIM / "generate.py")
+baselines = load_module("gridsim_baselines", GRIDSIM / "baselines.py")
 
 
 # ---------------------------------------------------------------- the exact optimum
@@ -123,7 +110,7 @@ def test_grading_corners():
 
 
 def test_idle_and_optimum_are_exact_on_real_days_of_the_bundle():
-    for path in sorted((BUNDLE / "tasks").glob("*.json"))[:200]:
+    for path in sorted((GRIDSIM / "tasks").glob("*.json"))[:200]:
         args = json.loads(path.read_text())[1]["directives"][0]["args"]
         bat = Battery.from_dict(args["battery"])
         cents = battery.prices_cents(args["prices_usd_per_mwh"])
@@ -205,7 +192,7 @@ def test_the_generator_is_deterministic(tmp_path):
 
 def test_the_shipped_tasks_are_what_the_generator_writes(tmp_path):
     assert generate.main(["--out", str(tmp_path)]) == 0
-    assert _files(tmp_path) == _files(BUNDLE)
+    assert _files(tmp_path) == _files(GRIDSIM)
 
 
 def _csv(path: Path, days: dict[tuple[str, str], list], extra: str = "") -> Path:
@@ -266,7 +253,7 @@ def test_the_verifier_reads_json_and_sse_replies():
     import http.server
     import threading
 
-    verify = _load("gridsim_verify", BUNDLE / "artifacts" / "check_schedule" / "verify.py").verify
+    verify = load_module("gridsim_verify", GRIDSIM / "artifacts" / "check_schedule" / "verify.py").verify
     grade = {"score": 0.6, "profit": 12.5, "optimum_profit": 25.0, "valid_submission": True,
              "submissions": 2}
     mode = {"sse": False}
@@ -324,7 +311,7 @@ def test_the_verifier_reads_json_and_sse_replies():
 
 @pytest.fixture(scope="module")
 def bundle():
-    return agentenv.Bundle.load(BUNDLE)
+    return agentenv.Bundle.load(GRIDSIM)
 
 
 def test_the_bundle_loads_with_disjoint_splits(bundle):

@@ -21,19 +21,14 @@ import http.cookies
 import json
 import math
 import re
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from tests.gym import harness  # noqa: E402
-from tests.harness import NOTES, Server, gym_row, request, responses, running, tool_items  # noqa: E402
+from tests.gym import harness
+from tests.harness import NOTES, REPO, Server, gym_row, request, responses, running, tool_items
 
 REFERENCE = "notes_reference"
 TASK = "save-groceries"

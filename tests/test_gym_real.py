@@ -41,17 +41,12 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-GRIDSIM = REPO / "bundles" / "gridsim-v1"
-NOTES = REPO / "bundles" / "notes-v1"
-for path in (REPO, GRIDSIM / "envs" / "gridsim"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
 
-import battery  # noqa: E402
-from tests.gym import harness  # noqa: E402
-from tests.harness import (NamespaceUnavailable, Server, copy_bundle, environ, processes_with_env,  # noqa: E402
-                           read_jsonl, running, write_jsonl)
+from tests.gym import harness
+from tests.harness import (GRIDSIM, NOTES, NamespaceUnavailable, REPO, Server, copy_bundle, environ,
+                           gridsim_battery, processes_with_env, read_jsonl, running, write_jsonl)
+
+battery = gridsim_battery()
 
 BROKEN_CMD = '["python", "-c", "import sys; print(\'no config\'); sys.exit(3)"]'
 TOL = 1e-9

@@ -34,19 +34,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-import agentenv  # noqa: E402
-from tests.harness import (COOKIE, Gym, Reply, Server, client, copy_bundle,  # noqa: E402
+import agentenv
+from tests.harness import (COOKIE, GRIDSIM, Gym, NOTES, REPO, Reply, Server, client, copy_bundle,
                            environ, free_port, gone, gym_rows, one_turn_task, patch, read_jsonl,
-                           request, resources_config, responses, run, running, serving,
-                           wait_until)
+                           request, resources_config, responses, run, running, serving, wait_until)
 
 AGENTENV = REPO / "agentenv.py"
-NOTES = REPO / "bundles" / "notes-v1"
-GRIDSIM = REPO / "bundles" / "gridsim-v1"
 PY = sys.executable
 
 RECALL_PROMPT = "How many eggs does my 'pancakes' note say I need? Reply with just the number."

@@ -23,13 +23,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-import agentenv  # noqa: E402
-from agentenv import Bundle, Runtime, owner_id  # noqa: E402
-from tests.harness import (NOTES, LoopbackNamespace, NamespaceUnavailable, Socket,  # noqa: E402
+import agentenv
+from agentenv import Bundle, Runtime, owner_id
+from tests.harness import (LoopbackNamespace, NOTES, NamespaceUnavailable, REPO, Socket,
                            copy_bundle, docker_unavailable, environ, labelled, remove_quietly, run)
 
 SESSION_LABEL = "agentenv-tests.session"

@@ -75,13 +75,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from tests.harness import Gym, Server, alive, client, gym_row, run, running, wait_until  # noqa: E402
+from tests.harness import Gym, NOTES, REPO, Server, alive, client, gym_row, run, running, wait_until
 
-NOTES = REPO / "bundles" / "notes-v1"
 SAVE = 1                                          # save-groceries, in the split "all"
 NOTES_TOOLS = ["write_note", "read_note", "list_notes", "end_turn"]
 

@@ -23,20 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-import agentenv  # noqa: E402
-from tests.harness import (  # noqa: E402
-    NOTES, Gym, Page, Server, Socket, client, copy_bundle, free_port, gym_row, request,
-    resources_config, run, running, scrape, serving, wait_until, with_sleep_tool)
+import agentenv
+from tests.harness import (Gym, NOTES, Page, Server, Socket, client, copy_bundle, free_port,
+                           gym_row, request, resources_config, run, running, scrape, serving,
+                           wait_until, with_sleep_tool)
 
 pytest.importorskip("prometheus_client", reason="agentenv.py serves /metrics with prometheus-client: "
                                                 "pip install -e .")

@@ -33,14 +33,9 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-NOTES = REPO / "bundles" / "notes-v1"
-GRIDSIM = REPO / "bundles" / "gridsim-v1"
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-import agentenv  # noqa: E402
-from tests.harness import (Server, Socket, copy_bundle, request, run, serving,  # noqa: E402
+import agentenv
+from tests.harness import (GRIDSIM, NOTES, Server, Socket, copy_bundle, request, run, serving,
                            wait_until, with_sleep_tool)
 
 pytest.importorskip("openenv", reason="these tests drive the server with the real OpenEnv clients: "

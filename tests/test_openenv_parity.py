@@ -19,19 +19,13 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-NOTES = REPO / "bundles" / "notes-v1"
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from tests.harness import (Server, Socket, copy_bundle, request, running, serving,  # noqa: E402
+from tests.harness import (NOTES, REPO, Server, Socket, copy_bundle, request, running, serving,
                            with_sleep_tool)
 
 pytest.importorskip("openenv", reason="the reference server is built with openenv 0.10: "

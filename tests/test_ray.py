@@ -22,27 +22,24 @@ import asyncio
 import collections
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from tests.harness import (Gym, LoopbackNamespace, NamespaceUnavailable, NodeDockers,  # noqa: E402
-                           NodeDockersUnavailable, RayCluster, Server, alive, client, copy_bundle,
-                           docker_unavailable, gym_rows, in_namespace, ray_unavailable,
-                           resources_config, run, running, wait_until)
+from tests.harness import (GRIDSIM, Gym, LoopbackNamespace, NOTES, NamespaceUnavailable,
+                           NodeDockers, NodeDockersUnavailable, REPO, RayCluster, Server, alive,
+                           client, copy_bundle, docker_unavailable, gym_rows, in_namespace,
+                           ray_unavailable, resources_config, run, running, wait_until)
 
-import agentenv  # noqa: E402
+import agentenv
 
-NOTES = REPO / "bundles" / "notes-v1"
-GRIDSIM = REPO / "bundles" / "gridsim-v1"
 AGENTENV = REPO / "agentenv.py"
 INSIDE = "AGENTENV_RAY_NAMESPACE"          # set in the namespace's run of this module
 NODES = {"127.0.0.1", "127.0.0.2", "127.0.0.3"}
@@ -60,12 +57,17 @@ if os.environ.get(INSIDE) != "1":
         except NamespaceUnavailable as exc:
             ray_unavailable(f"no loopback-only network namespace can be made here ({exc}): Ray "
                             "runs only in one; run the tests as root where unshare --net works")
+        # Ray's state (its sessions, any auth token it writes) in folders of this test's own, never
+        # the user's home; RAY_TMPDIR short, for Ray's socket paths
+        home, ray_tmp = tmp_path / "home", Path(tempfile.mkdtemp(prefix="ae-ray-"))
+        home.mkdir()
         try:
             argv = namespace.argv([sys.executable, "-m", "pytest", __file__, "-x", "-q", "-s", "-ra",
                                    "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'inside'}"])
             started = time.monotonic()
             done = subprocess.run(argv, cwd=REPO, env={**os.environ, INSIDE: "1",
-                                                       "RAY_USAGE_STATS_ENABLED": "0"},
+                                                       "RAY_USAGE_STATS_ENABLED": "0",
+                                                       "HOME": str(home), "RAY_TMPDIR": str(ray_tmp)},
                                   stdin=subprocess.DEVNULL, capture_output=True, text=True,
                                   timeout=1200)
             print(done.stdout[-20000:], done.stderr[-5000:], sep="\n")
@@ -73,6 +75,7 @@ if os.environ.get(INSIDE) != "1":
             left = namespace.processes()
         finally:
             namespace.close()
+            shutil.rmtree(ray_tmp, ignore_errors=True)
         assert done.returncode == 0, f"the Ray suite failed in its namespace:\n{done.stdout[-8000:]}"
         assert not left, f"processes left in the namespace after the suite: {left}"
 

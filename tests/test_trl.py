@@ -44,18 +44,13 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-import agentenv  # noqa: E402
-from tests.harness import (  # noqa: E402
-    NOTES, Page, Socket, alive, copy_bundle, environ, processes_with_env, scrape, serving,
-    unavailable, wait_until)
+import agentenv
+from tests.harness import (GRIDSIM, NOTES, Page, REPO, Socket, alive, copy_bundle, environ,
+                           processes_with_env, scrape, serving, unavailable, wait_until)
 
 pytest.importorskip("prometheus_client", reason="the tests read /metrics: pip install -e .")
 
-GRIDSIM = REPO / "bundles" / "gridsim-v1"
 TRL_VENV = Path(os.environ.get("AGENTENV_TRL_VENV")
                 or Path.home() / ".cache" / "agentenv-tests" / "trl-1.16.0")
 # notes-v1's tasks in the split "all": the reply that scores 1, and the calls that make it so
@@ -127,7 +122,6 @@ def test_a_rollout_holds_a_session_from_reset_to_reward(tmp_path):
 
 CRASHING = '''
 import json, os, signal, sys, time
-sys.path.insert(0, {repo!r})
 import agentenv
 
 url, how = sys.argv[1], sys.argv[2]
@@ -141,7 +135,7 @@ child = os.fork()                         # as a DataLoader's worker: it holds c
 if child == 0:
     time.sleep(120)
     os._exit(0)
-print(json.dumps({{"child": child}}), flush=True)
+print(json.dumps({"child": child}), flush=True)
 if how == "crash":
     raise RuntimeError("the trainer crashed")
 os.kill(os.getpid(), signal.SIGKILL)
@@ -151,12 +145,13 @@ os.kill(os.getpid(), signal.SIGKILL)
 @pytest.mark.parametrize("how", ["crash", "kill"])
 def test_a_crashed_or_killed_trainer_leaves_no_session_though_a_forked_child_lives(tmp_path, how):
     script = tmp_path / "train.py"
-    script.write_text(CRASHING.format(repo=str(REPO)))
+    script.write_text(CRASHING)
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     with serving(NOTES, tmp_path / "serve") as server:
         with open(out, "w") as stdout, open(err, "w") as stderr:     # the child holds no pipe
             done = subprocess.run([sys.executable, str(script), server.url, how], stdout=stdout,
-                                  stderr=stderr, timeout=120, env=environ(tmp_path / "state"))
+                                  stderr=stderr, timeout=120,
+                                  env=environ(tmp_path / "state", PYTHONPATH=str(REPO)))
         child = json.loads(out.read_text().splitlines()[0])["child"]
         try:
             if how == "crash":

@@ -12,18 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from agentenv import Bundle, Runtime, Settings, ToolResult, owner_id  # noqa: E402
-from tests.harness import NOTES, Server, labelled, remove_quietly, request, run, wait_until  # noqa: E402
+from agentenv import Bundle, Runtime, Settings, ToolResult, owner_id
+from tests.harness import NOTES, Server, labelled, remove_quietly, request, run, wait_until
 
 KEY = ("notebook", ())             # notes-v1's one env spec: the notebook, no limits
 

@@ -30,22 +30,17 @@ import asyncio
 import os
 import re
 import shutil
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-import agentenv  # noqa: E402
-from tests.harness import (  # noqa: E402
-    NOTES, Gym, Server, Socket, browser_unavailable, client, copy_bundle, gym_row, patch, request,
-    run, serving, wait_until)
+import agentenv
+from tests.harness import (Gym, NOTES, REPO, Server, Socket, browser_unavailable, client,
+                           copy_bundle, gym_row, patch, request, run, serving, wait_until)
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families
 
 TOKEN = "web-test-token"
 RECALL, SAVE, TWO_STEP = 0, 1, 2               # notes-v1's tasks in the split "all"
@@ -331,8 +326,12 @@ def test_play_by_hand_and_watch_the_run(tmp_path):
     auth = {"Authorization": f"Bearer {TOKEN}"}
     with serving(bundle, tmp_path / "serve", "--token", TOKEN, headers=auth) as server, \
             sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=executable, headless=True,
-                                             args=CHROMIUM_FLAGS)
+        # its profile, crash reports and caches in a home of the test's own, not the user's
+        home = tmp_path / "chromium-home"
+        browser = playwright.chromium.launch(
+            executable_path=executable, headless=True, args=CHROMIUM_FLAGS,
+            env={**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
+                 "XDG_CACHE_HOME": str(home / ".cache")})
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.set_default_timeout(60_000)            # a deploy on a loaded machine
         expect.set_options(timeout=60_000)

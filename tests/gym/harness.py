@@ -59,6 +59,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -241,18 +242,25 @@ class Child:
 
 
 class ProcessGroup:
-    """Children of one run: started in their own sessions, stopped with SIGINT, leftovers killed."""
+    """Children of one run: started in their own sessions, stopped with SIGINT, leftovers killed.
+    Their home and Ray's temporary folder are the run's own (HOME beside its logs, RAY_TMPDIR a
+    short folder of /tmp, for Ray's socket paths), so what Gym's Ray writes (its session, its
+    ~/.ray/auth_token) never lands in the user's home."""
 
     def __init__(self, venv: Path, log_dir: Path):
         self.venv = venv
         self.tag = uuid.uuid4().hex
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.home = self.log_dir.parent / "home"
+        self.home.mkdir(exist_ok=True)
+        self.ray_tmp = Path(tempfile.mkdtemp(prefix="ae-ray-"))
         self.children: list[Child] = []
         self.leftovers: list[tuple[int, str]] = []
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        return child_env(self.venv, self.tag, extra)
+        return child_env(self.venv, self.tag, {"HOME": str(self.home), "RAY_TMPDIR": str(self.ray_tmp),
+                                               **(extra or {})})
 
     def spawn(self, name: str, argv: list[str], *, cwd: Path, env: dict[str, str]) -> Child:
         log = self.log_dir / f"{name}.log"
@@ -307,6 +315,7 @@ class ProcessGroup:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         self.leftovers = leftovers
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
         return leftovers
 
 
