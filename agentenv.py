@@ -24,13 +24,15 @@ The file reads top to bottom in the order data flows; a section uses only the se
                         every process of the agent's at a turn's end and a command's deadline;
                         or a work folder).
 4. Env client           an MCP client on aiohttp, readiness, the env's card and extensions; bash.
-5. Verifiers            the verifier kinds (an env's outcome, a reply, a box's state, unit tests)
-                        and AgentEnv's score aggregators.
-6. Episode              one play of a task: its steps as a graph (a handler per step type), its
-                        turns, its outcome; what the model does to its own box is its 0 (a
-                        Forfeit), never a mask.
+5. Verifiers            the verifier kinds (an env's outcome, a reply, a box's state, unit tests),
+                        their execution under a deadline (Verifiers, unit_tests) with one failure
+                        kind per cause, and AgentEnv's score aggregators.
+6. Episode              one play of a task, given an EpisodeContext (what it uses, not the
+                        runtime): its steps as a graph (a handler per step type), its turns, its
+                        outcome; what the model does to its own box is its 0 (a Forfeit), never
+                        a mask.
 7. Pool and runtime     the semaphore that bounds live episodes, the boot gate, the warm pool
-                        of envs ready ahead of demand, the runtime.
+                        of envs ready ahead of demand, and Runtime(bundle, settings).
 8. Plumbing             what both wires share: HTTP helpers, the JSON reader, the bearer token
                         (a header, or a browser's WebSocket subprotocol), the sessions table
                         both wires count against the pool, the idle sweep.
