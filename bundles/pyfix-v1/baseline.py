@@ -40,10 +40,10 @@ async def play(runtime: agentenv.Runtime, task: agentenv.Task, player: str) -> f
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--split", default="all")
-    parser.add_argument("--sandbox", default="auto", choices=("auto", "docker", "local"))
+    parser.add_argument("--sandbox", default="auto", choices=sorted(agentenv.PROVIDERS))
     args = parser.parse_args()
     bundle = agentenv.Bundle.load(HERE)
-    async with agentenv.Runtime(bundle, sandbox=args.sandbox, max_concurrent_envs=4) as runtime:
+    async with agentenv.Runtime(bundle, agentenv.Settings.of(sandbox=args.sandbox, max_concurrent_envs=4)) as runtime:
         for player in ("nothing", "reference"):
             started = time.monotonic()
             rewards = await asyncio.gather(*(play(runtime, t, player)
