@@ -256,8 +256,9 @@ class Settings:
     model_retries: int = 4            # eval: retries of a model request after a 429, 5xx or timeout
     eval_concurrency: int = 8         # eval: rollouts played at once
     max_steps: int = 32               # eval: model calls in one rollout (simple_agent's max_steps)
-    warm: int = 0                     # envs kept started and ready ahead of demand, split among
-                                      # the bundle's env specs by how many tasks use each
+    warm: int | str = "auto"          # envs kept started and ready ahead of demand, split among
+                                      # the bundle's env specs by how many tasks use each; "auto":
+                                      # a server with Docker keeps what warm_default says, else none
     warm_env: tuple[tuple[str, int], ...] = ()   # (env, count): those envs warmed, the split aside
     bash_timeout: float = 300.0       # one bash command in the agent's box (within the call's own)
     status_interval: float = 60.0     # how often serve logs its status line while episodes are live
@@ -314,7 +315,7 @@ class Settings:
             if key in cls.DECLARED:
                 declared[key] = cls.DECLARED[key].check(value, said(key, value))
             elif key == "warm":
-                values[key] = warm_count(value, said(key, value))
+                values[key] = AUTO if value == AUTO else warm_count(value, said(key, value))
             elif key == "warm_env":                     # its messages quote the value
                 values[key] = warm_envs(value, said(key, None))
             else:
@@ -360,11 +361,11 @@ class Settings:
                            f"{key}: {value!r} in {where}")
 
     def gym_config(self, bundle: bool) -> dict[str, Any]:
-        """The settings as a Gym config writes them (a warm pool only when there is one; a
-        declared setting only where it was given)."""
+        """The settings as a Gym config writes them (the warm pool only where it was given, so
+        an unwritten one stays "auto"; a declared setting only where it was given)."""
         keys = self.GYM_KEYS + (self.BUNDLE_KEYS if bundle else ())
         config = {key: _plain(getattr(self, key)) for key in keys if not key.startswith("warm")}
-        if bundle and self.warm:
+        if bundle and self.warm != AUTO:
             config["warm"] = self.warm
         if bundle and self.warm_env:
             config["warm_env"] = dict(self.warm_env)
@@ -374,12 +375,18 @@ class Settings:
         return config
 
 
+AUTO = "auto"         # a setting the server works out for itself (the warm pool: warm_default)
+
+
 def warm_count(value: Any, what: str) -> int:
-    """A warm pool's size as a user gave it: a whole number, 0 (no pool) or more."""
+    """A warm pool's size as a user gave it: a whole number, 0 (no pool) or more (a flag's text
+    of digits too)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or \
             not math.isfinite(value) or value < 0 or not float(value).is_integer():
-        raise AgentEnvError(f"{what} is not a whole number of warm envs (0 or more); set it to one, "
-                            "such as 4")
+        raise AgentEnvError(f"{what} is not a whole number of warm envs (0 or more) nor auto; set "
+                            "it to one, such as 4, to 0 for no warm pool, or leave it out (auto)")
     return int(value)
 
 
@@ -6452,10 +6459,9 @@ class StartGate:
 WarmKey = tuple[str, tuple[tuple[str, Any], ...]]     # an env and its deploy_env limits
 
 
-def warm_plan(bundle: Bundle, warm: int, named: tuple[tuple[str, int], ...]) -> dict[WarmKey, int]:
-    """How many warm envs to keep of each env spec (an env and its deploy_env limits): ``warm``
-    split among the specs of the envs not ``named``, and each named env's count among its own
-    specs, each by how many deploys of the bundle's tasks use it (largest remainder)."""
+def env_specs(bundle: Bundle) -> collections.Counter[WarmKey]:
+    """Each env spec the bundle's tasks deploy (an env and its deploy_env limits), with how many
+    deploys use it."""
     uses: collections.Counter[WarmKey] = collections.Counter()
     for task in bundle.tasks.values():
         for step in task.steps:
@@ -6463,6 +6469,14 @@ def warm_plan(bundle: Bundle, warm: int, named: tuple[tuple[str, int], ...]) -> 
                 env = _resolve_env(step.get("env_id"), bundle.envs, task.id)
                 if env is not None:
                     uses[(env, tuple(sorted(step.limits.items())))] += 1
+    return uses
+
+
+def warm_plan(bundle: Bundle, warm: int, named: tuple[tuple[str, int], ...]) -> dict[WarmKey, int]:
+    """How many warm envs to keep of each env spec (an env and its deploy_env limits): ``warm``
+    split among the specs of the envs not ``named``, and each named env's count among its own
+    specs, each by how many deploys of the bundle's tasks use it (largest remainder)."""
+    uses = env_specs(bundle)
     if unknown := [name for name, _ in named if name not in bundle.envs]:
         raise AgentEnvError(f"--warm-env (warm_env) names {', '.join(map(repr, unknown))}, which the "
                             "bundle has no env of; its envs are "
@@ -6580,6 +6594,7 @@ class WarmPool:
         runtime, env = self.runtime, self.runtime.bundle.envs[key[0]]
         instance: Instance | None = None
         claim: asyncio.Future = asyncio.get_running_loop().create_future()
+        offered = False                  # its claim offered to deploys: one may be waiting on it
         try:
             if self._retry[key]:
                 await asyncio.sleep(self._retry[key])        # a failed boot: not again at once
@@ -6587,6 +6602,7 @@ class WarmPool:
                 instance = await runtime.sandbox.launch(env, f"warm-{uuid.uuid4().hex}",
                                                         dict(key[1]))
                 self._launched[key].append(claim)
+                offered = True
                 assert runtime.http is not None
                 warm = await wait_ready(runtime.http, instance, env, runtime.settings.deploy_timeout)
             self._retry[key] = 0.0
@@ -6607,7 +6623,7 @@ class WarmPool:
         finally:
             if claim in self._launched[key]:
                 self._launched[key].remove(claim)
-            elif not claim.done():                       # claimed, and the pool is closing
+            elif offered and not claim.done():           # claimed, and the pool is closing
                 claim.set_exception(EpisodeFailed("the server shut down", SESSION_LOST))
             if instance is not None:
                 self._remove(instance)
@@ -6631,6 +6647,36 @@ class WarmPool:
 
 
 MIB = 1 << 20
+WARM_ENV_MIB = 64      # what the default pool counts a warm env to hold when its step sets no limit
+WARM_PER_CORE = 16     # the most warm envs the default keeps per core: a refill's boots, in spare CPU
+
+
+def warm_default(sandbox: str, limit: int, machine: int | None, episode_mib: int, env_mib: int,
+                 cores: int = os.cpu_count() or 2) -> tuple[int, str]:
+    """How many warm envs a server keeps when ``warm`` is left "auto", and why, in a phrase.
+
+    With Docker, as many as the pool's ``limit``: a trainer sizes the pool to a step (Gym seeds a
+    step's rollouts in a burst; TRL resets its generation batch one at a time), and a cold deploy
+    (a container created, started and answering: 0.3 s quiet, seconds under load) is otherwise
+    waited for by each rollout's first tool call. Never more than the machine can hold: the warm
+    envs may take a quarter of the Docker host's memory that the full pool's episodes leave (each
+    counted at its deploy_env's memory_mb, else WARM_ENV_MIB), and at most WARM_PER_CORE per
+    core, since every one taken is booted again in spare CPU. With the local sandbox a deploy is
+    a process start (0.18 s measured on 2 busy cores, against 0.02 s warm), which a Gym rollout's
+    first reply hides, so none; with Ray each node boots its own and none is measured, so none."""
+    if sandbox != "docker":
+        return 0, f"the {sandbox} sandbox gains too little from one to keep it by default"
+    count, why = limit, f"as many as the {limit} episode slots"
+    by_cpu = WARM_PER_CORE * cores
+    if by_cpu < count:
+        count, why = by_cpu, f"{WARM_PER_CORE} for each of this machine's {cores} cores"
+    if machine:
+        spare = max(0, machine // MIB - episode_mib * limit) // 4
+        if spare // env_mib < count:
+            count, why = spare // env_mib, (f"as many as a quarter of the Docker host's "
+                                            f"{machine / (1 << 30):.1f} GiB holds beside the pool, "
+                                            f"at {env_mib} MiB an env")
+    return count, why if count else f"with the Docker sandbox, {why}, which is none"
 
 
 def episode_memory(task: Task) -> int:
@@ -6652,8 +6698,12 @@ class Runtime:
     checked Settings, whole; ``knob`` says how its user raises the pool."""
 
     def __init__(self, bundle: Bundle, settings: Settings = Settings(), *, knob: str = SERVE_KNOB,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, serving: bool = False):
         self.bundle, self.settings = bundle, settings
+        # A server's runtime works out warm="auto" at start (warm_default); a command's own
+        # (check, write-gym's probe) and a bare Runtime keep no pool unless told a number.
+        self.serving = serving
+        self.warm_why: str | None = None       # why the default pool is the size it is
         self.heap = HeapTrim()
         self.pool = Pool(settings.max_concurrent_envs, knob, self.heap)
         self.metrics = metrics or Metrics()
@@ -6673,10 +6723,9 @@ class Runtime:
         self.context: EpisodeContext | None = None        # what its episodes play on, once started
         self.verifiers = Verifiers(bundle.verifiers, settings.verifier_timeout, self.metrics)
         self.starting = StartGate()
-        self.warm = WarmPool(self, warm_plan(bundle, settings.warm, settings.warm_env))
-        if self.warm.target:
-            self.metrics.watch("agentenv_warm_envs", "Warm envs started ahead of demand: ready, "
-                               "booting, and the pool's target", lambda: self.warm.counts, "state")
+        # (a name warm_env gives that the bundle has no env of stops it here, before any start)
+        self.warm = WarmPool(self, warm_plan(bundle, 0 if settings.warm == AUTO else settings.warm,
+                                             settings.warm_env))
         self._toolset_tools: dict[Toolset, asyncio.Future] = {}
 
     def _envs_by_node(self) -> dict[str, float]:
@@ -6692,7 +6741,13 @@ class Runtime:
         await self.sandbox.prepare(list(self.bundle.envs.values()))
         if self.bundle.boxed:
             await self.sandbox.prepare_box()
-        self._weigh_memory(await self.sandbox.memory())
+        machine = await self.sandbox.memory()
+        self._weigh_memory(machine)
+        if self.serving and self.settings.warm == AUTO and not self.settings.warm_env:
+            self._warm_by_default(machine)
+        if self.warm.target:
+            self.metrics.watch("agentenv_warm_envs", "Warm envs started ahead of demand: ready, "
+                               "booting, and the pool's target", lambda: self.warm.counts, "state")
         # MCP keeps its session in a header; a cookie jar would only cost every call its upkeep.
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False),
                                           cookie_jar=aiohttp.DummyCookieJar(),
@@ -6710,6 +6765,19 @@ class Runtime:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
+
+    def _warm_by_default(self, machine: int | None) -> None:
+        """warm="auto": the pool warm_default sizes for this sandbox, machine and pool (the
+        server says it at start, with how to turn it off)."""
+        specs = env_specs(self.bundle)
+        if not specs:                      # no task deploys an env: nothing to warm
+            return
+        env_mib = max(int(dict(limits).get("memory_mb") or WARM_ENV_MIB) for _, limits in specs)
+        episode_mib = max(episode_memory(t) for t in self.bundle.tasks.values())
+        count, why = warm_default(self.sandbox.kind, self.pool.limit, machine, episode_mib, env_mib)
+        self.warm_why = why
+        if count:
+            self.warm = WarmPool(self, warm_plan(self.bundle, count, ()))
 
     def _weigh_memory(self, machine: int | None) -> None:
         """Say once, at start, when the pool's episodes may together hold more memory in their
@@ -9065,10 +9133,18 @@ class Server:
                      "%s/metrics; web page: %s/web).", bundle.name, len(bundle.tasks),
                      ", ".join(bundle.splits), self.runtime.pool.limit, self.runtime.sandbox.kind,
                      f"at {url} " if url else "", url, url, url, url)
-            if warm := self.runtime.warm.counts["target"]:
+            warm, why = self.runtime.warm.counts["target"], self.runtime.warm_why
+            if warm:
                 log.info("Keeping %d warm env(s) started and ready ahead of demand (%s), beside the "
-                         "%d episode slots.", warm, self.runtime.warm.describe(),
-                         self.runtime.pool.limit)
+                         "%d episode slots%s.", warm, self.runtime.warm.describe(),
+                         self.runtime.pool.limit, "" if why is None else (
+                             f": by default with the Docker sandbox, {why}, so a step's rollouts "
+                             "take envs already up instead of each waiting for a cold deploy; "
+                             "--warm 0 (warm=0 to build_app, warm: 0 in a Gym config) turns it "
+                             "off, --warm N sets it"))
+            elif why is not None:
+                log.info("Keeping no warm envs by default: %s (--warm N, warm=N to build_app or "
+                         "warm: N in a Gym config keeps N).", why)
             self._status = asyncio.create_task(self._status_lines(self.runtime))
 
     async def _status_lines(self, runtime: Runtime) -> None:
@@ -9141,7 +9217,7 @@ def _server(bundle: Any, *, reward: str | None, token: str | None, settings: Set
         raise AgentEnvError(f"bundle must be a bundle's folder, or a mapping of split name to folder, "
                             f"not {type(bundle).__name__}")
     runtime = Runtime(loaded, settings, knob=knob or ("build_app's max_concurrent_envs" if host is None
-                                                      else SERVE_KNOB))
+                                                      else SERVE_KNOB), serving=True)
     return Server(runtime, settings, host=host, port=port, token=token)
 
 
@@ -9182,7 +9258,7 @@ def run_gym_server() -> None:
             server = Server(None, settings, url=str(config["url"]), host=host, port=port)
         elif config.get("bundle"):
             bundle = Bundle.load(Path(str(config["bundle"])).expanduser(), config.get("reward"))
-            runtime = Runtime(bundle, settings, knob=f"max_concurrent_envs in {where}")
+            runtime = Runtime(bundle, settings, knob=f"max_concurrent_envs in {where}", serving=True)
             server = Server(runtime, settings, host=host, port=port)
         else:
             sys.exit("agentenv.py: the resources server's config names neither url: (a running "
@@ -11383,7 +11459,8 @@ def eval_plan(args: argparse.Namespace) -> EvalPlan:
     # The bundle's pool holds at least as many episodes as eval plays at once, and room for the
     # ones tearing down, unless told otherwise.
     settings = settings_of(args, max_concurrent_envs=pool_size(
-        args.max_concurrent_envs, max(args.eval_concurrency, Settings.max_concurrent_envs)))
+        args.max_concurrent_envs, max(args.eval_concurrency, Settings.max_concurrent_envs)),
+        warm=0)       # eval plays rows at a steady concurrency, and keeps no warm pool
     return EvalPlan(source=args.source, model_url=args.model_url, model=args.model, api=args.api,
                     splits=tuple(s for s in args.split.split(",") if s), limit=args.limit,
                     repeats=args.repeats, temperature=args.temperature, max_tokens=args.max_tokens,
@@ -11486,11 +11563,12 @@ def command_line() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--port", type=int, default=8000, help="the port (8000)")
     pool_flag(serve_cmd, pool_default)
     seconds_flags(serve_cmd, {**DEADLINES, **GYM_DEADLINES, **SERVE_DEADLINES})
-    serve_cmd.add_argument("--warm", type=int, default=None, metavar="N",
+    serve_cmd.add_argument("--warm", default=None, metavar="N",
                            help="keep N envs started and ready ahead of demand, split among the "
                                 "bundle's envs by how many tasks use each; a deploy takes one at "
-                                "once, or deploys cold when none is ready (default "
-                                f"{Settings.warm}: none)")
+                                "once, or deploys cold when none is ready; 0: none (default "
+                                f"{Settings.warm}: with the Docker sandbox as many as "
+                                "--max-concurrent-envs, within the machine's memory; else none)")
     serve_cmd.add_argument("--warm-env", action="append", default=None, metavar="NAME=N",
                            help="keep N warm envs of the env NAME (instead of a share of --warm); "
                                 "give it once per env")

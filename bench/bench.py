@@ -260,8 +260,11 @@ async def wait_port(port: int, proc: Proc, timeout: float = 30.0) -> float:
 
 
 def serve(bundle: Path, port: int, *extra: str, sandbox: str = "local") -> Proc:
+    # A deploy here is measured cold, against docker run: no warm pool unless a part asks for one
+    # (with Docker, serve keeps one by default).
+    warm = () if "--warm" in extra else ("--warm", "0")
     return Proc([sys.executable, str(AGENTENV), "serve", str(bundle), "--sandbox", sandbox,
-                 "--port", str(port), *extra])
+                 "--port", str(port), *warm, *extra])
 
 
 def floor_server(port: int) -> Proc:

@@ -250,7 +250,8 @@ def slope_per_10k(samples: list[dict], warm_up: int, whole: bool = False,
 
 async def soak(args: argparse.Namespace) -> dict:
     state = Path(tempfile.mkdtemp(prefix="agentenv-soak-"))
-    served = Served(Path(args.agentenv).resolve(), args.pool, args.sandbox, state)
+    # no warm pool (with Docker serve keeps one by default): the envs counted are the episodes'
+    served = Served(Path(args.agentenv).resolve(), args.pool, args.sandbox, state, ("--warm", "0"))
     tallies = {"scored": 0, "masked": 0, "failed": 0}
     samples: list[dict] = []
     most_envs = 0

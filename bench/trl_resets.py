@@ -40,7 +40,8 @@ def serve(sandbox: str, folder: Path) -> tuple[subprocess.Popen, str]:
     log = open(folder / f"serve-{sandbox}.log", "w")
     proc = subprocess.Popen([sys.executable, str(REPO / "agentenv.py"), "serve",
                              str(REPO / "bundles" / "gridsim-v1"), "--sandbox", sandbox, "--port",
-                             str(port), "--max-concurrent-envs", "16"], stdout=log, stderr=log,
+                             str(port), "--max-concurrent-envs", "16", "--warm", "0"],
+                            stdout=log, stderr=log,
                             env={**os.environ, "AGENTENV_STATE_DIR": str(folder / f"state-{sandbox}")})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300                 # Docker builds the env's image first

@@ -47,8 +47,7 @@ class WarmServed(Served):
 
     def __init__(self, sandbox: str, state: Path, warm: int):
         self.warm = warm
-        super().__init__(ROOT / "agentenv.py", 8, sandbox, state,
-                         ("--warm", str(warm)) if warm else ())
+        super().__init__(ROOT / "agentenv.py", 8, sandbox, state, ("--warm", str(warm)))
 
     async def health(self, http: aiohttp.ClientSession) -> dict:
         async with http.get(self.url + "/health") as resp:

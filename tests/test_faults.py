@@ -570,7 +570,9 @@ def test_a_container_killed_mid_episode_masks_its_rollout_and_a_sibling_scores(d
     label) mid-episode. Its next call and its verify say the env's container exited with code 137,
     masked transport_peer_drop; the sibling's container plays on and scores 1.0; no container of
     the server is left."""
-    server = Server.serve(NOTES, tmp_path, "--max-concurrent-envs", "4", sandbox="docker")
+    # no warm pool (the Docker default keeps one): the server's containers are its rollouts'
+    server = Server.serve(NOTES, tmp_path, "--max-concurrent-envs", "4", "--warm", "0",
+                          sandbox="docker")
     try:
         with running(server):
             row = gym_rows(NOTES)["save-groceries"]
@@ -608,7 +610,8 @@ def test_docker_serve_killed_with_sigkill_its_containers_are_removed_at_the_next
     """Docker sandbox: serve killed with SIGKILL with a Gym rollout and an OpenEnv session live
     leaves their containers running; serve started again removes them before it answers, and
     says so."""
-    first = Server.serve(NOTES, tmp_path / "first", "--max-concurrent-envs", "4", sandbox="docker")
+    first = Server.serve(NOTES, tmp_path / "first", "--max-concurrent-envs", "4", "--warm", "0",
+                         sandbox="docker")
     left: list = []
     try:
         async def live():
@@ -626,7 +629,8 @@ def test_docker_serve_killed_with_sigkill_its_containers_are_removed_at_the_next
         left = owned_containers(docker_client, first)
         assert len(left) == 2 and all(c.status == "running" for c in left), \
             [(c.short_id, c.status) for c in left]
-        with running(Server.serve(NOTES, tmp_path / "second", sandbox="docker")) as second:
+        with running(Server.serve(NOTES, tmp_path / "second", "--warm", "0",
+                                  sandbox="docker")) as second:
             assert owned_containers(docker_client, first) == [], "the killed serve's containers live on"
             assert "Removed 2 container(s) that an earlier run of agentenv.py left behind" in second.log()
     finally:

@@ -3,7 +3,10 @@
 What a user sees: a reset that finds a warm env is much faster than a cold deploy, the env handed
 over still gets its episode's own set-up (apply_server_config), a warm container that died while it
 waited is replaced (said in a log line) and the start goes on, ``/health`` counts the warm envs,
-shutdown removes them, and a crash leaves them to the next start's sweep. Needs a Docker daemon and
+shutdown removes them, and a crash leaves them to the next start's sweep. With Docker a server
+keeps a pool by default (as many as its episode slots, within a quarter of the host's memory),
+says so at start with how to turn it off, and ``--warm 0`` (``warm=0`` to build_app, ``warm: 0`` in
+a Gym config) does; the local sandbox keeps none by default, and says so. Needs a Docker daemon and
 ``python:3.11-slim`` (``bash .ci/docker-up.sh``); without them the tests skip, or fail with
 AGENTENV_REQUIRE_DOCKER=1.
 """
@@ -15,10 +18,12 @@ import logging
 import time
 
 import pytest
+from aiohttp import web
 
-
-from agentenv import Bundle, Runtime, Settings, ToolResult, owner_id
-from tests.harness import NOTES, Server, labelled, remove_quietly, request, run, wait_until
+from agentenv import (AUTO, WARM_PER_CORE, Bundle, Runtime, Settings, ToolResult, build_app,
+                      owner_id, warm_default)
+from tests.harness import (NOTES, Server, client, copy_bundle, labelled, patch, remove_quietly,
+                           request, resources_config, run, wait_until)
 
 KEY = ("notebook", ())             # notes-v1's one env spec: the notebook, no limits
 
@@ -144,3 +149,150 @@ def test_serve_counts_warm_envs_in_health_removes_them_at_shutdown_and_a_crash_l
             if one.proc.poll() is None:
                 one.kill()
             remove_quietly(of_server(docker_client, one))
+
+
+# ---------------------------------------------------------------- the default
+
+DEFAULT_SAID = ("beside the {limit} episode slots: by default with the Docker sandbox, {why}, so a "
+                "step's rollouts take envs already up instead of each waiting for a cold deploy; "
+                "--warm 0 (warm=0 to build_app, warm: 0 in a Gym config) turns it off, --warm N "
+                "sets it.")
+
+
+def test_serve_with_docker_warms_its_slots_by_default_says_so_and_warm_0_turns_it_off(docker_client,
+                                                                                    tmp_path):
+    servers: list[Server] = []
+    try:
+        servers.append(default := Server.serve(NOTES, tmp_path / "default", "--max-concurrent-envs",
+                                               "3", sandbox="docker"))
+        servers.append(off := Server.serve(NOTES, tmp_path / "off", "--max-concurrent-envs", "3",
+                                           "--warm", "0", sandbox="docker"))
+        assert health_with_warm(default, 3) == {"status": "healthy", "episodes": 0,
+                                                "warm": {"ready": 3, "booting": 0, "target": 3}}
+        assert len(of_server(docker_client, default)) == 3
+        said = [line for line in default.log().splitlines() if "warm env" in line]
+        assert said == ["INFO agentenv: Keeping 3 warm env(s) started and ready ahead of demand "
+                        "(notebook 3), " + DEFAULT_SAID.format(
+                            limit=3, why="as many as the 3 episode slots")], said
+
+        wait_until(lambda: off.healthy(), 60, "the server with --warm 0 answers")
+        assert request(off.url + "/health", "GET").json() == {"status": "healthy"}
+        assert "warm env" not in off.log()
+        assert of_server(docker_client, off) == [], "--warm 0 starts nothing ahead of demand"
+        for one in servers:
+            assert one.stop() == 0
+        assert of_server(docker_client, default) == []
+    finally:
+        for one in servers:
+            if one.proc.poll() is None:
+                one.kill()
+            remove_quietly(of_server(docker_client, one))
+
+
+async def app_health(app) -> dict:
+    """build_app's app started on a loopback port: its /health once its warm pool (if any) is
+    full, and the runtime's warm target."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/health"
+        async with client() as http:
+            deadline = time.monotonic() + 90
+            while True:
+                async with http.get(url) as reply:
+                    health = await reply.json()
+                warm = health.get("warm")
+                if warm is None or (warm["ready"], warm["booting"]) == (warm["target"], 0):
+                    return health
+                assert time.monotonic() < deadline, health
+                await asyncio.sleep(0.1)
+    finally:
+        await runner.cleanup()
+
+
+def test_build_app_warms_by_default_with_docker_and_warm_0_turns_it_off(docker_client, caplog):
+    caplog.set_level(logging.INFO, "agentenv")
+    default = run(app_health(build_app(NOTES, sandbox="docker", max_concurrent_envs=2)), 180)
+    assert default == {"status": "healthy", "episodes": 0,
+                       "warm": {"ready": 2, "booting": 0, "target": 2}}
+    assert any(DEFAULT_SAID.format(limit=2, why="as many as the 2 episode slots") in r.getMessage()
+               for r in caplog.records)
+    caplog.clear()
+    assert run(app_health(build_app(NOTES, sandbox="docker", max_concurrent_envs=2, warm=0)),
+               180) == {"status": "healthy"}
+    assert not [r for r in caplog.records if "warm env" in r.getMessage()]
+    assert run(app_health(build_app(NOTES, sandbox="docker", max_concurrent_envs=2, warm=AUTO)),
+               180)["warm"]["target"] == 2
+    assert containers_of(docker_client, owner_id()) == []
+
+
+def test_the_local_sandbox_keeps_no_warm_envs_by_default_and_says_so(caplog):
+    caplog.set_level(logging.INFO, "agentenv")
+    assert run(app_health(build_app(NOTES, sandbox="local", max_concurrent_envs=2))) == \
+        {"status": "healthy"}
+    [said] = [r.getMessage() for r in caplog.records if "warm env" in r.getMessage()]
+    assert said == ("Keeping no warm envs by default: the local sandbox gains too little from one "
+                    "to keep it by default (--warm N, warm=N to build_app or warm: N in a Gym config "
+                    "keeps N).")
+
+
+def test_a_gym_config_warms_by_default_with_docker_and_warm_0_turns_it_off(docker_client, tmp_path):
+    servers: list[Server] = []
+    try:
+        servers.append(default := Server.gym(tmp_path / "default", resources_config(
+            "notes_v1", bundle=str(NOTES), sandbox="docker", max_concurrent_envs=2)))
+        servers.append(off := Server.gym(tmp_path / "off", resources_config(
+            "notes_v1", bundle=str(NOTES), sandbox="docker", max_concurrent_envs=2, warm=0)))
+        assert health_with_warm(default, 2)["warm"]["target"] == 2
+        assert DEFAULT_SAID.format(limit=2, why="as many as the 2 episode slots") in default.log()
+        wait_until(lambda: off.healthy(), 60, "the server with warm: 0 answers")
+        assert request(off.url + "/health", "GET").json() == {"status": "healthy"}
+        assert of_server(docker_client, off) == [] and "warm env" not in off.log()
+    finally:
+        for one in servers:
+            if one.proc.poll() is None:
+                one.stop()
+            remove_quietly(of_server(docker_client, one))
+
+
+def test_the_default_is_bounded_by_a_quarter_of_the_hosts_memory(docker_client, tmp_path, caplog):
+    """An env whose deploy_env asks for an eighth of the Docker host's memory: with 2 episode
+    slots the pool's episodes may hold a quarter of it, and a quarter of the rest holds one warm
+    env, not 2; the log says which bound set it."""
+    caplog.set_level(logging.INFO, "agentenv")
+    host_mib = docker_client.info()["MemTotal"] >> 20
+    bundle = copy_bundle(tmp_path / "notes-v1")
+    for task in (bundle / "tasks").glob("*.json"):
+        patch(task, '"env_id": "notebook"\n  },', f'"env_id": "notebook",\n    "memory_mb": '
+              f'{host_mib // 8}\n  }},')
+    health = run(app_health(build_app(bundle, sandbox="docker", max_concurrent_envs=2)), 180)
+    assert health["warm"]["target"] == 1, health
+    assert any("as many as a quarter of the Docker host's" in r.getMessage() and
+               f"at {host_mib // 8} MiB an env" in r.getMessage() for r in caplog.records)
+    assert containers_of(docker_client, owner_id()) == []
+
+
+@pytest.mark.parametrize("limit", [1, 2, 8, 32, 64, 256, 1024])
+@pytest.mark.parametrize("machine_gib", [None, 1, 4, 24, 384])
+@pytest.mark.parametrize("cores", [1, 2, 48])
+def test_the_default_never_exceeds_the_pool_the_memory_or_the_cores(limit, machine_gib, cores):
+    for episode_mib, env_mib in ((0, 64), (2048, 64), (0, 4096)):
+        count, why = warm_default("docker", limit, machine_gib and machine_gib << 30, episode_mib,
+                                  env_mib, cores)
+        assert 0 <= count <= limit and count <= WARM_PER_CORE * cores, (count, why)
+        if machine_gib:
+            assert count * env_mib <= (max(0, (machine_gib << 10) - episode_mib * limit)) / 4, why
+        assert why
+    assert warm_default("local", limit, 24 << 30, 0, 64, cores)[0] == 0
+    assert warm_default("ray", limit, 24 << 30, 0, 64, cores)[0] == 0
+
+
+def test_warm_is_auto_unless_given_and_0_is_given():
+    assert Settings().warm == AUTO and Settings.of().warm == AUTO
+    assert Settings.of(warm=0).warm == 0 and Settings.of(warm="auto").warm == AUTO
+    assert Settings.from_config({"warm": 0}, "x.yaml").warm == 0
+    assert Settings.from_config({}, "x.yaml").warm == AUTO
+    assert "warm" not in Settings().gym_config(bundle=True)
+    assert Settings.of(warm=0).gym_config(bundle=True)["warm"] == 0
