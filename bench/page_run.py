@@ -31,8 +31,9 @@ out of all; and per step the wall time from the first /run posted to the last an
 the model's own time on the step's critical path (the most model time any one rollout of the step
 spent, since its rollouts run at once), so the environment's share of a step, ``wall - model``, is
 a number. Also each rollout's own share (its wall less its model time), p50 and max, and the mean
-reward, and the warm envs serve had ready as the step began. The load average is read at the
-start, the end and at every step.
+reward; the warm envs serve had ready as the step began; and from serve's /metrics, the step's
+deploys (an episode's cold ones and the warm pool's) and the mean seconds of a deploy, a tool call
+and a verifier run. The load average is read at the start, the end and at every step.
 
 Nothing is left running: serve is stopped with SIGINT (it removes its containers, warm ones too),
 the Gym servers as tests/gym/harness.py stops them.
@@ -221,12 +222,44 @@ def load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
+SCRAPED = ("agentenv_tool_call_duration_seconds", "agentenv_verifier_duration_seconds",
+           "agentenv_deploy_duration_seconds")
+
+
+async def scrape(http: aiohttp.ClientSession, serve: Serve) -> dict[str, float]:
+    """serve's /metrics: each SCRAPED histogram's sum and count (over its labels), and its warm
+    envs ready."""
+    async with http.get(serve.url + "/metrics") as reply:
+        text = await reply.text()
+    found = dict.fromkeys([f"{n}_{p}" for n in SCRAPED for p in ("sum", "count")], 0.0)
+    found["warm_ready"] = 0.0
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in found:
+            found[name] += float(line.rsplit(" ", 1)[1])
+        elif name == "agentenv_warm_envs" and 'state="ready"' in line:
+            found["warm_ready"] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def means(before: dict[str, float], after: dict[str, float]) -> dict[str, float | int]:
+    """What serve did during a step: its deploys (an episode's or a warm boot's) and the mean
+    seconds of a deploy, a tool call and a verifier run."""
+    out: dict[str, float | int] = {}
+    for name, short in zip(SCRAPED, ("tool_call", "verifier", "deploy")):
+        count = after[f"{name}_count"] - before[f"{name}_count"]
+        total = after[f"{name}_sum"] - before[f"{name}_sum"]
+        out[f"{short}_mean_s"] = round(total / count, 3) if count else None
+        if short == "deploy":
+            out["deploys"] = int(count)
+    return out
+
+
 async def play(http: aiohttp.ClientSession, agent: str, model: Model, rows: list[dict],
                label: str, serve: Serve) -> dict:
     """Post every row to simple_agent's /run at once; the step's figures (with the warm envs
-    serve had ready as it began)."""
-    async with http.get(serve.url + "/health") as reply:
-        warm = (await reply.json()).get("warm") or {}
+    serve had ready as it began, and what its metrics say of the step)."""
+    at_start = await scrape(http, serve)
     names = [f"{label}:{i}" for i in range(len(rows))]
     ended: dict[str, float] = {}
     results: dict[str, dict] = {}
@@ -247,6 +280,7 @@ async def play(http: aiohttp.ClientSession, agent: str, model: Model, rows: list
     started = time.monotonic()
     await asyncio.gather(*(one(n, r) for n, r in zip(names, rows)))
     wall = max(ended.values()) - started
+    served = means(at_start, await scrape(http, serve))
     model_s = max(model.spent.get(n, 0.0) for n in names)
     own = [ended[n] - started - model.spent.get(n, 0.0) for n in names]
     failed = [r for r in results.values() if "reward" not in r]
@@ -260,7 +294,7 @@ async def play(http: aiohttp.ClientSession, agent: str, model: Model, rows: list
             "reasons": sorted({str(r.get("failure_reason") or r.get("text"))[:300]
                                for r in masked + failed}),
             "mean_reward": round(statistics.fmean(rewards), 4) if rewards else None,
-            "warm_ready": warm.get("ready", 0), "load": before}
+            "warm_ready": int(at_start["warm_ready"]), **served, "load": before}
 
 
 async def replay(args: argparse.Namespace, work: Path) -> dict:
