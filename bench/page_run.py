@@ -297,6 +297,14 @@ async def play(http: aiohttp.ClientSession, agent: str, model: Model, rows: list
             "warm_ready": int(at_start["warm_ready"]), **served, "load": before}
 
 
+def progress(args: argparse.Namespace, steps: list[dict]) -> None:
+    """A step's line; and the steps so far in --json, so a run stopped early (a machine that got
+    busy) keeps them."""
+    print(json.dumps(steps[-1]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"partial": True, "steps": steps}, indent=1) + "\n")
+
+
 async def replay(args: argparse.Namespace, work: Path) -> dict:
     model = Model()
     runner, model_port = await model.start()
@@ -318,14 +326,14 @@ async def replay(args: argparse.Namespace, work: Path) -> dict:
             for step in range(args.steps + 1):
                 if step % VAL_PERIOD == 0 and args.val_rows:
                     steps.append(await play(http, agent, model, evals, f"val@{step}", serve))
-                    print(json.dumps(steps[-1]), flush=True)
+                    progress(args, steps)
                     await asyncio.sleep(args.train_seconds)
                 if step == args.steps:
                     break
                 prompts = train[step * PROMPTS_PER_STEP:(step + 1) * PROMPTS_PER_STEP]
                 rows = [row for row in prompts for _ in range(ROLLOUTS_PER_PROMPT)]
                 steps.append(await play(http, agent, model, rows, f"train@{step + 1}", serve))
-                print(json.dumps(steps[-1]), flush=True)
+                progress(args, steps)
                 await asyncio.sleep(args.train_seconds)
     finally:
         left = group.stop_all()
