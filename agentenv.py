@@ -528,6 +528,10 @@ class Metrics:
         self.idle_reaps = prom.Counter(
             "agentenv_idle_reaps", "Sessions ended for having no request past idle_timeout, by "
             "wire", ["wire"], registry=registry)
+        self.teardown_failures = prom.Counter(
+            "agentenv_teardown_failures", "Envs and boxes whose removal failed when their episode "
+            "ended (after its reply: the outcome stands, and is never masked for it); each is "
+            "tried again until it is gone, its episode's slot held meanwhile", registry=registry)
         self.recent_deploys, self.recent_tool_calls = Recent(), Recent()
         self._readings: dict[str, Any] = {}
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
@@ -576,6 +580,9 @@ class Metrics:
 
     def reaped(self, wire: str) -> None:
         self._of(self.idle_reaps, wire).inc()
+
+    def teardown_failed(self, parts: int) -> None:
+        self.teardown_failures.inc(parts)
 
     def watch(self, name: str, doc: str, read: Callable[[], float | dict[str, float]],
               label: str | None = None) -> None:
@@ -2006,6 +2013,11 @@ def owner_alive(owner: str) -> bool | None:
     return bool(now) and (now == started or not started)
 
 
+class RemovalFailed(AgentEnvError):
+    """An env or box whose removal failed: it may still stand (and run). Its episode's teardown
+    tries again until it is gone, holding the slot meanwhile (see ``Episode._teardown``)."""
+
+
 class Instance(abc.ABC):
     """One env running for an episode: where it answers, whether it still runs, and its removal."""
 
@@ -2022,7 +2034,8 @@ class Instance(abc.ABC):
 
     @abc.abstractmethod
     async def remove(self) -> None:
-        """Stop the env and remove what it ran in."""
+        """Stop the env and remove what it ran in; RemovalFailed if it may still stand. Removing
+        it again is harmless (what is gone stays gone)."""
 
     async def answers_itself(self) -> bool:
         """Whether what answers at ``base_url`` is this env and not another's (a port taken)."""
@@ -2599,6 +2612,7 @@ class DockerDaemon:
                                                  thread_name_prefix="docker-stream")
         self.removals: set[asyncio.Task] = set()
         self.creating: set[asyncio.Future] = set()
+        self.unremoved: dict[str, Any] = {}      # containers a removal left standing, by id
 
     @classmethod
     async def reach(cls) -> DockerDaemon:
@@ -2685,9 +2699,11 @@ class DockerDaemon:
                                 PROVIDER_UNAVAILABLE) from None
 
     def removing(self, task: asyncio.Future) -> None:
-        """Keep a removal (or a kill) under way until it ends: ``settle`` waits for it."""
+        """Keep a removal (or a kill) under way until it ends: ``settle`` waits for it. Nobody
+        reads its result: a removal that failed has said so, and left its container to ``settle``."""
         self.removals.add(task)
         task.add_done_callback(self.removals.discard)
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
 
     async def exited(self, container: Any) -> str | None:
         """None while a container runs (or the daemon is too busy to say); once it has stopped,
@@ -2708,18 +2724,26 @@ class DockerDaemon:
         return None
 
     async def remove(self, container: Any) -> None:
-        """Force-remove a container; retried, and reported if it still stands."""
+        """Force-remove a container, three tries; RemovalFailed if it may still stand, which
+        keeps it among the ``unremoved`` that ``settle`` tries again at the end."""
         import docker.errors
-        for attempt in range(3):
+        error: Exception | None = None
+        for _ in range(3):
             try:
                 await self.urgent(container.remove, force=True, timeout=30)
-                return
+                error = None
+                break
             except docker.errors.NotFound:
-                return
-            except Exception as exc:                    # noqa: BLE001
+                error = None
+                break
+            except Exception as exc:                    # noqa: BLE001 - e.g. a removal in progress
                 error = exc
-        log.error("Could not remove container %s (%s); remove it with docker rm -f %s.",
-                  container.short_id, error, container.short_id)
+        if error is None:
+            self.unremoved.pop(container.id, None)
+            return
+        self.unremoved[container.id] = container
+        raise RemovalFailed(f"the Docker daemon did not remove container {container.short_id} "
+                            f"({type(error).__name__}: {short(str(error), 300)})")
 
     async def remove_network(self, network: Any) -> Any:
         """Remove a network; the network back if it still stands (a container still on it)."""
@@ -2741,10 +2765,16 @@ class DockerDaemon:
                                      filters={"label": "agentenv.owner"})
         stale = [c for c in containers
                  if owner_alive((c.attrs.get("Labels") or {}).get("agentenv.owner", "")) is False]
-        await asyncio.gather(*(self.remove(c) for c in stale))
-        if stale:
+        removed = [c for c, failed in zip(stale, await asyncio.gather(
+            *(self.remove(c) for c in stale), return_exceptions=True)) if failed is None]
+        if removed:
             log.warning("Removed %d container(s) that an earlier run of agentenv.py left behind when "
-                        "it stopped without tearing down.", len(stale))
+                        "it stopped without tearing down.", len(removed))
+        for container in stale:
+            if container.id in self.unremoved:
+                log.error("Could not remove container %s, which an earlier run of agentenv.py left "
+                          "behind; remove it with docker rm -f %s (the next start tries again).",
+                          container.short_id, container.short_id)
         # networks after containers: a network with a container on it can't be removed
         networks = await self.call(self.client.networks.list, filters={"label": "agentenv.owner"})
         stale = [n for n in networks
@@ -2849,12 +2879,19 @@ class DockerDaemon:
 
     async def settle(self) -> None:
         """Wait for containers still being created (they are removed as they appear), then for
-        every removal under way."""
+        every removal under way; then try once more to remove the containers a removal left
+        standing, and say which still stand."""
         if self.creating:
             await asyncio.wait(set(self.creating), timeout=150)
             await asyncio.sleep(0)          # let their done-callbacks schedule the removals
         if self.removals:
             await asyncio.gather(*set(self.removals), return_exceptions=True)
+        await asyncio.gather(*(self.remove(c) for c in list(self.unremoved.values())),
+                             return_exceptions=True)
+        for container in self.unremoved.values():
+            log.error("Could not remove container %s as the server stopped; remove it with docker "
+                      "rm -f %s (the next start's sweep removes it too).", container.short_id,
+                      container.short_id)
 
     def close(self) -> None:
         for threads in (self.threads, self.urgent_threads, self.stream_threads):
@@ -5409,6 +5446,8 @@ async def unit_tests(box: Box, name: str, command: str, setup: list[str], *, use
 
 # ================================================================ 6. Episode
 
+TEARDOWN_RETRY = (1.0, 30.0)      # seconds between a failed teardown's tries: first, and at most
+
 @dataclasses.dataclass(frozen=True)
 class EpisodeContext:
     """What an episode plays on, and all it uses of the runtime that holds it (section 7 makes
@@ -5428,6 +5467,7 @@ class EpisodeContext:
     starting: Callable[[], contextlib.AbstractAsyncContextManager[None]]  # a start slot: a launch
     warm: Callable[[EnvSpec, dict[str, Any]], Awaitable[DeployedEnv | None]]  # a warm env, if ready
     live: set[Episode]                              # the live episodes, which it joins and leaves
+    closing: asyncio.Event                          # set as the runtime closes: teardowns stop retrying
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
@@ -5580,6 +5620,11 @@ class Episode:
     """One play of a task: it waits for a slot, runs the task's steps, hands each turn to the
     caller, scores, and tears everything down. Ending it at any point tears it down too.
 
+    The outcome is settled before the teardown begins, so whoever waits for it (``result``: a
+    Gym /verify, OpenEnv's last end_turn) answers at once while the envs and boxes are removed
+    in the background; the episode stays among the runtime's live ones, holding its slot, until
+    they are gone (``closed``), so the pool's bound counts what really runs.
+
     Steps run as AgentEnv runs them: each after the steps it depends on (by default every step
     before it), several at once where the graph allows, each by its handler in ``HANDLERS``. The
     caller drives it with ``next_turn`` → ``turn.call`` / ``turn.end`` → ... → ``result``, and
@@ -5687,6 +5732,11 @@ class Episode:
         self.end(reason)
         await self.closed.wait()
 
+    def let_go(self, reason: str) -> None:
+        """End the episode if it isn't over (as ``end``) and wait for nothing: its teardown is the
+        runtime's, which holds its slot until it is done and waits for it when it closes."""
+        self.end(reason)
+
     async def env_trouble(self, exc: BaseException) -> str:
         """Why a call to an env failed: an env that stopped says so, with its last output."""
         for env in self.envs.values():
@@ -5763,13 +5813,41 @@ class Episode:
 
     async def _teardown(self) -> None:
         """Remove every env launched and every box opened, then what the sandbox held for the
-        episode (its network)."""
-        boxes = [*self.boxes.values(), *self.containers.values(), *([self.agent_box] if
-                                                                   self.agent_box else [])]
-        await asyncio.gather(*(i.remove() for i in self.instances), *(b.remove() for b in boxes),
-                             return_exceptions=True)
+        episode (its network). It runs after the outcome is settled, so no reply waits for it,
+        and the slot is given back only once it ends.
+
+        A removal that fails is not the rollout's failure (its reward stands, unmasked): it is
+        said once, counted, and tried again at growing intervals until what it removes is gone,
+        holding the slot meanwhile (a slot is free only when its env is); once the runtime
+        closes, what is left is the sandbox's (its close tries once more, the next start's sweep
+        after that)."""
+        parts: list[Instance | Box] = [*self.instances, *self.boxes.values(),
+                                       *self.containers.values(),
+                                       *([self.agent_box] if self.agent_box else [])]
+        failed = await self._removed(parts)
+        if failed:
+            self.context.metrics.teardown_failed(len(failed))
+            log.warning("Episode %s of task %r ended %s, but its teardown failed: %s. Its slot "
+                        "stays taken until what is left is gone, which is tried again every "
+                        "%g-%gs; the outcome stands.", self.id[:8], self.task.name,
+                        self.outcome.status if self.outcome else "", "; ".join(
+                            str(exc) for exc in failed.values()), *TEARDOWN_RETRY)
+        delay, closing = TEARDOWN_RETRY[0], self.context.closing
+        while failed and not closing.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):     # a timer, cut short by the close
+                await asyncio.wait_for(closing.wait(), delay)
+            if not (failed := await self._removed(list(failed))):
+                log.info("Episode %s's teardown succeeded on a later try; its slot is free.",
+                         self.id[:8])
+            delay = min(delay * 2, TEARDOWN_RETRY[1])
         with contextlib.suppress(Exception):
             await self.context.sandbox.end_episode(self.id)
+
+    @staticmethod
+    async def _removed(parts: list[Instance | Box]) -> dict[Instance | Box, Exception]:
+        """Remove the parts at once: those whose removal failed, with why."""
+        results = await asyncio.gather(*(part.remove() for part in parts), return_exceptions=True)
+        return {part: result for part, result in zip(parts, results) if isinstance(result, Exception)}
 
     async def _run_steps(self) -> None:
         """Run the steps as a graph: each once the steps it depends on are done. A tolerated
@@ -5868,8 +5946,9 @@ class Episode:
                     raise
             log.info("Env %r of episode %s lost its port to another process before binding it; "
                      "starting it again on another port.", env.name, self.id[:8])
-            self.instances.remove(instance)
-            await instance.remove()
+            with contextlib.suppress(RemovalFailed):   # then it stays, for the teardown to remove
+                await instance.remove()
+                self.instances.remove(instance)
             tries += 1
 
     async def _apply_server_config(self, step: Step) -> None:
@@ -6618,6 +6697,13 @@ class WarmPool:
         removal = asyncio.ensure_future(instance.remove())
         self._removals.add(removal)
         removal.add_done_callback(self._removals.discard)
+        removal.add_done_callback(self._removed)
+
+    @staticmethod
+    def _removed(removal: asyncio.Future) -> None:
+        if not removal.cancelled() and (exc := removal.exception()) is not None:
+            log.warning("Removing a warm env failed: %s; the sandbox tries again as the server "
+                        "stops.", exc)
 
     async def close(self) -> None:
         """Stop warming, and remove every warm env: ready, booting, or being removed."""
@@ -6659,7 +6745,8 @@ class Runtime:
         self.metrics = metrics or Metrics()
         pool = self.pool
         self.metrics.watch("agentenv_episodes_live", "Episodes holding a slot of the pool "
-                           "(deploying, playing or scoring)", lambda: pool.in_use)
+                           "(deploying, playing, scoring, or being torn down after their reply)",
+                           lambda: pool.in_use)
         self.metrics.watch("agentenv_episodes_waiting", "Episodes waiting for a slot of the pool",
                            lambda: pool.waiting)
         self.metrics.watch("agentenv_episodes_limit", "Episodes live at once at most "
@@ -6667,7 +6754,8 @@ class Runtime:
         self.metrics.watch("agentenv_envs_live", "Envs up for live episodes, by node (a Ray "
                            "node's address; empty for this machine)", self._envs_by_node, "node")
         self.owner = owner_id()
-        self.live: set[Episode] = set()
+        self.live: set[Episode] = set()                   # until torn down, scored or not
+        self.closing = asyncio.Event()
         self.sandbox: Sandbox | None = None               # once started
         self.http: aiohttp.ClientSession | None = None
         self.context: EpisodeContext | None = None        # what its episodes play on, once started
@@ -6701,7 +6789,8 @@ class Runtime:
         self.context = EpisodeContext(
             self.bundle, self.sandbox, self.http, self.metrics, self.verifiers,
             self.settings.deploy_timeout, self.settings.bash_timeout, self.pool.acquire,
-            self.pool.release, lambda: self.starting.slot(), self.warm.take, self.live)
+            self.pool.release, lambda: self.starting.slot(), self.warm.take, self.live,
+            self.closing)
         self.warm.start()
         return self
 
@@ -6765,8 +6854,10 @@ class Runtime:
         return list(await asyncio.shield(probe))
 
     async def close(self, reason: str = "the server shut down") -> None:
-        """Abandon every live episode, wait for their teardown, remove the warm envs, and close
-        the sandbox."""
+        """Abandon every live episode and wait for their teardowns (those of episodes already
+        scored and answered too: they are live until their envs are gone), remove the warm envs,
+        and close the sandbox (which tries once more what a teardown failed to remove)."""
+        self.closing.set()
         await asyncio.gather(*(e.abandon(reason) for e in list(self.live)), return_exceptions=True)
         await self.warm.close()
         await self.heap.close()
@@ -8031,8 +8122,9 @@ class Rollout(abc.ABC):
         """The scored outcome, once the last turn has ended."""
 
     @abc.abstractmethod
-    async def close(self, reason: str) -> None:
-        """End the episode, scored or not, and let go of it."""
+    async def close(self, reason: str, wait: bool = True) -> None:
+        """End the episode, scored or not, and let go of it: with ``wait``, once it is torn down;
+        else at once, its teardown left to whoever runs it (holding its slot until done)."""
 
 
 class LocalRollout(Rollout):
@@ -8063,8 +8155,11 @@ class LocalRollout(Rollout):
     async def outcome(self) -> Outcome:
         return await self.episode.result()
 
-    async def close(self, reason: str) -> None:
-        await self.episode.abandon(reason)
+    async def close(self, reason: str, wait: bool = True) -> None:
+        if wait:
+            await self.episode.abandon(reason)
+        else:
+            self.episode.let_go(reason)
 
 
 class RemoteRollout(Rollout):
@@ -8099,8 +8194,8 @@ class RemoteRollout(Rollout):
             raise EpisodeFailed("the episode was not scored")
         return self.result
 
-    async def close(self, reason: str) -> None:
-        await self.client.close()
+    async def close(self, reason: str, wait: bool = True) -> None:
+        await self.client.close()          # the server ends the episode with its socket
 
 
 class Rollouts(abc.ABC):
@@ -8309,11 +8404,12 @@ class GymSession:
                 return None
         return await self.verify(last_reply(response))
 
-    async def close(self, reason: str) -> None:
+    async def close(self, reason: str, wait: bool = True) -> None:
+        """End the rollout's episode and let go of it: with ``wait``, once it is torn down."""
         self.opened.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self.opened
-        await self.rollout.close(reason)
+        await self.rollout.close(reason, wait)
 
 
 def gym_text(result: ToolResult) -> str:
@@ -8749,12 +8845,14 @@ class GymSurface:
                              return_exceptions=True)
         await self.rollouts.stop()
 
-    async def _end(self, session: GymSession, reason: str) -> None:
+    async def _end(self, session: GymSession, reason: str, wait: bool = True) -> None:
+        """End a session; with ``wait``, once its episode is torn down (a verify answers first:
+        the teardown then goes on in the background, its slot held until it is done)."""
         self.sessions.pop(session.token, None)
         if session.resources_id is not None:
             self.by_resources_id.pop(session.resources_id, None)
             self._spend(session.resources_id)
-        await session.close(reason)
+        await session.close(reason, wait)
 
     def _spend(self, resources_id: str) -> None:
         self.spent[resources_id] = None
@@ -8874,7 +8972,8 @@ class GymSurface:
                         self.metrics.mask("gym", verdict.failure)
                     while len(self.verdicts) > VERDICTS_KEPT:
                         self.verdicts.popitem(last=False)
-                    await self._end(session, "verified")
+                    # the reply now; the envs and boxes go after it, their slot with them
+                    await self._end(session, "verified", wait=False)
         verdict = self.verdicts.get(token)
         if verdict is None:
             lost = Failure(SESSION_LOST, "this server holds no session for the rollout (it was "
@@ -8904,7 +9003,7 @@ class GymSurface:
             async with session.lease.using():
                 outcome = await session.replay(body["response"])
         finally:
-            await self._end(session, "reverified")
+            await self._end(session, "reverified", wait=False)
         return json_reply(Verdict.of(reply, outcome, session.failure).reply(body))
 
     async def reverify_mode(self, request: Any) -> Any:

@@ -60,6 +60,15 @@ metrics    (not in the default --parts) what counting costs: two serves of notes
            --repeat interleaved rounds (the order swapped every round), and each server's own CPU
            per call over those windows (from /proc, so the least swayed by a loaded machine).
            Reports after/before.
+verify     needs Docker. A Gym /verify of an env-backed episode (save-groceries: one notebook env, a
+           verifier that reads it), the reply timed from the request to its last byte, beside the
+           same with local envs: serve notes-v1 --sandbox docker and --sandbox local, and the same
+           two of agentenv.py at git revision --verify-before (the teardown then came before the
+           reply), all four at once, each rollout seeded, write_note, then /verify, and the next
+           one begun once the server has no live episode (/metrics), so each verify is timed
+           alone, not beside the teardown of the one before; --repeat interleaved rounds of
+           --verify-rollouts rollouts per server. Target: Docker / local <= 1.2x (the reply as
+           soon as the score is known, the container removed after it).
 profile    (not in the default --parts) the hot path of a Gym tool call: 8 sessions of list_notes
            against serve (run under a cProfile switched on by SIGUSR1), measured three ways for
            --profile-seconds each: serve's CPU per call from /proc, py-spy --nonblocking samples of
@@ -1230,6 +1239,98 @@ async def deploys(args) -> dict:
     return out
 
 
+# ------------------------------------------------------------------ verify: the reply before the teardown
+
+async def verify_latency(args) -> dict:
+    """/verify of a Docker-backed rollout beside a local one, for this agentenv.py (after) and the
+    one at --verify-before (before), four serves at once, interleaved rounds."""
+    try:
+        docker("info", "--format", "{{.ServerVersion}}", timeout=20)
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(f"verify needs Docker ({exc}); start it with bash .ci/docker-up.sh")
+    row = notes_row(NOTES, 1)                 # save-groceries: deploy_env, one turn, a verifier
+    names = [(version, sandbox) for version in ("after", "before") for sandbox in ("docker", "local")]
+    times: dict[tuple[str, str], list[float]] = {name: [] for name in names}
+    procs: dict[tuple[str, str], Proc] = {}
+    with tempfile.TemporaryDirectory(prefix="agentenv-bench-") as tmp:
+        programs = {"after": AGENTENV, "before": before_agentenv(args.verify_before, Path(tmp))}
+        urls = {}
+        try:
+            for version, sandbox in names:
+                port = free_port()
+                procs[version, sandbox] = Proc([sys.executable, str(programs[version]), "serve",
+                                                str(NOTES), "--sandbox", sandbox, "--port", str(port),
+                                                "--max-concurrent-envs", "4"])
+                urls[version, sandbox] = f"http://127.0.0.1:{port}"
+            async with client() as http:
+                for name in names:
+                    await wait_health(http, urls[name], procs[name], timeout=900)
+
+                async def rollout(url: str) -> float:
+                    cookie = {"Cookie": f"{COOKIE}={await seed(http, url, row)}"}
+                    async with http.post(url + "/write_note", headers=cookie,
+                                         json={"title": "groceries", "text": "eggs and milk"}) as resp:
+                        if (said := await resp.text()) != "saved note 'groceries'":
+                            raise RuntimeError(f"write_note answered {said!r}")
+                    body = {**row, "response": {
+                        "id": "resp_bench", "object": "response", "created_at": 0, "model": "bench",
+                        "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+                        "output": [{"type": "message", "role": "assistant", "content": [
+                            {"type": "output_text", "text": "Saved."}]}]}}
+                    t = time.perf_counter()
+                    async with http.post(url + "/verify", headers=cookie, json=body) as resp:
+                        verdict = await resp.json()
+                    took = time.perf_counter() - t
+                    if verdict.get("reward") != 1.0 or verdict.get("mask_sample"):
+                        raise RuntimeError(f"/verify answered {json.dumps(verdict)[:500]}")
+                    await drained(http, url)
+                    return took
+
+                for name in names:                   # warm up: page cache, the daemon, the env
+                    await rollout(urls[name])
+                for r in range(args.repeat):
+                    for name in names[r % len(names):] + names[:r % len(names)]:
+                        for _ in range(args.verify_rollouts):
+                            times[name].append(await rollout(urls[name]))
+                    say("verify: round %d: p50 ms %s" % (r + 1, ", ".join(
+                        f"{v} {s} {statistics.median(times[v, s]) * 1e3:.0f}" for v, s in names)))
+        finally:
+            for proc in procs.values():
+                proc.stop(grace=60)
+    ms = {f"{v}_{s}": summary([t * 1e3 for t in times[v, s]]) for v, s in names}
+    ratio = {v: ms[f"{v}_docker"]["p50"] / ms[f"{v}_local"]["p50"] for v in ("after", "before")}
+    return {"before": args.verify_before, "rollouts_per_round": args.verify_rollouts,
+            "rounds": args.repeat, "ms": ms, "ratio_docker_local": ratio,
+            "meets_target": ratio["after"] <= 1.2}
+
+
+async def drained(http: aiohttp.ClientSession, url: str, timeout: float = 120) -> None:
+    """Wait until the server's /metrics says no episode is live (its last one torn down), so the
+    next rollout's verify is timed alone, not beside the teardown of the one before."""
+    deadline = time.monotonic() + timeout
+    while True:
+        async with http.get(url + "/metrics") as resp:
+            page = await resp.text()
+        if "\nagentenv_episodes_live 0.0\n" in page:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} still has live episodes {timeout:g}s after its last verify")
+        await asyncio.sleep(0.02)
+
+
+def markdown_verify(v: dict) -> list[str]:
+    ms, r = v["ms"], v["ratio_docker_local"]
+    cell = lambda name: f"{ms[name]['p50']:.1f} / {ms[name]['p95']:.1f} ({ms[name]['n']})"  # noqa: E731
+    return [f"### verify: Gym /verify of save-groceries (one env, its verifier), Docker envs beside "
+            f"local, this agentenv.py and the one at {v['before']}; {v['rounds']} interleaved "
+            f"rounds of {v['rollouts_per_round']} rollouts per server", "",
+            "| envs | after: p50 / p95 ms (n) | before: p50 / p95 ms (n) |", "|---|---:|---:|",
+            f"| local | {cell('after_local')} | {cell('before_local')} |",
+            f"| docker | {cell('after_docker')} | {cell('before_docker')} |",
+            f"| docker / local p50 (target <= 1.2x) | {r['after']:.2f}x "
+            f"({'met' if v['meets_target'] else 'NOT met'}) | {r['before']:.2f}x |", ""]
+
+
 # ------------------------------------------------------------------ write-gym
 
 WRITEGYM_PROBE = r'''
@@ -1663,6 +1764,8 @@ def markdown(cmd: str, meta: dict, results: dict) -> str:
         out.append("")
     if "metrics" in results:
         out += markdown_metrics(results["metrics"])
+    if "verify" in results:
+        out += markdown_verify(results["verify"])
     return "\n".join(out)
 
 
@@ -1742,7 +1845,8 @@ async def bash(args) -> dict:
 PARTS = {"hop": hop, "startup": startup, "memory": memory, "episodes": episodes,
          "throughput": throughput, "deploys": deploys, "writegym": writegym, "profile": profile,
          "bash": bash,
-         "metrics": metrics_cost}
+         "metrics": metrics_cost,
+         "verify": verify_latency}
 
 
 async def main_async(args) -> int:
@@ -1775,8 +1879,8 @@ async def main_async(args) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default="hop,startup,memory,episodes,throughput,deploys,writegym",
-                        help=f"comma-separated, of: {', '.join(PARTS)} (default: all but profile "
-                             "and metrics)")
+                        help=f"comma-separated, of: {', '.join(PARTS)} (default: all but profile, "
+                             "metrics and verify)")
     parser.add_argument("--repeat", type=int, default=5,
                         help="hop: interleaved rounds; startup: runs per target; episodes, "
                              "throughput: interleaved rounds; deploys: rounds per level (single "
@@ -1820,6 +1924,11 @@ def main() -> int:
                         help="metrics: live Gym sessions calling at once (default 32)")
     parser.add_argument("--scrape-every", type=float, default=1.0,
                         help="metrics: seconds between scrapes of /metrics (default 1)")
+    parser.add_argument("--verify-rollouts", type=int, default=10,
+                        help="verify: rollouts per server per round (default 10)")
+    parser.add_argument("--verify-before", default="6a5ee9a",
+                        help="verify: the git revision whose agentenv.py is the baseline (default "
+                             "6a5ee9a, the last whose /verify waited for the teardown)")
     parser.add_argument("--json", help="write the results here as JSON")
     args = parser.parse_args()
     try:
