@@ -1081,6 +1081,7 @@ class Bundle:
         else:
             with os.scandir(task_dir) as listing:      # one pass, types included: 2,000+ tasks
                 entries = sorted(listing, key=lambda e: e.name)
+            texts: dict[str, str] = {}                 # the tasks' strings, each kept once
             for entry in entries:
                 if entry.name.startswith(".") or entry.name == "__pycache__":
                     continue
@@ -1093,7 +1094,7 @@ class Bundle:
                     # strings, not a Path per file: a Path, its name and its stem cost ~3 us
                     name = entry.name.removesuffix(".json")
                     task = _load_task(entry.path, name, f"{id_root}/{name}", shelf, reward,
-                                      problems)
+                                      problems, texts)
                     if task:
                         tasks[task.name] = task
             if not any(e.name.endswith(".json") for e in entries):
@@ -1350,12 +1351,27 @@ class Shelf:
     skills: dict[str, Path]
 
 
+def shared(value: Any, texts: dict[str, str]) -> Any:
+    """A parsed JSON ``value`` with each of its strings replaced by the equal one ``texts`` holds
+    (added there when new). A bundle's tasks repeat their prompts, names and keys, and each file
+    parsed makes them anew: gridsim-v1's 2,200 tasks hold 12.7 MiB of strings, 1.7 of them
+    different, for as long as the server lives."""
+    if isinstance(value, str):
+        return texts.setdefault(value, value)
+    if isinstance(value, list):
+        return [shared(v, texts) for v in value]
+    if isinstance(value, dict):
+        return {texts.setdefault(k, k): shared(v, texts) for k, v in value.items()}
+    return value
+
+
 def _load_task(path: str, name: str, task_id: str, shelf: Shelf, reward: str | None,
-               problems: list[str]) -> Task | None:
-    """Load and check the task ``name``, the file ``path`` (tasks/<name>.json)."""
+               problems: list[str], texts: dict[str, str]) -> Task | None:
+    """Load and check the task ``name``, the file ``path`` (tasks/<name>.json), its strings
+    shared with the bundle's other tasks through ``texts``."""
     where = f"tasks/{name}.json"
     try:
-        raw = json.loads(read_bytes(path))
+        raw = shared(json.loads(read_bytes(path)), texts)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         problems.append(f"{where}: is not valid JSON ({exc}); a task is a JSON array of step objects")
         return None
