@@ -50,7 +50,8 @@ The file reads top to bottom in the order data flows; a section uses only the se
                         Gym surface, as NeMo Gym's simple_agent plays them, and scored; TRL's
                         GRPOTrainer: a bundle as its environment_factory (trl_environment), its
                         rows (trl_dataset) and its reward (trl_reward), on a loop of their own.
-14. CLI                 ``python agentenv.py check|serve|write-gym|eval ...``.
+14. CLI                 ``python agentenv.py check|serve|write-gym|eval ...`` (the program runs
+                        main() of the module agentenv: see the top of the file).
 
 A Gym tool call, for instance, goes: the route (10) → the session → its rollout → the episode's
 open turn (6) → the env's MCP session (4) → the env; the ToolResult it gives comes back up
@@ -71,10 +72,52 @@ saying which provider has them. ``describe`` and ``network_mode`` say what ``che
 
 Only the standard library, aiohttp, prometheus-client (for /metrics), the docker SDK (for the
 Docker sandbox), PyYAML (for Gym's YAML) and, with ``--sandbox ray`` only, Ray (an optional extra)
-are used at run time, the last three imported only where needed. Blocking calls (the docker SDK, verifier code) run in threads so the event loop never stalls.
+are used at run time, the last three imported only where needed (as is statistics, for Gym's
+aggregate metrics): a serve of the local sandbox holds little more than aiohttp itself does
+(bench/README.md says what, and why). Blocking calls (the docker SDK, verifier code) run in
+threads so the event loop never stalls.
 """
 
 from __future__ import annotations
+
+# Run as a program (python agentenv.py ...), this file is compiled at every start, and Python
+# keeps the compiler's syntax tree of it (26 MiB) until the program ends: for a server, its whole
+# life, and no heap trim can return it. So the program hands the code it was compiled to, through
+# a memory file, to a fresh interpreter in the same process (exec: the same pid, flags, signals,
+# output and exit code), which makes of it the module ``agentenv`` as importing this path would,
+# and runs its main(). That leaves no tree behind and one module, never a __main__ copy beside an
+# ``agentenv`` one (Ray, isinstance and write-gym's server see the same classes). Nothing else of
+# the file runs in the program. Where there is no exec or memory file (not Linux), or the file is
+# run from other Python code (runpy, python -m), the same module is made in place.
+if __name__ == "__main__":
+    import os as _os
+    import sys as _sys
+    _AS_AGENTENV = ("import importlib.util, sys\n"
+                    "spec = importlib.util.spec_from_file_location('agentenv', path)\n"
+                    "agentenv = sys.modules['agentenv'] = importlib.util.module_from_spec(spec)\n"
+                    "exec(code, agentenv.__dict__)\n"
+                    "sys.exit(agentenv.main())\n")
+    _code, _path = _sys._getframe().f_code, _os.path.abspath(__file__)
+    if (_sys._getframe().f_back is None and _sys.executable and hasattr(_os, "memfd_create")
+            and hasattr(_os, "execv")):
+        import marshal as _marshal
+        _handed = _os.memfd_create("agentenv.py code", 0)          # inherited across the exec
+        _os.write(_handed, _marshal.dumps(_code))
+        _os.lseek(_handed, 0, _os.SEEK_SET)
+        _flags = _sys.orig_argv[1:len(_sys.orig_argv) - len(_sys.argv)]     # -X, -W, -u ...
+        try:
+            _os.execv(_sys.executable, [
+                _sys.executable, *_flags, "-c",
+                "import marshal, os, sys\n"
+                "handed, path = int(sys.argv[1]), sys.argv[2]\n"
+                "del sys.argv[:3]         # -c, and the two above\n"
+                "with os.fdopen(handed, 'rb') as memory:\n    code = marshal.load(memory)\n"
+                "if sys.path[0] == '':      # as the program had it: its own folder\n"
+                "    sys.path[0] = os.path.dirname(os.path.realpath(path))\n" + _AS_AGENTENV,
+                str(_handed), _path, *_sys.argv])
+        except OSError:                                   # no exec here: in place, then
+            _os.close(_handed)
+    exec(_AS_AGENTENV, {"code": _code, "path": _path})
 
 import abc
 import argparse
@@ -103,7 +146,6 @@ import shlex
 import shutil
 import signal
 import socket
-import statistics
 import struct
 import subprocess
 import sys
@@ -1046,6 +1088,7 @@ class Bundle:
         else:
             with os.scandir(task_dir) as listing:      # one pass, types included: 2,000+ tasks
                 entries = sorted(listing, key=lambda e: e.name)
+            texts: dict[str, str] = {}                 # the tasks' strings, each kept once
             for entry in entries:
                 if entry.name.startswith(".") or entry.name == "__pycache__":
                     continue
@@ -1058,7 +1101,7 @@ class Bundle:
                     # strings, not a Path per file: a Path, its name and its stem cost ~3 us
                     name = entry.name.removesuffix(".json")
                     task = _load_task(entry.path, name, f"{id_root}/{name}", shelf, reward,
-                                      problems)
+                                      problems, texts)
                     if task:
                         tasks[task.name] = task
             if not any(e.name.endswith(".json") for e in entries):
@@ -1315,12 +1358,27 @@ class Shelf:
     skills: dict[str, Path]
 
 
+def shared(value: Any, texts: dict[str, str]) -> Any:
+    """A parsed JSON ``value`` with each of its strings replaced by the equal one ``texts`` holds
+    (added there when new). A bundle's tasks repeat their prompts, names and keys, and each file
+    parsed makes them anew: gridsim-v1's 2,200 tasks hold 12.7 MiB of strings, 1.7 of them
+    different, for as long as the server lives."""
+    if isinstance(value, str):
+        return texts.setdefault(value, value)
+    if isinstance(value, list):
+        return [shared(v, texts) for v in value]
+    if isinstance(value, dict):
+        return {texts.setdefault(k, k): shared(v, texts) for k, v in value.items()}
+    return value
+
+
 def _load_task(path: str, name: str, task_id: str, shelf: Shelf, reward: str | None,
-               problems: list[str]) -> Task | None:
-    """Load and check the task ``name``, the file ``path`` (tasks/<name>.json)."""
+               problems: list[str], texts: dict[str, str]) -> Task | None:
+    """Load and check the task ``name``, the file ``path`` (tasks/<name>.json), its strings
+    shared with the bundle's other tasks through ``texts``."""
     where = f"tasks/{name}.json"
     try:
-        raw = json.loads(read_bytes(path))
+        raw = shared(json.loads(read_bytes(path)), texts)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         problems.append(f"{where}: is not valid JSON ({exc}); a task is a JSON array of step objects")
         return None
@@ -6792,6 +6850,9 @@ class Runtime:
             self.pool.release, lambda: self.starting.slot(), self.warm.take, self.live,
             self.closing)
         self.warm.start()
+        # What starting freed (the bundle's files read, images built, the sweep's listings) goes
+        # back too, as after a drain: the pool is as empty now.
+        self.heap.drained()
         return self
 
     async def __aenter__(self) -> Runtime:
@@ -8571,6 +8632,7 @@ def _interval(mean: float, sem: float, n: int) -> tuple[float, float] | None:
 def _describe(rows: list[dict[str, float]], columns: list[str]) -> dict[str, float]:
     """mean/max/min/median/std of each column over the rows that have it (a sample's std; 0 for
     a lone row), keyed ``stat/column``, as the profiler describes a group."""
+    import statistics
     found = {c: [r[c] for r in rows if c in r] for c in columns}
     std = {c: _sample_std(v) for c, v in found.items() if len(v) > 1}
     if not std:          # no column has a spread: those every row has get 0, as Gym reads it
@@ -8621,6 +8683,7 @@ def _rollout_info(result: dict[str, Any]) -> dict[str, Any]:
 
 def _across_repeats(repeats: list[dict[str, Any]]) -> dict[str, float]:
     """Each repeat's mean of a measurement, summarized over the repeats."""
+    import statistics
     names = list(dict.fromkeys(k for r in repeats for k in r))
     out: dict[str, float] = {}
     for name in names:
@@ -8642,6 +8705,7 @@ def _across_repeats(repeats: list[dict[str, Any]]) -> dict[str, float]:
 
 def _per_repeat(measured: list[tuple[Any, Any, dict[str, float]]]) -> list[dict[str, Any]]:
     """A task played more than once: each repeat's (rollout index's) statistics over the tasks."""
+    import statistics
     repeats = sorted({r for _, r, _ in measured})
     if len(repeats) < 2:
         return []
@@ -8673,6 +8737,7 @@ def _per_repeat(measured: list[tuple[Any, Any, dict[str, float]]]) -> list[dict[
 
 def perf_summary(records: list[dict[str, Any]], total: int) -> dict[str, Any] | None:
     """The rollouts' ng_perf stamps (Gym's observability), summarized; None when none has one."""
+    import statistics
     if total <= 0 or not records:
         return None
 
@@ -11673,5 +11738,4 @@ def command_line() -> argparse.ArgumentParser:
     return parser
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+# python agentenv.py runs main() of the module agentenv: see the top of the file.

@@ -75,6 +75,15 @@ profile    (not in the default --parts) the hot path of a Gym tool call: 8 sessi
            its event loop thread, and cProfile by that thread's CPU time. Writes --profile-out
            (bench/profile.txt; the raw stacks and stats beside it, git-ignored).
 
+idle       (not in the default --parts) what an idle serve weighs: VmRSS of serve notes-v1 after
+           start, and idle after --idle-episodes (200) OpenEnv episodes of save-groceries (reset,
+           write_note, the end_turn scored 1.0; --idle-clients 8 at once, the pool the same) once
+           every env is torn down and --idle-quiet s have passed (serve trims its heap 1 s after a
+           drain), on each of --idle-sandboxes (local, docker); and serve gridsim-v1 (2,200 tasks)
+           after start. This agentenv.py beside the one at git revision --idle-before, the two
+           swapped every round (--repeat), and a bare aiohttp app (the floor) in each round.
+           Target: idle after the episodes <= 40 MiB.
+
 The bench venv (--parts episodes, deploys, profile): ~/.cache/agentenv-bench/venv (or
 AGENTENV_BENCH_VENV) with agentenv-framework[openenv]==0.9.1364, matplotlib and py-spy, created on
 first use with the Python running this script and then only checked; it says what it does.
@@ -526,6 +535,144 @@ async def memory(args) -> dict:
             "env_processes_left_after_close": envs_left,
             "first_calls_after_seeding_wall_s": deploy_s,
             "noenv": await memory_noenv(args) if args.noenv_sessions else None}
+
+
+# ------------------------------------------------------------------ idle: what a server weighs
+
+WRITE_GROCERIES = json.dumps({"type": "step", "data": {
+    "type": "call_tool", "tool_name": "write_note",
+    "arguments": {"title": "groceries", "text": "eggs and milk"}}})
+SAVED = json.dumps({"type": "step", "data": {"type": "call_tool", "tool_name": "end_turn",
+                                             "arguments": {"response": "Saved."}}})
+
+
+async def notes_player(url: str, episodes: int) -> list[str]:
+    """One OpenEnv client playing notes-v1's save-groceries `episodes` times on one /ws: reset
+    (the env deployed), write_note, then the end_turn its verifier scores 1.0. What each failed
+    episode answered."""
+    failed = []
+    async with aiohttp.ClientSession() as http:
+        async with http.ws_connect(url + "/ws", max_msg_size=0) as ws:
+            for _ in range(episodes):
+                await ws.send_json({"type": "reset", "data": {"split": "all", "index": 1}})
+                reset = json.loads((await ws.receive(timeout=300)).data)
+                if reset.get("type") != "observation":
+                    failed.append(f"reset answered {json.dumps(reset)[:300]}")
+                    break                       # an error frame may close the socket
+                for step in (WRITE_GROCERIES, SAVED):
+                    await ws.send_str(step)
+                    reply = json.loads((await ws.receive(timeout=300)).data)
+                ended = reply.get("data") or {}
+                if not (ended.get("done") is True and ended.get("reward") == 1.0):
+                    failed.append(f"end_turn answered {json.dumps(reply)[:300]}")
+            await ws.send_json({"type": "close"})
+    return failed
+
+
+async def drained(http: aiohttp.ClientSession, url: str, timeout: float = 300) -> None:
+    """Until the server has no live episode (its envs torn down)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        async with http.get(url + "/web/status") as resp:
+            if (await resp.json())["episodes"]["live"] == 0:
+                return
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} still had live episodes after {timeout:g}s")
+
+
+async def idle_server(program: Path | None, sandbox: str, bundle: Path, episodes: int,
+                      clients: int, quiet: float) -> dict:
+    """One server's RSS `quiet` seconds after it answered /health and, once it played `episodes`
+    episodes of notes-v1 (by `clients` at once) and stayed quiet `quiet` seconds after the last was
+    torn down, its RSS then. ``program`` None is the floor: a bare aiohttp app answering twice as
+    many JSON POSTs."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = floor_server(port) if program is None else Proc(
+        [sys.executable, str(program), "serve", str(bundle), "--sandbox", sandbox, "--port",
+         str(port), "--max-concurrent-envs", str(clients)])
+    failed: list[str] = []
+    try:
+        async with client() as http:
+            started = await wait_health(http, url, proc, timeout=600)
+            await asyncio.sleep(quiet)
+            at_start = rss_kib(proc.pid)
+            if program is None:
+                for _ in range(2 * episodes):
+                    async with http.post(url + "/call", json={"episode": 1}) as resp:
+                        await resp.read()
+            elif episodes:
+                per = [episodes // clients + (i < episodes % clients) for i in range(clients)]
+                failed = [f for fs in await asyncio.gather(*(notes_player(url, n) for n in per if n))
+                          for f in fs]
+                await drained(http, url)
+            await asyncio.sleep(quiet)
+            after = rss_kib(proc.pid)
+    finally:
+        proc.stop(grace=60)
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {episodes} episodes failed on {program} "
+                           f"({sandbox}), e.g. {failed[0]}")
+    return {"start_to_health_s": started, "rss_at_start": at_start, "rss_after": after}
+
+
+async def idle(args) -> dict:
+    """serve's RSS: of notes-v1 after start and idle after --idle-episodes episodes (each sandbox
+    of --idle-sandboxes), and of gridsim-v1 (2,200 tasks) after start, for this agentenv.py beside
+    the one at git revision --idle-before, in interleaved rounds; and a bare aiohttp server."""
+    sandboxes = [s for s in args.idle_sandboxes.split(",") if s]
+    if "docker" in sandboxes:
+        try:
+            docker("info", "--format", "{{.ServerVersion}}", timeout=20)
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+            raise RuntimeError(f"idle on docker needs Docker ({exc}); start it with bash "
+                               ".ci/docker-up.sh, or pass --idle-sandboxes local")
+    n, clients, quiet = args.idle_episodes, args.idle_clients, args.idle_quiet
+    runs_of = [(f"notes-v1, {sandbox}, {n} episodes", sandbox, NOTES, n) for sandbox in sandboxes]
+    runs_of.append(("gridsim-v1, local, no episode", "local", GRIDSIM, 0))
+    with tempfile.TemporaryDirectory(prefix="agentenv-bench-idle-") as tmp:
+        programs = {"ours": AGENTENV, "before": before_agentenv(args.idle_before, Path(tmp))}
+        runs: dict[str, dict[str, list[dict]]] = {what: {name: [] for name in programs}
+                                                  for what, *_ in runs_of}
+        floor: list[dict] = []
+        for r in range(args.repeat):
+            floor.append(await idle_server(None, "", NOTES, n, clients, quiet))
+            for what, sandbox, bundle, episodes in runs_of:
+                for name in (list(programs) if r % 2 == 0 else list(programs)[::-1]):
+                    say(f"idle: round {r + 1}, {name}: {what}")
+                    runs[what][name].append(await idle_server(programs[name], sandbox, bundle,
+                                                              episodes, clients, quiet))
+
+    def medians(rounds: list[dict]) -> dict:
+        return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    stats = {what: {name: medians(rounds) for name, rounds in by.items()}
+             for what, by in runs.items()}
+    notes = [what for what, _, bundle, _ in runs_of if bundle == NOTES]
+    return {"unit": "KiB", "episodes": n, "clients": clients, "rounds": args.repeat,
+            "quiet_s": quiet, "before": args.idle_before, "floor": medians(floor), "stats": stats,
+            "raw": {"floor": floor, **runs}, "target_mib": 40,
+            "meets_target": {what: stats[what]["ours"]["rss_after"] / 1024 <= 40 for what in notes}}
+
+
+def markdown_idle(m: dict) -> list[str]:
+    mib = lambda kib: f"{kib / 1024:.1f}"  # noqa: E731
+    f = m["floor"]
+    out = [f"### idle: serve's RSS (MiB) {m['quiet_s']:g} s after start, and idle {m['quiet_s']:g} s "
+           f"after its episodes were torn down (OpenEnv /ws, notes-v1's save-groceries, "
+           f"{m['clients']} at once); medians of {m['rounds']} interleaved rounds", "",
+           "| serve of | at start: ours / before | after: ours / before | ours / before | ours - "
+           "floor | start to /health s: ours / before |", "|---|---:|---:|---:|---:|---:|"]
+    for what, by in m["stats"].items():
+        o, b = by["ours"], by["before"]
+        out.append(f"| {what} | {mib(o['rss_at_start'])} / {mib(b['rss_at_start'])} | "
+                   f"{mib(o['rss_after'])} / {mib(b['rss_after'])} | "
+                   f"{o['rss_after'] / b['rss_after']:.2f}x | +{mib(o['rss_after'] - f['rss_after'])} | "
+                   f"{o['start_to_health_s']:.2f} / {b['start_to_health_s']:.2f} |")
+    out += ["", f"before = agentenv.py at {m['before']}; floor = a bare aiohttp app in a process of "
+            f"its own: {mib(f['rss_at_start'])} MiB at start, {mib(f['rss_after'])} after "
+            f"{2 * m['episodes']} JSON POSTs. Target: idle after the episodes <= 40 MiB: " + ", ".join(
+                f"{what} {'met' if ok else 'NOT met'}" for what, ok in m["meets_target"].items()), ""]
+    return out
 
 
 # ------------------------------------------------------------------ shared: venvs, rows, clients
@@ -1766,6 +1913,8 @@ def markdown(cmd: str, meta: dict, results: dict) -> str:
         out += markdown_metrics(results["metrics"])
     if "verify" in results:
         out += markdown_verify(results["verify"])
+    if "idle" in results:
+        out += markdown_idle(results["idle"])
     return "\n".join(out)
 
 
@@ -1846,7 +1995,8 @@ PARTS = {"hop": hop, "startup": startup, "memory": memory, "episodes": episodes,
          "throughput": throughput, "deploys": deploys, "writegym": writegym, "profile": profile,
          "bash": bash,
          "metrics": metrics_cost,
-         "verify": verify_latency}
+         "verify": verify_latency,
+         "idle": idle}
 
 
 async def main_async(args) -> int:
@@ -1880,7 +2030,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default="hop,startup,memory,episodes,throughput,deploys,writegym",
                         help=f"comma-separated, of: {', '.join(PARTS)} (default: all but profile, "
-                             "metrics and verify)")
+                             "metrics, bash, verify and idle)")
     parser.add_argument("--repeat", type=int, default=5,
                         help="hop: interleaved rounds; startup: runs per target; episodes, "
                              "throughput: interleaved rounds; deploys: rounds per level (single "
@@ -1929,6 +2079,18 @@ def main() -> int:
     parser.add_argument("--verify-before", default="6a5ee9a",
                         help="verify: the git revision whose agentenv.py is the baseline (default "
                              "6a5ee9a, the last whose /verify waited for the teardown)")
+    parser.add_argument("--idle-episodes", type=int, default=200,
+                        help="idle: episodes each server plays before its idle RSS (default 200)")
+    parser.add_argument("--idle-clients", type=int, default=8,
+                        help="idle: OpenEnv clients at once, and serve's pool (default 8)")
+    parser.add_argument("--idle-sandboxes", default="local,docker",
+                        help="idle: the sandboxes, of local and docker (default both)")
+    parser.add_argument("--idle-before", default="6a5ee9a",
+                        help="idle: the git revision whose agentenv.py is the baseline (default "
+                             "6a5ee9a, the last before the script ran as the module)")
+    parser.add_argument("--idle-quiet", type=float, default=3.0,
+                        help="idle: seconds of quiet before each RSS is read (default 3; serve "
+                             "trims its heap 1 s after its pool drains)")
     parser.add_argument("--json", help="write the results here as JSON")
     args = parser.parse_args()
     try:
