@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -1562,6 +1563,13 @@ async def hot(args) -> dict:
                 for name, f in calls.items():                    # warm up, and check answers
                     for _ in range(100):
                         await f()
+                # whose CPU each target spends: the server it calls, and the env behind serve's hop
+                envs = {f"hop {w}": list(servers[f"hop {w}"].track()) for w in programs}
+                spenders = {**{k: {"server": [p.pid]} for k, p in servers.items()},
+                            **{k: {"server": [p.pid], "env": envs[k]} for k, p in servers.items()
+                               if k in envs},
+                            "direct": {"env": [env.pid]}, "echo": {"server": [echo.pid]}}
+                ticks = {k: collections.Counter() for k in calls}
                 times: dict[str, list[float]] = {k: [] for k in calls}
                 round_p50: dict[str, list[float]] = {k: [] for k in calls}
                 order = list(calls)
@@ -1569,10 +1577,14 @@ async def hot(args) -> dict:
                     k = r % len(order)
                     for name in order[k:] + order[:k]:          # rotate who goes first
                         f, got = calls[name], []
+                        cpu0 = {who: sum(sum(cpu_ticks(p)) for p in pids)
+                                for who, pids in spenders[name].items()}
                         for _ in range(args.hot_calls):
                             t = time.perf_counter()
                             await f()
                             got.append((time.perf_counter() - t) * 1e3)
+                        for who, pids in spenders[name].items():
+                            ticks[name][who] += sum(sum(cpu_ticks(p)) for p in pids) - cpu0[who]
                         times[name] += got
                         round_p50[name].append(statistics.median(got))
                     say(f"hot: round {r + 1}/{args.repeat}: " + ", ".join(
@@ -1584,6 +1596,8 @@ async def hot(args) -> dict:
             for p in procs:
                 p.stop()
     stats = {k: summary(v) for k, v in times.items()}
+    hz, n = os.sysconf("SC_CLK_TCK"), args.repeat * args.hot_calls
+    cpu_us = {k: {who: t / hz / n * 1e6 for who, t in c.items()} for k, c in ticks.items()}
 
     def versus(a: str, b: str) -> dict:
         return {"p50": stats[a]["p50"] / stats[b]["p50"], "p95": stats[a]["p95"] / stats[b]["p95"],
@@ -1596,6 +1610,7 @@ async def hot(args) -> dict:
               "episode after / before": versus("episode after", "episode before")}
     return {"unit": "ms", "before": args.hot_before, "rounds": args.repeat,
             "calls_per_round": args.hot_calls, "stats": stats, "ratios": ratios, "target": 2.0,
+            "cpu_us_per_call": cpu_us,
             "meets_target": {"hop": ratios["hop after / direct"]["p50"] <= 2.0,
                              "episode": ratios["episode after / echo"]["p50"] <= 2.0}}
 
@@ -1670,9 +1685,10 @@ def markdown_hot(h: dict) -> list[str]:
     out = [f"### hot: the hop and the episode beside their floors, this agentenv.py (after) and git "
            f"{h['before']} (before); {h['rounds']} interleaved rounds x {h['calls_per_round']} "
            "sequential calls (ms)", "",
-           "| target | n | p50 | p95 |", "|---|---:|---:|---:|"]
+           "| target | n | p50 | p95 | CPU per call (µs, from /proc) |", "|---|---:|---:|---:|---|"]
     for name, st in s.items():
-        out.append(f"| {name} | {st['n']} | {st['p50']:.3f} | {st['p95']:.3f} |")
+        cpu = ", ".join(f"{who} {us:.0f}" for who, us in h["cpu_us_per_call"][name].items())
+        out.append(f"| {name} | {st['n']} | {st['p50']:.3f} | {st['p95']:.3f} | {cpu} |")
     out += ["", "| ratio | p50 | p95 | per-round p50 |", "|---|---:|---:|---:|"]
     for name, v in r.items():
         pr = v["per_round_p50"]

@@ -214,7 +214,10 @@ def read_cprofile(path: Path, n: int) -> dict:
     total = sum(tt for (_, _, tt, _, _) in stats.values()) or 1.0
     by_code, self_time, ours_cum = collections.Counter(), collections.Counter(), collections.Counter()
     calls_per = collections.Counter()
+    turns = 0                  # the event loop's iterations (each a select, then the callbacks)
     for (file, line, name), (_, calls, tt, ct, _) in stats.items():
+        if name == "_run_once" and file.endswith("base_events.py"):
+            turns += calls
         label = f"{name} ({Path(file).name if file != '~' else 'C'}:{line})"
         by_code[code_of(file, name)] += tt
         self_time[label] += tt
@@ -223,6 +226,7 @@ def read_cprofile(path: Path, n: int) -> dict:
             ours_cum[label] = max(ours_cum[label], ct)
     return {"cprofile": {"n": n, "cpu_ms_per_op": total * 1e3 / n,
                          "python_calls_per_op": sum(calls_per.values()) / n,
+                         "loop_iterations_per_op": turns / n,
                          "by_code": top(by_code, total, 14), "top_self": top(self_time, total, 25),
                          "agentenv_cumulative": top(ours_cum, total, 20)}}
 
@@ -258,7 +262,8 @@ def lines_of(label: str, r: dict, unit: str) -> list[str]:
            f"{unit}",
            f"  2. cProfile, event loop thread CPU: {c['cpu_ms_per_op']:.3f} ms per {unit} "
            f"(inflated by the profiler's cost per Python call; {c['python_calls_per_op']:.0f} "
-           f"function calls per {unit})", "", "   self time by code:", *pct(c["by_code"]), "",
+           f"function calls and {c['loop_iterations_per_op']:.1f} event loop iterations per "
+           f"{unit})", "", "   self time by code:", *pct(c["by_code"]), "",
            "   top functions by self time:", *pct(c["top_self"]), "",
            "   agentenv.py functions by cumulative time (share of all self time):",
            *pct(c["agentenv_cumulative"]), ""]
@@ -289,7 +294,9 @@ def summary_text(cmd: str, seconds: float, results: dict, load: tuple[str, str])
                     f"{b['user_ms'] + b['system_ms']:.3f} / {a['user_ms'] + a['system_ms']:.3f} ms;"
                     f" profiled {cb['cpu_ms_per_op']:.3f} / {ca['cpu_ms_per_op']:.3f} ms; Python "
                     f"function calls {cb['python_calls_per_op']:.0f} / "
-                    f"{ca['python_calls_per_op']:.0f} per {unit}", ""]
+                    f"{ca['python_calls_per_op']:.0f} per {unit}; event loop iterations "
+                    f"{cb['loop_iterations_per_op']:.1f} / {ca['loop_iterations_per_op']:.1f} per "
+                    f"{unit}", ""]
         for which in ("before", "after"):
             if which in ran:
                 out += lines_of(f"{which} ({ran[which]['program']})", ran[which], unit)
