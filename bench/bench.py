@@ -61,7 +61,7 @@ metrics    (not in the default --parts) what counting costs: two serves of notes
            per call over those windows (from /proc, so the least swayed by a loaded machine).
            Reports after/before.
 hot        (not in the default --parts) the hop and the episode beside their floors, for this
-           agentenv.py (after) and the one at git revision --hot-before (before, default main),
+           agentenv.py (after) and the one at git revision --hot-before (before, default 5ae11ea),
            all up at once, in --repeat interleaved rounds of --hot-calls sequential calls each:
            one Gym session's list_notes through serve notes-v1 --sandbox local beside the same
            MCP tools/call straight to a notebook env of our own; and one /ws playing quiz-v1's
@@ -1847,8 +1847,9 @@ def main() -> int:
                         help="metrics: live Gym sessions calling at once (default 32)")
     parser.add_argument("--scrape-every", type=float, default=1.0,
                         help="metrics: seconds between scrapes of /metrics (default 1)")
-    parser.add_argument("--hot-before", default="main",
-                        help="hot: the git revision whose agentenv.py is the baseline (default main)")
+    parser.add_argument("--hot-before", default="5ae11ea",
+                        help="hot: the git revision whose agentenv.py is the baseline (default "
+                             "5ae11ea, the last before issue 27's cuts of the hop and the episode)")
     parser.add_argument("--hot-calls", type=int, default=300,
                         help="hot: sequential calls (or episodes) per target per round (default 300)")
     parser.add_argument("--json", help="write the results here as JSON")
