@@ -160,6 +160,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Union
 
 import aiohttp
+import yarl                 # aiohttp's own URLs
 
 __version__ = "0.1.0"
 
@@ -4859,6 +4860,14 @@ class McpSession:
         self.headers = {"Content-Type": "application/json",
                         "Accept": "application/json, text/event-stream", **(headers or {})}
         self.next_id = 0
+        # Made once, not per request (a tool call's): the URL parsed, each deadline's timeout.
+        self._target = yarl.URL(url)
+        self._timeouts: dict[float | None, aiohttp.ClientTimeout] = {}
+
+    def _timeout(self, seconds: float | None) -> aiohttp.ClientTimeout:
+        if (timeout := self._timeouts.get(seconds)) is None:
+            timeout = self._timeouts[seconds] = aiohttp.ClientTimeout(total=seconds)
+        return timeout
 
     async def open(self, timeout: float = 30) -> dict[str, Any]:
         result = await self.request("initialize", {
@@ -4905,9 +4914,10 @@ class McpSession:
     async def request(self, method: str, params: dict[str, Any], timeout: float | None = 30) -> dict:
         self.next_id += 1
         rid = self.next_id                  # this request's id, whatever later requests take
-        body = {"jsonrpc": "2.0", "id": rid, "method": method, "params": params}
-        async with self.http.post(self.url, json=body, headers=self.headers,
-                                  timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        # encoded here as aiohttp's json= would (json.dumps), sent as bytes under our Content-Type
+        body = json.dumps({"jsonrpc": "2.0", "id": rid, "method": method, "params": params}).encode()
+        async with self.http.post(self._target, data=body, headers=self.headers,
+                                  timeout=self._timeout(timeout)) as resp:
             if session := resp.headers.get("Mcp-Session-Id"):
                 self.headers["Mcp-Session-Id"] = session
             if resp.status >= 400:
@@ -5932,7 +5942,14 @@ class Episode:
                          "false).", self.id[:8], step.id, step.type, str(exc).rstrip())
             done[step.id].set()
 
-        tasks = [asyncio.create_task(run(step)) for step in self.task.steps]
+        steps = self.task.steps
+        if all(before.id in step.depends_on for before, step in zip(steps, steps[1:])):
+            # A chain (each step waits for the one before it, as steps do by default) runs in
+            # order in the driver itself: no task per step to start, wake and gather.
+            for step in steps:
+                await run(step)
+            return
+        tasks = [asyncio.create_task(run(step)) for step in steps]
         try:
             await _first_error(tasks)
         finally:
@@ -6311,7 +6328,10 @@ class Episode:
             self._signal()
             timeout = float(step.get("timeout_seconds", 600))
             try:
-                reply = await asyncio.wait_for(asyncio.shield(turn.ended), timeout)
+                # Awaited directly: a cancel or the timeout cancels ``ended``, which closes the
+                # turn as end() would.
+                async with asyncio.timeout(timeout):
+                    reply = await turn.ended
             except asyncio.TimeoutError:
                 turn.end(None)       # over for the caller too, even if the task goes on
                 raise EpisodeFailed(f"turn {step.id!r} was not ended within {timeout:g}s (its "
@@ -7131,22 +7151,34 @@ def client_headers() -> dict[str, str]:
 
 class Lease:
     """What a served session shares with every other: a lock its requests take in turn, how many
-    are under way, and when the last one ended, so an idle sweep never ends a busy session."""
+    are under way, and when the last one ended, so an idle sweep never ends a busy session.
+    ``async with lease.using():`` holds it (a context manager of its own: every request takes one,
+    and a generator-based one costs several times as much)."""
 
     def __init__(self) -> None:
         self.lock = asyncio.Lock()
         self.busy = 0
         self.last_used = time.monotonic()
 
-    @contextlib.asynccontextmanager
-    async def using(self) -> Any:
+    def using(self) -> Lease:
+        return self
+
+    async def __aenter__(self) -> Lease:
         self.busy += 1
         try:
-            async with self.lock:
-                yield self
-        finally:
-            self.busy -= 1
-            self.last_used = time.monotonic()
+            await self.lock.acquire()
+        except BaseException:
+            self._done()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.lock.release()
+        self._done()
+
+    def _done(self) -> None:
+        self.busy -= 1
+        self.last_used = time.monotonic()
 
 
 async def sweep_idle(what: str, knob: str, sessions: dict[str, Any], idle_timeout: float,
@@ -7244,9 +7276,14 @@ def shape_problems(value: dict[str, Any], shape: Shape, open_: bool = False) -> 
             if required:
                 problems.append({"type": "missing", "loc": [key], "msg": "Field required",
                                  "input": value})
-        elif not any(JSON_TYPES[kind](value[key]) for kind in kinds):
+            continue
+        item = value[key]
+        for kind in kinds:              # a loop, not any(): every message of both wires comes here
+            if JSON_TYPES[kind](item):
+                break
+        else:
             code, msg = PYDANTIC_WORDS[kinds[0]]
-            problems.append({"type": code, "loc": [key], "msg": msg, "input": value[key]})
+            problems.append({"type": code, "loc": [key], "msg": msg, "input": item})
     if not open_:
         problems += [{"type": "extra_forbidden", "loc": [key], "msg": "Extra inputs are not permitted",
                       "input": value[key]} for key in value if key not in shape]
@@ -7297,9 +7334,14 @@ def envelope(observation: dict[str, Any], reward: float | None = None, done: boo
     return body
 
 
+_PLAIN_JSON = {str, int, bool}
+
+
 def json_safe(value: Any) -> Any:
     """Bundle code's values (a verifier's rows) as strict JSON, which every client parses: a
     number that is not finite as text, and anything JSON has no word for as its repr."""
+    if value is None or type(value) in _PLAIN_JSON:         # most of them: as they are
+        return value
     if isinstance(value, dict):
         return {str(key): json_safe(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -8030,6 +8072,16 @@ def openapi_document() -> dict[str, Any]:
 
 gym_log = logging.getLogger("agentenv.gym")
 GYM_COOKIE = "agentenv_session"
+# A Cookie header that is the session's cookie alone, as Gym's clients send it: read without
+# parsing (every tool call has one); any other header goes to aiohttp's parser.
+LONE_SESSION_COOKIE = re.compile(GYM_COOKIE + r"=([A-Za-z0-9_-]+)")
+
+
+def session_cookie(request: Any) -> str | None:
+    """The Gym session's token a request carries in its cookie, if any."""
+    if (lone := LONE_SESSION_COOKIE.fullmatch(request.headers.get("Cookie", ""))) is not None:
+        return lone.group(1)
+    return request.cookies.get(GYM_COOKIE)
 # What end_turn answers on the last turn (eval stops there, the episode being scored)
 EPISODE_OVER = "Your turn is over, and so is the episode: it is being scored."
 
@@ -8941,7 +8993,7 @@ class GymSurface:
         return split, index, task_id_here
 
     def _session(self, request: Any) -> GymSession | None:
-        token = request.cookies.get(GYM_COOKIE)
+        token = session_cookie(request)
         return self.sessions.get(token) if token else None
 
     # -- routes
@@ -8995,11 +9047,11 @@ class GymSurface:
     async def tool(self, request: Any) -> Any:
         from aiohttp import web
         name = request.match_info["tool"]
-        if any(path == f"/{name}" for method, path, _ in self.ROUTES if method == "GET"):
+        if f"/{name}" in self.GET_PATHS:
             raise web.HTTPMethodNotAllowed("POST", ["GET", "HEAD"])     # a GET route, never a tool
         session = self._session(request)
         if session is None:
-            if request.cookies.get(GYM_COOKIE) in self.verdicts:
+            if session_cookie(request) in self.verdicts:
                 return web.Response(status=409, text=f"error: this rollout was verified already, so "
                                                      f"{name} cannot run; seed a new session for a "
                                                      "new rollout")
@@ -9122,6 +9174,7 @@ class GymSurface:
               ("GET", "/readyz", alive), ("POST", "/seed_session", seed), ("POST", "/verify", verify),
               ("POST", "/close_session", close), ("POST", "/aggregate_metrics", aggregate),
               ("GET", "/reverify_mode", reverify_mode)]
+    GET_PATHS = frozenset(path for method, path, _ in ROUTES if method == "GET")
     # Gym calls a tool at the route of its name: a catch-all, matched after every fixed route.
     TOOL_ROUTE = ("POST", "/{tool}", tool)
 
