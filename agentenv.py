@@ -50,7 +50,8 @@ The file reads top to bottom in the order data flows; a section uses only the se
                         Gym surface, as NeMo Gym's simple_agent plays them, and scored; TRL's
                         GRPOTrainer: a bundle as its environment_factory (trl_environment), its
                         rows (trl_dataset) and its reward (trl_reward), on a loop of their own.
-14. CLI                 ``python agentenv.py check|serve|write-gym|eval ...``.
+14. CLI                 ``python agentenv.py check|serve|write-gym|eval ...`` (the program runs
+                        main() of the module agentenv: see the top of the file).
 
 A Gym tool call, for instance, goes: the route (10) → the session → its rollout → the episode's
 open turn (6) → the env's MCP session (4) → the env; the ToolResult it gives comes back up
@@ -71,10 +72,52 @@ saying which provider has them. ``describe`` and ``network_mode`` say what ``che
 
 Only the standard library, aiohttp, prometheus-client (for /metrics), the docker SDK (for the
 Docker sandbox), PyYAML (for Gym's YAML) and, with ``--sandbox ray`` only, Ray (an optional extra)
-are used at run time, the last three imported only where needed. Blocking calls (the docker SDK, verifier code) run in threads so the event loop never stalls.
+are used at run time, the last three imported only where needed (as is statistics, for Gym's
+aggregate metrics): a serve of the local sandbox holds little more than aiohttp itself does
+(bench/README.md says what, and why). Blocking calls (the docker SDK, verifier code) run in
+threads so the event loop never stalls.
 """
 
 from __future__ import annotations
+
+# Run as a program (python agentenv.py ...), this file is compiled at every start, and Python
+# keeps the compiler's syntax tree of it (26 MiB) until the program ends: for a server, its whole
+# life, and no heap trim can return it. So the program hands the code it was compiled to, through
+# a memory file, to a fresh interpreter in the same process (exec: the same pid, flags, signals,
+# output and exit code), which makes of it the module ``agentenv`` as importing this path would,
+# and runs its main(). That leaves no tree behind and one module, never a __main__ copy beside an
+# ``agentenv`` one (Ray, isinstance and write-gym's server see the same classes). Nothing else of
+# the file runs in the program. Where there is no exec or memory file (not Linux), or the file is
+# run from other Python code (runpy, python -m), the same module is made in place.
+if __name__ == "__main__":
+    import os as _os
+    import sys as _sys
+    _AS_AGENTENV = ("import importlib.util, sys\n"
+                    "spec = importlib.util.spec_from_file_location('agentenv', path)\n"
+                    "agentenv = sys.modules['agentenv'] = importlib.util.module_from_spec(spec)\n"
+                    "exec(code, agentenv.__dict__)\n"
+                    "sys.exit(agentenv.main())\n")
+    _code, _path = _sys._getframe().f_code, _os.path.abspath(__file__)
+    if (_sys._getframe().f_back is None and _sys.executable and hasattr(_os, "memfd_create")
+            and hasattr(_os, "execv")):
+        import marshal as _marshal
+        _handed = _os.memfd_create("agentenv.py code", 0)          # inherited across the exec
+        _os.write(_handed, _marshal.dumps(_code))
+        _os.lseek(_handed, 0, _os.SEEK_SET)
+        _flags = _sys.orig_argv[1:len(_sys.orig_argv) - len(_sys.argv)]     # -X, -W, -u ...
+        try:
+            _os.execv(_sys.executable, [
+                _sys.executable, *_flags, "-c",
+                "import marshal, os, sys\n"
+                "handed, path = int(sys.argv[1]), sys.argv[2]\n"
+                "del sys.argv[:3]         # -c, and the two above\n"
+                "with os.fdopen(handed, 'rb') as memory:\n    code = marshal.load(memory)\n"
+                "if sys.path[0] == '':      # as the program had it: its own folder\n"
+                "    sys.path[0] = os.path.dirname(os.path.realpath(path))\n" + _AS_AGENTENV,
+                str(_handed), _path, *_sys.argv])
+        except OSError:                                   # no exec here: in place, then
+            _os.close(_handed)
+    exec(_AS_AGENTENV, {"code": _code, "path": _path})
 
 import abc
 import argparse
@@ -103,7 +146,6 @@ import shlex
 import shutil
 import signal
 import socket
-import statistics
 import struct
 import subprocess
 import sys
@@ -118,6 +160,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Union
 
 import aiohttp
+import yarl                 # aiohttp's own URLs
 
 __version__ = "0.1.0"
 
@@ -535,6 +578,10 @@ class Metrics:
         self.idle_reaps = prom.Counter(
             "agentenv_idle_reaps", "Sessions ended for having no request past idle_timeout, by "
             "wire", ["wire"], registry=registry)
+        self.teardown_failures = prom.Counter(
+            "agentenv_teardown_failures", "Envs and boxes whose removal failed when their episode "
+            "ended (after its reply: the outcome stands, and is never masked for it); each is "
+            "tried again until it is gone, its episode's slot held meanwhile", registry=registry)
         self.recent_deploys, self.recent_tool_calls = Recent(), Recent()
         self._readings: dict[str, Any] = {}
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
@@ -583,6 +630,9 @@ class Metrics:
 
     def reaped(self, wire: str) -> None:
         self._of(self.idle_reaps, wire).inc()
+
+    def teardown_failed(self, parts: int) -> None:
+        self.teardown_failures.inc(parts)
 
     def watch(self, name: str, doc: str, read: Callable[[], float | dict[str, float]],
               label: str | None = None) -> None:
@@ -1046,6 +1096,7 @@ class Bundle:
         else:
             with os.scandir(task_dir) as listing:      # one pass, types included: 2,000+ tasks
                 entries = sorted(listing, key=lambda e: e.name)
+            texts: dict[str, str] = {}                 # the tasks' strings, each kept once
             for entry in entries:
                 if entry.name.startswith(".") or entry.name == "__pycache__":
                     continue
@@ -1058,7 +1109,7 @@ class Bundle:
                     # strings, not a Path per file: a Path, its name and its stem cost ~3 us
                     name = entry.name.removesuffix(".json")
                     task = _load_task(entry.path, name, f"{id_root}/{name}", shelf, reward,
-                                      problems)
+                                      problems, texts)
                     if task:
                         tasks[task.name] = task
             if not any(e.name.endswith(".json") for e in entries):
@@ -1315,12 +1366,27 @@ class Shelf:
     skills: dict[str, Path]
 
 
+def shared(value: Any, texts: dict[str, str]) -> Any:
+    """A parsed JSON ``value`` with each of its strings replaced by the equal one ``texts`` holds
+    (added there when new). A bundle's tasks repeat their prompts, names and keys, and each file
+    parsed makes them anew: gridsim-v1's 2,200 tasks hold 12.7 MiB of strings, 1.7 of them
+    different, for as long as the server lives."""
+    if isinstance(value, str):
+        return texts.setdefault(value, value)
+    if isinstance(value, list):
+        return [shared(v, texts) for v in value]
+    if isinstance(value, dict):
+        return {texts.setdefault(k, k): shared(v, texts) for k, v in value.items()}
+    return value
+
+
 def _load_task(path: str, name: str, task_id: str, shelf: Shelf, reward: str | None,
-               problems: list[str]) -> Task | None:
-    """Load and check the task ``name``, the file ``path`` (tasks/<name>.json)."""
+               problems: list[str], texts: dict[str, str]) -> Task | None:
+    """Load and check the task ``name``, the file ``path`` (tasks/<name>.json), its strings
+    shared with the bundle's other tasks through ``texts``."""
     where = f"tasks/{name}.json"
     try:
-        raw = json.loads(read_bytes(path))
+        raw = shared(json.loads(read_bytes(path)), texts)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         problems.append(f"{where}: is not valid JSON ({exc}); a task is a JSON array of step objects")
         return None
@@ -2013,6 +2079,11 @@ def owner_alive(owner: str) -> bool | None:
     return bool(now) and (now == started or not started)
 
 
+class RemovalFailed(AgentEnvError):
+    """An env or box whose removal failed: it may still stand (and run). Its episode's teardown
+    tries again until it is gone, holding the slot meanwhile (see ``Episode._teardown``)."""
+
+
 class Instance(abc.ABC):
     """One env running for an episode: where it answers, whether it still runs, and its removal."""
 
@@ -2029,7 +2100,8 @@ class Instance(abc.ABC):
 
     @abc.abstractmethod
     async def remove(self) -> None:
-        """Stop the env and remove what it ran in."""
+        """Stop the env and remove what it ran in; RemovalFailed if it may still stand. Removing
+        it again is harmless (what is gone stays gone)."""
 
     async def answers_itself(self) -> bool:
         """Whether what answers at ``base_url`` is this env and not another's (a port taken)."""
@@ -2606,6 +2678,7 @@ class DockerDaemon:
                                                  thread_name_prefix="docker-stream")
         self.removals: set[asyncio.Task] = set()
         self.creating: set[asyncio.Future] = set()
+        self.unremoved: dict[str, Any] = {}      # containers a removal left standing, by id
 
     @classmethod
     async def reach(cls) -> DockerDaemon:
@@ -2692,9 +2765,11 @@ class DockerDaemon:
                                 PROVIDER_UNAVAILABLE) from None
 
     def removing(self, task: asyncio.Future) -> None:
-        """Keep a removal (or a kill) under way until it ends: ``settle`` waits for it."""
+        """Keep a removal (or a kill) under way until it ends: ``settle`` waits for it. Nobody
+        reads its result: a removal that failed has said so, and left its container to ``settle``."""
         self.removals.add(task)
         task.add_done_callback(self.removals.discard)
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
 
     async def exited(self, container: Any) -> str | None:
         """None while a container runs (or the daemon is too busy to say); once it has stopped,
@@ -2715,18 +2790,26 @@ class DockerDaemon:
         return None
 
     async def remove(self, container: Any) -> None:
-        """Force-remove a container; retried, and reported if it still stands."""
+        """Force-remove a container, three tries; RemovalFailed if it may still stand, which
+        keeps it among the ``unremoved`` that ``settle`` tries again at the end."""
         import docker.errors
-        for attempt in range(3):
+        error: Exception | None = None
+        for _ in range(3):
             try:
                 await self.urgent(container.remove, force=True, timeout=30)
-                return
+                error = None
+                break
             except docker.errors.NotFound:
-                return
-            except Exception as exc:                    # noqa: BLE001
+                error = None
+                break
+            except Exception as exc:                    # noqa: BLE001 - e.g. a removal in progress
                 error = exc
-        log.error("Could not remove container %s (%s); remove it with docker rm -f %s.",
-                  container.short_id, error, container.short_id)
+        if error is None:
+            self.unremoved.pop(container.id, None)
+            return
+        self.unremoved[container.id] = container
+        raise RemovalFailed(f"the Docker daemon did not remove container {container.short_id} "
+                            f"({type(error).__name__}: {short(str(error), 300)})")
 
     async def remove_network(self, network: Any) -> Any:
         """Remove a network; the network back if it still stands (a container still on it)."""
@@ -2748,10 +2831,16 @@ class DockerDaemon:
                                      filters={"label": "agentenv.owner"})
         stale = [c for c in containers
                  if owner_alive((c.attrs.get("Labels") or {}).get("agentenv.owner", "")) is False]
-        await asyncio.gather(*(self.remove(c) for c in stale))
-        if stale:
+        removed = [c for c, failed in zip(stale, await asyncio.gather(
+            *(self.remove(c) for c in stale), return_exceptions=True)) if failed is None]
+        if removed:
             log.warning("Removed %d container(s) that an earlier run of agentenv.py left behind when "
-                        "it stopped without tearing down.", len(stale))
+                        "it stopped without tearing down.", len(removed))
+        for container in stale:
+            if container.id in self.unremoved:
+                log.error("Could not remove container %s, which an earlier run of agentenv.py left "
+                          "behind; remove it with docker rm -f %s (the next start tries again).",
+                          container.short_id, container.short_id)
         # networks after containers: a network with a container on it can't be removed
         networks = await self.call(self.client.networks.list, filters={"label": "agentenv.owner"})
         stale = [n for n in networks
@@ -2856,12 +2945,19 @@ class DockerDaemon:
 
     async def settle(self) -> None:
         """Wait for containers still being created (they are removed as they appear), then for
-        every removal under way."""
+        every removal under way; then try once more to remove the containers a removal left
+        standing, and say which still stand."""
         if self.creating:
             await asyncio.wait(set(self.creating), timeout=150)
             await asyncio.sleep(0)          # let their done-callbacks schedule the removals
         if self.removals:
             await asyncio.gather(*set(self.removals), return_exceptions=True)
+        await asyncio.gather(*(self.remove(c) for c in list(self.unremoved.values())),
+                             return_exceptions=True)
+        for container in self.unremoved.values():
+            log.error("Could not remove container %s as the server stopped; remove it with docker "
+                      "rm -f %s (the next start's sweep removes it too).", container.short_id,
+                      container.short_id)
 
     def close(self) -> None:
         for threads in (self.threads, self.urgent_threads, self.stream_threads):
@@ -4771,6 +4867,14 @@ class McpSession:
         self.headers = {"Content-Type": "application/json",
                         "Accept": "application/json, text/event-stream", **(headers or {})}
         self.next_id = 0
+        # Made once, not per request (a tool call's): the URL parsed, each deadline's timeout.
+        self._target = yarl.URL(url)
+        self._timeouts: dict[float | None, aiohttp.ClientTimeout] = {}
+
+    def _timeout(self, seconds: float | None) -> aiohttp.ClientTimeout:
+        if (timeout := self._timeouts.get(seconds)) is None:
+            timeout = self._timeouts[seconds] = aiohttp.ClientTimeout(total=seconds)
+        return timeout
 
     async def open(self, timeout: float = 30) -> dict[str, Any]:
         result = await self.request("initialize", {
@@ -4817,9 +4921,10 @@ class McpSession:
     async def request(self, method: str, params: dict[str, Any], timeout: float | None = 30) -> dict:
         self.next_id += 1
         rid = self.next_id                  # this request's id, whatever later requests take
-        body = {"jsonrpc": "2.0", "id": rid, "method": method, "params": params}
-        async with self.http.post(self.url, json=body, headers=self.headers,
-                                  timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        # encoded here as aiohttp's json= would (json.dumps), sent as bytes under our Content-Type
+        body = json.dumps({"jsonrpc": "2.0", "id": rid, "method": method, "params": params}).encode()
+        async with self.http.post(self._target, data=body, headers=self.headers,
+                                  timeout=self._timeout(timeout)) as resp:
             if session := resp.headers.get("Mcp-Session-Id"):
                 self.headers["Mcp-Session-Id"] = session
             if resp.status >= 400:
@@ -5416,6 +5521,8 @@ async def unit_tests(box: Box, name: str, command: str, setup: list[str], *, use
 
 # ================================================================ 6. Episode
 
+TEARDOWN_RETRY = (1.0, 30.0)      # seconds between a failed teardown's tries: first, and at most
+
 @dataclasses.dataclass(frozen=True)
 class EpisodeContext:
     """What an episode plays on, and all it uses of the runtime that holds it (section 7 makes
@@ -5435,6 +5542,7 @@ class EpisodeContext:
     starting: Callable[[], contextlib.AbstractAsyncContextManager[None]]  # a start slot: a launch
     warm: Callable[[EnvSpec, dict[str, Any]], Awaitable[DeployedEnv | None]]  # a warm env, if ready
     live: set[Episode]                              # the live episodes, which it joins and leaves
+    closing: asyncio.Event                          # set as the runtime closes: teardowns stop retrying
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
@@ -5587,6 +5695,11 @@ class Episode:
     """One play of a task: it waits for a slot, runs the task's steps, hands each turn to the
     caller, scores, and tears everything down. Ending it at any point tears it down too.
 
+    The outcome is settled before the teardown begins, so whoever waits for it (``result``: a
+    Gym /verify, OpenEnv's last end_turn) answers at once while the envs and boxes are removed
+    in the background; the episode stays among the runtime's live ones, holding its slot, until
+    they are gone (``closed``), so the pool's bound counts what really runs.
+
     Steps run as AgentEnv runs them: each after the steps it depends on (by default every step
     before it), several at once where the graph allows, each by its handler in ``HANDLERS``. The
     caller drives it with ``next_turn`` → ``turn.call`` / ``turn.end`` → ... → ``result``, and
@@ -5694,6 +5807,11 @@ class Episode:
         self.end(reason)
         await self.closed.wait()
 
+    def let_go(self, reason: str) -> None:
+        """End the episode if it isn't over (as ``end``) and wait for nothing: its teardown is the
+        runtime's, which holds its slot until it is done and waits for it when it closes."""
+        self.end(reason)
+
     async def env_trouble(self, exc: BaseException) -> str:
         """Why a call to an env failed: an env that stopped says so, with its last output."""
         for env in self.envs.values():
@@ -5770,13 +5888,41 @@ class Episode:
 
     async def _teardown(self) -> None:
         """Remove every env launched and every box opened, then what the sandbox held for the
-        episode (its network)."""
-        boxes = [*self.boxes.values(), *self.containers.values(), *([self.agent_box] if
-                                                                   self.agent_box else [])]
-        await asyncio.gather(*(i.remove() for i in self.instances), *(b.remove() for b in boxes),
-                             return_exceptions=True)
+        episode (its network). It runs after the outcome is settled, so no reply waits for it,
+        and the slot is given back only once it ends.
+
+        A removal that fails is not the rollout's failure (its reward stands, unmasked): it is
+        said once, counted, and tried again at growing intervals until what it removes is gone,
+        holding the slot meanwhile (a slot is free only when its env is); once the runtime
+        closes, what is left is the sandbox's (its close tries once more, the next start's sweep
+        after that)."""
+        parts: list[Instance | Box] = [*self.instances, *self.boxes.values(),
+                                       *self.containers.values(),
+                                       *([self.agent_box] if self.agent_box else [])]
+        failed = await self._removed(parts)
+        if failed:
+            self.context.metrics.teardown_failed(len(failed))
+            log.warning("Episode %s of task %r ended %s, but its teardown failed: %s. Its slot "
+                        "stays taken until what is left is gone, which is tried again every "
+                        "%g-%gs; the outcome stands.", self.id[:8], self.task.name,
+                        self.outcome.status if self.outcome else "", "; ".join(
+                            str(exc) for exc in failed.values()), *TEARDOWN_RETRY)
+        delay, closing = TEARDOWN_RETRY[0], self.context.closing
+        while failed and not closing.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):     # a timer, cut short by the close
+                await asyncio.wait_for(closing.wait(), delay)
+            if not (failed := await self._removed(list(failed))):
+                log.info("Episode %s's teardown succeeded on a later try; its slot is free.",
+                         self.id[:8])
+            delay = min(delay * 2, TEARDOWN_RETRY[1])
         with contextlib.suppress(Exception):
             await self.context.sandbox.end_episode(self.id)
+
+    @staticmethod
+    async def _removed(parts: list[Instance | Box]) -> dict[Instance | Box, Exception]:
+        """Remove the parts at once: those whose removal failed, with why."""
+        results = await asyncio.gather(*(part.remove() for part in parts), return_exceptions=True)
+        return {part: result for part, result in zip(parts, results) if isinstance(result, Exception)}
 
     async def _run_steps(self) -> None:
         """Run the steps as a graph: each once the steps it depends on are done. A tolerated
@@ -5803,7 +5949,14 @@ class Episode:
                          "false).", self.id[:8], step.id, step.type, str(exc).rstrip())
             done[step.id].set()
 
-        tasks = [asyncio.create_task(run(step)) for step in self.task.steps]
+        steps = self.task.steps
+        if all(before.id in step.depends_on for before, step in zip(steps, steps[1:])):
+            # A chain (each step waits for the one before it, as steps do by default) runs in
+            # order in the driver itself: no task per step to start, wake and gather.
+            for step in steps:
+                await run(step)
+            return
+        tasks = [asyncio.create_task(run(step)) for step in steps]
         try:
             await _first_error(tasks)
         finally:
@@ -5875,8 +6028,9 @@ class Episode:
                     raise
             log.info("Env %r of episode %s lost its port to another process before binding it; "
                      "starting it again on another port.", env.name, self.id[:8])
-            self.instances.remove(instance)
-            await instance.remove()
+            with contextlib.suppress(RemovalFailed):   # then it stays, for the teardown to remove
+                await instance.remove()
+                self.instances.remove(instance)
             tries += 1
 
     async def _apply_server_config(self, step: Step) -> None:
@@ -6181,7 +6335,10 @@ class Episode:
             self._signal()
             timeout = float(step.get("timeout_seconds", 600))
             try:
-                reply = await asyncio.wait_for(asyncio.shield(turn.ended), timeout)
+                # Awaited directly: a cancel or the timeout cancels ``ended``, which closes the
+                # turn as end() would.
+                async with asyncio.timeout(timeout):
+                    reply = await turn.ended
             except asyncio.TimeoutError:
                 turn.end(None)       # over for the caller too, even if the task goes on
                 raise EpisodeFailed(f"turn {step.id!r} was not ended within {timeout:g}s (its "
@@ -6634,6 +6791,13 @@ class WarmPool:
         removal = asyncio.ensure_future(instance.remove())
         self._removals.add(removal)
         removal.add_done_callback(self._removals.discard)
+        removal.add_done_callback(self._removed)
+
+    @staticmethod
+    def _removed(removal: asyncio.Future) -> None:
+        if not removal.cancelled() and (exc := removal.exception()) is not None:
+            log.warning("Removing a warm env failed: %s; the sandbox tries again as the server "
+                        "stops.", exc)
 
     async def close(self) -> None:
         """Stop warming, and remove every warm env: ready, booting, or being removed."""
@@ -6709,7 +6873,8 @@ class Runtime:
         self.metrics = metrics or Metrics()
         pool = self.pool
         self.metrics.watch("agentenv_episodes_live", "Episodes holding a slot of the pool "
-                           "(deploying, playing or scoring)", lambda: pool.in_use)
+                           "(deploying, playing, scoring, or being torn down after their reply)",
+                           lambda: pool.in_use)
         self.metrics.watch("agentenv_episodes_waiting", "Episodes waiting for a slot of the pool",
                            lambda: pool.waiting)
         self.metrics.watch("agentenv_episodes_limit", "Episodes live at once at most "
@@ -6717,7 +6882,8 @@ class Runtime:
         self.metrics.watch("agentenv_envs_live", "Envs up for live episodes, by node (a Ray "
                            "node's address; empty for this machine)", self._envs_by_node, "node")
         self.owner = owner_id()
-        self.live: set[Episode] = set()
+        self.live: set[Episode] = set()                   # until torn down, scored or not
+        self.closing = asyncio.Event()
         self.sandbox: Sandbox | None = None               # once started
         self.http: aiohttp.ClientSession | None = None
         self.context: EpisodeContext | None = None        # what its episodes play on, once started
@@ -6756,8 +6922,12 @@ class Runtime:
         self.context = EpisodeContext(
             self.bundle, self.sandbox, self.http, self.metrics, self.verifiers,
             self.settings.deploy_timeout, self.settings.bash_timeout, self.pool.acquire,
-            self.pool.release, lambda: self.starting.slot(), self.warm.take, self.live)
+            self.pool.release, lambda: self.starting.slot(), self.warm.take, self.live,
+            self.closing)
         self.warm.start()
+        # What starting freed (the bundle's files read, images built, the sweep's listings) goes
+        # back too, as after a drain: the pool is as empty now.
+        self.heap.drained()
         return self
 
     async def __aenter__(self) -> Runtime:
@@ -6833,8 +7003,10 @@ class Runtime:
         return list(await asyncio.shield(probe))
 
     async def close(self, reason: str = "the server shut down") -> None:
-        """Abandon every live episode, wait for their teardown, remove the warm envs, and close
-        the sandbox."""
+        """Abandon every live episode and wait for their teardowns (those of episodes already
+        scored and answered too: they are live until their envs are gone), remove the warm envs,
+        and close the sandbox (which tries once more what a teardown failed to remove)."""
+        self.closing.set()
         await asyncio.gather(*(e.abandon(reason) for e in list(self.live)), return_exceptions=True)
         await self.warm.close()
         await self.heap.close()
@@ -7047,22 +7219,34 @@ def client_headers() -> dict[str, str]:
 
 class Lease:
     """What a served session shares with every other: a lock its requests take in turn, how many
-    are under way, and when the last one ended, so an idle sweep never ends a busy session."""
+    are under way, and when the last one ended, so an idle sweep never ends a busy session.
+    ``async with lease.using():`` holds it (a context manager of its own: every request takes one,
+    and a generator-based one costs several times as much)."""
 
     def __init__(self) -> None:
         self.lock = asyncio.Lock()
         self.busy = 0
         self.last_used = time.monotonic()
 
-    @contextlib.asynccontextmanager
-    async def using(self) -> Any:
+    def using(self) -> Lease:
+        return self
+
+    async def __aenter__(self) -> Lease:
         self.busy += 1
         try:
-            async with self.lock:
-                yield self
-        finally:
-            self.busy -= 1
-            self.last_used = time.monotonic()
+            await self.lock.acquire()
+        except BaseException:
+            self._done()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.lock.release()
+        self._done()
+
+    def _done(self) -> None:
+        self.busy -= 1
+        self.last_used = time.monotonic()
 
 
 async def sweep_idle(what: str, knob: str, sessions: dict[str, Any], idle_timeout: float,
@@ -7160,9 +7344,14 @@ def shape_problems(value: dict[str, Any], shape: Shape, open_: bool = False) -> 
             if required:
                 problems.append({"type": "missing", "loc": [key], "msg": "Field required",
                                  "input": value})
-        elif not any(JSON_TYPES[kind](value[key]) for kind in kinds):
+            continue
+        item = value[key]
+        for kind in kinds:              # a loop, not any(): every message of both wires comes here
+            if JSON_TYPES[kind](item):
+                break
+        else:
             code, msg = PYDANTIC_WORDS[kinds[0]]
-            problems.append({"type": code, "loc": [key], "msg": msg, "input": value[key]})
+            problems.append({"type": code, "loc": [key], "msg": msg, "input": item})
     if not open_:
         problems += [{"type": "extra_forbidden", "loc": [key], "msg": "Extra inputs are not permitted",
                       "input": value[key]} for key in value if key not in shape]
@@ -7213,9 +7402,14 @@ def envelope(observation: dict[str, Any], reward: float | None = None, done: boo
     return body
 
 
+_PLAIN_JSON = {str, int, bool}
+
+
 def json_safe(value: Any) -> Any:
     """Bundle code's values (a verifier's rows) as strict JSON, which every client parses: a
     number that is not finite as text, and anything JSON has no word for as its repr."""
+    if value is None or type(value) in _PLAIN_JSON:         # most of them: as they are
+        return value
     if isinstance(value, dict):
         return {str(key): json_safe(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -7946,6 +8140,16 @@ def openapi_document() -> dict[str, Any]:
 
 gym_log = logging.getLogger("agentenv.gym")
 GYM_COOKIE = "agentenv_session"
+# A Cookie header that is the session's cookie alone, as Gym's clients send it: read without
+# parsing (every tool call has one); any other header goes to aiohttp's parser.
+LONE_SESSION_COOKIE = re.compile(GYM_COOKIE + r"=([A-Za-z0-9_-]+)")
+
+
+def session_cookie(request: Any) -> str | None:
+    """The Gym session's token a request carries in its cookie, if any."""
+    if (lone := LONE_SESSION_COOKIE.fullmatch(request.headers.get("Cookie", ""))) is not None:
+        return lone.group(1)
+    return request.cookies.get(GYM_COOKIE)
 # What end_turn answers on the last turn (eval stops there, the episode being scored)
 EPISODE_OVER = "Your turn is over, and so is the episode: it is being scored."
 
@@ -8099,8 +8303,9 @@ class Rollout(abc.ABC):
         """The scored outcome, once the last turn has ended."""
 
     @abc.abstractmethod
-    async def close(self, reason: str) -> None:
-        """End the episode, scored or not, and let go of it."""
+    async def close(self, reason: str, wait: bool = True) -> None:
+        """End the episode, scored or not, and let go of it: with ``wait``, once it is torn down;
+        else at once, its teardown left to whoever runs it (holding its slot until done)."""
 
 
 class LocalRollout(Rollout):
@@ -8131,8 +8336,11 @@ class LocalRollout(Rollout):
     async def outcome(self) -> Outcome:
         return await self.episode.result()
 
-    async def close(self, reason: str) -> None:
-        await self.episode.abandon(reason)
+    async def close(self, reason: str, wait: bool = True) -> None:
+        if wait:
+            await self.episode.abandon(reason)
+        else:
+            self.episode.let_go(reason)
 
 
 class RemoteRollout(Rollout):
@@ -8167,8 +8375,8 @@ class RemoteRollout(Rollout):
             raise EpisodeFailed("the episode was not scored")
         return self.result
 
-    async def close(self, reason: str) -> None:
-        await self.client.close()
+    async def close(self, reason: str, wait: bool = True) -> None:
+        await self.client.close()          # the server ends the episode with its socket
 
 
 class Rollouts(abc.ABC):
@@ -8377,11 +8585,12 @@ class GymSession:
                 return None
         return await self.verify(last_reply(response))
 
-    async def close(self, reason: str) -> None:
+    async def close(self, reason: str, wait: bool = True) -> None:
+        """End the rollout's episode and let go of it: with ``wait``, once it is torn down."""
         self.opened.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self.opened
-        await self.rollout.close(reason)
+        await self.rollout.close(reason, wait)
 
 
 def gym_text(result: ToolResult) -> str:
@@ -8543,6 +8752,7 @@ def _interval(mean: float, sem: float, n: int) -> tuple[float, float] | None:
 def _describe(rows: list[dict[str, float]], columns: list[str]) -> dict[str, float]:
     """mean/max/min/median/std of each column over the rows that have it (a sample's std; 0 for
     a lone row), keyed ``stat/column``, as the profiler describes a group."""
+    import statistics
     found = {c: [r[c] for r in rows if c in r] for c in columns}
     std = {c: _sample_std(v) for c, v in found.items() if len(v) > 1}
     if not std:          # no column has a spread: those every row has get 0, as Gym reads it
@@ -8593,6 +8803,7 @@ def _rollout_info(result: dict[str, Any]) -> dict[str, Any]:
 
 def _across_repeats(repeats: list[dict[str, Any]]) -> dict[str, float]:
     """Each repeat's mean of a measurement, summarized over the repeats."""
+    import statistics
     names = list(dict.fromkeys(k for r in repeats for k in r))
     out: dict[str, float] = {}
     for name in names:
@@ -8614,6 +8825,7 @@ def _across_repeats(repeats: list[dict[str, Any]]) -> dict[str, float]:
 
 def _per_repeat(measured: list[tuple[Any, Any, dict[str, float]]]) -> list[dict[str, Any]]:
     """A task played more than once: each repeat's (rollout index's) statistics over the tasks."""
+    import statistics
     repeats = sorted({r for _, r, _ in measured})
     if len(repeats) < 2:
         return []
@@ -8645,6 +8857,7 @@ def _per_repeat(measured: list[tuple[Any, Any, dict[str, float]]]) -> list[dict[
 
 def perf_summary(records: list[dict[str, Any]], total: int) -> dict[str, Any] | None:
     """The rollouts' ng_perf stamps (Gym's observability), summarized; None when none has one."""
+    import statistics
     if total <= 0 or not records:
         return None
 
@@ -8817,12 +9030,14 @@ class GymSurface:
                              return_exceptions=True)
         await self.rollouts.stop()
 
-    async def _end(self, session: GymSession, reason: str) -> None:
+    async def _end(self, session: GymSession, reason: str, wait: bool = True) -> None:
+        """End a session; with ``wait``, once its episode is torn down (a verify answers first:
+        the teardown then goes on in the background, its slot held until it is done)."""
         self.sessions.pop(session.token, None)
         if session.resources_id is not None:
             self.by_resources_id.pop(session.resources_id, None)
             self._spend(session.resources_id)
-        await session.close(reason)
+        await session.close(reason, wait)
 
     def _spend(self, resources_id: str) -> None:
         self.spent[resources_id] = None
@@ -8846,7 +9061,7 @@ class GymSurface:
         return split, index, task_id_here
 
     def _session(self, request: Any) -> GymSession | None:
-        token = request.cookies.get(GYM_COOKIE)
+        token = session_cookie(request)
         return self.sessions.get(token) if token else None
 
     # -- routes
@@ -8900,11 +9115,11 @@ class GymSurface:
     async def tool(self, request: Any) -> Any:
         from aiohttp import web
         name = request.match_info["tool"]
-        if any(path == f"/{name}" for method, path, _ in self.ROUTES if method == "GET"):
+        if f"/{name}" in self.GET_PATHS:
             raise web.HTTPMethodNotAllowed("POST", ["GET", "HEAD"])     # a GET route, never a tool
         session = self._session(request)
         if session is None:
-            if request.cookies.get(GYM_COOKIE) in self.verdicts:
+            if session_cookie(request) in self.verdicts:
                 return web.Response(status=409, text=f"error: this rollout was verified already, so "
                                                      f"{name} cannot run; seed a new session for a "
                                                      "new rollout")
@@ -8942,7 +9157,8 @@ class GymSurface:
                         self.metrics.mask("gym", verdict.failure)
                     while len(self.verdicts) > VERDICTS_KEPT:
                         self.verdicts.popitem(last=False)
-                    await self._end(session, "verified")
+                    # the reply now; the envs and boxes go after it, their slot with them
+                    await self._end(session, "verified", wait=False)
         verdict = self.verdicts.get(token)
         if verdict is None:
             lost = Failure(SESSION_LOST, "this server holds no session for the rollout (it was "
@@ -8972,7 +9188,7 @@ class GymSurface:
             async with session.lease.using():
                 outcome = await session.replay(body["response"])
         finally:
-            await self._end(session, "reverified")
+            await self._end(session, "reverified", wait=False)
         return json_reply(Verdict.of(reply, outcome, session.failure).reply(body))
 
     async def reverify_mode(self, request: Any) -> Any:
@@ -9026,6 +9242,7 @@ class GymSurface:
               ("GET", "/readyz", alive), ("POST", "/seed_session", seed), ("POST", "/verify", verify),
               ("POST", "/close_session", close), ("POST", "/aggregate_metrics", aggregate),
               ("GET", "/reverify_mode", reverify_mode)]
+    GET_PATHS = frozenset(path for method, path, _ in ROUTES if method == "GET")
     # Gym calls a tool at the route of its name: a catch-all, matched after every fixed route.
     TOOL_ROUTE = ("POST", "/{tool}", tool)
 
@@ -11652,5 +11869,4 @@ def command_line() -> argparse.ArgumentParser:
     return parser
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+# python agentenv.py runs main() of the module agentenv: see the top of the file.

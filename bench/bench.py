@@ -60,13 +60,34 @@ metrics    (not in the default --parts) what counting costs: two serves of notes
            --repeat interleaved rounds (the order swapped every round), and each server's own CPU
            per call over those windows (from /proc, so the least swayed by a loaded machine).
            Reports after/before.
-profile    (not in the default --parts) the hot path of a Gym tool call: 8 sessions of list_notes
-           against serve (run under a cProfile switched on by SIGUSR1), measured three ways for
-           --profile-seconds each: serve's CPU per call from /proc, py-spy --nonblocking samples of
-           its event loop thread, and cProfile by that thread's CPU time. Writes --profile-out
-           (bench/profile.txt; the raw stacks and stats beside it, git-ignored).
+verify     (not in the default --parts) needs Docker. A Gym /verify of an env-backed episode (save-groceries: one notebook env, a
+           verifier that reads it), the reply timed from the request to its last byte, beside the
+           same with local envs: serve notes-v1 --sandbox docker and --sandbox local, and the same
+           two of agentenv.py at git revision --verify-before (the teardown then came before the
+           reply), all four at once, each rollout seeded, write_note, then /verify, and the next
+           one begun once the server has no live episode (/metrics), so each verify is timed
+           alone, not beside the teardown of the one before; --repeat interleaved rounds of
+           --verify-rollouts rollouts per server. Target: Docker / local <= 1.2x (the reply as
+           soon as the score is known, the container removed after it).
+hot        (not in the default --parts) the hop and the episode beside their floors, for this
+           agentenv.py (after) and the one at git revision --hot-before (before, default 5ae11ea),
+           all up at once, in --repeat interleaved rounds of --hot-calls sequential calls each:
+           one Gym session's list_notes through serve notes-v1 --sandbox local beside the same
+           MCP tools/call straight to a notebook env of our own; and one /ws playing quiz-v1's
+           episode (reset, then the end_turn that scores it) beside the same two frames echoed
+           by a bare aiohttp WebSocket server in a process of its own. Target: <= 2.0x each.
+           Where the time goes on both paths: bench/hotpath.py (profiles, bench/profile.txt).
 
-The bench venv (--parts episodes, deploys, profile): ~/.cache/agentenv-bench/venv (or
+idle       (not in the default --parts) what an idle serve weighs: VmRSS of serve notes-v1 after
+           start, and idle after --idle-episodes (200) OpenEnv episodes of save-groceries (reset,
+           write_note, the end_turn scored 1.0; --idle-clients 8 at once, the pool the same) once
+           every env is torn down and --idle-quiet s have passed (serve trims its heap 1 s after a
+           drain), on each of --idle-sandboxes (local, docker); and serve gridsim-v1 (2,200 tasks)
+           after start. This agentenv.py beside the one at git revision --idle-before, the two
+           swapped every round (--repeat), and a bare aiohttp app (the floor) in each round.
+           Target: idle after the episodes <= 40 MiB.
+
+The bench venv (--parts episodes, deploys): ~/.cache/agentenv-bench/venv (or
 AGENTENV_BENCH_VENV) with agentenv-framework[openenv]==0.9.1364, matplotlib and py-spy, created on
 first use with the Python running this script and then only checked; it says what it does.
 
@@ -522,6 +543,144 @@ async def memory(args) -> dict:
             "noenv": await memory_noenv(args) if args.noenv_sessions else None}
 
 
+# ------------------------------------------------------------------ idle: what a server weighs
+
+WRITE_GROCERIES = json.dumps({"type": "step", "data": {
+    "type": "call_tool", "tool_name": "write_note",
+    "arguments": {"title": "groceries", "text": "eggs and milk"}}})
+SAVED = json.dumps({"type": "step", "data": {"type": "call_tool", "tool_name": "end_turn",
+                                             "arguments": {"response": "Saved."}}})
+
+
+async def notes_player(url: str, episodes: int) -> list[str]:
+    """One OpenEnv client playing notes-v1's save-groceries `episodes` times on one /ws: reset
+    (the env deployed), write_note, then the end_turn its verifier scores 1.0. What each failed
+    episode answered."""
+    failed = []
+    async with aiohttp.ClientSession() as http:
+        async with http.ws_connect(url + "/ws", max_msg_size=0) as ws:
+            for _ in range(episodes):
+                await ws.send_json({"type": "reset", "data": {"split": "all", "index": 1}})
+                reset = json.loads((await ws.receive(timeout=300)).data)
+                if reset.get("type") != "observation":
+                    failed.append(f"reset answered {json.dumps(reset)[:300]}")
+                    break                       # an error frame may close the socket
+                for step in (WRITE_GROCERIES, SAVED):
+                    await ws.send_str(step)
+                    reply = json.loads((await ws.receive(timeout=300)).data)
+                ended = reply.get("data") or {}
+                if not (ended.get("done") is True and ended.get("reward") == 1.0):
+                    failed.append(f"end_turn answered {json.dumps(reply)[:300]}")
+            await ws.send_json({"type": "close"})
+    return failed
+
+
+async def drained(http: aiohttp.ClientSession, url: str, timeout: float = 300) -> None:
+    """Until the server has no live episode (its envs torn down)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        async with http.get(url + "/web/status") as resp:
+            if (await resp.json())["episodes"]["live"] == 0:
+                return
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} still had live episodes after {timeout:g}s")
+
+
+async def idle_server(program: Path | None, sandbox: str, bundle: Path, episodes: int,
+                      clients: int, quiet: float) -> dict:
+    """One server's RSS `quiet` seconds after it answered /health and, once it played `episodes`
+    episodes of notes-v1 (by `clients` at once) and stayed quiet `quiet` seconds after the last was
+    torn down, its RSS then. ``program`` None is the floor: a bare aiohttp app answering twice as
+    many JSON POSTs."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = floor_server(port) if program is None else Proc(
+        [sys.executable, str(program), "serve", str(bundle), "--sandbox", sandbox, "--port",
+         str(port), "--max-concurrent-envs", str(clients)])
+    failed: list[str] = []
+    try:
+        async with client() as http:
+            started = await wait_health(http, url, proc, timeout=600)
+            await asyncio.sleep(quiet)
+            at_start = rss_kib(proc.pid)
+            if program is None:
+                for _ in range(2 * episodes):
+                    async with http.post(url + "/call", json={"episode": 1}) as resp:
+                        await resp.read()
+            elif episodes:
+                per = [episodes // clients + (i < episodes % clients) for i in range(clients)]
+                failed = [f for fs in await asyncio.gather(*(notes_player(url, n) for n in per if n))
+                          for f in fs]
+                await drained(http, url)
+            await asyncio.sleep(quiet)
+            after = rss_kib(proc.pid)
+    finally:
+        proc.stop(grace=60)
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {episodes} episodes failed on {program} "
+                           f"({sandbox}), e.g. {failed[0]}")
+    return {"start_to_health_s": started, "rss_at_start": at_start, "rss_after": after}
+
+
+async def idle(args) -> dict:
+    """serve's RSS: of notes-v1 after start and idle after --idle-episodes episodes (each sandbox
+    of --idle-sandboxes), and of gridsim-v1 (2,200 tasks) after start, for this agentenv.py beside
+    the one at git revision --idle-before, in interleaved rounds; and a bare aiohttp server."""
+    sandboxes = [s for s in args.idle_sandboxes.split(",") if s]
+    if "docker" in sandboxes:
+        try:
+            docker("info", "--format", "{{.ServerVersion}}", timeout=20)
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+            raise RuntimeError(f"idle on docker needs Docker ({exc}); start it with bash "
+                               ".ci/docker-up.sh, or pass --idle-sandboxes local")
+    n, clients, quiet = args.idle_episodes, args.idle_clients, args.idle_quiet
+    runs_of = [(f"notes-v1, {sandbox}, {n} episodes", sandbox, NOTES, n) for sandbox in sandboxes]
+    runs_of.append(("gridsim-v1, local, no episode", "local", GRIDSIM, 0))
+    with tempfile.TemporaryDirectory(prefix="agentenv-bench-idle-") as tmp:
+        programs = {"ours": AGENTENV, "before": before_agentenv(args.idle_before, Path(tmp))}
+        runs: dict[str, dict[str, list[dict]]] = {what: {name: [] for name in programs}
+                                                  for what, *_ in runs_of}
+        floor: list[dict] = []
+        for r in range(args.repeat):
+            floor.append(await idle_server(None, "", NOTES, n, clients, quiet))
+            for what, sandbox, bundle, episodes in runs_of:
+                for name in (list(programs) if r % 2 == 0 else list(programs)[::-1]):
+                    say(f"idle: round {r + 1}, {name}: {what}")
+                    runs[what][name].append(await idle_server(programs[name], sandbox, bundle,
+                                                              episodes, clients, quiet))
+
+    def medians(rounds: list[dict]) -> dict:
+        return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    stats = {what: {name: medians(rounds) for name, rounds in by.items()}
+             for what, by in runs.items()}
+    notes = [what for what, _, bundle, _ in runs_of if bundle == NOTES]
+    return {"unit": "KiB", "episodes": n, "clients": clients, "rounds": args.repeat,
+            "quiet_s": quiet, "before": args.idle_before, "floor": medians(floor), "stats": stats,
+            "raw": {"floor": floor, **runs}, "target_mib": 40,
+            "meets_target": {what: stats[what]["ours"]["rss_after"] / 1024 <= 40 for what in notes}}
+
+
+def markdown_idle(m: dict) -> list[str]:
+    mib = lambda kib: f"{kib / 1024:.1f}"  # noqa: E731
+    f = m["floor"]
+    out = [f"### idle: serve's RSS (MiB) {m['quiet_s']:g} s after start, and idle {m['quiet_s']:g} s "
+           f"after its episodes were torn down (OpenEnv /ws, notes-v1's save-groceries, "
+           f"{m['clients']} at once); medians of {m['rounds']} interleaved rounds", "",
+           "| serve of | at start: ours / before | after: ours / before | ours / before | ours - "
+           "floor | start to /health s: ours / before |", "|---|---:|---:|---:|---:|---:|"]
+    for what, by in m["stats"].items():
+        o, b = by["ours"], by["before"]
+        out.append(f"| {what} | {mib(o['rss_at_start'])} / {mib(b['rss_at_start'])} | "
+                   f"{mib(o['rss_after'])} / {mib(b['rss_after'])} | "
+                   f"{o['rss_after'] / b['rss_after']:.2f}x | +{mib(o['rss_after'] - f['rss_after'])} | "
+                   f"{o['start_to_health_s']:.2f} / {b['start_to_health_s']:.2f} |")
+    out += ["", f"before = agentenv.py at {m['before']}; floor = a bare aiohttp app in a process of "
+            f"its own: {mib(f['rss_at_start'])} MiB at start, {mib(f['rss_after'])} after "
+            f"{2 * m['episodes']} JSON POSTs. Target: idle after the episodes <= 40 MiB: " + ", ".join(
+                f"{what} {'met' if ok else 'NOT met'}" for what, ok in m["meets_target"].items()), ""]
+    return out
+
+
 # ------------------------------------------------------------------ shared: venvs, rows, clients
 
 BENCH_VENV = Path(os.environ.get("AGENTENV_BENCH_VENV")
@@ -537,7 +696,7 @@ def say(msg: str) -> None:
 
 def bench_venv() -> Path:
     """The benchmark's own venv: agentenv-framework 0.9.1364 (its OpenEnv server, for `episodes`),
-    matplotlib (the `deploys` plot) and py-spy (`profile`). Created on first use with the Python
+    matplotlib (the `deploys` plot) and py-spy (bench/hotpath.py's, when none is on PATH). Created on first use with the Python
     running this script, then only checked (a marker file holds the requirements it was built
     for; changing BENCH_REQUIREMENTS installs again). Says what it does."""
     marker = BENCH_VENV / ".agentenv-bench-complete"
@@ -1233,6 +1392,98 @@ async def deploys(args) -> dict:
     return out
 
 
+# ------------------------------------------------------------------ verify: the reply before the teardown
+
+async def verify_latency(args) -> dict:
+    """/verify of a Docker-backed rollout beside a local one, for this agentenv.py (after) and the
+    one at --verify-before (before), four serves at once, interleaved rounds."""
+    try:
+        docker("info", "--format", "{{.ServerVersion}}", timeout=20)
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(f"verify needs Docker ({exc}); start it with bash .ci/docker-up.sh")
+    row = notes_row(NOTES, 1)                 # save-groceries: deploy_env, one turn, a verifier
+    names = [(version, sandbox) for version in ("after", "before") for sandbox in ("docker", "local")]
+    times: dict[tuple[str, str], list[float]] = {name: [] for name in names}
+    procs: dict[tuple[str, str], Proc] = {}
+    with tempfile.TemporaryDirectory(prefix="agentenv-bench-") as tmp:
+        programs = {"after": AGENTENV, "before": before_agentenv(args.verify_before, Path(tmp))}
+        urls = {}
+        try:
+            for version, sandbox in names:
+                port = free_port()
+                procs[version, sandbox] = Proc([sys.executable, str(programs[version]), "serve",
+                                                str(NOTES), "--sandbox", sandbox, "--port", str(port),
+                                                "--max-concurrent-envs", "4"])
+                urls[version, sandbox] = f"http://127.0.0.1:{port}"
+            async with client() as http:
+                for name in names:
+                    await wait_health(http, urls[name], procs[name], timeout=900)
+
+                async def rollout(url: str) -> float:
+                    cookie = {"Cookie": f"{COOKIE}={await seed(http, url, row)}"}
+                    async with http.post(url + "/write_note", headers=cookie,
+                                         json={"title": "groceries", "text": "eggs and milk"}) as resp:
+                        if (said := await resp.text()) != "saved note 'groceries'":
+                            raise RuntimeError(f"write_note answered {said!r}")
+                    body = {**row, "response": {
+                        "id": "resp_bench", "object": "response", "created_at": 0, "model": "bench",
+                        "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+                        "output": [{"type": "message", "role": "assistant", "content": [
+                            {"type": "output_text", "text": "Saved."}]}]}}
+                    t = time.perf_counter()
+                    async with http.post(url + "/verify", headers=cookie, json=body) as resp:
+                        verdict = await resp.json()
+                    took = time.perf_counter() - t
+                    if verdict.get("reward") != 1.0 or verdict.get("mask_sample"):
+                        raise RuntimeError(f"/verify answered {json.dumps(verdict)[:500]}")
+                    await drained(http, url)
+                    return took
+
+                for name in names:                   # warm up: page cache, the daemon, the env
+                    await rollout(urls[name])
+                for r in range(args.repeat):
+                    for name in names[r % len(names):] + names[:r % len(names)]:
+                        for _ in range(args.verify_rollouts):
+                            times[name].append(await rollout(urls[name]))
+                    say("verify: round %d: p50 ms %s" % (r + 1, ", ".join(
+                        f"{v} {s} {statistics.median(times[v, s]) * 1e3:.0f}" for v, s in names)))
+        finally:
+            for proc in procs.values():
+                proc.stop(grace=60)
+    ms = {f"{v}_{s}": summary([t * 1e3 for t in times[v, s]]) for v, s in names}
+    ratio = {v: ms[f"{v}_docker"]["p50"] / ms[f"{v}_local"]["p50"] for v in ("after", "before")}
+    return {"before": args.verify_before, "rollouts_per_round": args.verify_rollouts,
+            "rounds": args.repeat, "ms": ms, "ratio_docker_local": ratio,
+            "meets_target": ratio["after"] <= 1.2}
+
+
+async def drained(http: aiohttp.ClientSession, url: str, timeout: float = 120) -> None:
+    """Wait until the server's /metrics says no episode is live (its last one torn down), so the
+    next rollout's verify is timed alone, not beside the teardown of the one before."""
+    deadline = time.monotonic() + timeout
+    while True:
+        async with http.get(url + "/metrics") as resp:
+            page = await resp.text()
+        if "\nagentenv_episodes_live 0.0\n" in page:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} still has live episodes {timeout:g}s after its last verify")
+        await asyncio.sleep(0.02)
+
+
+def markdown_verify(v: dict) -> list[str]:
+    ms, r = v["ms"], v["ratio_docker_local"]
+    cell = lambda name: f"{ms[name]['p50']:.1f} / {ms[name]['p95']:.1f} ({ms[name]['n']})"  # noqa: E731
+    return [f"### verify: Gym /verify of save-groceries (one env, its verifier), Docker envs beside "
+            f"local, this agentenv.py and the one at {v['before']}; {v['rounds']} interleaved "
+            f"rounds of {v['rollouts_per_round']} rollouts per server", "",
+            "| envs | after: p50 / p95 ms (n) | before: p50 / p95 ms (n) |", "|---|---:|---:|",
+            f"| local | {cell('after_local')} | {cell('before_local')} |",
+            f"| docker | {cell('after_docker')} | {cell('before_docker')} |",
+            f"| docker / local p50 (target <= 1.2x) | {r['after']:.2f}x "
+            f"({'met' if v['meets_target'] else 'NOT met'}) | {r['before']:.2f}x |", ""]
+
+
 # ------------------------------------------------------------------ write-gym
 
 WRITEGYM_PROBE = r'''
@@ -1309,172 +1560,13 @@ async def writegym(args) -> dict:
                 c["wall_s"] for c in cli)}
 
 
-# ------------------------------------------------------------------ profile
-
-# serve, as `python agentenv.py serve ...` runs it, with a cProfile of the event loop's thread
-# (timer: that thread's CPU time) switched on by SIGUSR1 and dumped by SIGUSR2.
-PROFILED_SERVE = r'''
-import cProfile, signal, sys, time
-sys.path.insert(0, sys.argv[1])
-import agentenv
-prof = cProfile.Profile(time.thread_time)
-signal.signal(signal.SIGUSR1, lambda *_: prof.enable())
-def dump(*_):
-    prof.disable()
-    prof.dump_stats(sys.argv[2])
-signal.signal(signal.SIGUSR2, dump)
-sys.exit(agentenv.main(sys.argv[3:]))
-'''
-
-
-def code_of(path: str, name: str) -> str:
-    """Which code a profiled function is in, by its file (or, for a C function, its name)."""
-    if path.endswith("agentenv.py"):
-        return "agentenv.py"
-    for part in ("/aiohttp/client", "/aiohttp/connector.py", "/aiohttp/cookiejar.py"):
-        if part in path:
-            return "aiohttp client (the MCP call to the env)"
-    for part, kind in (("/aiohttp/", "aiohttp server and shared"),
-                       ("/yarl/", "aiohttp (yarl, multidict)"),
-                       ("/multidict/", "aiohttp (yarl, multidict)"), ("/json/", "json"),
-                       ("/asyncio/", "asyncio"), ("selectors.py", "asyncio"),
-                       ("/http/", "stdlib http (cookies)"), ("/logging/", "logging")):
-        if part in path:
-            return kind
-    if path == "~":
-        if "socket" in name or "epoll" in name:
-            return "socket and epoll calls (C)"
-        if "json" in name or "scanner" in name or "encode" in name:
-            return "json"
-        return "other C built-ins"
-    return "other Python"
-
-
-def frame_code(frame: str) -> str:
-    """code_of for a py-spy frame, "function (path:line)" with the path relative to sys.path."""
-    where = frame.rsplit("(", 1)[-1]
-    return code_of("/" + where.split(":")[0], frame.split(" (")[0])
-
+# ------------------------------------------------------------------ CPU
 
 def cpu_ticks(pid: int) -> tuple[int, int]:
     """(user, system) CPU clock ticks a process has used, from /proc/<pid>/stat."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]), int(fields[12])
 
-
-def top(counter: collections.Counter, total: float, n: int) -> dict[str, float]:
-    return {k: round(v / total, 4) for k, v in counter.most_common(n)}
-
-
-async def profile(args) -> dict:
-    """Where serve's time goes on the hot path of a Gym tool call: 8 sessions call list_notes back
-    to back (a local notebook env each) while (1) /proc counts the serve process's CPU per call,
-    (2) py-spy samples it (--nonblocking; stacks of the event loop's thread), and (3) cProfile
-    times every function by the event loop thread's CPU time. Writes a summary."""
-    import pstats  # noqa: PLC0415
-    spy = bench_venv() / "bin" / "py-spy"
-    port = free_port()
-    summary_path = Path(args.profile_out)
-    folded, pstats_path = summary_path.with_suffix(".folded"), summary_path.with_suffix(".pstats")
-    proc = Proc([sys.executable, "-c", PROFILED_SERVE, str(ROOT), str(pstats_path), "serve",
-                 str(NOTES), "--sandbox", "local", "--port", str(port),
-                 "--max-concurrent-envs", "16"])
-    url = f"http://127.0.0.1:{port}"
-    secs = args.profile_seconds
-    ok = lambda t: t == "pancakes"  # noqa: E731
-    try:
-        async with client() as http:
-            await wait_health(http, url, proc)
-            cookies = await seed_many(http, url, notes_row(NOTES, 0), 8)
-            await post_each(http, url, "/list_notes", cookies, {})
-            await hammer(http, url, "list_notes", {}, cookies, 1.0, ok)
-            before = cpu_ticks(proc.pid)
-            plain = await hammer(http, url, "list_notes", {}, cookies, secs, ok)
-            after = cpu_ticks(proc.pid)
-            hz = os.sysconf("SC_CLK_TCK")
-            cpu = {"user": (after[0] - before[0]) / hz * 1e3 / plain["calls"],
-                   "system": (after[1] - before[1]) / hz * 1e3 / plain["calls"],
-                   "calls_per_s": plain["calls_per_s"]}
-            record = await asyncio.create_subprocess_exec(
-                str(spy), "record", "--pid", str(proc.pid), "--duration", str(round(secs)),
-                "--rate", "200", "--format", "raw", "--function", "--nonblocking",
-                "--output", str(folded),
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-            sampled = await hammer(http, url, "list_notes", {}, cookies, secs + 1, ok)
-            spy_out, _ = await record.communicate()
-            if record.returncode != 0:
-                raise RuntimeError(f"py-spy failed: {spy_out.decode()[-1000:]}")
-            proc.popen.send_signal(signal.SIGUSR1)
-            await asyncio.sleep(0.2)
-            profiled = await hammer(http, url, "list_notes", {}, cookies, secs, ok)
-            proc.popen.send_signal(signal.SIGUSR2)
-            await asyncio.sleep(1.0)
-            await post_each(http, url, "/close_session", cookies, {})
-    finally:
-        proc.stop()
-
-    # py-spy: the event loop thread's stacks (those under agentenv's main), less its epoll waits
-    spy_total, spy_idle = 0, 0
-    spy_self, spy_code, spy_ours = collections.Counter(), collections.Counter(), collections.Counter()
-    for line in folded.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        frames = [f for f in stack.split(";") if " (" in f]
-        if not frames or not any(f.startswith("main (agentenv.py") for f in frames):
-            continue
-        n = int(count)
-        if frames[-1].startswith("EpollSelector.select"):
-            spy_idle += n
-            continue
-        spy_total += n
-        spy_self[frames[-1]] += n
-        spy_code[frame_code(frames[-1])] += n
-        for name in {f.split(" (")[0] for f in frames[3:] if "(agentenv.py" in f}:
-            spy_ours[name] += n
-
-    # cProfile: self time by code, top functions by self time, agentenv.py's by cumulative time
-    stats = pstats.Stats(str(pstats_path)).stats
-    total = sum(tt for (_, _, tt, _, _) in stats.values()) or 1.0
-    by_code, self_time, ours_cum = collections.Counter(), collections.Counter(), collections.Counter()
-    for (path, line, name), (_, calls, tt, ct, _) in stats.items():
-        label = f"{name} ({Path(path).name if path != '~' else 'C'}:{line})"
-        by_code[code_of(path, name)] += tt
-        self_time[label] += tt
-        if path.endswith("agentenv.py") and name not in ("main", "serve", "<module>"):
-            ours_cum[label] = max(ours_cum[label], ct)
-    calls = profiled["calls"]
-    result = {"seconds": secs, "sessions": 8, "cpu_ms_per_call_unprofiled": cpu,
-              "calls_per_s_py_spy": sampled["calls_per_s"],
-              "calls_per_s_cprofile": profiled["calls_per_s"],
-              "py_spy": {"samples_busy": spy_total, "samples_in_epoll_wait": spy_idle,
-                         "by_code": top(spy_code, spy_total, 12),
-                         "top_self": top(spy_self, spy_total, 15),
-                         "agentenv_inclusive": top(spy_ours, spy_total, 15)},
-              "cprofile": {"cpu_ms_per_call": total * 1e3 / calls, "by_code": top(by_code, total, 12),
-                           "top_self": top(self_time, total, 20),
-                           "agentenv_cumulative": top(ours_cum, total, 15)},
-              "files": [str(summary_path), str(folded), str(pstats_path)]}
-    pct = lambda d: [f"  {v * 100:5.1f}%  {k}" for k, v in d.items()]  # noqa: E731
-    c = result["cprofile"]
-    lines = [f"serve notes-v1 --sandbox local; 8 Gym sessions call list_notes back to back "
-             f"(each a local notebook env); {secs}s per measure", "",
-             f"1. /proc, unprofiled ({cpu['calls_per_s']:.0f} calls/s): the serve process used "
-             f"{cpu['user']:.3f} ms user + {cpu['system']:.3f} ms system CPU per call", "",
-             "2. cProfile of the event loop thread, timer = its CPU time "
-             f"({profiled['calls_per_s']:.0f} "
-             f"calls/s under it; {c['cpu_ms_per_call']:.3f} ms profiled CPU per call, inflated by "
-             "the profiler's own cost per Python call)", "", "   self time by code:", *pct(c["by_code"]),
-             "", "   top functions by self time:", *pct(c["top_self"]), "",
-             "   agentenv.py functions by cumulative time (share of all self time):",
-             *pct(c["agentenv_cumulative"]), "",
-             f"3. py-spy --nonblocking, {spy_total} busy samples of the event loop thread "
-             f"({spy_idle} more in its epoll wait, left out; {sampled['calls_per_s']:.0f} calls/s). "
-             "A sample counts a thread that is runnable but waiting for a core, so on a loaded "
-             "machine the socket calls (whose wake-ups hand the core to the peer) look bigger "
-             "than their CPU:", "", "   innermost frame by code:", *pct(result["py_spy"]["by_code"]),
-             "", "   top innermost frames:", *pct(result["py_spy"]["top_self"]), "",
-             "   agentenv.py functions on the stack:", *pct(result["py_spy"]["agentenv_inclusive"])]
-    summary_path.write_text("\n".join(lines) + "\n")
-    return result
 
 
 # ------------------------------------------------------------------ report
@@ -1590,16 +1682,6 @@ def markdown_new(results: dict) -> list[str]:
                 f"{w['deploy_share_of_cli_wall'] * 100:.0f}% of the CLI's wall; Bundle.load "
                 f"{w['bundle_load_s']:.2f}s, Runtime start {w['runtime_start_s']:.2f}s, close "
                 f"{w['runtime_close_s']:.2f}s (medians).", ""]
-    if "profile" in results:
-        p = results["profile"]
-        c, cpu = p["cprofile"], p["cpu_ms_per_call_unprofiled"]
-        out += [f"### profile: serve under {p['sessions']} Gym sessions of list_notes; full summary "
-                f"in {p['files'][0]}", "",
-                f"Unprofiled ({cpu['calls_per_s']:.0f} calls/s): {cpu['user']:.3f} ms user + "
-                f"{cpu['system']:.3f} ms system CPU of serve per call. cProfile (event loop thread "
-                "CPU time), self time by code:", "", "| code | share |", "|---|---:|"]
-        out += [f"| {k} | {v * 100:.1f}% |" for k, v in c["by_code"].items()]
-        out.append("")
     return out
 
 
@@ -1666,7 +1748,209 @@ def markdown(cmd: str, meta: dict, results: dict) -> str:
         out.append("")
     if "metrics" in results:
         out += markdown_metrics(results["metrics"])
+    if "verify" in results:
+        out += markdown_verify(results["verify"])
+    if "idle" in results:
+        out += markdown_idle(results["idle"])
+    if "hot" in results:
+        out += markdown_hot(results["hot"])
     return "\n".join(out)
+
+
+# ------------------------------------------------------------------ hot: the hop and the episode
+
+ECHO_SERVER = r"""
+import sys
+from aiohttp import web, WSMsgType
+async def ws(request):
+    socket_ = web.WebSocketResponse()
+    await socket_.prepare(request)
+    async for message in socket_:
+        if message.type == WSMsgType.TEXT:
+            await socket_.send_str(message.data)
+    return socket_
+async def health(request):
+    return web.json_response({"status": "healthy"})
+app = web.Application()
+app.router.add_get("/ws", ws)
+app.router.add_get("/health", health)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
+"""
+
+
+async def hot(args) -> dict:
+    """The two per-call paths beside their floors, for this agentenv.py and the one at git
+    revision --hot-before, all up at once and measured in interleaved rounds:
+
+    hop      one Gym session's list_notes through serve notes-v1 --sandbox local (after, before)
+             beside the same MCP tools/call straight to a notebook env of our own (direct).
+    episode  one /ws on serve bench/bundles/quiz-v1 (after, before): reset, then the end_turn
+             that scores it, beside two WebSocket round trips (the same two frames, echoed) to a
+             bare aiohttp echo server in a process of its own (echo)."""
+    procs: list[Proc] = []
+    notebook = NOTES / "envs" / "notebook" / "server.py"
+    with tempfile.TemporaryDirectory(prefix="agentenv-bench-hot-") as tmp:
+        before = before_agentenv(args.hot_before, Path(tmp))
+        programs = {"after": AGENTENV, "before": before}
+        ports = {k: free_port() for k in ("hop after", "hop before", "episode after",
+                                          "episode before", "direct", "echo")}
+        try:
+            servers = {}
+            for which, program in programs.items():
+                for path, bundle in (("hop", NOTES), ("episode", QUIZ)):
+                    servers[f"{path} {which}"] = Proc([
+                        sys.executable, str(program), "serve", str(bundle), "--sandbox", "local",
+                        "--port", str(ports[f"{path} {which}"])])
+            env = Proc([sys.executable, str(notebook)],
+                       env={"MCP_PORT": str(ports["direct"]), "MCP_HOST": "127.0.0.1",
+                            "ENVIRONMENT_NAME": "notebook", "PYTHONUNBUFFERED": "1"},
+                       cwd=notebook.parent)
+            echo = Proc([sys.executable, "-c", ECHO_SERVER, str(ports["echo"])])
+            procs = [*servers.values(), env, echo]
+            url = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+            async with aiohttp.ClientSession() as probe:
+                for name, proc in servers.items():
+                    await wait_health(probe, url[name], proc)
+                await wait_health(probe, url["echo"], echo)
+            await wait_port(ports["direct"], env)
+            calls, closers = await hot_targets(url)
+            try:
+                for name, f in calls.items():                    # warm up, and check answers
+                    for _ in range(100):
+                        await f()
+                # whose CPU each target spends: the server it calls, and the env behind serve's hop
+                envs = {f"hop {w}": list(servers[f"hop {w}"].track()) for w in programs}
+                spenders = {**{k: {"server": [p.pid]} for k, p in servers.items()},
+                            **{k: {"server": [p.pid], "env": envs[k]} for k, p in servers.items()
+                               if k in envs},
+                            "direct": {"env": [env.pid]}, "echo": {"server": [echo.pid]}}
+                ticks = {k: collections.Counter() for k in calls}
+                times: dict[str, list[float]] = {k: [] for k in calls}
+                round_p50: dict[str, list[float]] = {k: [] for k in calls}
+                order = list(calls)
+                for r in range(args.repeat):
+                    k = r % len(order)
+                    for name in order[k:] + order[:k]:          # rotate who goes first
+                        f, got = calls[name], []
+                        cpu0 = {who: sum(sum(cpu_ticks(p)) for p in pids)
+                                for who, pids in spenders[name].items()}
+                        for _ in range(args.hot_calls):
+                            t = time.perf_counter()
+                            await f()
+                            got.append((time.perf_counter() - t) * 1e3)
+                        for who, pids in spenders[name].items():
+                            ticks[name][who] += sum(sum(cpu_ticks(p)) for p in pids) - cpu0[who]
+                        times[name] += got
+                        round_p50[name].append(statistics.median(got))
+                    say(f"hot: round {r + 1}/{args.repeat}: " + ", ".join(
+                        f"{n} {round_p50[n][-1]:.3f}" for n in order) + " ms")
+            finally:
+                for close in closers:
+                    await close()
+        finally:
+            for p in procs:
+                p.stop()
+    stats = {k: summary(v) for k, v in times.items()}
+    hz, n = os.sysconf("SC_CLK_TCK"), args.repeat * args.hot_calls
+    cpu_us = {k: {who: t / hz / n * 1e6 for who, t in c.items()} for k, c in ticks.items()}
+
+    def versus(a: str, b: str) -> dict:
+        return {"p50": stats[a]["p50"] / stats[b]["p50"], "p95": stats[a]["p95"] / stats[b]["p95"],
+                "per_round_p50": [x / y for x, y in zip(round_p50[a], round_p50[b])]}
+    ratios = {"hop after / direct": versus("hop after", "direct"),
+              "hop before / direct": versus("hop before", "direct"),
+              "episode after / echo": versus("episode after", "echo"),
+              "episode before / echo": versus("episode before", "echo"),
+              "hop after / before": versus("hop after", "hop before"),
+              "episode after / before": versus("episode after", "episode before")}
+    return {"unit": "ms", "before": args.hot_before, "rounds": args.repeat,
+            "calls_per_round": args.hot_calls, "stats": stats, "ratios": ratios, "target": 2.0,
+            "cpu_us_per_call": cpu_us,
+            "meets_target": {"hop": ratios["hop after / direct"]["p50"] <= 2.0,
+                             "episode": ratios["episode after / echo"]["p50"] <= 2.0}}
+
+
+async def hot_targets(url: dict[str, str]) -> tuple[dict[str, Callable], list[Callable]]:
+    """One client per target, each opened as hot() measures it: its call, and how to close it."""
+    conn = lambda: aiohttp.TCPConnector(limit=1)  # noqa: E731
+    calls: dict[str, Callable] = {}
+    closers: list[Callable] = []
+    row = notes_row(NOTES, 0)
+    for which in ("after", "before"):
+        http = aiohttp.ClientSession(connector=conn())
+        closers.append(http.close)
+        cookie = await seed(http, url[f"hop {which}"], row)
+        http.cookie_jar.update_cookies({COOKIE: cookie})
+
+        async def call(http=http, to=url[f"hop {which}"] + "/list_notes") -> None:
+            async with http.post(to, json={}) as resp:
+                text = await resp.text()
+                if resp.status != 200 or text != "pancakes":
+                    raise RuntimeError(f"/list_notes answered {resp.status}: {text[:300]}")
+        calls[f"hop {which}"] = call
+
+    direct = aiohttp.ClientSession(connector=conn())
+    closers.append(direct.close)
+    async with direct.post(url["direct"] + "/agentenv/ext/preload",
+                           json={"notes": {"pancakes": "2 eggs, 1 cup milk, 1 cup flour"}}) as resp:
+        await resp.read()
+    sid = await mcp_open(direct, url["direct"] + "/mcp")
+    headers = {**MCP_HEADERS, "Mcp-Session-Id": sid}
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+            "params": {"name": "list_notes", "arguments": {}}}
+
+    async def call_direct() -> None:
+        async with direct.post(url["direct"] + "/mcp", json=body, headers=headers) as resp:
+            text = (await resp.json())["result"]["content"][0]["text"]
+            if text != "pancakes":
+                raise RuntimeError(f"the env's list_notes answered {text[:300]}")
+    calls["direct"] = call_direct
+
+    for which in ("after", "before"):
+        http = aiohttp.ClientSession()
+        ws = await http.ws_connect(url[f"episode {which}"] + "/ws", max_msg_size=0)
+        closers += [ws.close, http.close]
+
+        async def episode(ws=ws) -> None:
+            await ws.send_str(RESET)
+            reset = json.loads((await ws.receive(timeout=60)).data)
+            if reset.get("type") != "observation":
+                raise RuntimeError(f"reset answered {json.dumps(reset)[:300]}")
+            await ws.send_str(ANSWER)
+            ended = json.loads((await ws.receive(timeout=60)).data)
+            if (ended.get("data") or {}).get("reward") != 1.0:
+                raise RuntimeError(f"end_turn answered {json.dumps(ended)[:300]}")
+        calls[f"episode {which}"] = episode
+
+    http = aiohttp.ClientSession()
+    ws_echo = await http.ws_connect(url["echo"] + "/ws", max_msg_size=0)
+    closers += [ws_echo.close, http.close]
+
+    async def echo() -> None:
+        for frame in (RESET, ANSWER):
+            await ws_echo.send_str(frame)
+            if json.loads((await ws_echo.receive(timeout=60)).data) != json.loads(frame):
+                raise RuntimeError("the echo server answered something else")
+    calls["echo"] = echo
+    return calls, closers
+
+
+def markdown_hot(h: dict) -> list[str]:
+    s, r = h["stats"], h["ratios"]
+    out = [f"### hot: the hop and the episode beside their floors, this agentenv.py (after) and git "
+           f"{h['before']} (before); {h['rounds']} interleaved rounds x {h['calls_per_round']} "
+           "sequential calls (ms)", "",
+           "| target | n | p50 | p95 | CPU per call (µs, from /proc) |", "|---|---:|---:|---:|---|"]
+    for name, st in s.items():
+        cpu = ", ".join(f"{who} {us:.0f}" for who, us in h["cpu_us_per_call"][name].items())
+        out.append(f"| {name} | {st['n']} | {st['p50']:.3f} | {st['p95']:.3f} | {cpu} |")
+    out += ["", "| ratio | p50 | p95 | per-round p50 |", "|---|---:|---:|---:|"]
+    for name, v in r.items():
+        pr = v["per_round_p50"]
+        out.append(f"| {name} | {v['p50']:.2f}x | {v['p95']:.2f}x | {min(pr):.2f}x..{max(pr):.2f}x |")
+    out += ["", f"target <= 2.0x: hop {'met' if h['meets_target']['hop'] else 'NOT met'}, episode "
+            f"{'met' if h['meets_target']['episode'] else 'NOT met'}", ""]
+    return out
 
 
 # ------------------------------------------------------------------ bash (the agent's box)
@@ -1743,9 +2027,11 @@ async def bash(args) -> dict:
 
 
 PARTS = {"hop": hop, "startup": startup, "memory": memory, "episodes": episodes,
-         "throughput": throughput, "deploys": deploys, "writegym": writegym, "profile": profile,
+         "throughput": throughput, "deploys": deploys, "writegym": writegym,
          "bash": bash,
-         "metrics": metrics_cost}
+         "metrics": metrics_cost,
+         "verify": verify_latency,
+         "idle": idle, "hot": hot}
 
 
 async def main_async(args) -> int:
@@ -1778,8 +2064,8 @@ async def main_async(args) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default="hop,startup,memory,episodes,throughput,deploys,writegym",
-                        help=f"comma-separated, of: {', '.join(PARTS)} (default: all but profile "
-                             "and metrics)")
+                        help=f"comma-separated, of: {', '.join(PARTS)} (default: all but bash, "
+                             "metrics, verify, idle and hot)")
     parser.add_argument("--repeat", type=int, default=5,
                         help="hop: interleaved rounds; startup: runs per target; episodes, "
                              "throughput: interleaved rounds; deploys: rounds per level (single "
@@ -1811,11 +2097,6 @@ def main() -> int:
                         help="deploys: episodes started at once, per level (default 1,2,4,8,16,32)")
     parser.add_argument("--plot", default=str(ROOT / "bench" / "deploys.png"),
                         help="deploys: the PNG written (default bench/deploys.png)")
-    parser.add_argument("--profile-seconds", type=int, default=10,
-                        help="profile: seconds sampled (default 10)")
-    parser.add_argument("--profile-out", default=str(ROOT / "bench" / "profile.txt"),
-                        help="profile: the summary written (default bench/profile.txt; the raw "
-                             "stacks beside it as .folded)")
     parser.add_argument("--before", default="5cb72ae",
                         help="metrics: the git revision whose agentenv.py is the baseline (default "
                              "5cb72ae, the last before metrics)")
@@ -1823,6 +2104,28 @@ def main() -> int:
                         help="metrics: live Gym sessions calling at once (default 32)")
     parser.add_argument("--scrape-every", type=float, default=1.0,
                         help="metrics: seconds between scrapes of /metrics (default 1)")
+    parser.add_argument("--verify-rollouts", type=int, default=10,
+                        help="verify: rollouts per server per round (default 10)")
+    parser.add_argument("--verify-before", default="6a5ee9a",
+                        help="verify: the git revision whose agentenv.py is the baseline (default "
+                             "6a5ee9a, the last whose /verify waited for the teardown)")
+    parser.add_argument("--idle-episodes", type=int, default=200,
+                        help="idle: episodes each server plays before its idle RSS (default 200)")
+    parser.add_argument("--idle-clients", type=int, default=8,
+                        help="idle: OpenEnv clients at once, and serve's pool (default 8)")
+    parser.add_argument("--idle-sandboxes", default="local,docker",
+                        help="idle: the sandboxes, of local and docker (default both)")
+    parser.add_argument("--idle-before", default="6a5ee9a",
+                        help="idle: the git revision whose agentenv.py is the baseline (default "
+                             "6a5ee9a, the last before the script ran as the module)")
+    parser.add_argument("--idle-quiet", type=float, default=3.0,
+                        help="idle: seconds of quiet before each RSS is read (default 3; serve "
+                             "trims its heap 1 s after its pool drains)")
+    parser.add_argument("--hot-before", default="5ae11ea",
+                        help="hot: the git revision whose agentenv.py is the baseline (default "
+                             "5ae11ea, the last before issue 27's cuts of the hop and the episode)")
+    parser.add_argument("--hot-calls", type=int, default=300,
+                        help="hot: sequential calls (or episodes) per target per round (default 300)")
     parser.add_argument("--json", help="write the results here as JSON")
     args = parser.parse_args()
     try:

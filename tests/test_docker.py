@@ -31,7 +31,8 @@ import pytest
 
 import agentenv
 from agentenv import Bundle, EpisodeFailed, Runtime, ToolResult, owner_id
-from tests.harness import NOTES, REPO, copy_bundle, labelled, remove_quietly, run
+from tests.harness import (NOTES, REPO, Gym, Server, client, copy_bundle, gym_row, labelled,
+                           remove_quietly, run, running, scrape)
 
 ENV_PORT = f"{agentenv.ENV_PORT}/tcp"
 
@@ -815,3 +816,280 @@ def test_killed_server_container_swept_at_next_start(docker_client):
         child.stdout.close()
         if episode:
             remove_quietly(episode_containers(docker_client, episode))
+
+
+# ---------------------------------------------------------------- 9. the reply first, the teardown after
+#
+# A Gym /verify, OpenEnv's last end_turn (and eval, which verifies through the Gym routes) answer
+# as soon as the score is known; the envs are removed after, each episode holding its slot until
+# its container is gone. The daemon's removals are gated (``removals``): held until the test lets
+# them go, or failed as a daemon fails them; everything else is the real daemon and real containers.
+
+SAVE = 1                                            # save-groceries, in the split "all"
+
+
+class Removals:
+    """Container.remove as the server calls it (in its threads), gated: while ``held`` is clear
+    each removal of an episode's container waits; while ``failing`` is set each fails as a daemon
+    fails one. Counts what was asked and what was done, by container id."""
+
+    def __init__(self, real):
+        self.real, self.lock = real, threading.Lock()
+        self.open, self.failing = threading.Event(), threading.Event()
+        self.open.set()
+        self.asked: list[str] = []
+        self.failed: list[str] = []
+        self.done: list[str] = []
+
+    def wrap(self):
+        import docker.errors
+
+        def remove(container, *args, **kwargs):
+            if container.labels.get("agentenv.episode", "(probe)").startswith("("):
+                return self.real(container, *args, **kwargs)      # the sandbox's own probe
+            with self.lock:
+                self.asked.append(container.id)
+            self.open.wait(120)
+            if self.failing.is_set():
+                with self.lock:
+                    self.failed.append(container.id)
+                raise docker.errors.APIError("injected: the daemon failed this removal")
+            self.real(container, *args, **kwargs)
+            with self.lock:
+                self.done.append(container.id)
+        return remove
+
+    def hold(self) -> None:
+        self.open.clear()
+
+    def let_go(self) -> None:
+        self.open.set()
+
+    async def until(self, what, timeout: float = 60) -> None:
+        """Wait until ``what()`` is true (polled: the removals run in the server's threads)."""
+        async with asyncio.timeout(timeout):
+            while not what():
+                await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def removals(monkeypatch):
+    from docker.models.containers import Container
+
+    gate = Removals(Container.remove)
+    monkeypatch.setattr(Container, "remove", gate.wrap())
+    yield gate
+    gate.failing.clear()
+    gate.let_go()
+
+
+@contextlib.asynccontextmanager
+async def served_here(**settings):
+    """build_app(notes-v1, sandbox docker, **settings) served on a loopback port of this loop, as
+    a user's aiohttp runner serves it; its URL. Its shutdown (what SIGTERM runs) ends the block."""
+    from aiohttp import web
+    app = agentenv.build_app(NOTES, sandbox="docker", **settings)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def scraped(url: str):
+    return await asyncio.to_thread(scrape, url)
+
+
+async def drained(url: str, timeout: float = 60) -> None:
+    """Wait until /metrics says no episode is live: every teardown done, every slot free."""
+    async with asyncio.timeout(timeout):
+        while (await scraped(url)).value("agentenv_episodes_live"):
+            await asyncio.sleep(0.05)
+
+
+async def mine(client) -> list:
+    """This process's containers (the tests of this module run one at a time)."""
+    return await asyncio.to_thread(owned_containers, client, owner_id())
+
+
+async def save_groceries(url: str, http) -> dict:
+    """A Gym rollout of save-groceries played right: its verify's reply."""
+    gym = Gym(url, gym_row(NOTES, SAVE), http)
+    await gym.seed()
+    saved = await gym.call("write_note", title="groceries", text="eggs and milk")
+    assert saved.text == "saved note 'groceries'", saved.text
+    verified = await gym.verify("Saved.")
+    assert verified.status == 200, verified.text
+    return verified.json()
+
+
+def test_the_reply_comes_before_the_teardown_on_both_wires(docker_client, removals):
+    """With every removal held, a Gym /verify, OpenEnv's last end_turn on /ws and a tools/call of
+    end_turn on /mcp each answer with the score while their episode's container still stands;
+    the episodes stay live (their slots taken) until the removals are let go, and then nothing
+    is left."""
+
+    async def go():
+        async with served_here(max_concurrent_envs=4) as url, client() as http:
+            removals.hold()
+            body = await asyncio.wait_for(save_groceries(url, http), 90)
+            assert (body["reward"], body["mask_sample"]) == (1.0, False), body
+            async with http.ws_connect(url.replace("http", "ws") + "/ws") as ws:
+                await ws.send_json({"type": "reset", "data": {"split": "all", "index": SAVE}})
+                await ws.receive_json(timeout=90)
+                for action in ({"type": "call_tool", "tool_name": "write_note",
+                                "arguments": {"title": "groceries", "text": "eggs and milk"}},
+                               {"type": "call_tool", "tool_name": "end_turn",
+                                "arguments": {"response": "Saved."}}):
+                    await ws.send_json({"type": "step", "data": action})
+                    answer = await ws.receive_json(timeout=90)
+                assert (answer["data"]["reward"], answer["data"]["done"]) == (1.0, True), answer
+            async with http.ws_connect(url.replace("http", "ws") + "/ws") as ws:
+                await ws.send_json({"type": "reset", "data": {"split": "all", "index": SAVE}})
+                await ws.receive_json(timeout=90)
+                for n, (name, arguments) in enumerate((
+                        ("write_note", {"title": "groceries", "text": "eggs and milk"}),
+                        ("end_turn", {"response": "Saved."}))):
+                    await ws.send_json({"type": "mcp", "data": {
+                        "jsonrpc": "2.0", "id": n, "method": "tools/call",
+                        "params": {"name": name, "arguments": arguments}}})
+                    answer = await ws.receive_json(timeout=90)
+                assert answer["data"]["result"]["data"]["reward"] == 1.0, answer
+            # three replies, and not one of the three containers removed
+            await removals.until(lambda: len(removals.asked) == 3)
+            assert removals.done == [] and len(await mine(docker_client)) == 3
+            page = await scraped(url)
+            assert page.value("agentenv_episodes_live") == 3, "a slot is held until its env is gone"
+            assert page.by("agentenv_episodes_total", "outcome") == {("scored",): 3}
+            removals.let_go()
+            await removals.until(lambda: len(removals.done) == 3)
+            await drained(url)
+            assert await mine(docker_client) == []
+
+    run(go(), timeout=300)
+
+
+def test_a_burst_at_the_limit_never_has_more_envs_than_the_limit(docker_client, removals):
+    """Six Gym rollouts at once on a pool of two, every removal held: the first two are answered
+    (scored) while their containers stand, and the other four wait for a slot, no third env
+    started; as the removals are let go they play in turn. Containers counted all along never
+    number more than two."""
+    limit, count = 2, 6
+
+    async def go():
+        async with served_here(max_concurrent_envs=limit) as url, client() as http:
+            samples: list[int] = []
+            stop = threading.Event()
+
+            def sample():
+                while not stop.is_set():
+                    samples.append(len(owned_containers(docker_client, owner_id())))
+                    time.sleep(0.02)
+
+            sampler = asyncio.ensure_future(asyncio.to_thread(sample))
+            removals.hold()
+            plays = [asyncio.ensure_future(save_groceries(url, http)) for _ in range(count)]
+            answered: set = set()
+            async with asyncio.timeout(120):
+                while len(answered) < limit:
+                    done, _ = await asyncio.wait(set(plays) - answered,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    answered |= done
+            await removals.until(lambda: len(removals.asked) == limit)
+            page = await scraped(url)
+            at_limit = (page.value("agentenv_episodes_live"), page.value("agentenv_episodes_waiting"),
+                        len(await mine(docker_client)), removals.done[:])
+            removals.let_go()
+            bodies = await asyncio.gather(*plays)
+            await drained(url)
+            stop.set()
+            await sampler
+            return at_limit, bodies, samples, await mine(docker_client)
+
+    at_limit, bodies, samples, after = run(go(), timeout=400)
+    assert at_limit == (limit, count - limit, limit, []), \
+        "two rollouts answered, their removals held: two slots taken, four waiting, two containers"
+    assert [(b["reward"], b["mask_sample"]) for b in bodies] == [(1.0, False)] * count, bodies
+    assert samples and max(samples) <= limit, f"{max(samples)} containers at once, past {limit}"
+    assert after == []
+
+
+def test_a_teardown_that_fails_after_the_reply_is_retried_and_never_masks(docker_client, removals,
+                                                                           caplog):
+    """The daemon fails every removal of a scored rollout's container for a while: the verify has
+    already answered 1.0, unmasked, and stays so; /metrics counts one teardown failure, no masked
+    rollout and one scored episode, still live (its slot held while its container stands); the
+    log says so in a sentence. Once the daemon removes again, the retry removes the container and
+    the slot is free."""
+    caplog.set_level(logging.INFO, logger="agentenv")
+
+    async def go():
+        async with served_here(max_concurrent_envs=2) as url, client() as http:
+            removals.failing.set()
+            body = await asyncio.wait_for(save_groceries(url, http), 90)
+            # the daemon's three tries fail, then the episode's own retry, a second later
+            await removals.until(lambda: len(removals.failed) >= 4)
+            page = await scraped(url)
+            during = (page.value("agentenv_teardown_failures_total"),
+                      page.by("agentenv_masked_rollouts_total", "kind"),
+                      page.by("agentenv_episodes_total", "outcome"),
+                      page.value("agentenv_episodes_live"), len(await mine(docker_client)))
+            removals.failing.clear()
+            await drained(url)
+            return body, during, await mine(docker_client)
+
+    body, during, after = run(go(), timeout=300)
+    assert (body["reward"], body["mask_sample"], body["failure_kind"]) == (1.0, False, None), body
+    assert during == (1.0, {}, {("scored",): 1}, 1, 1), during
+    assert after == [], "the retry removed the container once the daemon did again"
+    said = [r.getMessage() for r in caplog.records if r.name == "agentenv"]
+    assert any("ended scored, but its teardown failed: the Docker daemon did not remove container"
+               in m and "the outcome stands" in m for m in said), said
+    assert any("teardown succeeded on a later try; its slot is free" in m for m in said), said
+
+
+def test_the_shutdown_waits_for_teardowns_under_way(docker_client, removals):
+    """A rollout answered, its removal held as the server shuts down: the shutdown does not end
+    before the removal is done, so it leaves no container."""
+
+    async def go():
+        async with contextlib.AsyncExitStack() as stack:
+            url = await stack.enter_async_context(served_here(max_concurrent_envs=2))
+            http = await stack.enter_async_context(client())
+            removals.hold()
+            body = await asyncio.wait_for(save_groceries(url, http), 90)
+            await removals.until(lambda: len(removals.asked) == 1)
+            await http.close()
+            shutdown = asyncio.ensure_future(stack.aclose())
+            await asyncio.sleep(0.5)        # the shutdown under way, meeting the held removal
+            assert not shutdown.done(), "the shutdown ended with a teardown under way"
+            removals.let_go()
+            await shutdown
+            return body, removals.done[:], await mine(docker_client)
+
+    body, done, after = run(go(), timeout=300)
+    assert body["reward"] == 1.0 and len(done) == 1 and after == []
+
+
+def test_sigterm_right_after_verify_leaves_no_container(docker_client, tmp_path):
+    """serve --sandbox docker: rollouts verified, then SIGTERM at once, their teardowns under
+    way; serve exits 0 and no container of its remains."""
+    with running(Server.serve(NOTES, tmp_path, "--max-concurrent-envs", "4",
+                              sandbox="docker")) as server:
+        owner = f"agentenv.owner={socket.gethostname()}:{server.pid}:"
+
+        async def go():
+            async with client() as http:
+                return await asyncio.gather(*(save_groceries(server.url, http) for _ in range(3)))
+
+        bodies = run(go(), timeout=300)
+        server.terminate()
+        assert server.proc.wait(60) == 0, server.log()[-3000:]
+    assert [b["reward"] for b in bodies] == [1.0] * 3
+    left = [c for c in labelled(docker_client, "agentenv.owner")
+            if c.labels["agentenv.owner"].startswith(owner.split("=", 1)[1])]
+    remove_quietly(left)
+    assert not left, f"serve left {len(left)} container(s) behind"

@@ -10,9 +10,9 @@ pipelined messages; every HTTP route with good and bad bodies. For each, what a 
 apart must agree: the reply's type, its error code, the keys it carries (ours may add keys the
 reference doesn't send, never drop one), the HTTP status, and whether the socket stays open.
 
-What differs on purpose is a row of README's table "Deliberate deviations from the reference servers": each
+What differs on purpose is a row of the table "Deliberate deviations from the reference servers" (docs/deviations.md): each
 row is a ``test_deviation_*`` here that holds both servers to what the row says, and
-``test_the_readme_table_is_the_deviations_tested`` keeps the table and these tests one list.
+``test_the_deviations_page_is_the_deviations_tested`` keeps the table and these tests one list.
 """
 
 from __future__ import annotations
@@ -619,9 +619,9 @@ DEVIATION_TESTS = {
 }
 
 
-def test_the_readme_table_is_the_deviations_tested():
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Deliberate deviations from the reference servers", 1)[1].split("\n#", 1)[0]
+def test_the_deviations_page_is_the_deviations_tested():
+    page = (REPO / "docs" / "deviations.md").read_text()
+    section = page.split("# Deliberate deviations from the reference servers", 1)[1].split("\n#", 1)[0]
     rows = re.findall(r"^\| `([a-z0-9-]+)` \|.*\| `(test_deviation_\w+)` \|$", section, re.M)
     assert {row: test for row, test in rows} == \
         {row: test.__name__ for row, test in DEVIATION_TESTS.items()}
