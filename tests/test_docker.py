@@ -888,7 +888,9 @@ async def served_here(**settings):
     """build_app(notes-v1, sandbox docker, **settings) served on a loopback port of this loop, as
     a user's aiohttp runner serves it; its URL. Its shutdown (what SIGTERM runs) ends the block."""
     from aiohttp import web
-    app = agentenv.build_app(NOTES, sandbox="docker", **settings)
+    # no warm pool unless a test asks (Docker's default keeps one): these tests count the
+    # containers of their own rollouts, and a warm env is a container too
+    app = agentenv.build_app(NOTES, sandbox="docker", **{"warm": 0, **settings})
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
