@@ -433,6 +433,14 @@ def warm_count(value: Any, what: str) -> int:
     return int(value)
 
 
+def warm_flag(text: str) -> int | str:
+    """``--warm``'s text: auto, or a number as a number (so its message says --warm -1, not '-1');
+    warm_count checks it."""
+    with contextlib.suppress(ValueError):
+        return int(text)
+    return text
+
+
 def warm_envs(value: Any, what: str) -> tuple[tuple[str, int], ...]:
     """``--warm-env NAME=N`` flags (a list) or a Gym config's ``warm_env: {NAME: N}``, as pairs."""
     if isinstance(value, dict):
@@ -11780,7 +11788,7 @@ def command_line() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--port", type=int, default=8000, help="the port (8000)")
     pool_flag(serve_cmd, pool_default)
     seconds_flags(serve_cmd, {**DEADLINES, **GYM_DEADLINES, **SERVE_DEADLINES})
-    serve_cmd.add_argument("--warm", default=None, metavar="N",
+    serve_cmd.add_argument("--warm", default=None, metavar="N", type=warm_flag,
                            help="keep N envs started and ready ahead of demand, split among the "
                                 "bundle's envs by how many tasks use each; a deploy takes one at "
                                 "once, or deploys cold when none is ready; 0: none (default "

@@ -3310,7 +3310,7 @@ def test_warm_settings_from_a_gym_config_and_the_command_line(make_bundle):
     assert "warm" not in agentenv.Settings().gym_config(bundle=True), "no pool, no key"
     assert agentenv.warm_envs(["main=2", "other=0"], "--warm-env") == (("main", 2), ("other", 0))
     for bad, says in [({"warm": -1}, "warm: -1 in here is not a whole number of warm envs (0 or "
-                                     "more); set it to one, such as 4"),
+                                     "more) nor auto; set it to one, such as 4"),
                       ({"warm": 1.5}, "warm: 1.5 in here is not a whole number"),
                       ({"warm_env": ["main"]}, "warm_env in here: main='' is not a whole number"),
                       ({"warm_env": 3}, "warm_env in here: 3 is not a mapping of env names")]:
