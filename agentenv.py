@@ -422,10 +422,8 @@ AUTO = "auto"         # a setting the server works out for itself (the warm pool
 
 
 def warm_count(value: Any, what: str) -> int:
-    """A warm pool's size as a user gave it: a whole number, 0 (no pool) or more (a flag's text
-    of digits too)."""
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
+    """A warm pool's size as a user gave it: a whole number, 0 (no pool) or more (``--warm``'s
+    text is read as a number by warm_flag)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or \
             not math.isfinite(value) or value < 0 or not float(value).is_integer():
         raise AgentEnvError(f"{what} is not a whole number of warm envs (0 or more) nor auto; set "

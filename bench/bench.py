@@ -114,7 +114,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Awaitable, Callable
 
 import aiohttp
 
@@ -2127,9 +2127,13 @@ def main() -> int:
     parser.add_argument("--hot-calls", type=int, default=300,
                         help="hot: sequential calls (or episodes) per target per round (default 300)")
     parser.add_argument("--json", help="write the results here as JSON")
-    args = parser.parse_args()
+    return run_to_the_end(main_async(parser.parse_args()))
+
+
+def run_to_the_end(main_async: Awaitable[int]) -> int:
+    """Run a bench's main coroutine, then stop every process it started, however it ended."""
     try:
-        return asyncio.run(main_async(args))
+        return asyncio.run(main_async)
     finally:
         for proc in list(Proc.live):
             proc.stop(grace=10)

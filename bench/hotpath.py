@@ -37,7 +37,8 @@ from pathlib import Path
 import aiohttp
 
 from bench import (AGENTENV, ANSWER, BENCH_VENV, COOKIE, NOTES, QUIZ, RESET, ROOT, Proc,
-                   before_agentenv, cpu_ticks, free_port, notes_row, say, seed, wait_health)
+                   before_agentenv, cpu_ticks, free_port, notes_row, run_to_the_end, say, seed,
+                   wait_health)
 
 # serve, as `python agentenv.py serve ...` runs it (agentenv.py as __main__ from its folder), with
 # a cProfile of the event loop's thread (timer: that thread's CPU time) switched on by SIGUSR1 and
@@ -344,12 +345,7 @@ def main() -> int:
                         help="the summary (default bench/profile.txt)")
     parser.add_argument("--json", help="also write every figure here")
     parser.add_argument("--no-py-spy", action="store_true", help="cProfile and /proc only")
-    args = parser.parse_args()
-    try:
-        return asyncio.run(main_async(args))
-    finally:
-        for proc in list(Proc.live):
-            proc.stop(grace=10)
+    return run_to_the_end(main_async(parser.parse_args()))
 
 
 if __name__ == "__main__":
