@@ -7029,6 +7029,7 @@ class Runtime:
 # table that counts both wires against the one pool, the idle sweep, and the /metrics route.
 
 MAX_BODY = 16 * 2**20          # a request body or WebSocket frame past this is refused (413 / close)
+MAX_CLIENT_WAIT = 86400.0      # the longest wait a client may state at reset (timeout_s), a day
 BINARY_FRAME = "a binary frame was sent; this socket reads JSON text frames only"
 
 
@@ -7452,11 +7453,14 @@ class OpenEnvSession:
     after the last turn, the reward and the scores. Every reply comes within ``deadline`` seconds,
     inside the clients' own timeout. The play gives values (a ToolResult, the next Turn, the
     Outcome, a Failure, or a refusal's text); ``step`` renders them as observations and ``mcp``
-    as JSON-RPC, and a failure is always a reply, never a crash.
+    as JSON-RPC, and a failure is always a reply, never a crash. A client that waits longer than
+    most for the play (a Gym resources server in ``url:`` mode waits its reset_timeout) says so at
+    reset with ``timeout_s``, and the deploy and each end_turn then get that long, less the margin.
     """
 
     def __init__(self, runtime: Runtime, deadline: float, sid: str | None = None):
         self.runtime, self.deadline = runtime, deadline
+        self.play_deadline = deadline              # for a reset's play and each end_turn
         self.id = sid or uuid.uuid4().hex
         self.episode: Episode | None = None
         self.task: Task | None = None              # the task played last, if any
@@ -7542,13 +7546,24 @@ class OpenEnvSession:
     # -- the play, as values
 
     async def _reset(self, data: dict[str, Any]) -> Played:
-        await self.close("reset")
+        if self.episode is not None:
+            # its teardown is the runtime's, holding its slot till done: the new play needn't wait
+            episode, self.episode = self.episode, None
+            episode.let_go("reset")
         split, index = data.get("split"), data.get("index")
         self.step_count, self.where = 0, None
         self.episode_id = data.get("episode_id") if isinstance(data.get("episode_id"), str) else None
         if (split is None) != (index is None):
             return ("split and index go together: give both, or neither for the first task "
                     "served")
+        waits = data.get("timeout_s", None)
+        if waits is not None and (isinstance(waits, bool) or not isinstance(waits, (int, float))
+                                  or not 0 < waits <= MAX_CLIENT_WAIT):
+            return (f"timeout_s is how long the client waits for the reset's reply and each "
+                    f"end_turn's, in seconds: a number above 0 and at most {MAX_CLIENT_WAIT:g} "
+                    f"(not {waits!r}); leave it out to get the server's --client-timeout")
+        self.play_deadline = self.deadline if waits is None else \
+            max(1.0, waits - self.runtime.settings.reply_margin)
         try:
             if split is None:
                 split, index = "all", 0
@@ -7579,7 +7594,7 @@ class OpenEnvSession:
         episode = self.episode
         assert episode is not None
         try:
-            async with asyncio.timeout(self.deadline):
+            async with asyncio.timeout(self.play_deadline):
                 turn = await episode.next_turn()
                 if turn is None:
                     return await episode.result()
@@ -7587,9 +7602,9 @@ class OpenEnvSession:
             return exc.failure
         except asyncio.TimeoutError:
             failure = Failure(TRANSPORT_TIMEOUT, (
-                f"{what} took longer than {self.deadline:g}s, so the episode was ended to answer "
-                "inside the client's timeout; raise the client's message_timeout_s and serve with a "
-                "higher --client-timeout"))
+                f"{what} took longer than {self.play_deadline:g}s, so the episode was ended to "
+                "answer inside the client's timeout; raise the client's message_timeout_s and serve "
+                "with a higher --client-timeout (or give timeout_s at reset)"))
             episode.end(failure)       # teardown goes on in the background, holding the slot
             return failure
         if reserved := sorted(RESERVED_TOOLS & set(turn.route)):
@@ -8178,7 +8193,9 @@ class OpenEnvClient:
 
     async def reset(self, split: str, index: int) -> str:
         """Start the task at ``split[index]``; its first prompt, once its first turn is open."""
-        data = await self._session({"type": "reset", "data": {"split": split, "index": index}})
+        # it waits self.deadline for the reply (reset_timeout, for Gym), and says so (timeout_s)
+        data = await self._session({"type": "reset", "data": {
+            "split": split, "index": index, "timeout_s": min(self.deadline, MAX_CLIENT_WAIT)}})
         return str(((data.get("observation") or {}).get("metadata") or {}).get("prompt", ""))
 
     async def offered(self) -> list[dict[str, Any]]:

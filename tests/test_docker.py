@@ -974,6 +974,32 @@ def test_the_reply_comes_before_the_teardown_on_both_wires(docker_client, remova
     run(go(), timeout=300)
 
 
+def test_a_reset_on_a_live_episode_answers_before_its_teardown(docker_client, removals):
+    """With every removal held, a second reset on one /ws socket abandons the first episode and
+    answers with the new prompt while the first episode's container still stands; that episode
+    keeps its slot (two live) until its removal is let go, and then nothing is left."""
+
+    async def go():
+        async with served_here(max_concurrent_envs=2) as url, client() as http:
+            removals.hold()
+            async with http.ws_connect(url.replace("http", "ws") + "/ws") as ws:
+                for _ in range(2):
+                    await ws.send_json({"type": "reset", "data": {"split": "all", "index": SAVE}})
+                    answer = await ws.receive_json(timeout=90)
+                    assert answer["data"]["done"] is False, answer
+                    assert "groceries" in answer["data"]["observation"]["metadata"]["prompt"]
+                await removals.until(lambda: len(removals.asked) == 1)
+                assert removals.done == [] and len(await mine(docker_client)) == 2
+                page = await scraped(url)
+                assert page.value("agentenv_episodes_live") == 2, "a slot is held until its env is gone"
+                removals.let_go()
+                await removals.until(lambda: len(removals.done) == 1)
+            await drained(url)
+            assert await mine(docker_client) == []
+
+    run(go(), timeout=300)
+
+
 def test_a_burst_at_the_limit_never_has_more_envs_than_the_limit(docker_client, removals):
     """Six Gym rollouts at once on a pool of two, every removal held: the first two are answered
     (scored) while their containers stand, and the other four wait for a slot, no third env

@@ -37,7 +37,7 @@ import yaml
 
 import agentenv
 from tests.harness import (COOKIE, GRIDSIM, Gym, NOTES, REPO, Reply, Server, client, copy_bundle,
-                           environ, free_port, gone, gym_rows, one_turn_task, patch, read_jsonl,
+                           Socket, environ, free_port, gone, gym_rows, one_turn_task, patch, read_jsonl,
                            request, resources_config, responses, run, running, serving, wait_until)
 
 AGENTENV = REPO / "agentenv.py"
@@ -965,6 +965,39 @@ def test_url_mode_honours_the_resources_servers_tool_timeout(trouble_remote, tro
                 "may still be under way")
     assert slow.text == f"error: {message_}"
     assert_masked(body, sent, "transport_timeout", message_, app.log())
+
+
+def test_url_mode_waits_the_resources_servers_reset_timeout_not_the_serves_reply_deadline(
+        written, work, trouble):
+    """A serve whose OpenEnv replies are due within 1 s (--client-timeout 2 --reply-margin 1), and
+    the slow-start task, whose env listens only after 2 s. A bare OpenEnv reset misses that
+    deadline; one that says at reset how long its client waits (timeout_s) gets its prompt; a
+    url: resources server (reset_timeout 600) says so itself, so its rollout scores 1.0 instead of
+    being masked for the serve's deadline. A timeout_s that is no number is refused, saying what it
+    is, and the session goes on."""
+    slow_at = [t.name for t in agentenv.Bundle.load(trouble).splits["all"]].index("slow-start")
+    reset = {"type": "reset", "data": {"split": "all", "index": slow_at}}
+    with serving(trouble, work / "serve-trouble-short", "--client-timeout", "2",
+                 "--reply-margin", "1") as serve, \
+            running(Server.gym(work / "url-trouble-short", trouble_config(url=serve.url),
+                               app=written.folder)) as app:
+        bare = Socket(serve.ws_url + "/ws")
+        missed = bare.ask(reset)["data"]
+        assert missed["observation"]["metadata"]["failure_kind"] == "transport_timeout", missed
+        assert "took longer than 1s" in missed["observation"]["metadata"]["error"]
+        assert "give timeout_s at reset" in missed["observation"]["metadata"]["error"]
+        refused = bare.ask({"type": "reset", "data": {**reset["data"], "timeout_s": "soon"}})["data"]
+        assert refused["observation"]["metadata"]["error"].startswith(
+            "timeout_s is how long the client waits for the reset's reply and each end_turn's, in "
+            "seconds: a number above 0 and at most 86400 (not 'soon')"), refused
+        waited = bare.ask({"type": "reset", "data": {**reset["data"], "timeout_s": 60}})["data"]
+        assert waited["done"] is False and "groceries" in \
+            waited["observation"]["metadata"]["prompt"], waited
+        bare.send({"type": "close"})
+
+        _, body = run(play(app.url, gym_rows(trouble)["slow-start"],
+                           [("write_note", {"title": "groceries", "text": "eggs and milk"})], "Saved."))
+        assert body["reward"] == 1.0 and body["mask_sample"] is False, body
 
 
 # ================================================================ 5. reset_timeout and idle_timeout
