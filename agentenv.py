@@ -6544,7 +6544,10 @@ class StartGate:
     counting, so an env that never comes up holds back the others only that long.
 
     Episodes come first: a ``background`` start (a warm env) gets a slot only when no episode is
-    starting an env or waiting to, so warming never takes CPU from a deploy."""
+    starting an env or waiting to, so warming never takes CPU from a deploy; and while episodes
+    play (``playing``), one warm start at a time, so the refill of the envs a burst of rollouts
+    took shares the cores with their turns and verifiers instead of taking them, and catches up
+    at full width once they are done."""
 
     def __init__(self, size: int = 2 * (os.cpu_count() or 2), hold: float = 10.0):
         self.size, self.hold = max(size, 2), hold
@@ -6552,6 +6555,7 @@ class StartGate:
         self.episodes = 0                  # slots episodes hold
         self._episodes: collections.deque[asyncio.Future] = collections.deque()
         self._background: collections.deque[asyncio.Future] = collections.deque()
+        self.playing: Callable[[], bool] = lambda: False     # whether episodes play: the runtime's
 
     @property
     def waiting(self) -> int:
@@ -6584,8 +6588,13 @@ class StartGate:
 
     def _open_to(self, background: bool) -> bool:
         if background:
-            return not (self.episodes or self.waiting or self.warming)
+            return not (self.episodes or self.waiting or self.warming) and self._warm_room()
         return not self.waiting
+
+    def _warm_room(self) -> bool:
+        """Whether a warm start may begin beside those under way: any while no episode plays,
+        else only when none is (a slot not free is then a warm start's)."""
+        return self.free == self.size or not self.playing()
 
     async def _acquire(self, background: bool) -> None:
         if self.free and self._open_to(background):
@@ -6612,7 +6621,7 @@ class StartGate:
                 self.free -= 1
                 self.episodes += 1         # counted at once: a warm start must not slip in
                 granted.set_result(None)
-        while self.free and self._background and not self.episodes:
+        while self.free and self._background and not self.episodes and self._warm_room():
             granted = self._background.popleft()
             if not granted.done():
                 self.free -= 1
@@ -6894,11 +6903,15 @@ class Runtime:
         self.http: aiohttp.ClientSession | None = None
         self.context: EpisodeContext | None = None        # what its episodes play on, once started
         self.verifiers = Verifiers(bundle.verifiers, settings.verifier_timeout, self.metrics)
-        self.starting = StartGate()
+        self.starting = self._gate(StartGate())
         # (a name warm_env gives that the bundle has no env of stops it here, before any start)
         self.warm = WarmPool(self, warm_plan(bundle, 0 if settings.warm == AUTO else settings.warm,
                                              settings.warm_env))
         self._toolset_tools: dict[Toolset, asyncio.Future] = {}
+
+    def _gate(self, gate: StartGate) -> StartGate:
+        gate.playing = lambda: any(episode.outcome is None for episode in self.live)
+        return gate
 
     def _envs_by_node(self) -> dict[str, float]:
         return dict(collections.Counter(env.instance.where for episode in self.live
@@ -6908,7 +6921,7 @@ class Runtime:
         """Open the sandbox (sweeping what a crashed run left, building images) and the client."""
         self.sandbox = await open_sandbox(self.owner, self.settings)
         if self.sandbox.gates_its_boots:      # each node gates its own boots: only the pool bounds
-            self.starting = StartGate(self.pool.limit)
+            self.starting = self._gate(StartGate(self.pool.limit))
         # Every env is prepared now, never inside an episode: a deploy then only starts a process.
         await self.sandbox.prepare(list(self.bundle.envs.values()))
         if self.bundle.boxed:
@@ -7543,13 +7556,17 @@ class OpenEnvSession:
             episode, self.episode = self.episode, None
             await episode.abandon(reason)
 
+    def let_go(self, reason: str) -> None:
+        """End the episode, if any, and wait for nothing: its teardown is the runtime's, which
+        holds its slot until it is done, so a reply needn't wait for it."""
+        if self.episode is not None:
+            episode, self.episode = self.episode, None
+            episode.let_go(reason)
+
     # -- the play, as values
 
     async def _reset(self, data: dict[str, Any]) -> Played:
-        if self.episode is not None:
-            # its teardown is the runtime's, holding its slot till done: the new play needn't wait
-            episode, self.episode = self.episode, None
-            episode.let_go("reset")
+        self.let_go("reset")
         split, index = data.get("split"), data.get("index")
         self.step_count, self.where = 0, None
         self.episode_id = data.get("episode_id") if isinstance(data.get("episode_id"), str) else None
@@ -7812,7 +7829,7 @@ class OpenEnvSurface:
         try:
             return json_reply(self._over_http(await session.reset(data or {})))
         finally:
-            await session.close("a stateless /reset ends its episode")
+            session.let_go("a stateless /reset ends its episode")
 
     async def http_step(self, request: Any) -> Any:
         data, problem = await json_body(request)

@@ -3283,6 +3283,40 @@ def test_a_warm_boot_gets_a_start_slot_only_when_no_episode_waits_for_one():
     assert order[:2] == ["a", "b"] and order[-1] == "warm", order
 
 
+def test_warm_boots_start_one_at_a_time_while_episodes_play_and_all_at_once_after():
+    """A burst of rollouts takes the warm envs; their refill shares the cores with the rollouts'
+    turns (one boot at a time) until no episode plays, then boots at the gate's full width."""
+    async def go():
+        gate = StartGate(size=4)
+        playing = {"now": True}
+        gate.playing = lambda: playing["now"]
+        holds = [asyncio.Event() for _ in range(4)]
+        inside: list[int] = []
+
+        async def boot(n):
+            async with gate.slot(background=True):
+                inside.append(n)
+                await holds[n].wait()
+
+        boots = [asyncio.create_task(boot(n)) for n in range(4)]
+        await asyncio.sleep(0.05)
+        seen_playing = (list(inside), gate.warming)
+        async with gate.slot():                     # an episode's start is not held back by it
+            pass
+        playing["now"] = False
+        holds[0].set()                              # the one boot ends, no episode plays now
+        await asyncio.sleep(0.05)
+        seen_after = (sorted(inside), gate.warming)
+        for hold in holds:
+            hold.set()
+        await asyncio.gather(*boots)
+        return seen_playing, seen_after
+
+    seen_playing, seen_after = run(go())
+    assert seen_playing == ([0], 3)
+    assert seen_after == ([0, 1, 2, 3], 0)
+
+
 # -- the warm pool
 
 def test_the_warm_pool_is_split_among_env_specs_by_how_many_tasks_use_each(make_bundle):

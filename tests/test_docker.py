@@ -977,7 +977,8 @@ def test_the_reply_comes_before_the_teardown_on_both_wires(docker_client, remova
 def test_a_reset_on_a_live_episode_answers_before_its_teardown(docker_client, removals):
     """With every removal held, a second reset on one /ws socket abandons the first episode and
     answers with the new prompt while the first episode's container still stands; that episode
-    keeps its slot (two live) until its removal is let go, and then nothing is left."""
+    keeps its slot (two live) until its removal is let go. A stateless POST /reset, whose episode
+    ends with the request, answers while its container stands too. Then nothing is left."""
 
     async def go():
         async with served_here(max_concurrent_envs=2) as url, client() as http:
@@ -994,6 +995,14 @@ def test_a_reset_on_a_live_episode_answers_before_its_teardown(docker_client, re
                 assert page.value("agentenv_episodes_live") == 2, "a slot is held until its env is gone"
                 removals.let_go()
                 await removals.until(lambda: len(removals.done) == 1)
+            await drained(url)
+            removals.hold()
+            async with http.post(url + "/reset", json={"split": "all", "index": SAVE}) as resp:
+                answer = await resp.json()
+            assert resp.status == 200 and answer["done"] is False, answer
+            await removals.until(lambda: len(removals.asked) == 3)
+            assert len(await mine(docker_client)) == 1
+            removals.let_go()
             await drained(url)
             assert await mine(docker_client) == []
 
