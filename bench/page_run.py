@@ -1,7 +1,7 @@
 """page_run.py: the NeMo RL page's GridSim run, replayed without GPUs, to put a number on the
 environment's share of a GRPO step.
 
-    python bench/page_run.py [--steps 40] [--val-rows 200] [--train-seconds 10] [--warm N]
+    python bench/page_run.py [--steps 40] [--val-rows 200] [--train-seconds 30] [--warm N]
                              [--max-concurrent-envs 64] [--json bench/page_run.json]
 
 What runs is what the page runs, but the model:
@@ -22,8 +22,8 @@ What runs is what the page runs, but the model:
 
 The run: ``--steps`` GRPO-shaped steps (default the page's 40) of 32 rollouts, 4 train days x 8,
 posted at once as Gym seeds a step; between steps ``--train-seconds`` of nothing, standing for the
-trainer's own work (the page's steps spent about 30 s outside generation; 10 s here keeps the run
-short); and validations of the ``--val-rows`` eval days (default 200), one rollout each, all posted
+trainer's own work (default 30: the page's steps spent about 30 s outside generation, and the warm
+pool refills in it); and validations of the ``--val-rows`` eval days (default 200), one rollout each, all posted
 at once, at the start and every 20 steps (val_at_start, val_period 20: 3 in a full run).
 
 Reported, as the page reports: masked rollouts (mask_sample from /verify, and any /run that failed)
@@ -375,8 +375,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="GRPO steps of 32 rollouts (40)")
     parser.add_argument("--val-rows", type=int, default=200,
                         help="eval days each validation plays (200; 0: no validations)")
-    parser.add_argument("--train-seconds", type=float, default=10.0,
-                        help="the pause between steps, for the trainer's own work (10)")
+    parser.add_argument("--train-seconds", type=float, default=30.0,
+                        help="the pause between steps, for the trainer's own work (30, as the page's)")
     parser.add_argument("--warm", default=None, help="serve's --warm (default: its own default)")
     parser.add_argument("--max-concurrent-envs", type=int, default=64)
     parser.add_argument("--json", default=None, help="write the results here")
