@@ -36,7 +36,7 @@ import pytest
 from tests.harness import (GRIDSIM, Gym, LoopbackNamespace, NOTES, NamespaceUnavailable,
                            NodeDockers, NodeDockersUnavailable, REPO, RayCluster, Server, alive,
                            client, copy_bundle, docker_unavailable, gym_rows, in_namespace,
-                           ray_unavailable, resources_config, run, running, wait_until)
+                           ray_unavailable, resources_config, run, running, scrape, wait_until)
 
 import agentenv
 
@@ -287,6 +287,10 @@ else:
                 after = (await victim.call("write_note", **GROCERIES)).text
                 masked = (await victim.verify()).json()
                 took = time.monotonic() - killed
+                # the victim's teardown comes after its reply, and its placement holds the node's
+                # CPU until it is done: the three may find that node free only after that
+                wait_until(lambda: scrape(server.url).value("agentenv_episodes_live") == 0, 60,
+                           "the victim's episode was torn down")
                 again = await asyncio.gather(*(gym_play(server.url, row, http) for _ in range(3)))
                 return address, after, masked, took, again
 
