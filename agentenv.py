@@ -2157,6 +2157,7 @@ class Sandbox(abc.ABC):
     place = ""                  # where it runs envs, in a phrase: "run {place}"
     settings: tuple[Declared, ...] = ()     # the settings it declares, its options' names
     gates_its_boots = False     # True where the sandbox bounds its own envs' boots (Ray: per node)
+    paced_teardown = False      # True where a removal costs this machine (Docker's): TeardownGate
 
     def __init__(self, owner: str):
         self.owner = owner
@@ -3150,6 +3151,7 @@ class DockerSandbox(Sandbox):
     kind = "docker"
     summary = "containers of the Docker daemon DOCKER_HOST names (else the default socket)"
     place = "in Docker containers"
+    paced_teardown = True
     settings = (Declared("docker_publish", None, publish_address,
                          "with --sandbox docker: the address of the daemon's machine the envs' ports "
                          "are published on and dialled at (default: DOCKER_HOST's host for a daemon "
@@ -5549,6 +5551,8 @@ class EpisodeContext:
     warm: Callable[[EnvSpec, dict[str, Any]], Awaitable[DeployedEnv | None]]  # a warm env, if ready
     live: set[Episode]                              # the live episodes, which it joins and leaves
     closing: asyncio.Event                          # set as the runtime closes: teardowns stop retrying
+    clearing: Callable[[], contextlib.AbstractAsyncContextManager[None]]  # a teardown's turn
+    settled: Callable[[], None]                     # told as an episode ends: background work may go
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
@@ -5846,6 +5850,7 @@ class Episode:
                 log.info("Episode %s of task %r scores 0, not masked, since the model's own doing "
                          "ended it: %s", self.id[:8], self.task.name, outcome.forfeit)
             self._signal()
+            self.context.settled()
 
     def _closed(self, driver: asyncio.Task) -> None:
         # The one place an episode closes: after its driver ran its teardown, or was cancelled
@@ -5895,7 +5900,9 @@ class Episode:
     async def _teardown(self) -> None:
         """Remove every env launched and every box opened, then what the sandbox held for the
         episode (its network). It runs after the outcome is settled, so no reply waits for it,
-        and the slot is given back only once it ends.
+        and the slot is given back only once it ends. With Docker it waits its turn at the
+        runtime's TeardownGate, so the removals of a burst's first rollouts to end do not take the
+        cores from those still playing.
 
         A removal that fails is not the rollout's failure (its reward stands, unmasked): it is
         said once, counted, and tried again at growing intervals until what it removes is gone,
@@ -5905,7 +5912,10 @@ class Episode:
         parts: list[Instance | Box] = [*self.instances, *self.boxes.values(),
                                        *self.containers.values(),
                                        *([self.agent_box] if self.agent_box else [])]
-        failed = await self._removed(parts)
+        failed: dict[Instance | Box, Exception] = {}
+        if parts:
+            async with self.context.clearing():
+                failed = await self._removed(parts)
         if failed:
             self.context.metrics.teardown_failed(len(failed))
             log.warning("Episode %s of task %r ended %s, but its teardown failed: %s. Its slot "
@@ -6453,6 +6463,7 @@ class Pool:
         self._free = asyncio.Semaphore(limit)
         self._warned = False
         self.trim = trim
+        self.on_wait: Callable[[], None] = lambda: None    # told when an episode must wait
 
     async def acquire(self) -> None:
         if self.trim is not None:
@@ -6462,6 +6473,8 @@ class Pool:
             log.warning(at_its_limit("The server", self.limit, "episodes",
                                      "new episodes wait their turn", f"raise {self.knob}") + ".")
         self.waiting += 1
+        if self._free.locked():
+            self.on_wait()                   # a teardown holding a slot should go now
         try:
             await self._free.acquire()
         finally:
@@ -6537,6 +6550,62 @@ def resident_mib() -> float:
         return 0.0
 
 
+BACKGROUND_PATIENCE = 5.0     # seconds a warm boot or a teardown waits for the episodes playing
+
+
+class Deferred:
+    """Background work (a warm boot, a teardown) waiting for the episodes playing: the waiters in
+    the order they came, with when each began, and one timer that looks again (``look_again``)
+    once the oldest has waited ``patience`` seconds. Work that waited that long may go, one at a
+    time, so a server where some episode always plays (TRL's, an eval's) still refills its warm
+    pool and frees its slots."""
+
+    def __init__(self, patience: float | None, look_again: Callable[[], None]):
+        self.patience = BACKGROUND_PATIENCE if patience is None else patience
+        self.look_again = look_again
+        self._queue: collections.deque[tuple[asyncio.Future, float]] = collections.deque()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __len__(self) -> int:
+        return sum(not granted.done() for granted, _ in self._queue)
+
+    def add(self) -> asyncio.Future:
+        granted = asyncio.get_running_loop().create_future()
+        self._queue.append((granted, time.monotonic()))
+        self.arm()
+        return granted
+
+    def _head(self) -> float | None:
+        """When the oldest still waiting began (None: none waits)."""
+        while self._queue and self._queue[0][0].done():      # gave up waiting
+            self._queue.popleft()
+        return self._queue[0][1] if self._queue else None
+
+    def due(self) -> bool:
+        """Whether the oldest waiter has waited its patience."""
+        since = self._head()
+        return since is not None and time.monotonic() - since >= self.patience
+
+    def grant(self) -> bool:
+        """Give the oldest waiter its turn; False if none waits."""
+        while self._queue:
+            granted, _ = self._queue.popleft()
+            if not granted.done():
+                granted.set_result(None)
+                return True
+        return False
+
+    def arm(self) -> None:
+        """Look again when the oldest waiter's patience runs out. One whose patience has run out
+        and still waits is held by work under way, whose end looks again: no timer then."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        since = self._head()
+        if since is not None and (left := since + self.patience - time.monotonic()) > 0:
+            self._timer = asyncio.get_running_loop().call_later(left, self.look_again)
+
+
 class StartGate:
     """The bound on envs starting at once (launched, not yet answering). A booting env is all
     CPU; hundreds booting together on a few cores starve the server itself (a /health took 11 s
@@ -6544,17 +6613,20 @@ class StartGate:
     counting, so an env that never comes up holds back the others only that long.
 
     Episodes come first: a ``background`` start (a warm env) gets a slot only when no episode is
-    starting an env or waiting to, so warming never takes CPU from a deploy; and while episodes
-    play (``playing``), one warm start at a time, so the refill of the envs a burst of rollouts
-    took shares the cores with their turns and verifiers instead of taking them, and catches up
-    at full width once they are done."""
+    starting an env or waiting to, so warming never takes CPU from a deploy. While episodes play
+    (``playing``), a warm start waits for them: a boot costs the machine about 0.4 CPU-seconds
+    (the daemon's, the kernel's and the env's own), and a refill booting beside a step's last
+    rollouts took half a 2-core machine from them. It goes once none plays, at full width; or,
+    if some episode always plays, once it has waited ``patience`` seconds, one at a time. The
+    runtime calls ``wake`` when an episode ends."""
 
-    def __init__(self, size: int = 2 * (os.cpu_count() or 2), hold: float = 10.0):
+    def __init__(self, size: int = 2 * (os.cpu_count() or 2), hold: float = 10.0,
+                 patience: float | None = None):
         self.size, self.hold = max(size, 2), hold
         self.free = self.size
         self.episodes = 0                  # slots episodes hold
         self._episodes: collections.deque[asyncio.Future] = collections.deque()
-        self._background: collections.deque[asyncio.Future] = collections.deque()
+        self._background = Deferred(patience, self._hand_on)
         self.playing: Callable[[], bool] = lambda: False     # whether episodes play: the runtime's
 
     @property
@@ -6565,7 +6637,11 @@ class StartGate:
     @property
     def warming(self) -> int:
         """Warm envs waiting for a start slot."""
-        return sum(not f.done() for f in self._background)
+        return len(self._background)
+
+    def wake(self) -> None:
+        """Look at the waiters again (an episode has ended: perhaps none plays now)."""
+        self._hand_on()
 
     @contextlib.asynccontextmanager
     async def slot(self, background: bool = False) -> AsyncIterator[None]:
@@ -6587,22 +6663,25 @@ class StartGate:
             release()
 
     def _open_to(self, background: bool) -> bool:
-        if background:
-            return not (self.episodes or self.waiting or self.warming) and self._warm_room()
+        if background:                  # one arriving has not waited: it goes only if none plays
+            return not (self.episodes or self.waiting or self.warming or self.playing())
         return not self.waiting
 
     def _warm_room(self) -> bool:
-        """Whether a warm start may begin beside those under way: any while no episode plays,
-        else only when none is (a slot not free is then a warm start's)."""
-        return self.free == self.size or not self.playing()
+        """Whether the oldest warm start waiting may begin: beside any others while no episode
+        plays; while episodes play, once it has waited its patience and no start is under way."""
+        return not self.playing() or (self.free == self.size and self._background.due())
 
     async def _acquire(self, background: bool) -> None:
         if self.free and self._open_to(background):
             self.free -= 1
             self.episodes += not background
             return
-        granted = asyncio.get_running_loop().create_future()
-        (self._background if background else self._episodes).append(granted)
+        if background:
+            granted = self._background.add()
+        else:
+            granted = asyncio.get_running_loop().create_future()
+            self._episodes.append(granted)
         try:
             await granted
         except asyncio.CancelledError:
@@ -6621,11 +6700,75 @@ class StartGate:
                 self.free -= 1
                 self.episodes += 1         # counted at once: a warm start must not slip in
                 granted.set_result(None)
-        while self.free and self._background and not self.episodes and self._warm_room():
-            granted = self._background.popleft()
-            if not granted.done():
+        while self.free and not self.episodes and self._background and self._warm_room():
+            if self._background.grant():
                 self.free -= 1
-                granted.set_result(None)
+        self._background.arm()
+
+
+class TeardownGate:
+    """The episodes' teardowns under way at once. Removing a container costs the Docker daemon
+    and the kernel about a tenth of a CPU-second (its kill: the processes, namespaces, cgroup and
+    published port), and a step's rollouts end within a few seconds of each other: the teardowns
+    of the first to end took from the rollouts still playing, and the step waits for its slowest.
+
+    So where the sandbox's removals cost this machine (``paced``: Docker), a teardown waits while
+    episodes play, its slot held (a slot is free only when its env is gone). Those waiting go when
+    none plays, when an episode waits for a slot of the pool, or as the runtime closes, ``width``
+    at a time (one per core: the removals are the daemon's and the kernel's CPU, so more at once
+    end no sooner, and 32 at once starved the reply of the step's last rollout for seconds); if
+    some episode always plays, one at a time once it has waited ``patience`` seconds. The runtime
+    calls ``wake`` when an episode ends, an episode starts to wait for a slot, or it closes."""
+
+    def __init__(self, paced: bool, playing: Callable[[], bool], slot_awaited: Callable[[], bool],
+                 closing: asyncio.Event, patience: float | None = None,
+                 width: int = os.cpu_count() or 2):
+        self.paced, self.playing, self.slot_awaited, self.closing = paced, playing, slot_awaited, closing
+        self.width = max(width, 1)
+        self.running = 0
+        self._waiting = Deferred(patience, self._hand_on)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def wake(self) -> None:
+        self._hand_on()
+
+    def _may_go(self) -> bool:
+        """Whether the oldest teardown waiting may go now."""
+        if not self.paced:
+            return True
+        if self.running >= self.width:
+            return False
+        return (not self.playing() or self.slot_awaited() or self.closing.is_set()
+                or (not self.running and self._waiting.due()))
+
+    @contextlib.asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        self._hand_on()
+        if not self._waiting and self._may_go():      # (one arriving has not waited: not due)
+            self.running += 1
+        else:
+            granted = self._waiting.add()
+            try:
+                await granted
+            except asyncio.CancelledError:
+                if granted.done() and not granted.cancelled():     # handed its turn as it gave up
+                    self.running -= 1
+                    self._hand_on()
+                raise
+        try:
+            yield
+        finally:
+            self.running -= 1
+            self._hand_on()
+
+    def _hand_on(self) -> None:
+        while self._waiting and self._may_go():
+            if self._waiting.grant():
+                self.running += 1
+        self._waiting.arm()
 
 
 WarmKey = tuple[str, tuple[tuple[str, Any], ...]]     # an env and its deploy_env limits
@@ -6904,14 +7047,29 @@ class Runtime:
         self.context: EpisodeContext | None = None        # what its episodes play on, once started
         self.verifiers = Verifiers(bundle.verifiers, settings.verifier_timeout, self.metrics)
         self.starting = self._gate(StartGate())
+        self.clearing = TeardownGate(False, self.playing, lambda: pool.waiting > 0, self.closing)
+        self.pool.on_wait = self.clearing.wake
+        self.metrics.watch("agentenv_teardowns_waiting", "Ended episodes whose envs wait their turn "
+                           "to be removed (with Docker, one teardown at a time while others play)",
+                           lambda: self.clearing.waiting)
         # (a name warm_env gives that the bundle has no env of stops it here, before any start)
         self.warm = WarmPool(self, warm_plan(bundle, 0 if settings.warm == AUTO else settings.warm,
                                              settings.warm_env))
         self._toolset_tools: dict[Toolset, asyncio.Future] = {}
 
     def _gate(self, gate: StartGate) -> StartGate:
-        gate.playing = lambda: any(episode.outcome is None for episode in self.live)
+        gate.playing = self.playing
         return gate
+
+    def playing(self) -> bool:
+        """Whether any episode is under way (not yet scored or ended)."""
+        return any(episode.outcome is None for episode in self.live)
+
+    def wake_background(self) -> None:
+        """Let the gates look again at the background work waiting for the episodes playing (one
+        has ended, one waits for a slot, or the runtime closes)."""
+        self.starting.wake()
+        self.clearing.wake()
 
     def _envs_by_node(self) -> dict[str, float]:
         return dict(collections.Counter(env.instance.where for episode in self.live
@@ -6922,6 +7080,7 @@ class Runtime:
         self.sandbox = await open_sandbox(self.owner, self.settings)
         if self.sandbox.gates_its_boots:      # each node gates its own boots: only the pool bounds
             self.starting = self._gate(StartGate(self.pool.limit))
+        self.clearing.paced = self.sandbox.paced_teardown
         # Every env is prepared now, never inside an episode: a deploy then only starts a process.
         await self.sandbox.prepare(list(self.bundle.envs.values()))
         if self.bundle.boxed:
@@ -6942,7 +7101,7 @@ class Runtime:
             self.bundle, self.sandbox, self.http, self.metrics, self.verifiers,
             self.settings.deploy_timeout, self.settings.bash_timeout, self.pool.acquire,
             self.pool.release, lambda: self.starting.slot(), self.warm.take, self.live,
-            self.closing)
+            self.closing, self.clearing.turn, self.wake_background)
         self.warm.start()
         # What starting freed (the bundle's files read, images built, the sweep's listings) goes
         # back too, as after a drain: the pool is as empty now.
@@ -7026,6 +7185,7 @@ class Runtime:
         scored and answered too: they are live until their envs are gone), remove the warm envs,
         and close the sandbox (which tries once more what a teardown failed to remove)."""
         self.closing.set()
+        self.wake_background()
         await asyncio.gather(*(e.abandon(reason) for e in list(self.live)), return_exceptions=True)
         await self.warm.close()
         await self.heap.close()
@@ -7770,13 +7930,19 @@ class OpenEnvSurface:
         self.sessions[session.id] = session
         return session
 
-    async def end_session(self, session: OpenEnvSession, reason: str) -> None:
+    async def end_session(self, session: OpenEnvSession, reason: str, wait: bool = True) -> None:
         """End a session: its episode, and the socket it is played over (a reaped or shut-down
-        session must not go on playing outside the limit)."""
+        session must not go on playing outside the limit). With ``wait``, once its episode is
+        torn down; else at once, its teardown the runtime's (its slot held until done): a client
+        that closes its socket gets the closing frame without waiting for a container's removal
+        (the Gym resources server in url: mode closes its socket before it answers /verify)."""
         self.sessions.pop(session.id, None)
         session.ended_by = session.ended_by or reason
         socket_, session.socket = session.socket, None
-        await session.close(reason)
+        if wait:
+            await session.close(reason)
+        else:
+            session.let_go(reason)
         if socket_ is not None and not socket_.closed:
             await socket_.close(code=aiohttp.WSCloseCode.GOING_AWAY,
                                 message=reason.encode()[:120])
@@ -7986,7 +8152,7 @@ class OpenEnvSurface:
         except ConnectionError:                 # the client left before a reply: frames are read
             pass                                # ahead, so before any of them, not only a call's
         finally:
-            await self.end_session(session, "the session closed")
+            await self.end_session(session, "the session closed", wait=False)
         return socket_
 
     # -- the WebSocket session /ws
@@ -8035,7 +8201,7 @@ class OpenEnvSurface:
             if session.socket is socket_:
                 session.socket = None
             if owns or session.close_asked:
-                await self.end_session(session, "the session closed")
+                await self.end_session(session, "the session closed", wait=False)
         return socket_
 
     async def _answer(self, session: OpenEnvSession, text: str) -> dict[str, Any] | None:

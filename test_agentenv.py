@@ -3283,11 +3283,12 @@ def test_a_warm_boot_gets_a_start_slot_only_when_no_episode_waits_for_one():
     assert order[:2] == ["a", "b"] and order[-1] == "warm", order
 
 
-def test_warm_boots_start_one_at_a_time_while_episodes_play_and_all_at_once_after():
-    """A burst of rollouts takes the warm envs; their refill shares the cores with the rollouts'
-    turns (one boot at a time) until no episode plays, then boots at the gate's full width."""
-    async def go():
-        gate = StartGate(size=4)
+def test_warm_boots_wait_while_episodes_play_then_boot_all_at_once_or_one_at_a_time_after_patience():
+    """A burst of rollouts takes the warm envs; their refill waits for the rollouts still playing
+    (a boot costs the machine 0.4 CPU-seconds) and boots at the gate's full width once none plays.
+    If some episode always plays, a boot that has waited its patience goes, one at a time."""
+    async def go(ends: bool):
+        gate = StartGate(size=4, patience=0.3)
         playing = {"now": True}
         gate.playing = lambda: playing["now"]
         holds = [asyncio.Event() for _ in range(4)]
@@ -3299,22 +3300,82 @@ def test_warm_boots_start_one_at_a_time_while_episodes_play_and_all_at_once_afte
                 await holds[n].wait()
 
         boots = [asyncio.create_task(boot(n)) for n in range(4)]
-        await asyncio.sleep(0.05)
-        seen_playing = (list(inside), gate.warming)
-        async with gate.slot():                     # an episode's start is not held back by it
+        await asyncio.sleep(0.1)
+        at_first = (list(inside), gate.warming)
+        async with gate.slot():                     # an episode's start is not held back by them
             pass
-        playing["now"] = False
-        holds[0].set()                              # the one boot ends, no episode plays now
-        await asyncio.sleep(0.05)
-        seen_after = (sorted(inside), gate.warming)
+        if ends:
+            playing["now"] = False
+            gate.wake()                             # as the runtime does when an episode ends
+            await asyncio.sleep(0.05)
+            later = (sorted(inside), gate.warming)
+        else:
+            await asyncio.sleep(0.5)                # past the patience: one, and only one
+            later = (sorted(inside), gate.warming)
+            holds[inside[0]].set()                  # it ends: the next has waited long enough
+            await asyncio.sleep(0.05)
+            later = (later, (sorted(inside), gate.warming))
         for hold in holds:
             hold.set()
         await asyncio.gather(*boots)
-        return seen_playing, seen_after
+        return at_first, later
 
-    seen_playing, seen_after = run(go())
-    assert seen_playing == ([0], 3)
-    assert seen_after == ([0, 1, 2, 3], 0)
+    at_first, later = run(go(ends=True))
+    assert at_first == ([], 4)
+    assert later == ([0, 1, 2, 3], 0)
+    at_first, later = run(go(ends=False))
+    assert at_first == ([], 4)
+    assert later == (([0], 3), ([0, 1], 2))
+
+
+def test_teardowns_wait_while_episodes_play_and_all_go_when_a_slot_is_awaited_or_none_plays():
+    """With Docker, the envs of a burst's first rollouts to end wait to be removed while the
+    others play (a removal costs the machine a tenth of a CPU-second), their slots held; all go
+    as soon as an episode waits for a slot, once none plays, or as the runtime closes, one per
+    core at a time; one at a time after their patience if some episode always plays; and where
+    removals cost nothing (local processes), at once."""
+    async def go(paced: bool, opener: str, width: int = 4):
+        state = {"playing": True, "awaited": False}
+        closing = asyncio.Event()
+        gate = agentenv.TeardownGate(paced, lambda: state["playing"], lambda: state["awaited"],
+                                     closing, patience=0.3, width=width)
+        holds = [asyncio.Event() for _ in range(4)]
+        inside: list[int] = []
+
+        async def teardown(n):
+            async with gate.turn():
+                inside.append(n)
+                await holds[n].wait()
+
+        tasks = [asyncio.create_task(teardown(n)) for n in range(4)]
+        await asyncio.sleep(0.1)
+        while_playing = (sorted(inside), gate.waiting)
+        if opener == "closing":
+            closing.set()
+        elif opener == "patience":
+            await asyncio.sleep(0.4)
+        else:
+            state["awaited" if opener == "slot" else "playing"] = opener == "slot"
+        gate.wake()                                 # as the runtime does
+        await asyncio.sleep(0.05)
+        after = (sorted(inside), gate.waiting)
+        for hold in holds:
+            hold.set()
+        await asyncio.gather(*tasks)
+        return while_playing, after, gate.running
+
+    for opener in ("slot", "no one plays", "closing"):
+        while_playing, after, running = run(go(True, opener))
+        assert while_playing == ([], 4), opener
+        assert after == ([0, 1, 2, 3], 0), opener
+        assert running == 0
+    while_playing, after, _ = run(go(True, "patience"))
+    assert (while_playing, after) == (([], 4), ([0], 3))
+    # never more than one per core at once: a removal is the daemon's and the kernel's CPU
+    while_playing, after, _ = run(go(True, "no one plays", width=2))
+    assert (while_playing, after) == (([], 4), ([0, 1], 2))
+    while_playing, _, _ = run(go(False, "slot", width=2))
+    assert while_playing == ([0, 1, 2, 3], 0)
 
 
 # -- the warm pool

@@ -33,7 +33,9 @@ spent, since its rollouts run at once), so the environment's share of a step, ``
 a number. Also each rollout's own share (its wall less its model time), p50 and max, and the mean
 reward; the warm envs serve had ready as the step began; and from serve's /metrics, the step's
 deploys (an episode's cold ones and the warm pool's) and the mean seconds of a deploy, a tool call
-and a verifier run. The load average is read at the start, the end and at every step.
+and a verifier run; and from /proc, where the machine's CPU went during the step (CpuShares: serve,
+Gym's servers, this process, Docker's own processes, the envs in their containers, the rest). The
+load average is read at the start, the end and at every step.
 
 Nothing is left running: serve is stopped with SIGINT (it removes its containers, warm ones too),
 the Gym servers as tests/gym/harness.py stops them.
@@ -195,16 +197,16 @@ def write_gym(url: str, root: Path) -> Path:
     return Path(done.stdout.strip().splitlines()[-1].removeprefix("wrote "))
 
 
-def start_gym(root: Path, model_port: int, group: harness.ProcessGroup) -> str:
+def start_gym(root: Path, model_port: int, group: harness.ProcessGroup) -> tuple[str, list[int]]:
     """The written resources server and Gym's simple_agent (max_steps 4, as the page's config),
-    started as Gym starts them; simple_agent's URL once both answer."""
+    started as Gym starts them; simple_agent's URL once both answer, and their pids."""
     resources_port, agent_port, head_port = free_ports(3)
     config, rs_inst, agent_inst, _ = harness.lightest_config(
         root, NAME, resources_port=resources_port, agent_port=agent_port, model_host=HOST,
         model_port=model_port, head_port=head_port)
     config[agent_inst]["responses_api_agents"]["simple_agent"]["max_steps"] = 4
     text = yaml.safe_dump(config, sort_keys=False)
-    children = []
+    children: list[harness.Child] = []
     for inst, cwd in ((rs_inst, root.resolve() / "resources_servers" / NAME),
                       (agent_inst, harness.simple_agent_dir(group.venv))):
         env = group.env({"NEMO_GYM_CONFIG_PATH": inst, "PYTHONPATH": str(cwd),
@@ -213,13 +215,87 @@ def start_gym(root: Path, model_port: int, group: harness.ProcessGroup) -> str:
                                     env=env))
     harness.wait_http(f"http://{HOST}:{resources_port}/", children[0], 180)
     harness.wait_http(f"http://{HOST}:{agent_port}/", children[1], 180)
-    return f"http://{HOST}:{agent_port}"
+    return f"http://{HOST}:{agent_port}", [c.proc.pid for c in children]
 
 
 # ---------------------------------------------------------------- the run
 
 def load() -> float:
     return round(os.getloadavg()[0], 2)
+
+
+TICK = os.sysconf("SC_CLK_TCK")
+SHIMS = ("containerd-shim", "containerd-shim-runc-v2", "docker-containerd-shim")   # (comm: 15 chars)
+DOCKER = ("dockerd", "docker-proxy", "containerd")
+
+
+class CpuShares:
+    """Where the machine's CPU went during a step, in CPU-seconds: serve (and its children),
+    Gym's two servers, this process (the scripted model and the rollouts' clients), Docker's own
+    processes (dockerd, its port proxies, containerd), the envs in their containers (the processes
+    under containerd's shims), and the rest (the kernel, and processes that came and went, such
+    as a container removed during the step). Read from /proc at the step's start and end."""
+
+    def __init__(self, serve_pid: int, gym_pids: list[int]):
+        self.roots = {serve_pid: "serve", os.getpid(): "bench", **dict.fromkeys(gym_pids, "gym")}
+
+    @staticmethod
+    def _busy() -> float:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return (sum(fields[:8]) - fields[3] - fields[4]) / TICK      # all but idle and iowait
+
+    def snapshot(self) -> dict:
+        """Each process's CPU so far and whose it is, and the machine's busy CPU."""
+        procs: dict[int, tuple[str, int, float]] = {}
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    raw = f.read()
+            except OSError:
+                continue
+            comm = raw[raw.index("(") + 1:raw.rindex(")")]
+            rest = raw[raw.rindex(")") + 2:].split()
+            # utime stime cutime cstime: a reaped child's time counts for its parent
+            procs[int(entry.name)] = (comm, int(rest[1]), sum(map(int, rest[11:15])) / TICK)
+        kinds: dict[int, tuple[str, float]] = {}
+        for pid, (comm, ppid, cpu) in procs.items():
+            kind, at, seen = None, pid, 0
+            while at in procs and seen < 64:
+                name = procs[at][0]
+                if at in self.roots:
+                    kind = self.roots[at]
+                elif name in SHIMS:
+                    kind = "envs" if at != pid else "docker:shims"
+                elif name in DOCKER and at == pid:
+                    kind = f"docker:{name}"
+                if kind:
+                    break
+                at, seen = procs[at][1], seen + 1
+            if kind and not (kind == "bench" and pid != os.getpid()):
+                kinds[pid] = (kind, cpu)
+        return {"procs": kinds, "all": self._busy()}
+
+    @staticmethod
+    def spent(before: dict, after: dict) -> dict[str, float]:
+        """CPU-seconds by whose between two snapshots: a process that ended between them is
+        counted in ``rest`` (with the kernel), one that began, whole."""
+        out = dict.fromkeys(("serve", "gym", "bench", "docker", "envs"), 0.0)
+        docker: dict[str, float] = {}
+        for pid, (kind, cpu) in after["procs"].items():
+            earlier = before["procs"].get(pid)
+            used = cpu - (earlier[1] if earlier and earlier[0] == kind else 0.0)
+            if kind.startswith("docker:"):
+                docker[kind[7:]] = docker.get(kind[7:], 0.0) + used
+                kind = "docker"
+            out[kind] += used
+        out = {k: round(v, 2) for k, v in out.items()}
+        out["all"] = round(after["all"] - before["all"], 2)
+        out["rest"] = round(max(0.0, out["all"] - sum(v for k, v in out.items() if k != "all")), 2)
+        out["docker_by_process"] = {k: round(v, 2) for k, v in sorted(docker.items())}
+        return out
 
 
 SCRAPED = ("agentenv_tool_call_duration_seconds", "agentenv_verifier_duration_seconds",
@@ -256,7 +332,7 @@ def means(before: dict[str, float], after: dict[str, float]) -> dict[str, float 
 
 
 async def play(http: aiohttp.ClientSession, agent: str, model: Model, rows: list[dict],
-               label: str, serve: Serve) -> dict:
+               label: str, serve: Serve, cpu: CpuShares) -> dict:
     """Post every row to simple_agent's /run at once; the step's figures (with the warm envs
     serve had ready as it began, and what its metrics say of the step)."""
     at_start = await scrape(http, serve)
@@ -277,9 +353,11 @@ async def play(http: aiohttp.ClientSession, agent: str, model: Model, rows: list
         results[name] = body
 
     before = load()
+    cpu_start = cpu.snapshot()
     started = time.monotonic()
     await asyncio.gather(*(one(n, r) for n, r in zip(names, rows)))
     wall = max(ended.values()) - started
+    cpu_s = CpuShares.spent(cpu_start, cpu.snapshot())
     served = means(at_start, await scrape(http, serve))
     model_s = max(model.spent.get(n, 0.0) for n in names)
     own = [ended[n] - started - model.spent.get(n, 0.0) for n in names]
@@ -294,7 +372,7 @@ async def play(http: aiohttp.ClientSession, agent: str, model: Model, rows: list
             "reasons": sorted({str(r.get("failure_reason") or r.get("text"))[:300]
                                for r in masked + failed}),
             "mean_reward": round(statistics.fmean(rewards), 4) if rewards else None,
-            "warm_ready": int(at_start["warm_ready"]), **served, "load": before}
+            "warm_ready": int(at_start["warm_ready"]), **served, "load": before, "cpu_s": cpu_s}
 
 
 def progress(args: argparse.Namespace, steps: list[dict]) -> None:
@@ -319,20 +397,21 @@ async def replay(args: argparse.Namespace, work: Path) -> dict:
             root = await asyncio.to_thread(write_gym, serve.url, work / "gym-root")
             train = read_jsonl(root / "data" / "train.jsonl")
             evals = read_jsonl(root / "data" / "eval.jsonl")[:args.val_rows]
-            agent = await asyncio.to_thread(start_gym, work / "gym-root", model_port, group)
+            agent, gym_pids = await asyncio.to_thread(start_gym, work / "gym-root", model_port, group)
+            cpu = CpuShares(serve.proc.pid, gym_pids)
             await serve.ready(http)               # its pool full again after write-gym's probe
             random.Random(0).shuffle(train)
             print(f"serve, write-gym and Gym's servers up; load {load()}", flush=True)
             for step in range(args.steps + 1):
                 if step % VAL_PERIOD == 0 and args.val_rows:
-                    steps.append(await play(http, agent, model, evals, f"val@{step}", serve))
+                    steps.append(await play(http, agent, model, evals, f"val@{step}", serve, cpu))
                     progress(args, steps)
                     await asyncio.sleep(args.train_seconds)
                 if step == args.steps:
                     break
                 prompts = train[step * PROMPTS_PER_STEP:(step + 1) * PROMPTS_PER_STEP]
                 rows = [row for row in prompts for _ in range(ROLLOUTS_PER_PROMPT)]
-                steps.append(await play(http, agent, model, rows, f"train@{step + 1}", serve))
+                steps.append(await play(http, agent, model, rows, f"train@{step + 1}", serve, cpu))
                 progress(args, steps)
                 await asyncio.sleep(args.train_seconds)
     finally:
@@ -363,6 +442,9 @@ def summary(args: argparse.Namespace, run: dict, loads: tuple[float, float]) -> 
                         "model_p50_s": statistics.median(s["model_s"] for s in train),
                         "env_p50_s": statistics.median(env), "env_max_s": max(env),
                         "env_under_2s": sum(e < 2.0 for e in env),
+                        "cpu_s_p50": {k: statistics.median(s["cpu_s"][k] for s in train)
+                                      for k in ("all", "serve", "gym", "bench", "docker", "envs",
+                                                "rest")},
                         "mean_reward": round(statistics.fmean(s["mean_reward"] or 0 for s in train), 4)}
     if val:
         out["validations"] = [{k: s[k] for k in ("step", "rollouts", "wall_s", "model_s", "env_s",

@@ -1009,6 +1009,51 @@ def test_a_reset_on_a_live_episode_answers_before_its_teardown(docker_client, re
     run(go(), timeout=300)
 
 
+def test_a_closed_sockets_teardown_waits_while_another_episode_plays_and_goes_when_a_slot_is_needed(
+        docker_client, monkeypatch):
+    """On a pool of two, episode A plays while B's client closes its /ws session (a close message,
+    then the socket, as OpenEnv's clients and the url: resources server before its /verify reply
+    do): B's client gets the closing frame at once (code 1000, not a timeout), while B's container
+    stands, its teardown waiting for A (a removal would take the cores from it) and its slot
+    held. A third client's reset needs that slot: B's teardown goes, and C gets its prompt. Once
+    A ends too, nothing is left. The patience after which a teardown goes anyway is set past the
+    test, so only these rules free the slot."""
+    monkeypatch.setattr(agentenv, "BACKGROUND_PATIENCE", 600.0)
+    reset = {"type": "reset", "data": {"split": "all", "index": SAVE}}
+
+    async def go():
+        async with served_here(max_concurrent_envs=2) as url, client() as http:
+            ws_url = url.replace("http", "ws") + "/ws"
+            async with http.ws_connect(ws_url) as a:
+                await a.send_json(reset)
+                assert (await a.receive_json(timeout=90))["data"]["done"] is False
+                b = await http.ws_connect(ws_url)
+                await b.send_json(reset)
+                assert (await b.receive_json(timeout=90))["data"]["done"] is False
+                await b.send_json({"type": "close"})    # as OpenEnv's clients close a session
+                async with asyncio.timeout(30):         # the server has ended B's episode
+                    while not (page := await scraped(url)).value("agentenv_teardowns_waiting"):
+                        await asyncio.sleep(0.05)
+                async with asyncio.timeout(30):
+                    await b.close()
+                assert b.close_code == 1000, "B's close was answered, not timed out"
+                page = await scraped(url)
+                assert (page.value("agentenv_teardowns_waiting"), page.value("agentenv_episodes_live"),
+                        len(await mine(docker_client))) == (1, 2, 2)
+                async with http.ws_connect(ws_url) as c:
+                    await c.send_json(reset)
+                    answer = await c.receive_json(timeout=120)
+                    assert answer["data"]["done"] is False, answer
+                    page = await scraped(url)
+                    assert (page.value("agentenv_teardowns_waiting"),
+                            page.value("agentenv_episodes_live")) == (0, 2)
+                    assert len(await mine(docker_client)) == 2, "B's container went for C's"
+            await drained(url)
+            assert await mine(docker_client) == []
+
+    run(go(), timeout=300)
+
+
 def test_a_burst_at_the_limit_never_has_more_envs_than_the_limit(docker_client, removals):
     """Six Gym rollouts at once on a pool of two, every removal held: the first two are answered
     (scored) while their containers stand, and the other four wait for a slot, no third env
