@@ -5900,22 +5900,22 @@ class Episode:
     async def _teardown(self) -> None:
         """Remove every env launched and every box opened, then what the sandbox held for the
         episode (its network). It runs after the outcome is settled, so no reply waits for it,
-        and the slot is given back only once it ends. With Docker it waits its turn at the
-        runtime's TeardownGate, so the removals of a burst's first rollouts to end do not take the
-        cores from those still playing.
+        and the slot is given back only once it ends. With Docker the envs' removal waits its
+        turn at the runtime's TeardownGate, so the removals of a burst's first rollouts to end do
+        not take the cores from those still playing; the boxes go at once.
 
         A removal that fails is not the rollout's failure (its reward stands, unmasked): it is
         said once, counted, and tried again at growing intervals until what it removes is gone,
         holding the slot meanwhile (a slot is free only when its env is); once the runtime
         closes, what is left is the sandbox's (its close tries once more, the next start's sweep
         after that)."""
-        parts: list[Instance | Box] = [*self.instances, *self.boxes.values(),
-                                       *self.containers.values(),
-                                       *([self.agent_box] if self.agent_box else [])]
-        failed: dict[Instance | Box, Exception] = {}
-        if parts:
+        # The boxes (the agent's own, and those steps opened) go at once, whatever plays: what
+        # the model left running there must not outlive its episode. The envs wait their turn.
+        failed = await self._removed([*self.boxes.values(), *self.containers.values(),
+                                      *([self.agent_box] if self.agent_box else [])])
+        if self.instances:
             async with self.context.clearing():
-                failed = await self._removed(parts)
+                failed |= await self._removed(list(self.instances))
         if failed:
             self.context.metrics.teardown_failed(len(failed))
             log.warning("Episode %s of task %r ended %s, but its teardown failed: %s. Its slot "
@@ -6614,15 +6614,16 @@ class StartGate:
 
     Episodes come first: a ``background`` start (a warm env) gets a slot only when no episode is
     starting an env or waiting to, so warming never takes CPU from a deploy. While episodes play
-    (``playing``), a warm start waits for them: a boot costs the machine about 0.4 CPU-seconds
-    (the daemon's, the kernel's and the env's own), and a refill booting beside a step's last
-    rollouts took half a 2-core machine from them. It goes once none plays, at full width; or,
-    if some episode always plays, once it has waited ``patience`` seconds, one at a time. The
-    runtime calls ``wake`` when an episode ends."""
+    (``playing``), one warm start at a time; and where a boot costs this machine (``paced``:
+    Docker, about 0.4 CPU-seconds of the daemon's, the kernel's and the env's own, where a refill
+    booting beside a step's last rollouts took half a 2-core machine from them), a warm start
+    waits for the episodes: it goes once none plays, at full width, or, if some episode always
+    plays, once it has waited ``patience`` seconds, one at a time. The runtime calls ``wake`` when
+    an episode ends."""
 
     def __init__(self, size: int = 2 * (os.cpu_count() or 2), hold: float = 10.0,
-                 patience: float | None = None):
-        self.size, self.hold = max(size, 2), hold
+                 patience: float | None = None, paced: bool = False):
+        self.size, self.hold, self.paced = max(size, 2), hold, paced
         self.free = self.size
         self.episodes = 0                  # slots episodes hold
         self._episodes: collections.deque[asyncio.Future] = collections.deque()
@@ -6663,14 +6664,17 @@ class StartGate:
             release()
 
     def _open_to(self, background: bool) -> bool:
-        if background:                  # one arriving has not waited: it goes only if none plays
-            return not (self.episodes or self.waiting or self.warming or self.playing())
+        if background:                  # (one arriving has not waited: not due)
+            return not (self.episodes or self.waiting or self.warming) and self._warm_room()
         return not self.waiting
 
     def _warm_room(self) -> bool:
         """Whether the oldest warm start waiting may begin: beside any others while no episode
-        plays; while episodes play, once it has waited its patience and no start is under way."""
-        return not self.playing() or (self.free == self.size and self._background.due())
+        plays; while episodes play, only when no start is under way, and where a boot costs this
+        machine (``paced``: Docker) once it has waited its patience."""
+        if not self.playing():
+            return True
+        return self.free == self.size and (not self.paced or self._background.due())
 
     async def _acquire(self, background: bool) -> None:
         if self.free and self._open_to(background):
@@ -6714,11 +6718,12 @@ class TeardownGate:
 
     So where the sandbox's removals cost this machine (``paced``: Docker), a teardown waits while
     episodes play, its slot held (a slot is free only when its env is gone). Those waiting go when
-    none plays, when an episode waits for a slot of the pool, or as the runtime closes, ``width``
-    at a time (one per core: the removals are the daemon's and the kernel's CPU, so more at once
-    end no sooner, and 32 at once starved the reply of the step's last rollout for seconds); if
-    some episode always plays, one at a time once it has waited ``patience`` seconds. The runtime
-    calls ``wake`` when an episode ends, an episode starts to wait for a slot, or it closes."""
+    none plays or when an episode waits for a slot of the pool, ``width`` at a time (one per core:
+    the removals are the daemon's and the kernel's CPU, so more at once end no sooner, and 32 at
+    once starved the reply of the step's last rollout for seconds); all at once as the runtime
+    closes; and if some episode always plays, one at a time once it has waited ``patience``
+    seconds. The runtime calls ``wake`` when an episode ends, an episode starts to wait for a
+    slot, or it closes. (An episode's boxes, where the model's commands ran, never wait.)"""
 
     def __init__(self, paced: bool, playing: Callable[[], bool], slot_awaited: Callable[[], bool],
                  closing: asyncio.Event, patience: float | None = None,
@@ -6737,11 +6742,11 @@ class TeardownGate:
 
     def _may_go(self) -> bool:
         """Whether the oldest teardown waiting may go now."""
-        if not self.paced:
+        if not self.paced or self.closing.is_set():     # (a shutdown waits for every teardown)
             return True
         if self.running >= self.width:
             return False
-        return (not self.playing() or self.slot_awaited() or self.closing.is_set()
+        return (not self.playing() or self.slot_awaited()
                 or (not self.running and self._waiting.due()))
 
     @contextlib.asynccontextmanager
@@ -7050,7 +7055,7 @@ class Runtime:
         self.clearing = TeardownGate(False, self.playing, lambda: pool.waiting > 0, self.closing)
         self.pool.on_wait = self.clearing.wake
         self.metrics.watch("agentenv_teardowns_waiting", "Ended episodes whose envs wait their turn "
-                           "to be removed (with Docker, one teardown at a time while others play)",
+                           "to be removed (with Docker, while other episodes play)",
                            lambda: self.clearing.waiting)
         # (a name warm_env gives that the bundle has no env of stops it here, before any start)
         self.warm = WarmPool(self, warm_plan(bundle, 0 if settings.warm == AUTO else settings.warm,
@@ -7080,7 +7085,7 @@ class Runtime:
         self.sandbox = await open_sandbox(self.owner, self.settings)
         if self.sandbox.gates_its_boots:      # each node gates its own boots: only the pool bounds
             self.starting = self._gate(StartGate(self.pool.limit))
-        self.clearing.paced = self.sandbox.paced_teardown
+        self.clearing.paced = self.starting.paced = self.sandbox.paced_teardown
         # Every env is prepared now, never inside an episode: a deploy then only starts a process.
         await self.sandbox.prepare(list(self.bundle.envs.values()))
         if self.bundle.boxed:
@@ -7166,7 +7171,7 @@ class Runtime:
                               if env.instance.where})
             return turn.tool_specs
         finally:
-            await episode.abandon(why)
+            episode.let_go(why)            # its teardown the runtime's, its slot held until done
 
     async def toolset_tools(self, toolset: Toolset, why: str) -> list[dict[str, Any]]:
         """The tools a toolset's turns offer, found by playing its first task as far as its first
@@ -7950,7 +7955,7 @@ class OpenEnvSurface:
     async def start(self) -> None:
         self._sweeper = asyncio.create_task(
             sweep_idle("an OpenEnv", "--idle-timeout", self.sessions, self.idle_timeout,
-                       self.end_session, self.runtime.metrics, "openenv"))
+                       lambda session, why: self.end_session(session, why, wait=False), self.runtime.metrics, "openenv"))
 
     async def stop(self) -> None:
         if self._sweeper:
@@ -8109,7 +8114,7 @@ class OpenEnvSurface:
                 session.close_asked = True
                 return {"jsonrpc": "2.0", "id": rid,
                         "result": {"session_id": session.id, "closed": False, "closing": True}}
-            await self.end_session(session, "openenv/session/close")
+            await self.end_session(session, "openenv/session/close", wait=False)
             return {"jsonrpc": "2.0", "id": rid, "result": {"session_id": session.id, "closed": True}}
         if method not in ("tools/list", "tools/call"):
             return rpc_error(rid, -32601, f"Method not found: {method}; this server answers "
@@ -9227,7 +9232,8 @@ class GymSurface:
         # Gym never verifies a rollout whose run failed or was cancelled: the sweep frees it.
         self._sweeper = asyncio.create_task(
             sweep_idle("a NeMo Gym", "idle_timeout", self.sessions, self.settings.idle_timeout,
-                       self._end, self.metrics, "gym"))
+                       lambda session, why: self._end(session, why, wait=False), self.metrics,
+                       "gym"))
 
     async def stop(self) -> None:
         if self._sweeper:
@@ -9415,7 +9421,7 @@ class GymSurface:
                 self._spend(resources_id)
                 return json_reply({"resources_session_id": resources_id})
             try:
-                await self._end(session, "close_session")
+                await self._end(session, "close_session", wait=False)
             except Exception as exc:                    # noqa: BLE001
                 return json_reply({"resources_session_id": resources_id,
                                    "detail": f"the session's env could not be released ({exc})"}, 500)
@@ -9424,7 +9430,7 @@ class GymSurface:
         if session is None:
             return json_reply({"status": "already_closed"})
         try:
-            await self._end(session, "close_session")
+            await self._end(session, "close_session", wait=False)
         except Exception as exc:                        # noqa: BLE001
             return json_reply({"status": "release_failed", "detail": str(exc)})
         return json_reply({"status": "closed"})

@@ -3284,11 +3284,12 @@ def test_a_warm_boot_gets_a_start_slot_only_when_no_episode_waits_for_one():
 
 
 def test_warm_boots_wait_while_episodes_play_then_boot_all_at_once_or_one_at_a_time_after_patience():
-    """A burst of rollouts takes the warm envs; their refill waits for the rollouts still playing
-    (a boot costs the machine 0.4 CPU-seconds) and boots at the gate's full width once none plays.
-    If some episode always plays, a boot that has waited its patience goes, one at a time."""
-    async def go(ends: bool):
-        gate = StartGate(size=4, patience=0.3)
+    """A burst of rollouts takes the warm envs; with Docker their refill waits for the rollouts
+    still playing (a boot costs the machine 0.4 CPU-seconds) and boots at the gate's full width
+    once none plays. If some episode always plays, a boot that has waited its patience goes, one
+    at a time. Unpaced (local, Ray), one boots at a time while episodes play."""
+    async def go(ends: bool, paced: bool = True):
+        gate = StartGate(size=4, patience=2.0, paced=paced)
         playing = {"now": True}
         gate.playing = lambda: playing["now"]
         holds = [asyncio.Event() for _ in range(4)]
@@ -3310,7 +3311,7 @@ def test_warm_boots_wait_while_episodes_play_then_boot_all_at_once_or_one_at_a_t
             await asyncio.sleep(0.05)
             later = (sorted(inside), gate.warming)
         else:
-            await asyncio.sleep(0.5)                # past the patience: one, and only one
+            await asyncio.sleep(2.5)                # past the patience: one, and only one
             later = (sorted(inside), gate.warming)
             holds[inside[0]].set()                  # it ends: the next has waited long enough
             await asyncio.sleep(0.05)
@@ -3326,6 +3327,10 @@ def test_warm_boots_wait_while_episodes_play_then_boot_all_at_once_or_one_at_a_t
     at_first, later = run(go(ends=False))
     assert at_first == ([], 4)
     assert later == (([0], 3), ([0, 1], 2))
+    # where a boot costs this machine nothing worth pacing (local, Ray), one at a time at once
+    at_first, later = run(go(ends=True, paced=False))
+    assert at_first == ([0], 3)
+    assert later == ([0, 1, 2, 3], 0)
 
 
 def test_teardowns_wait_while_episodes_play_and_all_go_when_a_slot_is_awaited_or_none_plays():
@@ -3338,7 +3343,7 @@ def test_teardowns_wait_while_episodes_play_and_all_go_when_a_slot_is_awaited_or
         state = {"playing": True, "awaited": False}
         closing = asyncio.Event()
         gate = agentenv.TeardownGate(paced, lambda: state["playing"], lambda: state["awaited"],
-                                     closing, patience=0.3, width=width)
+                                     closing, patience=2.0, width=width)
         holds = [asyncio.Event() for _ in range(4)]
         inside: list[int] = []
 
@@ -3353,7 +3358,7 @@ def test_teardowns_wait_while_episodes_play_and_all_go_when_a_slot_is_awaited_or
         if opener == "closing":
             closing.set()
         elif opener == "patience":
-            await asyncio.sleep(0.4)
+            await asyncio.sleep(2.5)
         else:
             state["awaited" if opener == "slot" else "playing"] = opener == "slot"
         gate.wake()                                 # as the runtime does
@@ -3374,6 +3379,8 @@ def test_teardowns_wait_while_episodes_play_and_all_go_when_a_slot_is_awaited_or
     # never more than one per core at once: a removal is the daemon's and the kernel's CPU
     while_playing, after, _ = run(go(True, "no one plays", width=2))
     assert (while_playing, after) == (([], 4), ([0, 1], 2))
+    while_playing, after, _ = run(go(True, "closing", width=2))      # a shutdown waits for all
+    assert (while_playing, after) == (([], 4), ([0, 1, 2, 3], 0))
     while_playing, _, _ = run(go(False, "slot", width=2))
     assert while_playing == ([0, 1, 2, 3], 0)
 
@@ -3577,7 +3584,10 @@ def test_a_toolsets_tools_are_found_once_and_listed_before_a_reset(make_bundle):
             main = bundle.tasks["a"].toolset
             first = await rt.toolset_tools(main, "a test listed them")
             assert await rt.toolset_tools(main, "a test listed them") == first
-            assert played == ["a"] and not rt.live            # probed once, torn down
+            assert played == ["a"]                             # probed once
+            async with asyncio.timeout(30):                    # and torn down after its answer
+                while rt.live:
+                    await asyncio.sleep(0.01)
             session = agentenv.OpenEnvSession(rt, deadline=20)
             listed = (await session.step({"type": "list_tools"}))["observation"]["tools"]
             assert [t["name"] for t in listed] == [t["name"] for t in first] + ["end_turn"]
@@ -3590,7 +3600,10 @@ def test_a_toolsets_tools_are_found_once_and_listed_before_a_reset(make_bundle):
             assert all(t["name"].startswith("other_") for t in listed[:-1]) and listed[:-1]
             assert played == ["a", "d"]
             assert (await session.step({"type": "list_tools"}))["observation"]["tools"] == listed
-            assert played == ["a", "d"] and not rt.live
+            assert played == ["a", "d"]
+            async with asyncio.timeout(30):
+                while rt.live:
+                    await asyncio.sleep(0.01)
     run(go(), timeout=60)
 
 
