@@ -7171,7 +7171,7 @@ class Runtime:
                               if env.instance.where})
             return turn.tool_specs
         finally:
-            episode.let_go(why)            # its teardown the runtime's, its slot held until done
+            await episode.abandon(why)
 
     async def toolset_tools(self, toolset: Toolset, why: str) -> list[dict[str, Any]]:
         """The tools a toolset's turns offer, found by playing its first task as far as its first
@@ -7955,7 +7955,7 @@ class OpenEnvSurface:
     async def start(self) -> None:
         self._sweeper = asyncio.create_task(
             sweep_idle("an OpenEnv", "--idle-timeout", self.sessions, self.idle_timeout,
-                       lambda session, why: self.end_session(session, why, wait=False), self.runtime.metrics, "openenv"))
+                       self.end_session, self.runtime.metrics, "openenv"))
 
     async def stop(self) -> None:
         if self._sweeper:
