@@ -4471,7 +4471,9 @@ class RayInstance(Instance):
             log.info("Node %s's host could not remove env %s (%s); its envs die with it.",
                      self.node.address, self.key[:8], type(exc).__name__)
         finally:
-            self.sandbox.let_go(self.group)
+            # The group holds the node's CPU: the episode's slot is free only once it is gone, or
+            # the next deploy would queue at Ray behind a slot the pool counts as free.
+            await self.sandbox.release(self.group)
 
 
 @provider
@@ -4720,8 +4722,8 @@ class RaySandbox(Sandbox):
             await asyncio.wait_for(asyncio.to_thread(remove_placement_group, group), 30)
 
     def let_go(self, group: Any) -> None:
-        """Free an env's placement group once its env is gone, without the teardown waiting for
-        the cluster's answer (close waits for those under way)."""
+        """Free the placement group of an env that never started, without the failed deploy
+        waiting for the cluster's answer (close waits for those under way)."""
         task = asyncio.ensure_future(self.release(group))
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
