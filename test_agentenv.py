@@ -3191,6 +3191,43 @@ def test_the_pool_limit_is_a_whole_number_of_at_least_1(make_bundle):
             Runtime(bundle, agentenv.Settings(max_concurrent_envs=bad))
 
 
+def test_an_idle_sweep_ends_the_sessions_it_finds_side_by_side_and_a_failed_end_stops_none():
+    """Each end waits for the next one to begin, as a teardown that waits its turn would: ended
+    one after another, the first would never return; a failing end leaves the rest ended."""
+    started: dict[str, asyncio.Event] = {}
+    ended, order = [], ["a", "b", "c"]
+
+    class Idle:
+        def __init__(self, name):
+            self.name, self.lease = name, agentenv.Lease()
+            self.lease.last_used -= 10
+
+    async def end(session, reason):
+        started[session.name].set()
+        following = order[(order.index(session.name) + 1) % len(order)]
+        await started[following].wait()
+        if session.name == "b":
+            raise RuntimeError("the end failed")
+        ended.append((session.name, reason))
+
+    async def go():
+        started.update({name: asyncio.Event() for name in order})
+        sessions = {name: Idle(name) for name in order}
+        sessions["busy"] = Idle("busy")
+        sessions["busy"].lease.busy = 1                 # a session mid-request is never ended
+        metrics = agentenv.Metrics()
+        sweep = asyncio.create_task(agentenv.sweep_idle("a test", "--idle-timeout", sessions, 1.0,
+                                                        end, metrics, "openenv"))
+        while len(ended) < 2:
+            await asyncio.sleep(0.05)
+        sweep.cancel()
+        return metrics
+
+    metrics = run(go(), timeout=20)
+    assert sorted(ended) == [("a", "the session was idle past 1s"), ("c", "the session was idle past 1s")]
+    assert metrics.registry.get_sample_value("agentenv_idle_reaps_total", {"wire": "openenv"}) == 3
+
+
 # -- the start gate
 
 def test_envs_start_a_few_at_a_time_and_every_episode_is_scored(make_bundle):
