@@ -4717,9 +4717,16 @@ class RaySandbox(Sandbox):
         return await self.host(node)              # a node that joined after start-up
 
     async def release(self, group: Any) -> None:
+        """Remove a placement group: on a thread of its own, so a release never queues behind
+        other blocking calls (a deadline that ran out in the queue would drop it unsaid)."""
         from ray.util.placement_group import remove_placement_group
-        with contextlib.suppress(Exception):     # a cluster going away takes its groups along
-            await asyncio.wait_for(asyncio.to_thread(remove_placement_group, group), 30)
+        try:
+            await asyncio.wait_for(in_daemon_thread(lambda: remove_placement_group(group),
+                                                    "ray-release"), 30)
+        except Exception as exc:                        # noqa: BLE001 - Ray raises many kinds
+            # a cluster going away takes its groups along; one that stays keeps the CPU held
+            log.warning("A Ray placement group could not be removed (%s: %s); the cluster frees "
+                        "it when this server leaves.", type(exc).__name__, short(str(exc), 300))
 
     def let_go(self, group: Any) -> None:
         """Free the placement group of an env that never started, without the failed deploy
@@ -4757,7 +4764,7 @@ async def _answers(address: str) -> bool:
     return True
 
 
-def in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
+def in_daemon_thread(fn: Callable[[], Any], name: str = "ray-connect") -> asyncio.Future:
     """Run a blocking call that may never return on a daemon thread: a deadline can give up on
     it, and the process can still exit (the default executor's threads are waited for)."""
     loop = asyncio.get_running_loop()
@@ -4774,7 +4781,7 @@ def in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
                 future.set_result(result[1]) if result[0] else future.set_exception(result[1])
         with contextlib.suppress(RuntimeError):         # the loop has closed: nothing waits
             loop.call_soon_threadsafe(settle)
-    threading.Thread(target=run, name="ray-connect", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     return future
 
 
@@ -5553,7 +5560,7 @@ class EpisodeContext:
     warm: Callable[[EnvSpec, dict[str, Any]], Awaitable[DeployedEnv | None]]  # a warm env, if ready
     live: set[Episode]                              # the live episodes, which it joins and leaves
     closing: asyncio.Event                          # set as the runtime closes: teardowns stop retrying
-    clearing: Callable[[], contextlib.AbstractAsyncContextManager[None]]  # a teardown's turn
+    clearing: Callable[[asyncio.Event], contextlib.AbstractAsyncContextManager[None]]  # a teardown's turn
     settled: Callable[[], None]                     # told as an episode ends: background work may go
 
 @dataclasses.dataclass(frozen=True)
@@ -5742,6 +5749,7 @@ class Episode:
         self.forfeits: list[str] = []             # the model's doing that failed tolerated steps
         self.outcome: Outcome | None = None
         self.closed = asyncio.Event()
+        self.awaited = asyncio.Event()            # someone waits for the teardown (abandon)
         self._changed = asyncio.Event()
         self._ending: Outcome | None = None        # how it was ended from outside, if it was
         self._holds_slot = False
@@ -5815,7 +5823,9 @@ class Episode:
             self._driver.cancel()
 
     async def abandon(self, reason: str) -> None:
-        """End the episode (as ``end``) and wait until it is torn down."""
+        """End the episode (as ``end``) and wait until it is torn down: a teardown someone waits
+        for waits for no episode playing."""
+        self.awaited.set()
         self.end(reason)
         await self.closed.wait()
 
@@ -5916,7 +5926,7 @@ class Episode:
         failed = await self._removed([*self.boxes.values(), *self.containers.values(),
                                       *([self.agent_box] if self.agent_box else [])])
         if self.instances:
-            async with self.context.clearing():
+            async with self.context.clearing(self.awaited):
                 failed |= await self._removed(list(self.instances))
         if failed:
             self.context.metrics.teardown_failed(len(failed))
@@ -6725,7 +6735,9 @@ class TeardownGate:
     once starved the reply of the step's last rollout for seconds); all at once as the runtime
     closes; and if some episode always plays, one at a time once it has waited ``patience``
     seconds. The runtime calls ``wake`` when an episode ends, an episode starts to wait for a
-    slot, or it closes. (An episode's boxes, where the model's commands ran, never wait.)"""
+    slot, or it closes. A teardown someone waits for (``awaited`` is set: a probe's reply, a
+    reaped session's closing frame) goes at once, whether it has begun to wait or not. (An
+    episode's boxes, where the model's commands ran, never wait.)"""
 
     def __init__(self, paced: bool, playing: Callable[[], bool], slot_awaited: Callable[[], bool],
                  closing: asyncio.Event, patience: float | None = None,
@@ -6752,12 +6764,16 @@ class TeardownGate:
                 or (not self.running and self._waiting.due()))
 
     @contextlib.asynccontextmanager
-    async def turn(self) -> AsyncIterator[None]:
+    async def turn(self, awaited: asyncio.Event | None = None) -> AsyncIterator[None]:
         self._hand_on()
-        if not self._waiting and self._may_go():      # (one arriving has not waited: not due)
-            self.running += 1
+        if (awaited is not None and awaited.is_set()) or (not self._waiting and self._may_go()):
+            self.running += 1                         # (one arriving has not waited: not due)
         else:
             granted = self._waiting.add()
+            hurry = None
+            if awaited is not None:
+                hurry = asyncio.ensure_future(awaited.wait())
+                hurry.add_done_callback(lambda done: done.cancelled() or self._hurry(granted))
             try:
                 await granted
             except asyncio.CancelledError:
@@ -6765,11 +6781,19 @@ class TeardownGate:
                     self.running -= 1
                     self._hand_on()
                 raise
+            finally:
+                if hurry is not None:
+                    hurry.cancel()
         try:
             yield
         finally:
             self.running -= 1
             self._hand_on()
+
+    def _hurry(self, granted: asyncio.Future) -> None:
+        if not granted.done():
+            granted.set_result(None)
+            self.running += 1
 
     def _hand_on(self) -> None:
         while self._waiting and self._may_go():
@@ -6964,10 +6988,14 @@ class WarmPool:
             log.warning("Removing a warm env failed: %s; the sandbox tries again as the server "
                         "stops.", exc)
 
-    async def close(self) -> None:
-        """Stop warming, and remove every warm env: ready, booting, or being removed."""
+    def stop(self) -> None:
+        """Stop warming: no refill begins and no boot goes on (``close`` removes what is up)."""
         for task in (*self._keepers, *self._boots):
             task.cancel()
+
+    async def close(self) -> None:
+        """Stop warming, and remove every warm env: ready, booting, or being removed."""
+        self.stop()
         await asyncio.gather(*self._keepers, *self._boots, return_exceptions=True)
         for queue in self.ready.values():
             while queue:
@@ -7187,12 +7215,21 @@ class Runtime:
             probe.add_done_callback(lambda done: done.cancelled() or done.exception())  # read: no warning
         return list(await asyncio.shield(probe))
 
+    def begin_closing(self) -> None:
+        """The first move of a shutdown, made before the wires end their sessions: warming stops
+        (no refill boots as the episodes end), and every teardown goes at once, waiting neither
+        for the episodes still playing nor to retry a failed removal (the sandbox's close tries
+        once more), so the sessions' ends come back promptly."""
+        if not self.closing.is_set():
+            self.closing.set()
+            self.warm.stop()
+            self.wake_background()
+
     async def close(self, reason: str = "the server shut down") -> None:
         """Abandon every live episode and wait for their teardowns (those of episodes already
         scored and answered too: they are live until their envs are gone), remove the warm envs,
         and close the sandbox (which tries once more what a teardown failed to remove)."""
-        self.closing.set()
-        self.wake_background()
+        self.begin_closing()
         await asyncio.gather(*(e.abandon(reason) for e in list(self.live)), return_exceptions=True)
         await self.warm.close()
         await self.heap.close()
@@ -7439,23 +7476,37 @@ class Lease:
 async def sweep_idle(what: str, knob: str, sessions: dict[str, Any], idle_timeout: float,
                      end: Callable[[Any, str], Any], metrics: Metrics, wire: str) -> None:
     """End sessions with no request for ``idle_timeout``: one timer for all, never a busy one.
-    Those a sweep finds are ended at once, side by side: an end that waits for its episode's
-    teardown (which, with Docker, waits its turn while other episodes play) holds up no other."""
+    Each end is a task of its own: one that waits long for its episode's teardown (with Docker it
+    waits its turn while other episodes play, and a failed removal is retried until it goes)
+    holds up neither the other ends nor the next sweep."""
     period = max(0.05, min(idle_timeout / 4, 30.0))
-    while True:
-        await asyncio.sleep(period)          # a timer: an idle session sends no event
-        now = time.monotonic()
-        idle = [session for session in list(sessions.values())
-                if not session.lease.busy and now - session.lease.last_used > idle_timeout]
-        for _ in idle:
-            log.info("Ended %s session with no request for %gs (%s), freeing its episode.",
-                     what, idle_timeout, knob)
-            metrics.reaped(wire)
-        ended = await asyncio.gather(*(end(session, f"the session was idle past {idle_timeout:g}s")
-                                       for session in idle), return_exceptions=True)
-        for failed in ended:                 # one failure must not stop reaping
-            if isinstance(failed, Exception):
-                log.error("Ending %s session that was idle failed.", what, exc_info=failed)
+    reason = f"the session was idle past {idle_timeout:g}s"
+    ending: dict[int, asyncio.Task] = {}          # by id(session), until its end has run
+
+    def idle(session: Any) -> bool:
+        lease = session.lease
+        return not lease.busy and time.monotonic() - lease.last_used > idle_timeout
+
+    async def reap(session: Any) -> None:
+        if not idle(session):                # a request came between the sweep and this start
+            return
+        log.info("Ended %s session with no request for %gs (%s), freeing its episode.",
+                 what, idle_timeout, knob)
+        metrics.reaped(wire)
+        try:
+            await end(session, reason)
+        except Exception:                    # noqa: BLE001 - one failure must not stop reaping
+            log.exception("Ending %s session that was idle failed.", what)
+
+    try:
+        while True:
+            await asyncio.sleep(period)      # a timer: an idle session sends no event
+            for session in list(sessions.values()):
+                if id(session) not in ending and idle(session):
+                    task = ending[id(session)] = asyncio.ensure_future(reap(session))
+                    task.add_done_callback(lambda _, key=id(session): ending.pop(key, None))
+    finally:                                 # a stopped sweep lets the ends under way finish
+        await asyncio.gather(*ending.values(), return_exceptions=True)
 
 
 class Sessions:
@@ -9605,6 +9656,7 @@ class Server:
             log.info("Shutting down: ending %d live episode(s) and tearing their envs down%s.",
                      len(self.runtime.live),
                      f", and removing {warm.live} warm env(s)" if warm.target else "")
+            self.runtime.begin_closing()
         for surface in reversed(self.surfaces):
             await surface.stop()
         if self.runtime is not None:

@@ -3191,41 +3191,59 @@ def test_the_pool_limit_is_a_whole_number_of_at_least_1(make_bundle):
             Runtime(bundle, agentenv.Settings(max_concurrent_envs=bad))
 
 
-def test_an_idle_sweep_ends_the_sessions_it_finds_side_by_side_and_a_failed_end_stops_none():
-    """Each end waits for the next one to begin, as a teardown that waits its turn would: ended
-    one after another, the first would never return; a failing end leaves the rest ended."""
+def test_an_idle_sweep_ends_each_session_on_its_own_and_spares_one_a_request_reached():
+    """The ends of a, b and c each wait for the next one to begin, as teardowns waiting their
+    turn would: run one after another, the first would never return. b's end fails and c's hangs
+    until the test is done; neither stops a, nor e, idle only a second later, whose end a later
+    sweep runs while c's still hangs. d was idle when the sweep found it, but a request reached
+    it before its end began (a's end makes it busy): it is spared."""
     started: dict[str, asyncio.Event] = {}
     ended, order = [], ["a", "b", "c"]
+    release = None
 
     class Idle:
-        def __init__(self, name):
+        def __init__(self, name, idle_for):
             self.name, self.lease = name, agentenv.Lease()
-            self.lease.last_used -= 10
+            self.lease.last_used -= idle_for
 
     async def end(session, reason):
-        started[session.name].set()
-        following = order[(order.index(session.name) + 1) % len(order)]
-        await started[following].wait()
+        sessions.pop(session.name)                     # as the wires' ends do, before any wait
+        if session.name == "a":
+            sessions["d"].lease.busy = 1               # a request reaches d now
+        if session.name in order:
+            started[session.name].set()
+            following = order[(order.index(session.name) + 1) % len(order)]
+            await started[following].wait()
         if session.name == "b":
             raise RuntimeError("the end failed")
+        if session.name == "c":
+            await release.wait()
         ended.append((session.name, reason))
 
+    sessions = {name: Idle(name, 10) for name in [*order, "d", "busy"]}
+    sessions["busy"].lease.busy = 1                    # a session mid-request is never ended
+
     async def go():
+        nonlocal release
+        release = asyncio.Event()
         started.update({name: asyncio.Event() for name in order})
-        sessions = {name: Idle(name) for name in order}
-        sessions["busy"] = Idle("busy")
-        sessions["busy"].lease.busy = 1                 # a session mid-request is never ended
+        sessions["e"] = Idle("e", 0)                   # idle past 1 s only a second from now
         metrics = agentenv.Metrics()
         sweep = asyncio.create_task(agentenv.sweep_idle("a test", "--idle-timeout", sessions, 1.0,
                                                         end, metrics, "openenv"))
         while len(ended) < 2:
             await asyncio.sleep(0.05)
+        release.set()
+        while len(ended) < 3:
+            await asyncio.sleep(0.05)
         sweep.cancel()
+        await asyncio.gather(sweep, return_exceptions=True)
         return metrics
 
     metrics = run(go(), timeout=20)
-    assert sorted(ended) == [("a", "the session was idle past 1s"), ("c", "the session was idle past 1s")]
-    assert metrics.registry.get_sample_value("agentenv_idle_reaps_total", {"wire": "openenv"}) == 3
+    why = "the session was idle past 1s"
+    assert ended == [("a", why), ("e", why), ("c", why)], ended
+    assert metrics.registry.get_sample_value("agentenv_idle_reaps_total", {"wire": "openenv"}) == 4
 
 
 # -- the start gate
@@ -3420,6 +3438,38 @@ def test_teardowns_wait_while_episodes_play_and_all_go_when_a_slot_is_awaited_or
     assert (while_playing, after) == (([], 4), ([0, 1, 2, 3], 0))
     while_playing, _, _ = run(go(False, "slot", width=2))
     assert while_playing == ([0, 1, 2, 3], 0)
+
+
+def test_a_teardown_someone_waits_for_goes_at_once_while_episodes_play():
+    """A probe's reply or a reaped session's closing frame waits for its episode's teardown: that
+    one does not wait for the episodes playing, whether it was awaited before it came to the
+    gate or while it waited there; the others keep waiting."""
+    async def go():
+        gate = agentenv.TeardownGate(True, lambda: True, lambda: False, asyncio.Event(),
+                                     patience=600.0, width=1)
+        awaited = [asyncio.Event() for _ in range(3)]
+        awaited[0].set()                            # awaited before it came to the gate
+        inside: list[int] = []
+
+        async def teardown(n):
+            async with gate.turn(awaited[n]):
+                inside.append(n)
+
+        tasks = [asyncio.create_task(teardown(n)) for n in range(3)]
+        await asyncio.sleep(0.1)
+        first = (list(inside), gate.waiting)
+        awaited[2].set()                            # awaited while it waits
+        await asyncio.sleep(0.1)
+        second = (list(inside), gate.waiting, gate.running)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return first, second, gate.running
+
+    first, second, running = run(go())
+    assert first == ([0], 2)
+    assert second == ([0, 2], 1, 0)
+    assert running == 0
 
 
 # -- the warm pool

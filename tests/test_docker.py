@@ -1054,6 +1054,33 @@ def test_a_closed_sockets_teardown_waits_while_another_episode_plays_and_goes_wh
     run(go(), timeout=300)
 
 
+def test_a_shutdown_tears_down_at_once_though_episodes_still_play(docker_client, monkeypatch):
+    """A shutdown ends one wire's sessions before the other's: here Gym's rollout, while an
+    OpenEnv episode still plays on its /ws. Its teardown must not wait for that episode, as a
+    teardown during a run does (the patience after which one goes anyway is set past the test):
+    the shutdown comes back well inside a supervisor's grace period, and nothing is left."""
+    monkeypatch.setattr(agentenv, "BACKGROUND_PATIENCE", 600.0)
+
+    async def go():
+        async with client() as http:
+            async with served_here(max_concurrent_envs=3) as url:
+                ws = await http.ws_connect(url.replace("http", "ws") + "/ws")
+                await ws.send_json({"type": "reset", "data": {"split": "all", "index": SAVE}})
+                assert (await ws.receive_json(timeout=90))["data"]["done"] is False
+                gym = Gym(url, gym_row(NOTES, SAVE), http)
+                await gym.seed()
+                assert (await gym.call("list_notes")).text == "(no notes)"
+                assert len(await mine(docker_client)) == 2
+                shutdown = time.monotonic()
+            took = time.monotonic() - shutdown
+            print(f"the shutdown took {took:.1f}s")
+            assert took < 20, f"the shutdown took {took:.0f}s: its teardowns waited for the episode"
+            assert ws.closed or (await ws.receive(timeout=30)).type.name in ("CLOSE", "CLOSED")
+            assert await mine(docker_client) == []
+
+    run(go(), timeout=300)
+
+
 def test_a_burst_at_the_limit_never_has_more_envs_than_the_limit(docker_client, removals):
     """Six Gym rollouts at once on a pool of two, every removal held: the first two are answered
     (scored) while their containers stand, and the other four wait for a slot, no third env
