@@ -78,7 +78,8 @@ hot        (not in the default --parts) the hop and the episode beside their flo
            agentenv.py (after) and the one at git revision --hot-before (before, default 5ae11ea),
            all up at once, in --repeat interleaved rounds of --hot-calls sequential calls each:
            one Gym session's list_notes through serve notes-v1 --sandbox local beside the same
-           MCP tools/call straight to a notebook env of our own; and one /ws playing quiz-v1's
+           MCP tools/call straight to a notebook env of our own, and through a bare aiohttp proxy
+           to that env (the least any aiohttp proxy of the hop does); and one /ws playing quiz-v1's
            episode (reset, then the end_turn that scores it) beside the same two frames echoed
            by a bare aiohttp WebSocket server in a process of its own. Target: <= 2.0x each.
            Where the time goes on both paths: bench/hotpath.py (profiles, bench/profile.txt).
@@ -1815,12 +1816,54 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log
 """
 
 
+# The least any aiohttp proxy of the hop does: the tool's arguments read from a POST, the MCP
+# tools/call made to the env with aiohttp's client, the text of its result answered. No session,
+# no turn, no deadline, no metrics: what serve adds beyond this is agentenv.py's own.
+PROXY_SERVER = r"""
+import json, sys
+import aiohttp
+from aiohttp import web
+ENV = sys.argv[2] + "/mcp"
+HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+async def start(app):
+    app["http"] = http = aiohttp.ClientSession()
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
+            "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                       "clientInfo": {"name": "proxy", "version": "0"}}}
+    async with http.post(ENV, json=init, headers=HEADERS) as resp:
+        app["headers"] = {**HEADERS, "Mcp-Session-Id": resp.headers["Mcp-Session-Id"]}
+        await resp.read()
+    async with http.post(ENV, json={"jsonrpc": "2.0", "method": "notifications/initialized"},
+                         headers=app["headers"]) as resp:
+        await resp.read()
+async def stop(app):
+    await app["http"].close()
+async def tool(request):
+    arguments = json.loads(await request.read() or b"{}")
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+        "name": request.match_info["tool"], "arguments": arguments}}).encode()
+    async with request.app["http"].post(ENV, data=body, headers=request.app["headers"]) as resp:
+        result = json.loads(await resp.read())["result"]
+    return web.Response(text="\n".join(c["text"] for c in result["content"]))
+async def health(request):
+    return web.json_response({"status": "healthy"})
+app = web.Application()
+app.on_startup.append(start)
+app.on_cleanup.append(stop)
+app.router.add_post("/{tool}", tool)
+app.router.add_get("/health", health)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
+"""
+
+
 async def hot(args) -> dict:
     """The two per-call paths beside their floors, for this agentenv.py and the one at git
     revision --hot-before, all up at once and measured in interleaved rounds:
 
     hop      one Gym session's list_notes through serve notes-v1 --sandbox local (after, before)
-             beside the same MCP tools/call straight to a notebook env of our own (direct).
+             beside the same MCP tools/call straight to a notebook env of our own (direct), and
+             through a bare aiohttp proxy to that env (proxy: PROXY_SERVER, the least an aiohttp
+             proxy does, so hop/proxy is what agentenv.py's own work adds).
     episode  one /ws on serve bench/bundles/quiz-v1 (after, before): reset, then the end_turn
              that scores it, beside two WebSocket round trips (the same two frames, echoed) to a
              bare aiohttp echo server in a process of its own (echo)."""
@@ -1830,7 +1873,7 @@ async def hot(args) -> dict:
         before = before_agentenv(args.hot_before, Path(tmp))
         programs = {"after": AGENTENV, "before": before}
         ports = {k: free_port() for k in ("hop after", "hop before", "episode after",
-                                          "episode before", "direct", "echo")}
+                                          "episode before", "direct", "proxy", "echo")}
         try:
             servers = {}
             for which, program in programs.items():
@@ -1845,11 +1888,14 @@ async def hot(args) -> dict:
             echo = Proc([sys.executable, "-c", ECHO_SERVER, str(ports["echo"])])
             procs = [*servers.values(), env, echo]
             url = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+            await wait_port(ports["direct"], env)
+            proxy = Proc([sys.executable, "-c", PROXY_SERVER, str(ports["proxy"]), url["direct"]])
+            procs.append(proxy)
             async with aiohttp.ClientSession() as probe:
                 for name, proc in servers.items():
                     await wait_health(probe, url[name], proc)
                 await wait_health(probe, url["echo"], echo)
-            await wait_port(ports["direct"], env)
+                await wait_health(probe, url["proxy"], proxy)
             calls, closers = await hot_targets(url)
             try:
                 for name, f in calls.items():                    # warm up, and check answers
@@ -1860,7 +1906,8 @@ async def hot(args) -> dict:
                 spenders = {**{k: {"server": [p.pid]} for k, p in servers.items()},
                             **{k: {"server": [p.pid], "env": envs[k]} for k, p in servers.items()
                                if k in envs},
-                            "direct": {"env": [env.pid]}, "echo": {"server": [echo.pid]}}
+                            "direct": {"env": [env.pid]}, "echo": {"server": [echo.pid]},
+                            "proxy": {"server": [proxy.pid], "env": [env.pid]}}
                 ticks = {k: collections.Counter() for k in calls}
                 times: dict[str, list[float]] = {k: [] for k in calls}
                 round_p50: dict[str, list[float]] = {k: [] for k in calls}
@@ -1896,6 +1943,8 @@ async def hot(args) -> dict:
                 "per_round_p50": [x / y for x, y in zip(round_p50[a], round_p50[b])]}
     ratios = {"hop after / direct": versus("hop after", "direct"),
               "hop before / direct": versus("hop before", "direct"),
+              "proxy / direct": versus("proxy", "direct"),
+              "hop after / proxy": versus("hop after", "proxy"),
               "episode after / echo": versus("episode after", "echo"),
               "episode before / echo": versus("episode before", "echo"),
               "hop after / before": versus("hop after", "hop before"),
@@ -1942,6 +1991,16 @@ async def hot_targets(url: dict[str, str]) -> tuple[dict[str, Callable], list[Ca
             if text != "pancakes":
                 raise RuntimeError(f"the env's list_notes answered {text[:300]}")
     calls["direct"] = call_direct
+
+    proxied = aiohttp.ClientSession(connector=conn())
+    closers.append(proxied.close)
+
+    async def call_proxy() -> None:
+        async with proxied.post(url["proxy"] + "/list_notes", json={}) as resp:
+            text = await resp.text()
+            if resp.status != 200 or text != "pancakes":
+                raise RuntimeError(f"the bare proxy's /list_notes answered {resp.status}: {text[:300]}")
+    calls["proxy"] = call_proxy
 
     for which in ("after", "before"):
         http = aiohttp.ClientSession()
