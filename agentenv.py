@@ -6736,8 +6736,9 @@ class TeardownGate:
     closes; and if some episode always plays, one at a time once it has waited ``patience``
     seconds. The runtime calls ``wake`` when an episode ends, an episode starts to wait for a
     slot, or it closes. A teardown someone waits for (``awaited`` is set: a probe's reply, a
-    reaped session's closing frame) goes at once, whether it has begun to wait or not. (An
-    episode's boxes, where the model's commands ran, never wait.)"""
+    reaped session's closing frame) does not wait for the episodes playing, whether it was
+    awaited before it came or while it waited, but goes one per core at a time as ever, ahead
+    of the others. (An episode's boxes, where the model's commands ran, never wait.)"""
 
     def __init__(self, paced: bool, playing: Callable[[], bool], slot_awaited: Callable[[], bool],
                  closing: asyncio.Event, patience: float | None = None,
@@ -6746,6 +6747,7 @@ class TeardownGate:
         self.width = max(width, 1)
         self.running = 0
         self._waiting = Deferred(patience, self._hand_on)
+        self._hurried: collections.deque[asyncio.Future] = collections.deque()   # awaited, waiting
 
     @property
     def waiting(self) -> int:
@@ -6766,7 +6768,8 @@ class TeardownGate:
     @contextlib.asynccontextmanager
     async def turn(self, awaited: asyncio.Event | None = None) -> AsyncIterator[None]:
         self._hand_on()
-        if (awaited is not None and awaited.is_set()) or (not self._waiting and self._may_go()):
+        if (not self._waiting and self._may_go()) or (
+                awaited is not None and awaited.is_set() and self._has_room()):
             self.running += 1                         # (one arriving has not waited: not due)
         else:
             granted = self._waiting.add()
@@ -6792,10 +6795,18 @@ class TeardownGate:
 
     def _hurry(self, granted: asyncio.Future) -> None:
         if not granted.done():
-            granted.set_result(None)
-            self.running += 1
+            self._hurried.append(granted)
+            self._hand_on()
+
+    def _has_room(self) -> bool:
+        return not self.paced or self.closing.is_set() or self.running < self.width
 
     def _hand_on(self) -> None:
+        while self._hurried and self._has_room():
+            granted = self._hurried.popleft()
+            if not granted.done():
+                granted.set_result(None)
+                self.running += 1
         while self._waiting and self._may_go():
             if self._waiting.grant():
                 self.running += 1
@@ -7487,8 +7498,10 @@ async def sweep_idle(what: str, knob: str, sessions: dict[str, Any], idle_timeou
         lease = session.lease
         return not lease.busy and time.monotonic() - lease.last_used > idle_timeout
 
-    async def reap(session: Any) -> None:
-        if not idle(session):                # a request came between the sweep and this start
+    async def reap(key: str, session: Any) -> None:
+        # looked at again as the end begins: a request may have come since the sweep, or the
+        # session been ended otherwise (closed, or the server stopping)
+        if sessions.get(key) is not session or not idle(session):
             return
         log.info("Ended %s session with no request for %gs (%s), freeing its episode.",
                  what, idle_timeout, knob)
@@ -7501,9 +7514,9 @@ async def sweep_idle(what: str, knob: str, sessions: dict[str, Any], idle_timeou
     try:
         while True:
             await asyncio.sleep(period)      # a timer: an idle session sends no event
-            for session in list(sessions.values()):
+            for key, session in list(sessions.items()):
                 if id(session) not in ending and idle(session):
-                    task = ending[id(session)] = asyncio.ensure_future(reap(session))
+                    task = ending[id(session)] = asyncio.ensure_future(reap(key, session))
                     task.add_done_callback(lambda _, key=id(session): ending.pop(key, None))
     finally:                                 # a stopped sweep lets the ends under way finish
         await asyncio.gather(*ending.values(), return_exceptions=True)

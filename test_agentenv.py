@@ -3194,8 +3194,8 @@ def test_the_pool_limit_is_a_whole_number_of_at_least_1(make_bundle):
 def test_an_idle_sweep_ends_each_session_on_its_own_and_spares_one_a_request_reached():
     """The ends of a, b and c each wait for the next one to begin, as teardowns waiting their
     turn would: run one after another, the first would never return. b's end fails and c's hangs
-    until the test is done; neither stops a, nor e, idle only a second later, whose end a later
-    sweep runs while c's still hangs. d was idle when the sweep found it, but a request reached
+    until the test is done; neither stops a, nor e, which comes as a ends and is idle only a
+    second later, whose end a later sweep runs while c's still hangs. d was idle when the sweep found it, but a request reached
     it before its end began (a's end makes it busy): it is spared."""
     started: dict[str, asyncio.Event] = {}
     ended, order = [], ["a", "b", "c"]
@@ -3210,6 +3210,7 @@ def test_an_idle_sweep_ends_each_session_on_its_own_and_spares_one_a_request_rea
         sessions.pop(session.name)                     # as the wires' ends do, before any wait
         if session.name == "a":
             sessions["d"].lease.busy = 1               # a request reaches d now
+            sessions["e"] = Idle("e", 0)               # idle past 1 s only a second from now
         if session.name in order:
             started[session.name].set()
             following = order[(order.index(session.name) + 1) % len(order)]
@@ -3227,7 +3228,6 @@ def test_an_idle_sweep_ends_each_session_on_its_own_and_spares_one_a_request_rea
         nonlocal release
         release = asyncio.Event()
         started.update({name: asyncio.Event() for name in order})
-        sessions["e"] = Idle("e", 0)                   # idle past 1 s only a second from now
         metrics = agentenv.Metrics()
         sweep = asyncio.create_task(agentenv.sweep_idle("a test", "--idle-timeout", sessions, 1.0,
                                                         end, metrics, "openenv"))
@@ -3440,35 +3440,43 @@ def test_teardowns_wait_while_episodes_play_and_all_go_when_a_slot_is_awaited_or
     assert while_playing == ([0, 1, 2, 3], 0)
 
 
-def test_a_teardown_someone_waits_for_goes_at_once_while_episodes_play():
+def test_a_teardown_someone_waits_for_does_not_wait_for_the_episodes_playing():
     """A probe's reply or a reaped session's closing frame waits for its episode's teardown: that
     one does not wait for the episodes playing, whether it was awaited before it came to the
-    gate or while it waited there; the others keep waiting."""
+    gate or while it waited there; it still goes one per core at a time (here one), ahead of
+    those nobody waits for, which keep waiting."""
     async def go():
         gate = agentenv.TeardownGate(True, lambda: True, lambda: False, asyncio.Event(),
                                      patience=600.0, width=1)
         awaited = [asyncio.Event() for _ in range(3)]
+        holds = [asyncio.Event() for _ in range(3)]
         awaited[0].set()                            # awaited before it came to the gate
         inside: list[int] = []
 
         async def teardown(n):
             async with gate.turn(awaited[n]):
                 inside.append(n)
+                await holds[n].wait()
 
         tasks = [asyncio.create_task(teardown(n)) for n in range(3)]
         await asyncio.sleep(0.1)
-        first = (list(inside), gate.waiting)
-        awaited[2].set()                            # awaited while it waits
+        seen = [(list(inside), gate.waiting, gate.running)]
+        awaited[2].set()                            # awaited while it waits: no room yet
         await asyncio.sleep(0.1)
-        second = (list(inside), gate.waiting, gate.running)
+        seen.append((list(inside), gate.waiting, gate.running))
+        holds[0].set()                              # the one removal under way ends
+        await asyncio.sleep(0.1)
+        seen.append((list(inside), gate.waiting, gate.running))
+        holds[2].set()
+        await asyncio.sleep(0.1)
+        seen.append((list(inside), gate.waiting, gate.running))
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        return first, second, gate.running
+        return seen, gate.running
 
-    first, second, running = run(go())
-    assert first == ([0], 2)
-    assert second == ([0, 2], 1, 0)
+    seen, running = run(go())
+    assert seen == [([0], 2, 1), ([0], 2, 1), ([0, 2], 1, 1), ([0, 2], 1, 0)], seen
     assert running == 0
 
 

@@ -1054,6 +1054,18 @@ def test_a_closed_sockets_teardown_waits_while_another_episode_plays_and_goes_wh
     run(go(), timeout=300)
 
 
+async def playing_on_both_wires(url: str, http):
+    """An OpenEnv episode reset on a /ws (its socket, left open) and a Gym rollout seeded and
+    called: two episodes playing, each with its container."""
+    ws = await http.ws_connect(url.replace("http", "ws") + "/ws")
+    await ws.send_json({"type": "reset", "data": {"split": "all", "index": SAVE}})
+    assert (await ws.receive_json(timeout=90))["data"]["done"] is False
+    gym = Gym(url, gym_row(NOTES, SAVE), http)
+    await gym.seed()
+    assert (await gym.call("list_notes")).text == "(no notes)"
+    return ws
+
+
 def test_a_shutdown_tears_down_at_once_though_episodes_still_play(docker_client, monkeypatch):
     """A shutdown ends one wire's sessions before the other's: here Gym's rollout, while an
     OpenEnv episode still plays on its /ws. Its teardown must not wait for that episode, as a
@@ -1064,12 +1076,7 @@ def test_a_shutdown_tears_down_at_once_though_episodes_still_play(docker_client,
     async def go():
         async with client() as http:
             async with served_here(max_concurrent_envs=3) as url:
-                ws = await http.ws_connect(url.replace("http", "ws") + "/ws")
-                await ws.send_json({"type": "reset", "data": {"split": "all", "index": SAVE}})
-                assert (await ws.receive_json(timeout=90))["data"]["done"] is False
-                gym = Gym(url, gym_row(NOTES, SAVE), http)
-                await gym.seed()
-                assert (await gym.call("list_notes")).text == "(no notes)"
+                ws = await playing_on_both_wires(url, http)
                 assert len(await mine(docker_client)) == 2
                 shutdown = time.monotonic()
             took = time.monotonic() - shutdown
@@ -1079,6 +1086,41 @@ def test_a_shutdown_tears_down_at_once_though_episodes_still_play(docker_client,
             assert await mine(docker_client) == []
 
     run(go(), timeout=300)
+
+
+def test_a_shutdown_ends_though_the_daemon_keeps_failing_its_removals(docker_client, removals,
+                                                                      caplog):
+    """The daemon fails every removal as the server shuts down, a Gym rollout and an OpenEnv
+    episode playing: a teardown that fails is retried until the runtime closes, and the shutdown
+    says it closes before either wire ends its sessions, so it comes back (the containers left to
+    the sandbox's close and the next start's sweep, which this test stands in for) instead of
+    retrying for as long as the daemon fails."""
+    caplog.set_level(logging.INFO, logger="agentenv")
+
+    async def go():
+        async with contextlib.AsyncExitStack() as stack:
+            http = await stack.enter_async_context(client())
+            url = await stack.enter_async_context(served_here(max_concurrent_envs=3))
+            await playing_on_both_wires(url, http)
+            removals.failing.set()
+            shutdown = asyncio.ensure_future(stack.aclose())
+            try:
+                await asyncio.wait_for(asyncio.shield(shutdown), 60)
+            finally:
+                removals.failing.clear()
+                await shutdown
+            return set(removals.failed)
+
+    try:
+        failed = run(go(), timeout=300)
+        assert len(failed) == 2, "both containers' removals failed, and the shutdown came back"
+        said = [r.getMessage() for r in caplog.records if r.name == "agentenv"]
+        assert any("its teardown failed" in m for m in said), said
+    finally:
+        for container in owned_containers(docker_client, owner_id()):
+            container.remove(force=True)
+        for network in docker_client.networks.list(filters={"label": f"agentenv.owner={owner_id()}"}):
+            network.remove()
 
 
 def test_a_burst_at_the_limit_never_has_more_envs_than_the_limit(docker_client, removals):
