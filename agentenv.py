@@ -3936,9 +3936,15 @@ async def process_exit(proc: asyncio.subprocess.Process) -> int:
                 await exited
             finally:
                 loop.remove_reader(fd)
+            # the code read without reaping the child (the loop's watcher still does): its thread
+            # may be slow to run on a loaded machine, and proc.wait() would wait for the pipes
+            with contextlib.suppress(AttributeError, OSError):
+                info = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOWAIT)
+                if info is not None and proc.returncode is None:
+                    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
         finally:
             os.close(fd)
-        for _ in range(500):                    # the watcher's waitpid follows within moments
+        for _ in range(500):                    # reaped already: the watcher records it soon
             if proc.returncode is not None:
                 break
             await asyncio.sleep(0.002)
