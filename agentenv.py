@@ -23,7 +23,8 @@ The file reads top to bottom in the order data flows; a section uses only the se
                         the agent works in with bash (a container of its own, whose keeper stops
                         every process of the agent's at a turn's end and a command's deadline;
                         or a work folder).
-4. Env client           an MCP client on aiohttp, readiness, the env's card and extensions; bash.
+4. Env client           an MCP client on kept-alive HTTP/1.1 connections of its own (EnvLine),
+                        readiness, the env's card and extensions; bash.
 5. Verifiers            the verifier kinds (an env's outcome, a reply, a box's state, unit tests),
                         their execution under a deadline (Verifiers, unit_tests) with one failure
                         kind per cause, and AgentEnv's score aggregators.
@@ -3926,24 +3927,28 @@ async def process_exit(proc: asyncio.subprocess.Process) -> int:
     if proc.returncode is None:
         loop = asyncio.get_running_loop()
         try:
-            fd = os.pidfd_open(proc.pid)
+            fd: int | None = os.pidfd_open(proc.pid)
+        except ProcessLookupError:      # it exited and the watcher's thread reaped it already
+            fd = None
         except (AttributeError, OSError):        # no pidfds: the pipes' closing must do
             return await proc.wait()
-        try:
-            exited = loop.create_future()
-            loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+        if fd is not None:
             try:
-                await exited
+                exited = loop.create_future()
+                loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+                try:
+                    await exited
+                finally:
+                    loop.remove_reader(fd)
+                # the code read without reaping the child (the loop's watcher still does): its
+                # thread may be slow to run on a loaded machine, and proc.wait() would wait for
+                # the pipes
+                with contextlib.suppress(AttributeError, OSError):
+                    info = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOWAIT)
+                    if info is not None and proc.returncode is None:
+                        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
             finally:
-                loop.remove_reader(fd)
-            # the code read without reaping the child (the loop's watcher still does): its thread
-            # may be slow to run on a loaded machine, and proc.wait() would wait for the pipes
-            with contextlib.suppress(AttributeError, OSError):
-                info = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOWAIT)
-                if info is not None and proc.returncode is None:
-                    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-        finally:
-            os.close(fd)
+                os.close(fd)
         for _ in range(500):                    # reaped already: the watcher records it soon
             if proc.returncode is not None:
                 break
@@ -4878,26 +4883,199 @@ class McpRefusal(McpError):
     """A JSON-RPC error the server answered on purpose (unknown tool, bad params)."""
 
 
+class EnvLine:
+    """Kept-alive HTTP/1.1 connections to one env's MCP endpoint, written on asyncio's streams:
+    the client of the hop, where every tool call goes.
+
+    An MCP session posts small JSON bodies to one URL, one after another. aiohttp's client made a
+    request and a response object, a connector lookup, a timer and a payload stream for each,
+    and that was a fifth of serve's CPU on a tool call (bench/README.md, "The hop and the
+    episode"). This writes a request's bytes itself and reads the reply by its
+    status line, its headers, and its body by Content-Length, by chunks, or to the connection's
+    end. A connection is used again only once its reply was read whole and the env keeps it
+    open; a cancel, a timeout, a reply left unread or a malformed one closes it. Nothing is
+    retried: a tool call may have run though its reply was lost. Failures are aiohttp's
+    (``ClientOSError``, ``ServerDisconnectedError``, ``ClientPayloadError``), as for a call made
+    with aiohttp, so every caller tells them apart as it did."""
+
+    MAX_HEAD = 64 * 1024                  # bytes of a reply's status line and headers
+    MAX_BODY = 256 * 1024 * 1024          # bytes of a reply's body: an env answering forever fails
+
+    def __init__(self, url: yarl.URL):
+        self.host, self.port = url.raw_host or "", url.port or 80
+        self.target = (url.raw_path_qs or "/").encode()
+        authority = f"[{self.host}]" if ":" in self.host else self.host
+        if url.explicit_port:
+            authority += f":{url.explicit_port}"
+        self._host = f"Host: {authority}\r\n".encode()
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    @staticmethod
+    def handles(url: yarl.URL) -> bool:
+        return url.scheme == "http" and bool(url.host)
+
+    def exchange(self, method: bytes, headers: dict[str, str], body: bytes = b"") -> "EnvReply":
+        head = [method, b" ", self.target, b" HTTP/1.1\r\n", self._host]
+        for name, value in headers.items():
+            line = f"{name}: {value}\r\n"
+            if "\n" in value or "\r" in value:
+                raise McpError(f"the header {name} holds a line break, which HTTP does not allow")
+            head.append(line.encode("utf-8"))
+        head.append(b"Content-Length: %d\r\n\r\n" % len(body))
+        return EnvReply(self, b"".join(head) + body)
+
+    async def connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        while self._idle:                 # the newest first; one the env closed meanwhile goes
+            reader, writer = self._idle.pop()
+            if not (reader.at_eof() or writer.is_closing()):
+                return reader, writer
+            writer.close()
+        try:
+            return await asyncio.open_connection(self.host, self.port, limit=self.MAX_HEAD)
+        except OSError as exc:
+            raise aiohttp.ClientOSError(exc.errno, f"cannot connect to the env at "
+                                                   f"{self.host}:{self.port}: {exc.strerror or exc}")
+
+    def give_back(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._idle.append((reader, writer))
+
+    def close(self) -> None:
+        for _, writer in self._idle:
+            writer.close()
+        self._idle.clear()
+
+
+class EnvReply:
+    """One request on an EnvLine and its reply, as ``async with``: inside it, ``status``,
+    ``headers`` (names in lower case) and ``content_type`` are read, and the body is read with
+    ``read()`` or piece by piece with ``chunks()``. On leaving, the connection goes back to the
+    line if the body was read whole and the env keeps it open, and is closed otherwise."""
+
+    def __init__(self, line: EnvLine, request: bytes):
+        self.line, self.request = line, request
+        self.status, self.headers = 0, {}
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._done = self._keep = False
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get("content-type", "").partition(";")[0].strip().lower()
+
+    async def __aenter__(self) -> "EnvReply":
+        self._reader, self._writer = reader, writer = await self.line.connection()
+        try:
+            writer.write(self.request)
+            while True:                   # a 1xx reply (100 Continue) comes before the real one
+                head = await self._read(reader.readuntil(b"\r\n\r\n"), "its headers")
+                lines = head.decode("latin-1").split("\r\n")
+                version, _, rest = lines[0].partition(" ")
+                if not version.startswith("HTTP/1.") or not rest[:3].isdigit():
+                    raise McpError(f"the env answered {short(lines[0], 100)!r}, not HTTP/1.x")
+                self.status = int(rest[:3])
+                if self.status >= 200:
+                    break
+            for line in lines[1:]:
+                name, colon, value = line.partition(":")
+                if colon:
+                    self.headers[name.strip().lower()] = value.strip()
+            connection = self.headers.get("connection", "").lower()
+            self._keep = "close" not in connection and (version == "HTTP/1.1"
+                                                         or "keep-alive" in connection)
+        except BaseException:
+            writer.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        assert self._writer is not None and self._reader is not None
+        if self._done and self._keep and exc_info[0] is None:
+            self.line.give_back(self._reader, self._writer)
+        else:
+            self._writer.close()
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self.chunks()])
+
+    async def text(self) -> str:
+        return (await self.read()).decode("utf-8", "replace")
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives; its end read, ``_done`` is set."""
+        reader, headers, left = self._reader, self.headers, self.line.MAX_BODY
+        assert reader is not None
+        if self.status in (204, 304):
+            self._done = True
+            return
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            while True:
+                size_line = await self._read(reader.readuntil(b"\r\n"), "a chunk's size")
+                try:
+                    size = int(size_line.split(b";", 1)[0], 16)
+                except ValueError:
+                    raise aiohttp.ClientPayloadError(
+                        f"the env sent a chunk size that is not a number: {short(repr(size_line), 80)}")
+                if size == 0:             # the last chunk, then trailers up to a blank line
+                    while await self._read(reader.readuntil(b"\r\n"), "its trailers") != b"\r\n":
+                        pass
+                    self._done = True
+                    return
+                if (left := left - size) < 0:
+                    raise aiohttp.ClientPayloadError(self._too_long())
+                chunk = await self._read(reader.readexactly(size + 2), "a chunk")
+                yield chunk[:-2]
+        elif (length := headers.get("content-length")) is not None:
+            if not length.isdigit():
+                raise aiohttp.ClientPayloadError(f"the env sent Content-Length {length!r}")
+            if int(length) > left:
+                raise aiohttp.ClientPayloadError(self._too_long())
+            if int(length):
+                yield await self._read(reader.readexactly(int(length)), "its body")
+            self._done = True
+        else:                             # no length: the body ends with the connection
+            self._keep = False
+            while chunk := await self._read(reader.read(65536), "its body"):
+                if (left := left - len(chunk)) < 0:
+                    raise aiohttp.ClientPayloadError(self._too_long())
+                yield chunk
+            self._done = True
+
+    def _too_long(self) -> str:
+        return f"the env's reply is longer than {self.line.MAX_BODY // 2**20} MiB"
+
+    async def _read(self, reading: Awaitable[bytes], what: str) -> bytes:
+        try:
+            return await reading
+        except asyncio.IncompleteReadError as exc:
+            if not exc.partial and what == "its headers":
+                raise aiohttp.ServerDisconnectedError(
+                    "the env closed the connection without answering") from None
+            raise aiohttp.ClientPayloadError(
+                f"the env closed the connection in the middle of {what}") from None
+        except asyncio.LimitOverrunError:
+            raise aiohttp.ClientPayloadError(
+                f"the env sent more than {self.line.MAX_HEAD // 1024} KiB of {what}") from None
+        except OSError as exc:
+            raise aiohttp.ClientOSError(exc.errno, f"the connection to the env failed: {exc}") from None
+
+
 class McpSession:
-    """One MCP session with an env server over streamable HTTP, written on aiohttp.
+    """One MCP session with an env server over streamable HTTP, on an EnvLine of its own.
 
     It speaks JSON-RPC over POST, takes a reply as JSON or as an SSE stream (reading the stream
     only until its own answer arrives), and carries ``Mcp-Session-Id`` once the server assigns one.
+    ``close()`` ends it on the server and closes its connections.
     """
 
-    def __init__(self, http: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None):
-        self.http, self.url = http, url
+    def __init__(self, url: str, headers: dict[str, str] | None = None):
+        self.url = url
         self.headers = {"Content-Type": "application/json",
                         "Accept": "application/json, text/event-stream", **(headers or {})}
         self.next_id = 0
-        # Made once, not per request (a tool call's): the URL parsed, each deadline's timeout.
-        self._target = yarl.URL(url)
-        self._timeouts: dict[float | None, aiohttp.ClientTimeout] = {}
-
-    def _timeout(self, seconds: float | None) -> aiohttp.ClientTimeout:
-        if (timeout := self._timeouts.get(seconds)) is None:
-            timeout = self._timeouts[seconds] = aiohttp.ClientTimeout(total=seconds)
-        return timeout
+        target = yarl.URL(url)
+        if not EnvLine.handles(target):
+            raise McpError(f"an env is reached at an http:// address, not {url!r}")
+        self.line = EnvLine(target)
 
     async def open(self, timeout: float = 30) -> dict[str, Any]:
         result = await self.request("initialize", {
@@ -4926,40 +5104,38 @@ class McpSession:
         return ToolResult(tool_text(result), TOOL_ERROR if result.get("isError") else OK)
 
     async def close(self) -> None:
-        """End the session on the server; best effort, since the env may already be gone."""
-        if "Mcp-Session-Id" in self.headers:
-            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                async with self.http.delete(self.url, headers=self.headers,
-                                            timeout=aiohttp.ClientTimeout(total=5)):
-                    pass
+        """End the session on the server (best effort, since the env may already be gone), and
+        close the connections."""
+        try:
+            if "Mcp-Session-Id" in self.headers:
+                with contextlib.suppress(aiohttp.ClientError, McpError, asyncio.TimeoutError):
+                    async with asyncio.timeout(5):
+                        async with self.line.exchange(b"DELETE", self.headers) as reply:
+                            await reply.read()
+        finally:
+            self.drop()
+
+    def drop(self) -> None:
+        """Close the connections, leaving the session on the server as it is."""
+        self.line.close()
 
     async def notify(self, method: str, timeout: float | None = 30) -> None:
-        body = {"jsonrpc": "2.0", "method": method}
-        async with self.http.post(self.url, json=body, headers=self.headers,
-                                  timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            if resp.status >= 400:
-                raise McpError(f"{method} was answered HTTP {resp.status}: "
-                               f"{short(await resp.text(), 300)}")
+        body = json.dumps({"jsonrpc": "2.0", "method": method}).encode()
+        async with asyncio.timeout(timeout):
+            async with self.line.exchange(b"POST", self.headers, body) as reply:
+                text = await reply.text()
+        if reply.status >= 400:
+            raise McpError(f"{method} was answered HTTP {reply.status}: {short(text, 300)}")
 
     async def request(self, method: str, params: dict[str, Any], timeout: float | None = 30) -> dict:
         self.next_id += 1
         rid = self.next_id                  # this request's id, whatever later requests take
-        # encoded here as aiohttp's json= would (json.dumps), sent as bytes under our Content-Type
         body = json.dumps({"jsonrpc": "2.0", "id": rid, "method": method, "params": params}).encode()
-        async with self.http.post(self._target, data=body, headers=self.headers,
-                                  timeout=self._timeout(timeout)) as resp:
-            if session := resp.headers.get("Mcp-Session-Id"):
-                self.headers["Mcp-Session-Id"] = session
-            if resp.status >= 400:
-                raise McpError(f"{method} was answered HTTP {resp.status}: "
-                               f"{short(await resp.text(errors='replace'), 300)}")
-            if resp.content_type == "text/event-stream":
-                message = await self._from_stream(resp, rid)
-            else:
-                try:
-                    message = json.loads(await resp.read())
-                except ValueError:
-                    raise McpError(f"{method} was answered with something that is not JSON") from None
+        if timeout is None:                 # a tool call: its turn keeps the deadline
+            message = await self._exchange(method, rid, body)
+        else:
+            async with asyncio.timeout(timeout):
+                message = await self._exchange(method, rid, body)
         if not isinstance(message, dict):
             raise McpError(f"{method} was answered with {type(message).__name__}, not a JSON-RPC reply")
         if isinstance(message.get("error"), dict):
@@ -4969,10 +5145,24 @@ class McpSession:
             raise McpError(f"{method} was answered without a result")
         return result
 
+    async def _exchange(self, method: str, rid: int, body: bytes) -> Any:
+        async with self.line.exchange(b"POST", self.headers, body) as reply:
+            if session := reply.headers.get("mcp-session-id"):
+                self.headers["Mcp-Session-Id"] = session
+            if reply.status >= 400:
+                raise McpError(f"{method} was answered HTTP {reply.status}: "
+                               f"{short(await reply.text(), 300)}")
+            if reply.content_type == "text/event-stream":
+                return await self._from_stream(reply, rid)
+            try:
+                return json.loads(await reply.read())
+            except ValueError:
+                raise McpError(f"{method} was answered with something that is not JSON") from None
+
     @staticmethod
-    async def _from_stream(resp: aiohttp.ClientResponse, wanted: int) -> Any:
+    async def _from_stream(reply: "EnvReply", wanted: int) -> Any:
         buffer, data = b"", []
-        async for chunk in resp.content.iter_any():
+        async for chunk in reply.chunks():
             buffer += chunk
             while b"\n" in buffer:
                 line, buffer = buffer.split(b"\n", 1)
@@ -5161,10 +5351,13 @@ async def wait_ready(http: aiohttp.ClientSession, instance: Instance, env: EnvSp
                     f"{env.environment_name!r}; set environment_name in envs/{env.name}/env.toml, or "
                     "make the server take its name from ENVIRONMENT_NAME", PROVIDER_UNAVAILABLE)
             mcp_url = instance.base_url + "/" + _mcp_path(card).lstrip("/")
-            session = McpSession(http, mcp_url)
-            await session.open(timeout=5)
-            tools = await session.list_tools(timeout=10)
-            await session.close()
+            session = McpSession(mcp_url)
+            try:
+                await session.open(timeout=5)
+                tools = await session.list_tools(timeout=10)
+                await session.close()
+            finally:
+                session.drop()          # a session that failed is not ended on the server
             names = [t["name"] for t in tools]
             if not tools:
                 raise EpisodeFailed(f"env {env.name!r} lists no tools; an env offers at least one",
@@ -6348,7 +6541,7 @@ class Episode:
         try:
             for env_id in agent.get("env_ids", []):     # one MCP session per env per turn
                 env = self.envs[env_id]
-                session = McpSession(self.context.http, env.mcp_url, headers)
+                session = McpSession(env.mcp_url, headers)
                 sessions.append(session)
                 await session.open()
                 for tool in await session.list_tools():

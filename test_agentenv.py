@@ -1785,6 +1785,42 @@ def test_a_local_box_stands_its_folder_for_app_and_answers_as_bash_does(tmp_path
     assert not box.folder.exists() and not box.running
 
 
+def test_a_command_reaped_before_its_exit_is_awaited_is_over_though_a_job_holds_its_pipes():
+    # The loop's child watcher reaps a command in a thread of its own, and on a loaded machine it
+    # can do so before the box looks for the exit: that exit must still be seen at once, not
+    # after the background job that holds the pipes (CI saw such a call time out).
+    async def go():
+        proc = await asyncio.create_subprocess_exec(
+            "bash", "-c", "(sleep 30; echo late) & echo started", stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:      # the loop held while the watcher reaps it
+                with contextlib.suppress(ChildProcessError):
+                    if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                        time.sleep(0.01)
+                        continue
+                time.sleep(0.2)                     # exited; the watcher's waitpid follows
+                break
+            started = time.monotonic()
+            code = await asyncio.wait_for(agentenv.process_exit(proc), 20)
+            return code, time.monotonic() - started
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.communicate()
+
+    policy = asyncio.get_event_loop_policy()
+    if sys.version_info < (3, 12):      # the race is 3.11's: its default watcher is a thread's
+        watcher = policy.get_child_watcher()
+        policy.set_child_watcher(asyncio.ThreadedChildWatcher())
+    try:
+        code, took = run(go())
+    finally:
+        if sys.version_info < (3, 12):
+            policy.set_child_watcher(watcher)
+    assert code == 0 and took < 5
+
+
 def test_a_box_without_bash_runs_sh_and_says_so(tmp_path):
     box = local_box(tmp_path)
     box.has_bash = False
@@ -1913,26 +1949,26 @@ def fastmcp_url(tmp_path_factory):
 
 def test_mcp_client_against_a_fastmcp_server(fastmcp_url):
     async def go():
-        async with aiohttp.ClientSession() as http:
-            session = McpSession(http, fastmcp_url)
-            info = await session.open()
-            assert info["serverInfo"]["name"] == "plain"
-            assert session.headers["Mcp-Session-Id"]
-            assert session.headers["MCP-Protocol-Version"] == info["protocolVersion"]
-            tools = {t["name"]: t for t in await session.list_tools()}
-            assert set(tools) == {"add", "fail"}
-            assert tools["add"]["description"] == "Add two numbers."
-            assert set(tools["add"]["inputSchema"]["properties"]) == {"a", "b"}
-            assert await session.call_tool("add", {"a": 2, "b": 3}) == ToolResult("5")
-            failed = await session.call_tool("fail", {"why": "boom"})
-            assert failed.is_error and "boom" in failed.text
-            unknown = await session.call_tool("subtract", {})
-            assert unknown.is_error and "subtract" in unknown.text
-            invalid = await session.call_tool("add", {"a": "x"})
-            assert invalid.is_error and "validation error" in invalid.text
-            await session.close()
-            with pytest.raises(McpError, match="tools/list was answered HTTP 404"):
-                await session.list_tools()      # the session was ended on the server
+        session = McpSession(fastmcp_url)
+        info = await session.open()
+        assert info["serverInfo"]["name"] == "plain"
+        assert session.headers["Mcp-Session-Id"]
+        assert session.headers["MCP-Protocol-Version"] == info["protocolVersion"]
+        tools = {t["name"]: t for t in await session.list_tools()}
+        assert set(tools) == {"add", "fail"}
+        assert tools["add"]["description"] == "Add two numbers."
+        assert set(tools["add"]["inputSchema"]["properties"]) == {"a", "b"}
+        assert await session.call_tool("add", {"a": 2, "b": 3}) == ToolResult("5")
+        failed = await session.call_tool("fail", {"why": "boom"})
+        assert failed.is_error and "boom" in failed.text
+        unknown = await session.call_tool("subtract", {})
+        assert unknown.is_error and "subtract" in unknown.text
+        invalid = await session.call_tool("add", {"a": "x"})
+        assert invalid.is_error and "validation error" in invalid.text
+        await session.close()
+        with pytest.raises(McpError, match="tools/list was answered HTTP 404"):
+            await session.list_tools()      # the session was ended on the server
+        session.drop()
 
     run(go())
 
@@ -2011,22 +2047,118 @@ def test_mcp_client_reads_sse_replies_and_refusals():
     async def go():
         runner, url = await sse_server(handler)
         try:
-            async with aiohttp.ClientSession() as http:
-                session = McpSession(http, url, {"AgentEnv-Role": "x"})
-                assert (await session.open())["serverInfo"]["name"] == "sse"
-                assert [t["name"] for t in await session.list_tools()] == ["t1", "t2"]
-                assert await session.call_tool("echo", {}) == \
-                    ToolResult("hi\n[image content: image/png]")
-                assert await session.call_tool("refuse", {}) == \
-                    ToolResult("Unknown tool: refuse", agentenv.TOOL_ERROR)
-                with pytest.raises(McpError, match="tools/call was answered HTTP 500: the server broke"):
-                    await session.call_tool("http500", {})
-                with pytest.raises(McpError, match="answered with something that is not JSON"):
-                    await session.call_tool("notjson", {})
-                with pytest.raises(McpError, match="the server's event stream ended without an answer"):
-                    await session.call_tool("silent", {})
+            session = McpSession(url, {"AgentEnv-Role": "x"})
+            assert (await session.open())["serverInfo"]["name"] == "sse"
+            assert [t["name"] for t in await session.list_tools()] == ["t1", "t2"]
+            assert await session.call_tool("echo", {}) == \
+                ToolResult("hi\n[image content: image/png]")
+            assert await session.call_tool("refuse", {}) == \
+                ToolResult("Unknown tool: refuse", agentenv.TOOL_ERROR)
+            with pytest.raises(McpError, match="tools/call was answered HTTP 500: the server broke"):
+                await session.call_tool("http500", {})
+            with pytest.raises(McpError, match="answered with something that is not JSON"):
+                await session.call_tool("notjson", {})
+            with pytest.raises(McpError, match="the server's event stream ended without an answer"):
+                await session.call_tool("silent", {})
+            session.drop()
         finally:
             await runner.cleanup()
+
+    run(go())
+
+
+def test_mcp_client_keeps_one_connection_and_reads_every_framing_of_a_reply():
+    # An env written on anything: replies by Content-Length, by chunks (with an extension and a
+    # trailer), after a 100 Continue, over HTTP/1.0 to the connection's end, and with
+    # Connection: close. The session keeps one connection while the env lets it, and opens
+    # another when the env closed it (an idle timeout between two calls is no failure).
+    connections: list[int] = []
+
+    def answer(text: str, rid: int) -> bytes:
+        return json.dumps({"jsonrpc": "2.0", "id": rid, "result": {
+            "content": [{"type": "text", "text": text}]}}).encode()
+
+    async def serve_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(len(connections))
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
+                msg = json.loads(await reader.readexactly(length) or b"{}")
+                if head.startswith(b"DELETE"):
+                    writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+                    continue
+                rid, how = msg.get("id"), (msg.get("params") or {}).get("name")
+                if msg.get("method") == "initialize":
+                    body = json.dumps({"jsonrpc": "2.0", "id": rid, "result": {
+                        "protocolVersion": "2025-06-18", "serverInfo": {"name": "raw"}}}).encode()
+                    writer.write(b"HTTP/1.1 200 OK\r\nMcp-Session-Id: s1\r\nContent-Type: "
+                                 b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                elif rid is None:
+                    writer.write(b"HTTP/1.1 202 Accepted\r\nContent-Length: 0\r\n\r\n")
+                elif how == "chunked":
+                    body = answer("in chunks", rid)
+                    writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: "
+                                 b"chunked\r\nContent-Type: application/json\r\n\r\n%x;x=1\r\n%s\r\n"
+                                 b"%x\r\n%s\r\n0\r\nTrailer: 1\r\n\r\n"
+                                 % (5, body[:5], len(body) - 5, body[5:]))
+                elif how == "to the end":
+                    writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n"
+                                 + answer("to the end", rid))
+                    break
+                elif how == "close":
+                    body = answer("then closed", rid)
+                    writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: %d\r\n"
+                                 b"\r\n%s" % (len(body), body))
+                    break
+                elif how == "idle out":         # answers, then closes as an idle timeout would
+                    body = answer("idled out", rid)
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s"
+                                 % (len(body), body))
+                    await writer.drain()
+                    break
+                elif how == "cut":
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n{\"jsonrpc\"")
+                    break
+                else:
+                    body = answer(f"called {how}", rid)
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def go():
+        server = await asyncio.start_server(serve_one, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/mcp"
+        session = McpSession(url)
+        try:
+            await session.open()
+            for n in range(5):
+                assert await session.call_tool(f"t{n}", {}) == ToolResult(f"called t{n}")
+            assert await session.call_tool("chunked", {}) == ToolResult("in chunks")
+            assert len(connections) == 1                # kept alive all along
+            assert await session.call_tool("to the end", {}) == ToolResult("to the end")
+            assert await session.call_tool("close", {}) == ToolResult("then closed")
+            assert await session.call_tool("idle out", {}) == ToolResult("idled out")
+            deadline = time.monotonic() + 30            # until the client has seen the close
+            while not all(reader.at_eof() for reader, _ in session.line._idle):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            assert await session.call_tool("after", {}) == ToolResult("called after")
+            assert len(connections) == 4                # after each close, one more
+            with pytest.raises(aiohttp.ClientPayloadError, match="in the middle of its body"):
+                await session.call_tool("cut", {})
+            assert await session.call_tool("again", {}) == ToolResult("called again")
+            session.headers["AgentEnv-Role"] = "a\r\nX-Injected: 1"
+            with pytest.raises(McpError, match="holds a line break"):
+                await session.call_tool("injected", {})
+        finally:
+            await session.close()
+            server.close()
+            await server.wait_closed()
+        assert session.line._idle == []
 
     run(go())
 

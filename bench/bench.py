@@ -79,7 +79,9 @@ hot        (not in the default --parts) the hop and the episode beside their flo
            all up at once, in --repeat interleaved rounds of --hot-calls sequential calls each:
            one Gym session's list_notes through serve notes-v1 --sandbox local beside the same
            MCP tools/call straight to a notebook env of our own, and through a bare aiohttp proxy
-           to that env (the least any aiohttp proxy of the hop does); and one /ws playing quiz-v1's
+           to that env (the least any aiohttp proxy of the hop does) and the same proxy with a
+           client of a few lines on one kept-alive connection (lean proxy: aiohttp's server and
+           the event loop alone); and one /ws playing quiz-v1's
            episode (reset, then the end_turn that scores it) beside the same two frames echoed
            by a bare aiohttp WebSocket server in a process of its own. Target: <= 2.0x each.
            Where the time goes on both paths: bench/hotpath.py (profiles, bench/profile.txt).
@@ -1855,6 +1857,51 @@ app.router.add_get("/health", health)
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
 """
 
+# The same proxy with the least client: the tools/call written as bytes on one kept-alive
+# connection and its reply read by Content-Length (all the notebook env sends), as serve's env
+# client (EnvLine) does without its other framings, its checks and its pool. What is left of the
+# hop's time here is aiohttp's server and the event loop's.
+LEAN_PROXY_SERVER = r"""
+import asyncio, json, sys
+from aiohttp import web
+HOST, PORT = sys.argv[2].rsplit("//", 1)[1].split(":")
+async def post(app, body, session=b""):
+    reader, writer = app["line"]
+    writer.write(b"POST /mcp HTTP/1.1\r\nHost: %s:%s\r\nContent-Type: application/json\r\n"
+                 b"Accept: application/json, text/event-stream\r\n%sContent-Length: %d\r\n\r\n%s"
+                 % (HOST.encode(), PORT.encode(), session, len(body), body))
+    head = await reader.readuntil(b"\r\n\r\n")
+    headers = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:] if b": " in line)
+    headers = {k.lower(): v for k, v in headers.items()}
+    return headers, await reader.readexactly(int(headers.get(b"content-length", b"0")))
+async def start(app):
+    app["line"] = await asyncio.open_connection(HOST, int(PORT))
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
+            "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                       "clientInfo": {"name": "proxy", "version": "0"}}}
+    headers, _ = await post(app, json.dumps(init).encode())
+    app["session"] = b"Mcp-Session-Id: " + headers[b"mcp-session-id"] + b"\r\n"
+    await post(app, json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}).encode(),
+               app["session"])
+async def stop(app):
+    app["line"][1].close()
+async def tool(request):
+    arguments = json.loads(await request.read() or b"{}")
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+        "name": request.match_info["tool"], "arguments": arguments}}).encode()
+    _, reply = await post(request.app, body, request.app["session"])
+    result = json.loads(reply)["result"]
+    return web.Response(text="\n".join(c["text"] for c in result["content"]))
+async def health(request):
+    return web.json_response({"status": "healthy"})
+app = web.Application()
+app.on_startup.append(start)
+app.on_cleanup.append(stop)
+app.router.add_post("/{tool}", tool)
+app.router.add_get("/health", health)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
+"""
+
 
 async def hot(args) -> dict:
     """The two per-call paths beside their floors, for this agentenv.py and the one at git
@@ -1873,7 +1920,8 @@ async def hot(args) -> dict:
         before = before_agentenv(args.hot_before, Path(tmp))
         programs = {"after": AGENTENV, "before": before}
         ports = {k: free_port() for k in ("hop after", "hop before", "episode after",
-                                          "episode before", "direct", "proxy", "echo")}
+                                          "episode before", "direct", "proxy", "lean proxy",
+                                          "echo")}
         try:
             servers = {}
             for which, program in programs.items():
@@ -1890,12 +1938,15 @@ async def hot(args) -> dict:
             url = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
             await wait_port(ports["direct"], env)
             proxy = Proc([sys.executable, "-c", PROXY_SERVER, str(ports["proxy"]), url["direct"]])
-            procs.append(proxy)
+            lean = Proc([sys.executable, "-c", LEAN_PROXY_SERVER, str(ports["lean proxy"]),
+                         url["direct"]])
+            procs += [proxy, lean]
             async with aiohttp.ClientSession() as probe:
                 for name, proc in servers.items():
                     await wait_health(probe, url[name], proc)
                 await wait_health(probe, url["echo"], echo)
                 await wait_health(probe, url["proxy"], proxy)
+                await wait_health(probe, url["lean proxy"], lean)
             calls, closers = await hot_targets(url)
             try:
                 for name, f in calls.items():                    # warm up, and check answers
@@ -1907,7 +1958,8 @@ async def hot(args) -> dict:
                             **{k: {"server": [p.pid], "env": envs[k]} for k, p in servers.items()
                                if k in envs},
                             "direct": {"env": [env.pid]}, "echo": {"server": [echo.pid]},
-                            "proxy": {"server": [proxy.pid], "env": [env.pid]}}
+                            "proxy": {"server": [proxy.pid], "env": [env.pid]},
+                            "lean proxy": {"server": [lean.pid], "env": [env.pid]}}
                 ticks = {k: collections.Counter() for k in calls}
                 times: dict[str, list[float]] = {k: [] for k in calls}
                 round_p50: dict[str, list[float]] = {k: [] for k in calls}
@@ -1944,7 +1996,9 @@ async def hot(args) -> dict:
     ratios = {"hop after / direct": versus("hop after", "direct"),
               "hop before / direct": versus("hop before", "direct"),
               "proxy / direct": versus("proxy", "direct"),
+              "lean proxy / direct": versus("lean proxy", "direct"),
               "hop after / proxy": versus("hop after", "proxy"),
+              "hop after / lean proxy": versus("hop after", "lean proxy"),
               "episode after / echo": versus("episode after", "echo"),
               "episode before / echo": versus("episode before", "echo"),
               "hop after / before": versus("hop after", "hop before"),
@@ -2001,6 +2055,16 @@ async def hot_targets(url: dict[str, str]) -> tuple[dict[str, Callable], list[Ca
             if resp.status != 200 or text != "pancakes":
                 raise RuntimeError(f"the bare proxy's /list_notes answered {resp.status}: {text[:300]}")
     calls["proxy"] = call_proxy
+
+    leaned = aiohttp.ClientSession(connector=conn())
+    closers.append(leaned.close)
+
+    async def call_lean_proxy() -> None:
+        async with leaned.post(url["lean proxy"] + "/list_notes", json={}) as resp:
+            text = await resp.text()
+            if resp.status != 200 or text != "pancakes":
+                raise RuntimeError(f"the lean proxy's /list_notes answered {resp.status}: {text[:300]}")
+    calls["lean proxy"] = call_lean_proxy
 
     for which in ("after", "before"):
         http = aiohttp.ClientSession()
