@@ -1818,35 +1818,23 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log
 """
 
 
-# The least any aiohttp proxy of the hop does: the tool's arguments read from a POST, the MCP
-# tools/call made to the env with aiohttp's client, the text of its result answered. No session,
-# no turn, no deadline, no metrics: what serve adds beyond this is agentenv.py's own.
-PROXY_SERVER = r"""
-import json, sys
-import aiohttp
+# What both bare proxies of the hop share: the MCP messages they send, and their app (health, the
+# tool route, started and stopped with the env's session).
+PROXY_COMMON = r"""
+import asyncio, json, sys
 from aiohttp import web
-ENV = sys.argv[2] + "/mcp"
-HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
-async def start(app):
-    app["http"] = http = aiohttp.ClientSession()
-    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
-            "params": {"protocolVersion": "2025-06-18", "capabilities": {},
-                       "clientInfo": {"name": "proxy", "version": "0"}}}
-    async with http.post(ENV, json=init, headers=HEADERS) as resp:
-        app["headers"] = {**HEADERS, "Mcp-Session-Id": resp.headers["Mcp-Session-Id"]}
-        await resp.read()
-    async with http.post(ENV, json={"jsonrpc": "2.0", "method": "notifications/initialized"},
-                         headers=app["headers"]) as resp:
-        await resp.read()
-async def stop(app):
-    await app["http"].close()
-async def tool(request):
+INIT = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
+        "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                   "clientInfo": {"name": "proxy", "version": "0"}}}
+INITIALIZED = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+async def read_call(request):
     arguments = json.loads(await request.read() or b"{}")
-    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+    return json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
         "name": request.match_info["tool"], "arguments": arguments}}).encode()
-    async with request.app["http"].post(ENV, data=body, headers=request.app["headers"]) as resp:
-        result = json.loads(await resp.read())["result"]
-    return web.Response(text="\n".join(c["text"] for c in result["content"]))
+def answer(reply):
+    return web.Response(text="\n".join(c["text"] for c in json.loads(reply)["result"]["content"]))
+"""
+PROXY_APP = r"""
 async def health(request):
     return web.json_response({"status": "healthy"})
 app = web.Application()
@@ -1857,13 +1845,33 @@ app.router.add_get("/health", health)
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
 """
 
+# The least any aiohttp proxy of the hop does: the tool's arguments read from a POST, the MCP
+# tools/call made to the env with aiohttp's client, the text of its result answered. No session,
+# no turn, no deadline, no metrics: what serve adds beyond this is agentenv.py's own.
+PROXY_SERVER = PROXY_COMMON + r"""
+import aiohttp
+ENV = sys.argv[2] + "/mcp"
+HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+async def start(app):
+    app["http"] = http = aiohttp.ClientSession()
+    async with http.post(ENV, json=INIT, headers=HEADERS) as resp:
+        app["headers"] = {**HEADERS, "Mcp-Session-Id": resp.headers["Mcp-Session-Id"]}
+        await resp.read()
+    async with http.post(ENV, json=INITIALIZED, headers=app["headers"]) as resp:
+        await resp.read()
+async def stop(app):
+    await app["http"].close()
+async def tool(request):
+    body = await read_call(request)
+    async with request.app["http"].post(ENV, data=body, headers=request.app["headers"]) as resp:
+        return answer(await resp.read())
+""" + PROXY_APP
+
 # The same proxy with the least client: the tools/call written as bytes on one kept-alive
 # connection and its reply read by Content-Length (all the notebook env sends), as serve's env
 # client (EnvLine) does without its other framings, its checks and its pool. What is left of the
 # hop's time here is aiohttp's server and the event loop's.
-LEAN_PROXY_SERVER = r"""
-import asyncio, json, sys
-from aiohttp import web
+LEAN_PROXY_SERVER = PROXY_COMMON + r"""
 HOST, PORT = sys.argv[2].rsplit("//", 1)[1].split(":")
 async def post(app, body, session=b""):
     reader, writer = app["line"]
@@ -1876,31 +1884,15 @@ async def post(app, body, session=b""):
     return headers, await reader.readexactly(int(headers.get(b"content-length", b"0")))
 async def start(app):
     app["line"] = await asyncio.open_connection(HOST, int(PORT))
-    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
-            "params": {"protocolVersion": "2025-06-18", "capabilities": {},
-                       "clientInfo": {"name": "proxy", "version": "0"}}}
-    headers, _ = await post(app, json.dumps(init).encode())
+    headers, _ = await post(app, json.dumps(INIT).encode())
     app["session"] = b"Mcp-Session-Id: " + headers[b"mcp-session-id"] + b"\r\n"
-    await post(app, json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}).encode(),
-               app["session"])
+    await post(app, json.dumps(INITIALIZED).encode(), app["session"])
 async def stop(app):
     app["line"][1].close()
 async def tool(request):
-    arguments = json.loads(await request.read() or b"{}")
-    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
-        "name": request.match_info["tool"], "arguments": arguments}}).encode()
-    _, reply = await post(request.app, body, request.app["session"])
-    result = json.loads(reply)["result"]
-    return web.Response(text="\n".join(c["text"] for c in result["content"]))
-async def health(request):
-    return web.json_response({"status": "healthy"})
-app = web.Application()
-app.on_startup.append(start)
-app.on_cleanup.append(stop)
-app.router.add_post("/{tool}", tool)
-app.router.add_get("/health", health)
-web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
-"""
+    _, reply = await post(request.app, await read_call(request), request.app["session"])
+    return answer(reply)
+""" + PROXY_APP
 
 
 async def hot(args) -> dict:
