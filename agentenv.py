@@ -3933,6 +3933,14 @@ async def process_exit(proc: asyncio.subprocess.Process) -> int:
         except (AttributeError, OSError):        # no pidfds: the pipes' closing must do
             return await proc.wait()
         if fd is not None:
+            try:        # reaped, its pid may be another's already: only a child of ours answers
+                os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                os.close(fd)
+                fd = None
+            except (AttributeError, OSError):       # a kernel without P_PIDFD: the pidfd as is
+                pass
+        if fd is not None:
             try:
                 exited = loop.create_future()
                 loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
@@ -4883,6 +4891,19 @@ class McpRefusal(McpError):
     """A JSON-RPC error the server answered on purpose (unknown tool, bad params)."""
 
 
+# A reply's framing, read strictly: anything else is a malformed reply, never a guess.
+STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\r\n]*)?")
+DECIMAL = re.compile(r"[0-9]{1,18}")
+CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})(?:[ \t]*;[^\r\n]*)?\r\n")
+
+
+def unread(reader: asyncio.StreamReader) -> int:
+    """Bytes a stream holds that nobody has read yet. asyncio has no public call for it; a
+    connection holding any after its reply was read whole is out of step with its env, and is
+    never used again."""
+    return len(getattr(reader, "_buffer", b""))
+
+
 class EnvLine:
     """Kept-alive HTTP/1.1 connections to one env's MCP endpoint, written on asyncio's streams:
     the client of the hop, where every tool call goes.
@@ -4890,16 +4911,17 @@ class EnvLine:
     An MCP session posts small JSON bodies to one URL, one after another. aiohttp's client made a
     request and a response object, a connector lookup, a timer and a payload stream for each,
     and that was a fifth of serve's CPU on a tool call (bench/README.md, "The hop and the
-    episode"). This writes a request's bytes itself and reads the reply by its
-    status line, its headers, and its body by Content-Length, by chunks, or to the connection's
-    end. A connection is used again only once its reply was read whole and the env keeps it
-    open; a cancel, a timeout, a reply left unread or a malformed one closes it. Nothing is
-    retried: a tool call may have run though its reply was lost. Failures are aiohttp's
-    (``ClientOSError``, ``ServerDisconnectedError``, ``ClientPayloadError``), as for a call made
-    with aiohttp, so every caller tells them apart as it did."""
+    episode"). This writes a request's bytes itself and reads the reply by its status line, its
+    headers, and its body by Content-Length, by chunks, or to the connection's end. A connection
+    is used again only once its reply was read whole, the env keeps it open and nothing more
+    came on it; a cancel, a timeout, a reply left unread or a malformed one closes it, and so
+    does a call that ends after the line was closed. Nothing is retried: a tool call may have
+    run though its reply was lost. Failures are aiohttp's (``ClientOSError``,
+    ``ServerDisconnectedError``, ``ClientPayloadError``), as for a call made with aiohttp, so
+    every caller tells them apart as it did."""
 
     MAX_HEAD = 64 * 1024                  # bytes of a reply's status line and headers
-    MAX_BODY = 256 * 1024 * 1024          # bytes of a reply's body: an env answering forever fails
+    MAX_BODY = 64 * 1024 * 1024           # bytes of a reply's body: an env answering forever fails
 
     def __init__(self, url: yarl.URL):
         self.host, self.port = url.raw_host or "", url.port or 80
@@ -4909,6 +4931,7 @@ class EnvLine:
             authority += f":{url.explicit_port}"
         self._host = f"Host: {authority}\r\n".encode()
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self.closed = False
 
     @staticmethod
     def handles(url: yarl.URL) -> bool:
@@ -4927,7 +4950,8 @@ class EnvLine:
     async def connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         while self._idle:                 # the newest first; one the env closed meanwhile goes
             reader, writer = self._idle.pop()
-            if not (reader.at_eof() or writer.is_closing()):
+            if not (reader.at_eof() or writer.is_closing() or unread(reader)
+                    or reader.exception() is not None):
                 return reader, writer
             writer.close()
         try:
@@ -4937,9 +4961,13 @@ class EnvLine:
                                                    f"{self.host}:{self.port}: {exc.strerror or exc}")
 
     def give_back(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._idle.append((reader, writer))
+        if self.closed or unread(reader):   # a call that outlived its session, or out of step
+            writer.close()
+        else:
+            self._idle.append((reader, writer))
 
     def close(self) -> None:
+        self.closed = True
         for _, writer in self._idle:
             writer.close()
         self._idle.clear()
@@ -4968,19 +4996,23 @@ class EnvReply:
             writer.write(self.request)
             while True:                   # a 1xx reply (100 Continue) comes before the real one
                 head = await self._read(reader.readuntil(b"\r\n\r\n"), "its headers")
-                lines = head.decode("latin-1").split("\r\n")
-                version, _, rest = lines[0].partition(" ")
-                if not version.startswith("HTTP/1.") or not rest[:3].isdigit():
-                    raise McpError(f"the env answered {short(lines[0], 100)!r}, not HTTP/1.x")
-                self.status = int(rest[:3])
+                lines = head[:-4].split(b"\r\n")
+                if not (status := STATUS_LINE.fullmatch(lines[0])):
+                    raise McpError(f"the env answered {short(repr(lines[0]), 100)}, not HTTP/1.x")
+                self.status = int(status.group(2))
                 if self.status >= 200:
                     break
             for line in lines[1:]:
-                name, colon, value = line.partition(":")
-                if colon:
-                    self.headers[name.strip().lower()] = value.strip()
+                name, colon, value = line.decode("latin-1").partition(":")
+                name, value = name.strip().lower(), value.strip()
+                if not colon:
+                    raise aiohttp.ClientPayloadError(
+                        f"the env sent a header line without a colon: {short(repr(line), 80)}")
+                if self.headers.get(name, value) != value and name == "content-length":
+                    raise aiohttp.ClientPayloadError("the env sent two Content-Lengths")
+                self.headers[name] = value
             connection = self.headers.get("connection", "").lower()
-            self._keep = "close" not in connection and (version == "HTTP/1.1"
+            self._keep = "close" not in connection and (status.group(1) == b"1"
                                                          or "keep-alive" in connection)
         except BaseException:
             writer.close()
@@ -5004,33 +5036,35 @@ class EnvReply:
         """The body as it arrives; its end read, ``_done`` is set."""
         reader, headers, left = self._reader, self.headers, self.line.MAX_BODY
         assert reader is not None
-        if self.status in (204, 304):
+        if self.status in (204, 304):     # no body; one sent anyway keeps the connection unused
             self._done = True
             return
         if "chunked" in headers.get("transfer-encoding", "").lower():
+            if "content-length" in headers:      # both: chunks count, and the line is not kept
+                self._keep = False
             while True:
                 size_line = await self._read(reader.readuntil(b"\r\n"), "a chunk's size")
-                try:
-                    size = int(size_line.split(b";", 1)[0], 16)
-                except ValueError:
+                if not (size := CHUNK_SIZE.fullmatch(size_line)):
                     raise aiohttp.ClientPayloadError(
-                        f"the env sent a chunk size that is not a number: {short(repr(size_line), 80)}")
-                if size == 0:             # the last chunk, then trailers up to a blank line
+                        f"the env sent a chunk size that is not one: {short(repr(size_line), 80)}")
+                if (length := int(size.group(1), 16)) == 0:   # the last; trailers to a blank line
                     while await self._read(reader.readuntil(b"\r\n"), "its trailers") != b"\r\n":
                         pass
                     self._done = True
                     return
-                if (left := left - size) < 0:
+                if (left := left - length) < 0:
                     raise aiohttp.ClientPayloadError(self._too_long())
-                chunk = await self._read(reader.readexactly(size + 2), "a chunk")
+                chunk = await self._read(reader.readexactly(length + 2), "a chunk")
+                if chunk[-2:] != b"\r\n":
+                    raise aiohttp.ClientPayloadError("the env sent a chunk longer than it said")
                 yield chunk[:-2]
-        elif (length := headers.get("content-length")) is not None:
-            if not length.isdigit():
-                raise aiohttp.ClientPayloadError(f"the env sent Content-Length {length!r}")
-            if int(length) > left:
+        elif (length_field := headers.get("content-length")) is not None:
+            if not DECIMAL.fullmatch(length_field):
+                raise aiohttp.ClientPayloadError(f"the env sent Content-Length {length_field!r}")
+            if (length := int(length_field)) > left:
                 raise aiohttp.ClientPayloadError(self._too_long())
-            if int(length):
-                yield await self._read(reader.readexactly(int(length)), "its body")
+            if length:
+                yield await self._read(reader.readexactly(length), "its body")
             self._done = True
         else:                             # no length: the body ends with the connection
             self._keep = False
@@ -5155,17 +5189,26 @@ class McpSession:
             if reply.content_type == "text/event-stream":
                 return await self._from_stream(reply, rid)
             try:
-                return json.loads(await reply.read())
+                message = json.loads(await reply.read())
             except ValueError:
                 raise McpError(f"{method} was answered with something that is not JSON") from None
+        if isinstance(message, dict) and message.get("id") not in (None, rid):
+            raise McpError(f"{method} was answered for another request (id "
+                           f"{short(repr(message['id']), 40)}, not {rid}): the env's connection is "
+                           "out of step")
+        return message
 
     @staticmethod
     async def _from_stream(reply: "EnvReply", wanted: int) -> Any:
-        buffer, data = b"", []
+        pending: list[bytes] = []           # a line's pieces until its end comes
+        data: list[bytes] = []
         async for chunk in reply.chunks():
-            buffer += chunk
-            while b"\n" in buffer:
-                line, buffer = buffer.split(b"\n", 1)
+            if b"\n" not in chunk:
+                pending.append(chunk)
+                continue
+            *lines, rest = b"".join([*pending, chunk]).split(b"\n")   # each byte joined once
+            pending = [rest]
+            for line in lines:
                 line = line.rstrip(b"\r")
                 if line.startswith(b"data:"):
                     data.append(line[5:].lstrip(b" "))

@@ -2073,6 +2073,13 @@ def test_mcp_client_keeps_one_connection_and_reads_every_framing_of_a_reply():
     # Connection: close. The session keeps one connection while the env lets it, and opens
     # another when the env closed it (an idle timeout between two calls is no failure).
     connections: list[int] = []
+    slow_arrived: asyncio.Event
+    MALFORMED = {
+        "status": b"HTTP/1.1 2\xb2\xb3 OK\r\nContent-Length: 0\r\n\r\n",
+        "chunk size": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-5\r\nhello\r\n0\r\n\r\n",
+        "chunk end": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhello\r\n0\r\n\r\n",
+        "length": b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\nx",
+        "two lengths": b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nxy"}
 
     def answer(text: str, rid: int) -> bytes:
         return json.dumps({"jsonrpc": "2.0", "id": rid, "result": {
@@ -2120,6 +2127,32 @@ def test_mcp_client_keeps_one_connection_and_reads_every_framing_of_a_reply():
                 elif how == "cut":
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n{\"jsonrpc\"")
                     break
+                elif how == "and more":        # a second reply nobody asked for, on its heels
+                    body, forged = answer("the first", rid), answer("forged", rid + 1)
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%sHTTP/1.1 200 OK"
+                                 b"\r\nContent-Length: %d\r\n\r\n%s"
+                                 % (len(body), body, len(forged), forged))
+                elif how == "then 408":        # answers, then times the idle connection out
+                    body = answer("before the 408", rid)
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s"
+                                 % (len(body), body))
+                    await writer.drain()
+                    await asyncio.sleep(0.05)
+                    writer.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n")
+                    break
+                elif how == "another id":
+                    body = answer("not yours", rid + 7)
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s"
+                                 % (len(body), body))
+                elif how in MALFORMED:
+                    writer.write(MALFORMED[how])
+                    break
+                elif how == "slow":
+                    slow_arrived.set()
+                    await asyncio.sleep(0.5)
+                    body = answer("slowly", rid)
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s"
+                                 % (len(body), body))
                 else:
                     body = answer(f"called {how}", rid)
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
@@ -2130,6 +2163,8 @@ def test_mcp_client_keeps_one_connection_and_reads_every_framing_of_a_reply():
             writer.close()
 
     async def go():
+        nonlocal slow_arrived
+        slow_arrived = asyncio.Event()
         server = await asyncio.start_server(serve_one, "127.0.0.1", 0)
         url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/mcp"
         session = McpSession(url)
@@ -2151,9 +2186,33 @@ def test_mcp_client_keeps_one_connection_and_reads_every_framing_of_a_reply():
             with pytest.raises(aiohttp.ClientPayloadError, match="in the middle of its body"):
                 await session.call_tool("cut", {})
             assert await session.call_tool("again", {}) == ToolResult("called again")
+            # what an env sends beyond its reply is never read as the next call's reply
+            assert await session.call_tool("and more", {}) == ToolResult("the first")
+            assert await session.call_tool("next", {}) == ToolResult("called next")
+            assert await session.call_tool("then 408", {}) == ToolResult("before the 408")
+            while not all(agentenv.unread(reader) or reader.at_eof()
+                          for reader, _ in session.line._idle):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            assert await session.call_tool("after the 408", {}) == ToolResult("called after the 408")
+            with pytest.raises(McpError, match="answered for another request .* out of step"):
+                await session.call_tool("another id", {})
+            for how, kind in (("status", McpError), ("chunk size", aiohttp.ClientPayloadError),
+                              ("chunk end", aiohttp.ClientPayloadError),
+                              ("length", aiohttp.ClientPayloadError),
+                              ("two lengths", aiohttp.ClientPayloadError)):
+                with pytest.raises(kind):       # a malformed reply fails the call, nothing else
+                    await session.call_tool(how, {})
             session.headers["AgentEnv-Role"] = "a\r\nX-Injected: 1"
             with pytest.raises(McpError, match="holds a line break"):
                 await session.call_tool("injected", {})
+            del session.headers["AgentEnv-Role"]
+            # a call the session's close overtakes does not keep its connection
+            slow = asyncio.ensure_future(session.call_tool("slow", {}))
+            await slow_arrived.wait()
+            await session.close()
+            assert await slow == ToolResult("slowly")
+            assert session.line._idle == []             # closed, not kept for nobody
         finally:
             await session.close()
             server.close()
