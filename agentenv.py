@@ -5165,11 +5165,8 @@ class McpSession:
         self.next_id += 1
         rid = self.next_id                  # this request's id, whatever later requests take
         body = json.dumps({"jsonrpc": "2.0", "id": rid, "method": method, "params": params}).encode()
-        if timeout is None:                 # a tool call: its turn keeps the deadline
+        async with asyncio.timeout(timeout):    # None for a tool call: its turn keeps the deadline
             message = await self._exchange(method, rid, body)
-        else:
-            async with asyncio.timeout(timeout):
-                message = await self._exchange(method, rid, body)
         if not isinstance(message, dict):
             raise McpError(f"{method} was answered with {type(message).__name__}, not a JSON-RPC reply")
         if isinstance(message.get("error"), dict):

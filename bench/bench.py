@@ -2038,25 +2038,17 @@ async def hot_targets(url: dict[str, str]) -> tuple[dict[str, Callable], list[Ca
                 raise RuntimeError(f"the env's list_notes answered {text[:300]}")
     calls["direct"] = call_direct
 
-    proxied = aiohttp.ClientSession(connector=conn())
-    closers.append(proxied.close)
+    for proxy in ("proxy", "lean proxy"):                   # the two bare proxies, alike
+        proxied = aiohttp.ClientSession(connector=conn())
+        closers.append(proxied.close)
 
-    async def call_proxy() -> None:
-        async with proxied.post(url["proxy"] + "/list_notes", json={}) as resp:
-            text = await resp.text()
-            if resp.status != 200 or text != "pancakes":
-                raise RuntimeError(f"the bare proxy's /list_notes answered {resp.status}: {text[:300]}")
-    calls["proxy"] = call_proxy
-
-    leaned = aiohttp.ClientSession(connector=conn())
-    closers.append(leaned.close)
-
-    async def call_lean_proxy() -> None:
-        async with leaned.post(url["lean proxy"] + "/list_notes", json={}) as resp:
-            text = await resp.text()
-            if resp.status != 200 or text != "pancakes":
-                raise RuntimeError(f"the lean proxy's /list_notes answered {resp.status}: {text[:300]}")
-    calls["lean proxy"] = call_lean_proxy
+        async def call_proxy(proxied=proxied, proxy=proxy) -> None:
+            async with proxied.post(url[proxy] + "/list_notes", json={}) as resp:
+                text = await resp.text()
+                if resp.status != 200 or text != "pancakes":
+                    raise RuntimeError(f"the {proxy}'s /list_notes answered {resp.status}: "
+                                       f"{text[:300]}")
+        calls[proxy] = call_proxy
 
     for which in ("after", "before"):
         http = aiohttp.ClientSession()
