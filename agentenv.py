@@ -4891,6 +4891,12 @@ class McpRefusal(McpError):
     """A JSON-RPC error the server answered on purpose (unknown tool, bad params)."""
 
 
+class McpTooLong(McpError):
+    """A reply longer than the env client reads (EnvLine.MAX_BODY). A tool call's is the model's
+    doing (it asked for that much), so the model reads it as a tool error; never a mask, which
+    would let a model escape a poor score by asking a tool for too much."""
+
+
 # A reply's framing, read strictly: anything else is a malformed reply, never a guess.
 STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\r\n]*)?")
 DECIMAL = re.compile(r"[0-9]{1,18}")
@@ -4918,7 +4924,7 @@ class EnvLine:
     does a call that ends after the line was closed. Nothing is retried: a tool call may have
     run though its reply was lost. Failures are aiohttp's (``ClientOSError``,
     ``ServerDisconnectedError``, ``ClientPayloadError``), as for a call made with aiohttp, so
-    every caller tells them apart as it did."""
+    every caller tells them apart as it did. A reply past ``MAX_BODY`` fails as McpTooLong."""
 
     MAX_HEAD = 64 * 1024                  # bytes of a reply's status line and headers
     MAX_BODY = 64 * 1024 * 1024           # bytes of a reply's body: an env answering forever fails
@@ -5053,7 +5059,7 @@ class EnvReply:
                     self._done = True
                     return
                 if (left := left - length) < 0:
-                    raise aiohttp.ClientPayloadError(self._too_long())
+                    raise McpTooLong(self._too_long())
                 chunk = await self._read(reader.readexactly(length + 2), "a chunk")
                 if chunk[-2:] != b"\r\n":
                     raise aiohttp.ClientPayloadError("the env sent a chunk longer than it said")
@@ -5062,7 +5068,7 @@ class EnvReply:
             if not DECIMAL.fullmatch(length_field):
                 raise aiohttp.ClientPayloadError(f"the env sent Content-Length {length_field!r}")
             if (length := int(length_field)) > left:
-                raise aiohttp.ClientPayloadError(self._too_long())
+                raise McpTooLong(self._too_long())
             if length:
                 yield await self._read(reader.readexactly(length), "its body")
             self._done = True
@@ -5070,12 +5076,13 @@ class EnvReply:
             self._keep = False
             while chunk := await self._read(reader.read(65536), "its body"):
                 if (left := left - len(chunk)) < 0:
-                    raise aiohttp.ClientPayloadError(self._too_long())
+                    raise McpTooLong(self._too_long())
                 yield chunk
             self._done = True
 
     def _too_long(self) -> str:
-        return f"the env's reply is longer than {self.line.MAX_BODY // 2**20} MiB"
+        return (f"the answer is longer than the {self.line.MAX_BODY // 2**20} MiB agentenv.py "
+                "reads; ask for less at a time")
 
     async def _read(self, reading: Awaitable[bytes], what: str) -> bytes:
         try:
@@ -5133,8 +5140,8 @@ class McpSession:
                         ) -> ToolResult:
         try:
             result = await self.request("tools/call", {"name": name, "arguments": arguments}, timeout)
-        except McpRefusal as exc:       # the server refused the call itself: the model sees why
-            return ToolResult(str(exc), TOOL_ERROR)
+        except (McpRefusal, McpTooLong) as exc:     # the call itself was refused, or asked for
+            return ToolResult(str(exc), TOOL_ERROR)     # too much: the model sees why
         return ToolResult(tool_text(result), TOOL_ERROR if result.get("isError") else OK)
 
     async def close(self) -> None:

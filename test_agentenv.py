@@ -2147,6 +2147,10 @@ def test_mcp_client_keeps_one_connection_and_reads_every_framing_of_a_reply():
                 elif how in MALFORMED:
                     writer.write(MALFORMED[how])
                     break
+                elif how == "too much":        # more than the client reads (its cap set low)
+                    body = answer("x" * 5000, rid)
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s"
+                                 % (len(body), body))
                 elif how == "slow":
                     slow_arrived.set()
                     await asyncio.sleep(0.5)
@@ -2203,6 +2207,13 @@ def test_mcp_client_keeps_one_connection_and_reads_every_framing_of_a_reply():
                               ("two lengths", aiohttp.ClientPayloadError)):
                 with pytest.raises(kind):       # a malformed reply fails the call, nothing else
                     await session.call_tool(how, {})
+            # a tool asked for more than the client reads: the model's doing, so a tool error
+            # it reads (never a failure that would mask its rollout), and the session goes on
+            session.line.MAX_BODY = 1000
+            too_much = await session.call_tool("too much", {})
+            assert too_much.status == agentenv.TOOL_ERROR and "ask for less" in too_much.text
+            del session.line.MAX_BODY
+            assert await session.call_tool("after too much", {}) == ToolResult("called after too much")
             session.headers["AgentEnv-Role"] = "a\r\nX-Injected: 1"
             with pytest.raises(McpError, match="holds a line break"):
                 await session.call_tool("injected", {})
