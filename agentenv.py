@@ -6113,7 +6113,8 @@ class Episode:
     def _closed(self, driver: asyncio.Task) -> None:
         # The one place an episode closes: after its driver ran its teardown, or was cancelled
         # before its first step, when there was nothing to tear down and no slot taken.
-        self._settle(self._ended_outcome("the episode was cancelled"))
+        if self.outcome is None:
+            self._settle(self._ended_outcome("the episode was cancelled"))
         self.context.live.discard(self)
         self.closed.set()
         self._signal()
@@ -6145,13 +6146,16 @@ class Episode:
             self._settle(Outcome("failed", dict(self.scores), None, Failure(
                 INTERNAL_ERROR, f"agentenv.py failed: {type(exc).__name__}: {exc}")))
         finally:
-            # Teardown runs to its end even if the episode is cancelled again meanwhile.
             if self.turn is not None:
                 self.turn.end(None)
-            teardown = asyncio.ensure_future(self._teardown())
-            while not teardown.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.shield(teardown)
+            if self.instances or self.boxes or self.containers or self.agent_box:
+                # Teardown runs to its end even if the episode is cancelled again meanwhile.
+                teardown = asyncio.ensure_future(self._teardown())
+                while not teardown.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.shield(teardown)
+            else:                   # nothing launched: no task to start and wake for no removal
+                await self._teardown()
             if self._holds_slot:
                 self.context.leave()
 
@@ -6203,33 +6207,21 @@ class Episode:
         failure (``fail_task_on_error: false``) counts as done, so the steps after it run, as
         AgentEnv runs them (an aggregate over a failed verifier then fails itself, saying which
         is missing); any other failure ends the episode."""
-        done = {step.id: asyncio.Event() for step in self.task.steps}
-
-        async def run(step: Step) -> None:
-            for dep in step.depends_on:
-                await done[dep].wait()
-            try:
-                await self._run_step(step)
-            except (EpisodeFailed, Forfeit) as exc:
-                if step.fail_task_on_error:     # its dependents never start: the episode ends
-                    if isinstance(exc, Forfeit):
-                        raise Forfeit(f"step {step.id!r} ({step.type}) failed: {exc}") from None
-                    raise EpisodeFailed(exc.failure.told(
-                        f"step {step.id!r} ({step.type}) failed: ")) from None
-                if isinstance(exc, Forfeit):
-                    self.forfeits.append(f"step {step.id!r} ({step.type}) failed: {exc}")
-                self.errors[step.id] = str(exc)
-                log.info("Episode %s: step %r (%s) failed: %s; going on (fail_task_on_error is "
-                         "false).", self.id[:8], step.id, step.type, str(exc).rstrip())
-            done[step.id].set()
-
         steps = self.task.steps
         if all(before.id in step.depends_on for before, step in zip(steps, steps[1:])):
             # A chain (each step waits for the one before it, as steps do by default) runs in
             # order in the driver itself: no task per step to start, wake and gather.
             for step in steps:
-                await run(step)
+                await self._run_tolerated(step)
             return
+        done = {step.id: asyncio.Event() for step in steps}
+
+        async def run(step: Step) -> None:
+            for dep in step.depends_on:
+                await done[dep].wait()
+            await self._run_tolerated(step)
+            done[step.id].set()
+
         tasks = [asyncio.create_task(run(step)) for step in steps]
         try:
             await _first_error(tasks)
@@ -6237,6 +6229,23 @@ class Episode:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run_tolerated(self, step: Step) -> None:
+        """Run a step; its failure ends the episode unless the step tolerates it, which is then
+        noted (``errors``, and ``forfeits`` if the model's doing) and passed over."""
+        try:
+            await self._run_step(step)
+        except (EpisodeFailed, Forfeit) as exc:
+            if step.fail_task_on_error:     # its dependents never start: the episode ends
+                if isinstance(exc, Forfeit):
+                    raise Forfeit(f"step {step.id!r} ({step.type}) failed: {exc}") from None
+                raise EpisodeFailed(exc.failure.told(
+                    f"step {step.id!r} ({step.type}) failed: ")) from None
+            if isinstance(exc, Forfeit):
+                self.forfeits.append(f"step {step.id!r} ({step.type}) failed: {exc}")
+            self.errors[step.id] = str(exc)
+            log.info("Episode %s: step %r (%s) failed: %s; going on (fail_task_on_error is "
+                     "false).", self.id[:8], step.id, step.type, str(exc).rstrip())
 
     async def _run_step(self, step: Step) -> None:
         try:
