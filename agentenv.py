@@ -2393,6 +2393,12 @@ class LocalSandbox(Sandbox):
             log.warning("Killed %d env process group(s) that an earlier run of agentenv.py left "
                         "behind when it stopped without tearing down.", killed)
 
+    async def close(self) -> None:
+        # Its envs and boxes are gone with their records: a clean stop leaves no folder for the
+        # next start to sweep. One still holding a record (a removal that failed) is left to it.
+        with contextlib.suppress(OSError):
+            self.records.rmdir()
+
     def kill_leftovers(self) -> int:
         """Kill, once each, the process groups of env processes whose server is gone: those its
         records name, and (Linux's /proc) any with a dead owner in their environment, which finds
@@ -2400,13 +2406,17 @@ class LocalSandbox(Sandbox):
         groups: set[int] = set()
         root = self.records.parent
         for folder in root.iterdir() if root.is_dir() else []:
-            if not folder.is_dir() or folder == self.records or owner_alive(folder.name) is not False:
+            if folder == self.records or owner_alive(folder.name) is not False:
                 continue
-            for record in folder.iterdir():     # a pid file per env process; scratch folders
-                if record.is_file() and record.name.isdigit():
-                    started = record.read_text().strip()
-                    if started and _process_start(int(record.name)) == started:
-                        groups.add(int(record.name))
+            # Servers sharing a state folder (Gym starts several at once) sweep the same dead
+            # run's leftovers together: a folder or record another removed first is just gone.
+            with contextlib.suppress(OSError):
+                for record in list(folder.iterdir()):   # a pid file per env process; scratch
+                    if record.name.isdigit():
+                        with contextlib.suppress(OSError):
+                            started = record.read_text().strip()
+                            if started and _process_start(int(record.name)) == started:
+                                groups.add(int(record.name))
             shutil.rmtree(folder, ignore_errors=True)
         for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
             if not entry.isdigit():
@@ -2810,7 +2820,13 @@ class DockerDaemon:
             except docker.errors.NotFound:
                 error = None
                 break
-            except Exception as exc:                    # noqa: BLE001 - e.g. a removal in progress
+            except docker.errors.APIError as exc:
+                error = exc
+                in_progress = exc.status_code == 409 and "in progress" in str(exc)
+                if in_progress and await self.gone(container):
+                    error = None
+                    break
+            except Exception as exc:                    # noqa: BLE001
                 error = exc
         if error is None:
             self.unremoved.pop(container.id, None)
@@ -2818,6 +2834,18 @@ class DockerDaemon:
         self.unremoved[container.id] = container
         raise RemovalFailed(f"the Docker daemon did not remove container {container.short_id} "
                             f"({type(error).__name__}: {short(str(error), 300)})")
+
+    async def gone(self, container: Any) -> bool:
+        """Whether a container another removal is taking down (another server's sweep: Gym
+        starts several servers at once) is gone once that removal ends, within 30 s."""
+        import docker.errors
+        try:
+            await self.urgent(lambda: container.wait(condition="removed", timeout=30), timeout=35)
+        except docker.errors.NotFound:          # gone before the wait began
+            return True
+        except Exception:                       # noqa: BLE001 - the other removal failed, or hangs
+            return False
+        return True
 
     async def remove_network(self, network: Any) -> Any:
         """Remove a network; the network back if it still stands (a container still on it)."""

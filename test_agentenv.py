@@ -1693,9 +1693,22 @@ def test_each_local_env_has_its_own_scratch_folder_removed_at_teardown(make_bund
         assert Path(seen["made"]).parent == Path(seen["tmpdir"])
         assert seen["database_url"].startswith(f"sqlite:///{seen['tmpdir']}/")
         assert not Path(seen["tmpdir"]).exists(), f"{seen['tmpdir']} outlived its env"
+    records = Path(first["tmpdir"]).parent
+    assert not records.exists(), f"a clean stop left {records} for the next start to sweep"
 
 
 # -- the sweep of what a crashed run left
+
+KILLED_ONE = "Killed 1 env process group(s) that an earlier run of agentenv.py left behind"
+
+
+def start_and_stop(bundle: Bundle) -> None:
+    """A local server's start (which sweeps) and stop, with no episode between."""
+    async def go():
+        async with local(bundle):
+            pass
+    run(go())
+
 
 def test_processes_left_by_a_crashed_run_are_killed_at_start(make_bundle, tmp_path, caplog):
     bundle = Bundle.load(make_bundle({"a": simple()}))
@@ -1706,15 +1719,41 @@ def test_processes_left_by_a_crashed_run_are_killed_at_start(make_bundle, tmp_pa
         records.mkdir(parents=True)
         (records / str(leftover.pid)).write_text(agentenv._process_start(leftover.pid))
 
-        async def go():
-            async with local(bundle):
-                pass
-
-        run(go())
+        start_and_stop(bundle)
         assert leftover.wait(timeout=5) == -signal.SIGKILL
         assert not records.exists()
-        assert "Killed 1 env process group(s) that an earlier run of agentenv.py left behind" in \
-            caplog.text
+        assert KILLED_ONE in caplog.text
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            leftover.kill()
+        leftover.wait()
+
+
+def test_servers_sharing_a_state_folder_start_together_while_sweeping_the_same_leftovers(
+        make_bundle, monkeypatch, caplog):
+    """Gym starts its servers at once over one state folder, and each sweeps the same crashed
+    run's records: a folder another server removed first must not fail this one's start."""
+    bundle = Bundle.load(make_bundle({"a": simple()}))
+    host = socket.gethostname()
+    swept_first = agentenv.LocalSandbox(f"{host}:999999991:1").records
+    still_there = agentenv.LocalSandbox(f"{host}:999999992:1").records
+    for records in (swept_first, still_there):
+        (records / "scratch-a-x").mkdir(parents=True)
+    owner_alive = agentenv.owner_alive
+
+    def another_server_sweeps_first(owner: str):
+        # what another server's sweep does between this one's listing and its reading
+        if owner == swept_first.name:
+            shutil.rmtree(swept_first)
+        return owner_alive(owner)
+    monkeypatch.setattr(agentenv, "owner_alive", another_server_sweeps_first)
+    leftover = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        (still_there / str(leftover.pid)).write_text(agentenv._process_start(leftover.pid))
+        start_and_stop(bundle)
+        assert leftover.wait(timeout=5) == -signal.SIGKILL
+        assert not swept_first.exists() and not still_there.exists()
+        assert KILLED_ONE in caplog.text
     finally:
         with contextlib.suppress(ProcessLookupError):
             leftover.kill()
@@ -1732,15 +1771,10 @@ def test_env_processes_a_crashed_run_had_not_recorded_yet_are_killed_at_start(ma
     alive = subprocess.Popen(["sleep", "60"], start_new_session=True,        # a live owner's
                              env={**os.environ, "AGENTENV_OWNER": agentenv.owner_id()})
     try:
-        async def go():
-            async with local(bundle):
-                pass
-
-        run(go())
+        start_and_stop(bundle)
         assert leftover.wait(timeout=5) == -signal.SIGKILL
         assert bystander.poll() is None and alive.poll() is None
-        assert "Killed 1 env process group(s) that an earlier run of agentenv.py left behind" in \
-            caplog.text
+        assert KILLED_ONE in caplog.text
     finally:
         for proc in (leftover, bystander, alive):
             with contextlib.suppress(ProcessLookupError):

@@ -784,6 +784,9 @@ class Server:
         self.reap()                              # ours: never left running, whatever happens
         assert not leftover, f"env processes {leftover} outlived the server"
         assert not self.records(), f"records left in the state dir: {self.records()}"
+        # its own folder (a Ray node's hosts on this machine keep theirs, as long as they live)
+        own = list((self.state / "local").glob(f"*:{self.pid}:*"))
+        assert not own, f"a stopped server left {own} for the next start to sweep"
         return code
 
     def kill(self) -> None:

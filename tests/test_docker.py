@@ -668,6 +668,34 @@ def test_startup_sweep_removes_only_dead_owners_containers(docker_client):
         remove_quietly(made)
 
 
+def test_servers_starting_together_sweep_a_dead_runs_containers_without_false_alarms(
+        docker_client, caplog):
+    """Gym starts several servers at once on one daemon: each sweeps the same dead run's
+    containers, and one another server is removing is gone, not a failure to tell the user of."""
+    bundle = Bundle.load(NOTES)
+    image = run(_ensure_image(bundle))
+    dead_pid = next(p for p in range(999_999, 0, -1) if not Path(f"/proc/{p}").exists())
+    dead = f"{socket.gethostname()}:{dead_pid}:123"
+    made = [docker_client.containers.run(
+                image, detach=True,
+                labels={"agentenv.owner": dead, "agentenv.episode": f"handmade-{uuid.uuid4().hex}",
+                        "agentenv.env": "notebook", SESSION_LABEL: SESSION})
+            for _ in range(4)]
+    try:
+        async def start():
+            async with Runtime(bundle, agentenv.Settings.of(sandbox="docker")):
+                pass
+
+        async def together():
+            await asyncio.gather(*(start() for _ in range(3)))
+
+        run(together(), timeout=120)
+        assert labelled(docker_client, f"agentenv.owner={dead}") == []
+        assert "Could not remove container" not in caplog.text, caplog.text
+    finally:
+        remove_quietly(made)
+
+
 async def _ensure_image(bundle):
     async with Runtime(bundle, agentenv.Settings.of(sandbox="docker")) as rt:
         return rt.sandbox.images["notebook"]
