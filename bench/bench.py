@@ -67,9 +67,8 @@ verify     (not in the default --parts) needs Docker. A Gym /verify of an env-ba
            reply), all four at once, each rollout seeded, write_note, then /verify, and the next
            one begun once the server has no live episode (/metrics), so each verify is timed
            alone, not beside the teardown of the one before; --repeat interleaved rounds of
-           --verify-rollouts rollouts per server. The servers of this agentenv.py run --warm 0,
-           as the one before did (a warm pool's refill is a container start beside the next
-           rollout); a fifth, this agentenv.py's Docker serve with its default warm pool, shows
+           --verify-rollouts rollouts per server. The servers run --warm 0 (a warm pool's refill
+           is a container start beside the next rollout), as one too old for the flag did; a fifth, this agentenv.py's Docker serve with its default warm pool, shows
            what that refill costs when rollouts come back to back. Each rollout's verifier time
            (agentenv_verifier_duration_seconds_sum, before and after) is its floor: what the
            reply adds beyond it is reported too. Target: Docker / local <= 1.2x (the reply as
@@ -581,17 +580,6 @@ async def notes_player(url: str, episodes: int) -> list[str]:
                     failed.append(f"end_turn answered {json.dumps(reply)[:300]}")
             await ws.send_json({"type": "close"})
     return failed
-
-
-async def drained(http: aiohttp.ClientSession, url: str, timeout: float = 300) -> None:
-    """Until the server has no live episode (its envs torn down)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        async with http.get(url + "/web/status") as resp:
-            if (await resp.json())["episodes"]["live"] == 0:
-                return
-        await asyncio.sleep(0.2)
-    raise RuntimeError(f"{url} still had live episodes after {timeout:g}s")
 
 
 async def idle_server(program: Path | None, sandbox: str, bundle: Path, episodes: int,
@@ -1419,10 +1407,12 @@ async def verify_latency(args) -> dict:
         programs = {"after": AGENTENV, "before": before_agentenv(args.verify_before, Path(tmp))}
         urls = {}
         try:
+            # no warm pool (its refill is a container start beside the next rollout), where a
+            # version has one to turn off
+            knows_warm = {v: "--warm" in program.read_text() for v, program in programs.items()}
             for version, sandbox in names:
                 port = free_port()
-                warm = ["--warm", "0"] if (version, sandbox) in (("after", "docker"),
-                                                                  ("after", "local")) else []
+                warm = ["--warm", "0"] if sandbox != "docker-warm" and knows_warm[version] else []
                 procs[version, sandbox] = Proc([sys.executable, str(programs[version]), "serve",
                                                 str(NOTES), "--sandbox", sandbox.split("-")[0],
                                                 "--port", str(port), "--max-concurrent-envs", "4",
