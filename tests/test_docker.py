@@ -671,13 +671,16 @@ def test_startup_sweep_removes_only_dead_owners_containers(docker_client):
 def test_servers_starting_together_sweep_a_dead_runs_containers_without_false_alarms(
         docker_client, caplog):
     """Gym starts several servers at once on one daemon: each sweeps the same dead run's
-    containers, and one another server is removing is gone, not a failure to tell the user of."""
+    containers and network, and what another server is removing is gone, not a failure to tell
+    the user of."""
     bundle = Bundle.load(NOTES)
     image = run(_ensure_image(bundle))
     dead_pid = next(p for p in range(999_999, 0, -1) if not Path(f"/proc/{p}").exists())
     dead = f"{socket.gethostname()}:{dead_pid}:123"
+    network = docker_client.networks.create(f"agentenv-test-{uuid.uuid4().hex[:10]}", driver="bridge",
+                                            labels={"agentenv.owner": dead, "agentenv.episode": "x"})
     made = [docker_client.containers.run(
-                image, detach=True,
+                image, detach=True, network=network.name,
                 labels={"agentenv.owner": dead, "agentenv.episode": f"handmade-{uuid.uuid4().hex}",
                         "agentenv.env": "notebook", SESSION_LABEL: SESSION})
             for _ in range(4)]
@@ -691,9 +694,15 @@ def test_servers_starting_together_sweep_a_dead_runs_containers_without_false_al
 
         run(together(), timeout=120)
         assert labelled(docker_client, f"agentenv.owner={dead}") == []
-        assert "Could not remove container" not in caplog.text, caplog.text
+        assert not docker_client.networks.list(names=[network.name]), "the dead run's network stands"
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+                and "an earlier run of agentenv.py left behind" in r.getMessage()
+                and not r.getMessage().startswith("Removed ")]
+        assert said == [], said
     finally:
         remove_quietly(made)
+        if docker_client.networks.list(names=[network.name]):
+            network.remove()
 
 
 async def _ensure_image(bundle):
