@@ -2411,7 +2411,7 @@ class LocalSandbox(Sandbox):
             # Servers sharing a state folder (Gym starts several at once) sweep the same dead
             # run's leftovers together: a folder or record another removed first is just gone.
             with contextlib.suppress(OSError):
-                for record in list(folder.iterdir()):   # a pid file per env process; scratch
+                for record in folder.iterdir():     # a pid file per env process; scratch
                     if record.name.isdigit():
                         with contextlib.suppress(OSError):
                             started = record.read_text().strip()

@@ -68,8 +68,9 @@ verify     (not in the default --parts) needs Docker. A Gym /verify of an env-ba
            one begun once the server has no live episode (/metrics), so each verify is timed
            alone, not beside the teardown of the one before; --repeat interleaved rounds of
            --verify-rollouts rollouts per server. The servers run --warm 0 (a warm pool's refill
-           is a container start beside the next rollout), as one too old for the flag did; a fifth, this agentenv.py's Docker serve with its default warm pool, shows
-           what that refill costs when rollouts come back to back. Each rollout's verifier time
+           is a container start beside the next rollout), as one too old for the flag did; a
+           fifth, this agentenv.py's Docker serve with its default warm pool, shows what that
+           refill costs when rollouts come back to back. Each rollout's verifier time
            (agentenv_verifier_duration_seconds_sum, before and after) is its floor: what the
            reply adds beyond it is reported too. Target: Docker / local <= 1.2x (the reply as
            soon as the score is known, the container removed after it).

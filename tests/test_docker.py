@@ -623,6 +623,11 @@ def test_close_while_create_in_flight_leaves_no_container(docker_client, create_
 
 # ---------------------------------------------------------------- 6. the crash sweep
 
+def unused_pid() -> int:
+    """A pid no process has: the owner of a server that is gone."""
+    return next(p for p in range(999_999, 0, -1) if not Path(f"/proc/{p}").exists())
+
+
 def test_startup_sweep_removes_only_dead_owners_containers(docker_client):
     bundle = Bundle.load(NOTES)
     host = socket.gethostname()
@@ -635,7 +640,7 @@ def test_startup_sweep_removes_only_dead_owners_containers(docker_client):
         started = agentenv._process_start(sleeper.pid)
         assert started, "the sleeper's start time is readable"
         me = agentenv._process_start(os.getpid())
-        dead_pid = next(p for p in range(999_999, 0, -1) if not Path(f"/proc/{p}").exists())
+        dead_pid = unused_pid()
         owners = {
             "dead": f"{host}:{dead_pid}:123",
             "reused pid": f"{host}:{os.getpid()}:{int(me) + 1}",   # this pid, another start time
@@ -675,7 +680,7 @@ def test_servers_starting_together_sweep_a_dead_runs_containers_without_false_al
     the user of."""
     bundle = Bundle.load(NOTES)
     image = run(_ensure_image(bundle))
-    dead_pid = next(p for p in range(999_999, 0, -1) if not Path(f"/proc/{p}").exists())
+    dead_pid = unused_pid()
     dead = f"{socket.gethostname()}:{dead_pid}:123"
     network = docker_client.networks.create(f"agentenv-test-{uuid.uuid4().hex[:10]}", driver="bridge",
                                             labels={"agentenv.owner": dead, "agentenv.episode": "x"})
