@@ -132,6 +132,7 @@ import concurrent.futures
 import contextlib
 import copy
 import dataclasses
+import errno
 import gc
 import hashlib
 import importlib.util
@@ -2095,6 +2096,12 @@ class Instance(abc.ABC):
     """One env running for an episode: where it answers, whether it still runs, and its removal."""
 
     base_url: str
+    # Set, with how it ended, once the sandbox sees the env stop, for an env whose connections
+    # would not end with it (a container dialled at its own address); None where they do.
+    stopped: asyncio.Future[str] | None = None
+    # How long, once a connection to it dropped, the env is given to be seen stopped (``exited``'s
+    # settle): a process is reaped within milliseconds.
+    drop_settle = 0.5
 
     @abc.abstractmethod
     async def exited(self, settle: float = 0.0) -> str | None:
@@ -2658,8 +2665,9 @@ def _listening_sockets_from_proc(port: int) -> set[str]:
 
 # The Docker networks agentenv.py makes. Envs share one per server with traffic between its
 # containers off (icc) and no masquerading: a packet out leaves with the container's private
-# address, which nothing answers, so no connection out is made, while the daemon still publishes
-# each env's port on 127.0.0.1 (an internal network drops egress outright, but Docker publishes no
+# address, which nothing answers, so no connection out is made, while the host keeps its address
+# on the bridge, where the server dials each env (or the daemon publishes its port on 127.0.0.1,
+# for a daemon elsewhere; an internal network drops egress outright, but Docker publishes no
 # port on one). An episode's own networks (a VM-mode sandbox's box and the containers it runs)
 # publish nothing, so they are internal, and the host takes no address on their bridge: their
 # containers reach each other by name and nothing else, and nothing else reaches them (the host
@@ -3000,39 +3008,141 @@ class DockerDaemon:
             threads.shutdown(wait=False)
 
 
-def started_published(client: Any, options: dict[str, Any], own_port: int) -> tuple[Any, str]:
-    """Create and start a container that listens on ENV_PORT (in a thread): it and the port it is
-    reached on, once the daemon has published it (or ``own_port``, on the daemon's network)."""
+class DeathWatch:
+    """The daemon's word that one of this server's env containers died, passed on to the env at
+    once: one thread reads Docker's event stream of the owner's containers dying, and each
+    watched container's ``stopped`` future is set when its death comes.
+
+    It is what a published port gave for nothing. Docker's port proxy closes a dead container's
+    connections, so a call on one fails at once. A container dialled at its own address resets
+    only the connections open as its process dies; a new one waits for an answer nothing at that
+    address will send, so the next call on a killed env waited out the 60 s tool timeout, and its
+    verify 35 s (tests/test_faults.py), where the proxy failed them in 1.7 s. A model that can get
+    its env killed (an out-of-memory under ``memory_mb``) would hold its rollout that long. A
+    death told while the stream was down (the daemon restarting) is read again from where it
+    stopped; one before a container is watched is for its deploy to see (it inspects the
+    container before it reports it up)."""
+
+    def __init__(self, daemon: DockerDaemon, owner: str):
+        self.daemon, self.owner = daemon, owner
+        self.watched: dict[str, asyncio.Future[str]] = {}
+        self.stream: Any = None
+        self.closed = threading.Event()
+
+    async def start(self) -> None:
+        """Read the stream from now on, once the daemon has begun to send it (a container started
+        after this returns has its death told)."""
+        loop = asyncio.get_running_loop()
+        listening = loop.create_future()
+        threading.Thread(target=self._read, args=(loop, listening), name="docker-deaths",
+                         daemon=True).start()
+        await asyncio.wait_for(listening, 30)
+
+    def watch(self, container_id: str) -> asyncio.Future[str]:
+        """A future set, with how it ended, when the container dies."""
+        future = self.watched[container_id] = asyncio.get_running_loop().create_future()
+        return future
+
+    def forget(self, container_id: str) -> None:
+        """No longer watched: it is being removed, and its death is ours."""
+        self.watched.pop(container_id, None)
+
+    def _died(self, container_id: str, code: str) -> None:
+        future = self.watched.pop(container_id, None)
+        if future is not None and not future.done():
+            future.set_result(f"its container exited with code {code}")
+
+    def _read(self, loop: asyncio.AbstractEventLoop, listening: asyncio.Future) -> None:
+        def tell(call: Callable, *args: Any) -> None:
+            with contextlib.suppress(RuntimeError):         # the server's loop has closed
+                loop.call_soon_threadsafe(call, *args)
+        since = None
+        while not self.closed.is_set():
+            try:
+                self.stream = self.daemon.client.events(decode=True, since=since, filters={
+                    "type": "container", "event": "die", "label": f"agentenv.owner={self.owner}"})
+                since = since or int(time.time())
+                if not listening.done():
+                    tell(lambda: listening.done() or listening.set_result(None))
+                for event in self.stream:
+                    since = event.get("time", since)
+                    code = ((event.get("Actor") or {}).get("Attributes") or {}).get("exitCode", "?")
+                    tell(self._died, event.get("id", ""), code)
+            except Exception as exc:                    # noqa: BLE001 - docker raises many kinds
+                if self.closed.is_set():
+                    return
+                if not listening.done():
+                    tell(lambda: listening.done() or listening.set_exception(AgentEnvError(
+                        f"the Docker daemon sends no events ({short(str(exc), 200)}); serve "
+                        "needs them to tell a dead env at once, or pass --docker-publish "
+                        "127.0.0.1 to reach envs through published ports")))
+                    return
+                log.warning("Docker's event stream broke (%s); reading it again from where it "
+                            "stopped.", short(str(exc), 200))
+            self.closed.wait(1)     # a stream that ended or broke is opened again, not spun on
+
+    def close(self) -> None:
+        self.closed.set()
+        if self.stream is not None:
+            with contextlib.suppress(Exception):
+                self.stream.close()
+
+
+def network_address(settings: dict[str, Any]) -> str:
+    """A container's address on its network (its NetworkSettings), as a URL's host: IPv4, else
+    [IPv6]; "" before it has one."""
+    for network in (settings.get("Networks") or {}).values():
+        if network.get("IPAddress") or network.get("GlobalIPv6Address"):
+            return network.get("IPAddress") or f"[{network['GlobalIPv6Address']}]"
+    return ""
+
+
+def started_env(client: Any, options: dict[str, Any], publish: str,
+                own_port: int = 0) -> tuple[Any, str, int]:
+    """Create and start a container that listens on ENV_PORT (in a thread): it, and the address
+    and port it is reached at. That is the port the daemon publishes on ``publish``, once bound;
+    or ``own_port`` of ``publish``, on the daemon's network (no bridge); or, with nothing to
+    publish (``publish`` empty: the daemon's bridges are this host's), ENV_PORT at the
+    container's own address on its network."""
     container = client.containers.create(**options)
     try:
         container.start()
         if own_port:
-            return container, str(own_port)
-        for _ in range(100):    # the published port shows once the daemon has bound it
+            return container, publish, own_port
+        for _ in range(100):    # a published port shows once the daemon has bound it
             container.reload()
-            ports = (container.attrs.get("NetworkSettings") or {}).get("Ports") or {}
-            if ports.get(f"{ENV_PORT}/tcp"):
-                return container, ports[f"{ENV_PORT}/tcp"][0]["HostPort"]
+            settings = container.attrs.get("NetworkSettings") or {}
+            if publish and (bound := (settings.get("Ports") or {}).get(f"{ENV_PORT}/tcp")):
+                return container, publish, int(bound[0]["HostPort"])
+            if not publish and (address := network_address(settings)):
+                return container, address, ENV_PORT
             state = container.attrs.get("State") or {}
             if state.get("Status") in ("exited", "dead"):
                 output = container.logs(tail=OUTPUT_LINES).decode(errors="replace")
                 raise RuntimeError(f"its container exited with code {state.get('ExitCode')} "
                                    f"as it started. Its last output:\n{short(output)}")
             time.sleep(0.02)
-        raise RuntimeError("the daemon published no port for its container within 2s")
+        raise RuntimeError(f"the daemon gave its container no {'port' if publish else 'address'} "
+                           "within 2s")
     except BaseException:
         container.remove(force=True)
         raise
 
 
 class DockerInstance(Instance):
-    """An env's container, published on a random port of the sandbox's address (127.0.0.1, or
-    a Ray node's own); or, on a daemon with no bridge, listening on that port itself."""
+    """An env's container: dialled at its own address on its network where the daemon's bridges
+    are this host's, else on a random port the daemon publishes on the sandbox's address (a Ray
+    node's own, say); or, on a daemon with no bridge, listening on a port of that address itself."""
 
     def __init__(self, daemon: DockerDaemon, container: Any, base_url: str, own_port: int = 0,
-                 release: Callable[[], None] = lambda: None):
+                 release: Callable[[], None] = lambda: None, deaths: DeathWatch | None = None):
         self.daemon, self.container, self.own_port = daemon, container, own_port
-        self.base_url, self.release = base_url, release
+        self.base_url, self.release, self.deaths = base_url, release, deaths
+        if deaths is not None:
+            self.stopped = deaths.watch(container.id)
+            # its dying process resets its connections, and the daemon tells of the death after
+            # (20 to 60 ms here, at a load of 6 too)
+            self.drop_settle = 3.0
         self._checked = 0.0
         self._box: DockerBox | None = None
 
@@ -3049,8 +3159,15 @@ class DockerInstance(Instance):
     async def exited(self, settle: float = 0.0) -> str | None:
         if not settle and time.monotonic() - self._checked < 0.5:   # a daemon call twice a second
             return None
+        if settle and self.stopped is not None:
+            # dialled at its own address, its dying process reset the connection before the
+            # daemon knew: its word of the death is waited for
+            await asyncio.wait((self.stopped,), timeout=settle)
         self._checked = time.monotonic()
-        return await self.daemon.exited(self.container)
+        why = await self.daemon.exited(self.container)
+        if why is None and self.stopped is not None and self.stopped.done():
+            return self.stopped.result()
+        return why
 
     async def output(self) -> str:
         try:
@@ -3073,6 +3190,8 @@ class DockerInstance(Instance):
         return says_port_taken(await self.output())
 
     async def remove(self) -> None:
+        if self.deaths is not None:
+            self.deaths.forget(self.container.id)
         try:
             await self.daemon.remove(self.container)
         finally:
@@ -3183,16 +3302,24 @@ class DockerSandbox(Sandbox):
     paced_teardown = True
     settings = (Declared("docker_publish", None, publish_address,
                          "with --sandbox docker: the address of the daemon's machine the envs' ports "
-                         "are published on and dialled at (default: DOCKER_HOST's host for a daemon "
-                         "elsewhere, else 127.0.0.1); checked at start", metavar="ADDRESS"),)
+                         "are published on and dialled at (default: none for a daemon in this "
+                         "network namespace, each env dialled at its own address on its network; "
+                         "DOCKER_HOST's host for a daemon elsewhere, else 127.0.0.1); checked at "
+                         "start", metavar="ADDRESS"),)
 
-    def __init__(self, owner: str, daemon: DockerDaemon, publish: str = "127.0.0.1"):
+    def __init__(self, owner: str, daemon: DockerDaemon, publish: str = "127.0.0.1",
+                 direct: bool = False):
         super().__init__(owner)
         self.daemon = daemon
         # Where envs are reached: their ports published on this address; or, where the daemon
         # has no bridge (node_network), each container on the daemon's own network, its env
-        # bound to a free port of this address as a local env would be.
+        # bound to a free port of this address as a local env would be; or (direct), where the
+        # daemon's bridges are this host's, each at its own address on its network, with no
+        # port published: a published port is a userland proxy, a process per port relaying
+        # every byte (0.1 to 0.2 ms a call here, and more on each new connection).
         self.publish, self.node_network = publish, not daemon.bridged
+        self.direct = direct and daemon.bridged
+        self.deaths = DeathWatch(daemon, owner) if self.direct else None
         self.ports: set[int] = set()
         # in this sandbox's network names: its own, since two sandboxes of one process (two
         # runtimes, or the hosts of nodes in one test) would otherwise make networks of one name
@@ -3211,14 +3338,19 @@ class DockerSandbox(Sandbox):
         """The sandbox on the daemon DOCKER_HOST names, its envs reached at ``publish`` (None: on
         DOCKER_HOST's host for a daemon elsewhere, else 127.0.0.1), once that is checked."""
         daemon = await DockerDaemon.reach()
+        # an address given is where envs are dialled; with none, a daemon in this network
+        # namespace has its bridges here, and its envs are dialled on them
+        direct = not publish and await asyncio.to_thread(daemon_shares_network)
         publish = publish or await asyncio.to_thread(remote_daemon_address) or "127.0.0.1"
         if not daemon.bridged:
             log.warning("The Docker daemon at %s has no bridge network (it runs with "
                         "--bridge=none), so env containers share its host's network, each env "
                         "bound to a port of %s: isolated in files, processes and users, not in "
                         "network.", os.environ.get("DOCKER_HOST") or "the default socket", publish)
-        sandbox = cls(owner, daemon, publish)
+        sandbox = cls(owner, daemon, publish, direct)
         try:
+            if sandbox.deaths is not None:
+                await sandbox.deaths.start()
             await sandbox.check_reachable()
         except BaseException:
             await sandbox.close()
@@ -3253,15 +3385,15 @@ class DockerSandbox(Sandbox):
                "reaches (for a daemon elsewhere, DOCKER_HOST's host is the default), or "
                "--sandbox local")
         try:
-            container, port = await self.daemon.created(
-                lambda: started_published(self.daemon.client, options, own_port),
+            container, _, port = await self.daemon.created(
+                lambda: started_env(self.daemon.client, options, self.publish, own_port),
                 lambda made: made[0], "the probe of whether envs can be reached", "did not start")
         except EpisodeFailed as exc:
             self.ports.discard(own_port)
             raise AgentEnvError(f"the Docker daemon at {daemon} could not publish a port on "
                                 f"{self.publish} ({exc}); {fix}") from None
         try:
-            said = await probe_answers(self.publish, int(port), PROBE_DEADLINE)
+            said = await probe_answers(self.publish, port, PROBE_DEADLINE)
         finally:
             self.daemon.removing(asyncio.ensure_future(self.daemon.remove(container)))
             self.ports.discard(own_port)
@@ -3308,7 +3440,8 @@ class DockerSandbox(Sandbox):
             return ("bridge: Docker's default bridge, with egress and other bridge containers in "
                     "reach (network = \"bridge\" in its env.toml)")
         return (f"isolated: on {self.network_name()}, no egress, no other env's container in reach, "
-                f"its port published on {self.publish} only")
+                + ("dialled at its address there, no port published" if self.direct else
+                   f"its port published on {self.publish} only"))
 
     async def episode_network(self, episode: str, segment: str = "") -> str:
         return await self._network(episode, segment)
@@ -3373,20 +3506,23 @@ class DockerSandbox(Sandbox):
                 **options["environment"], "MCP_HOST": self.publish, "MCP_PORT": str(own_port)})
         elif env.network == "isolated":
             options["network"] = await self._network("")
+        if self.direct:
+            del options["ports"]
         if limits.get("cpu"):
             options["nano_cpus"] = int(float(limits["cpu"]) * 1e9)
         if limits.get("memory_mb"):
             options["mem_limit"] = f"{int(limits['memory_mb'])}m"
 
         try:
-            container, port = await self.daemon.created(
-                lambda: started_published(self.daemon.client, options, own_port),
+            container, address, port = await self.daemon.created(
+                lambda: started_env(self.daemon.client, options,
+                                    "" if self.direct else self.publish, own_port),
                 lambda made: made[0], f"env {env.name!r}", "did not come up")
         except BaseException:
             self.ports.discard(own_port)
             raise
-        return DockerInstance(self.daemon, container, f"http://{self.publish}:{port}", own_port,
-                              lambda: self.ports.discard(own_port))
+        return DockerInstance(self.daemon, container, f"http://{address}:{port}", own_port,
+                              lambda: self.ports.discard(own_port), self.deaths)
 
     # -- boxes
 
@@ -3497,6 +3633,8 @@ class DockerSandbox(Sandbox):
             if network is not None:
                 log.error("Could not remove network %s; remove it with docker network rm %s.",
                           network.name, network.name)
+        if self.deaths is not None:
+            self.deaths.close()
         self.daemon.close()
 
 
@@ -4952,12 +5090,16 @@ class EnvLine:
     does a call that ends after the line was closed. Nothing is retried: a tool call may have
     run though its reply was lost. Failures are aiohttp's (``ClientOSError``,
     ``ServerDisconnectedError``, ``ClientPayloadError``), as for a call made with aiohttp, so
-    every caller tells them apart as it did. A reply past ``MAX_BODY`` fails as McpTooLong."""
+    every caller tells them apart as it did. A reply past ``MAX_BODY`` fails as McpTooLong.
+
+    Given the env's ``stopped`` (Instance.stopped), the line cuts every connection the moment
+    the env is known dead, in flight or idle, and opens none after: the call fails as one whose
+    env reset it would, instead of waiting for an answer nothing will send."""
 
     MAX_HEAD = 64 * 1024                  # bytes of a reply's status line and headers
     MAX_BODY = 64 * 1024 * 1024           # bytes of a reply's body: an env answering forever fails
 
-    def __init__(self, url: yarl.URL):
+    def __init__(self, url: yarl.URL, stopped: asyncio.Future[str] | None = None):
         self.host, self.port = url.raw_host or "", url.port or 80
         self.target = (url.raw_path_qs or "/").encode()
         authority = f"[{self.host}]" if ":" in self.host else self.host
@@ -4965,7 +5107,11 @@ class EnvLine:
             authority += f":{url.explicit_port}"
         self._host = f"Host: {authority}\r\n".encode()
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._busy: set[asyncio.StreamWriter] = set()      # connections a call holds
         self.closed = False
+        self.stopped = stopped
+        if stopped is not None:
+            stopped.add_done_callback(self._cut)
 
     @staticmethod
     def handles(url: yarl.URL) -> bool:
@@ -4982,26 +5128,45 @@ class EnvLine:
         return EnvReply(self, b"".join(head) + body)
 
     async def connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self.stopped is not None and self.stopped.done():
+            raise aiohttp.ClientOSError(errno.ECONNRESET, f"the env at {self.host}:{self.port} "
+                                                          f"stopped ({self.stopped.result()})")
         while self._idle:                 # the newest first; one the env closed meanwhile goes
             reader, writer = self._idle.pop()
             if not (reader.at_eof() or writer.is_closing() or unread(reader)
                     or reader.exception() is not None):
+                self._busy.add(writer)
                 return reader, writer
             writer.close()
         try:
-            return await asyncio.open_connection(self.host, self.port, limit=self.MAX_HEAD)
+            reader, writer = await asyncio.open_connection(self.host, self.port,
+                                                           limit=self.MAX_HEAD)
         except OSError as exc:
             raise aiohttp.ClientOSError(exc.errno, f"cannot connect to the env at "
                                                    f"{self.host}:{self.port}: {exc.strerror or exc}")
+        self._busy.add(writer)
+        return reader, writer
 
-    def give_back(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.closed or unread(reader):   # a call that outlived its session, or out of step
+    def give_back(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                  keep: bool = True) -> None:
+        """A connection a call is done with: kept for the next, or (``keep`` False: its reply was
+        not read whole) closed."""
+        self._busy.discard(writer)
+        # closed too: a call that outlived its session, or a connection out of step with its env
+        if not keep or self.closed or unread(reader) or writer.is_closing():
             writer.close()
         else:
             self._idle.append((reader, writer))
 
+    def _cut(self, _: Any) -> None:
+        for writer in [*self._busy, *(writer for _, writer in self._idle)]:
+            writer.transport.abort()     # a read waiting on it ends as if the env reset it
+        self._idle.clear()
+
     def close(self) -> None:
         self.closed = True
+        if self.stopped is not None:
+            self.stopped.remove_done_callback(self._cut)
         for _, writer in self._idle:
             writer.close()
         self._idle.clear()
@@ -5049,16 +5214,14 @@ class EnvReply:
             self._keep = "close" not in connection and (status.group(1) == b"1"
                                                          or "keep-alive" in connection)
         except BaseException:
-            writer.close()
+            self.line.give_back(reader, writer, keep=False)
             raise
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
         assert self._writer is not None and self._reader is not None
-        if self._done and self._keep and exc_info[0] is None:
-            self.line.give_back(self._reader, self._writer)
-        else:
-            self._writer.close()
+        self.line.give_back(self._reader, self._writer,
+                            keep=self._done and self._keep and exc_info[0] is None)
 
     async def read(self) -> bytes:
         return b"".join([chunk async for chunk in self.chunks()])
@@ -5133,10 +5296,12 @@ class McpSession:
 
     It speaks JSON-RPC over POST, takes a reply as JSON or as an SSE stream (reading the stream
     only until its own answer arrives), and carries ``Mcp-Session-Id`` once the server assigns one.
-    ``close()`` ends it on the server and closes its connections.
+    ``close()`` ends it on the server and closes its connections. Given the env's ``stopped``,
+    its calls end the moment the env is known dead (see EnvLine).
     """
 
-    def __init__(self, url: str, headers: dict[str, str] | None = None):
+    def __init__(self, url: str, headers: dict[str, str] | None = None,
+                 stopped: asyncio.Future[str] | None = None):
         self.url = url
         self.headers = {"Content-Type": "application/json",
                         "Accept": "application/json, text/event-stream", **(headers or {})}
@@ -5144,7 +5309,7 @@ class McpSession:
         target = yarl.URL(url)
         if not EnvLine.handles(target):
             raise McpError(f"an env is reached at an http:// address, not {url!r}")
-        self.line = EnvLine(target)
+        self.line = EnvLine(target, stopped)
 
     async def open(self, timeout: float = 30) -> dict[str, Any]:
         result = await self.request("initialize", {
@@ -5402,6 +5567,25 @@ class DeployedEnv:
                                 f"({type(exc).__name__}: {exc})") from None
 
 
+async def while_running(work: Awaitable[Any], stopped: asyncio.Future[str] | None,
+                        what: str) -> Any:
+    """``work``'s result, unless the env's ``stopped`` comes first: ``work`` is then cancelled
+    (a verifier's reads of a dead env would wait for answers nothing sends) and EpisodeFailed
+    says ``what`` and how the env ended."""
+    if stopped is None:
+        return await work
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise EpisodeFailed(f"{what}: {stopped.result()}", PEER_DROP)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))     # its end, not its error: ours is raised
+
+
 async def wait_ready(http: aiohttp.ClientSession, instance: Instance, env: EnvSpec,
                      timeout: float, deadline: float | None = None) -> DeployedEnv:
     """Wait until a launched env answers: its card with its name (or, with no card, MCP
@@ -5426,7 +5610,7 @@ async def wait_ready(http: aiohttp.ClientSession, instance: Instance, env: EnvSp
                     f"{env.environment_name!r}; set environment_name in envs/{env.name}/env.toml, or "
                     "make the server take its name from ENVIRONMENT_NAME", PROVIDER_UNAVAILABLE)
             mcp_url = instance.base_url + "/" + _mcp_path(card).lstrip("/")
-            session = McpSession(mcp_url)
+            session = McpSession(mcp_url, stopped=instance.stopped)
             try:
                 await session.open(timeout=5)
                 tools = await session.list_tools(timeout=10)
@@ -6109,9 +6293,15 @@ class Episode:
         self.end(reason)
 
     async def env_trouble(self, exc: BaseException) -> str:
-        """Why a call to an env failed: an env that stopped says so, with its last output."""
-        for env in self.envs.values():
-            if why := await env.instance.exited(settle=0.5):
+        """Why a call to an env failed: an env that stopped says so, with its last output. Every
+        env of the episode is asked at once, given its ``drop_settle`` to be seen stopped after a
+        connection dropped (half a second at most after a reply that is no MCP: it answered)."""
+        envs = list(self.envs.values())
+        whys = await asyncio.gather(*(env.instance.exited(
+            settle=min(0.5, env.instance.drop_settle) if isinstance(exc, McpError)
+            else env.instance.drop_settle) for env in envs))
+        for env, why in zip(envs, whys):
+            if why:
                 return f"env {env.spec.name!r} stopped: {why}. Its last output:\n" \
                        f"{short(await env.instance.output(), 1000)}"
         return f"{type(exc).__name__}: {exc}"
@@ -6625,7 +6815,7 @@ class Episode:
         try:
             for env_id in agent.get("env_ids", []):     # one MCP session per env per turn
                 env = self.envs[env_id]
-                session = McpSession(env.mcp_url, headers)
+                session = McpSession(env.mcp_url, headers, env.instance.stopped)
                 sessions.append(session)
                 await session.open()
                 for tool in await session.list_tools():
@@ -6666,10 +6856,12 @@ class Episode:
     async def _env_outcome_verifier(self, step: Step) -> None:
         env = self.envs[step.get("env_id")]
         try:
-            rows = await self.context.verifiers.run(step.get("file_artifact_id"), env.mcp_url)
+            rows = await while_running(
+                self.context.verifiers.run(step.get("file_artifact_id"), env.mcp_url),
+                env.instance.stopped, f"env {env.spec.name!r} stopped as its verifier read it")
         except EpisodeFailed:
             # A verifier fails when the env it reads has died: the env's fault, not the verifier's.
-            if why := await env.instance.exited(settle=0.5):
+            if why := await env.instance.exited(settle=env.instance.drop_settle):
                 raise EpisodeFailed(f"env {env.spec.name!r} stopped: {why}. "
                                     f"Its last output:\n{short(await env.instance.output(), 1000)}",
                                     PEER_DROP) from None

@@ -59,6 +59,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import aiohttp
 import pytest
@@ -2101,6 +2102,13 @@ def test_mcp_client_reads_sse_replies_and_refusals():
     run(go())
 
 
+async def raw_env(serve_one: Callable) -> tuple[asyncio.Server, str]:
+    """An env written on bare asyncio streams (``serve_one`` answers each connection), and its
+    MCP URL: for replies framed as no HTTP library would frame them."""
+    server = await asyncio.start_server(serve_one, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/mcp"
+
+
 def test_mcp_client_keeps_one_connection_and_reads_every_framing_of_a_reply():
     # An env written on anything: replies by Content-Length, by chunks (with an extension and a
     # trailer), after a 100 Continue, over HTTP/1.0 to the connection's end, and with
@@ -2203,8 +2211,7 @@ def test_mcp_client_keeps_one_connection_and_reads_every_framing_of_a_reply():
     async def go():
         nonlocal slow_arrived
         slow_arrived = asyncio.Event()
-        server = await asyncio.start_server(serve_one, "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/mcp"
+        server, url = await raw_env(serve_one)
         session = McpSession(url)
         try:
             await session.open()
@@ -2263,6 +2270,77 @@ def test_mcp_client_keeps_one_connection_and_reads_every_framing_of_a_reply():
             server.close()
             await server.wait_closed()
         assert session.line._idle == []
+
+    run(go())
+
+
+def test_an_env_known_stopped_ends_every_call_on_it_at_once():
+    # A container dialled at its own address that dies answers nothing more: a call waiting on
+    # it would wait out its timeout. Once its sandbox says it stopped (Instance.stopped), a call
+    # in flight ends as if the env reset it, an idle connection is closed, no new one is opened,
+    # and a verifier reading it is cancelled, masked PEER_DROP.
+    arrived: asyncio.Event
+    connections: list[asyncio.StreamReader] = []
+
+    async def serve_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(reader)
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
+                msg = json.loads(await reader.readexactly(length) or b"{}")
+                if (msg.get("params") or {}).get("name") == "hang":
+                    arrived.set()         # and no answer, as from a container that died
+                    continue
+                result = {"protocolVersion": "2025-06-18"} if msg.get("method") == "initialize" \
+                    else {"content": [{"type": "text", "text": "quick"}]}
+                body = json.dumps({"jsonrpc": "2.0", "id": msg.get("id"), "result": result}).encode()
+                status = b"200 OK" if msg.get("id") is not None else b"202 Accepted"
+                writer.write(b"HTTP/1.1 %s\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (status, len(body), body))
+        writer.close()
+
+    async def go():
+        nonlocal arrived
+        arrived = asyncio.Event()
+        server, url = await raw_env(serve_one)
+        stopped = asyncio.get_running_loop().create_future()
+        session = McpSession(url, stopped=stopped)
+        try:
+            await session.open()
+            hanging = asyncio.ensure_future(session.call_tool("hang", {}, timeout=600))
+            await arrived.wait()
+            assert await session.call_tool("quick", {}) == ToolResult("quick")  # a second line
+            assert len(connections) == 2 and len(session.line._idle) == 1
+            verifying = asyncio.ensure_future(asyncio.sleep(600))          # a verifier reading
+            reading = asyncio.ensure_future(agentenv.while_running(
+                verifying, stopped, "env 'notebook' stopped as its verifier read it"))
+            await asyncio.sleep(0)
+            stopped.set_result("its container exited with code 137")
+            async with asyncio.timeout(10):
+                with pytest.raises(aiohttp.ServerDisconnectedError):
+                    await hanging
+                with pytest.raises(EpisodeFailed) as failed:
+                    await reading
+                # the env's side of both connections sees them closed
+                for reader in connections:
+                    await reader.read()
+            assert failed.value.failure.kind == agentenv.PEER_DROP
+            assert str(failed.value.failure.reason) == \
+                "env 'notebook' stopped as its verifier read it: its container exited with code 137"
+            assert verifying.cancelled()
+            with pytest.raises(aiohttp.ClientOSError, match=r"stopped \(its container exited"):
+                await session.call_tool("after", {})
+            assert len(connections) == 2 and not session.line._idle and not session.line._busy
+            # a wait that ends first is its own result, and the future is left as it was
+            other = asyncio.get_running_loop().create_future()
+            assert await agentenv.while_running(asyncio.sleep(0, "rows"), other, "x") == "rows"
+            assert not other.done() and not other._callbacks
+            assert await agentenv.while_running(asyncio.sleep(0, "rows"), None, "x") == "rows"
+        finally:
+            session.drop()
+            server.close()
+            await server.wait_closed()
 
     run(go())
 

@@ -1054,6 +1054,7 @@ _call_tool = notebook.call_tool
 
 def call_tool(name, args, role):
     if name == "sleep" and isinstance(args, dict) and isinstance(args.get("seconds"), str):
+        print(f"sleepy: sleeping {args['seconds']}s", file=sys.stderr, flush=True)
         time.sleep(float(args["seconds"]))
         return "slept", False
     return _call_tool(name, args, role)
@@ -1071,7 +1072,7 @@ def with_sleep_tool(root: Path) -> Path:
 
     notebook = root / "envs" / "notebook"
     (notebook / "sleepy.py").write_text(SLEEPY)
-    patch(notebook / "Dockerfile", "COPY server.py .", "COPY server.py sleepy.py .")
+    patch(notebook / "Dockerfile", "COPY server.py .", "COPY server.py sleepy.py ./")
     patch(notebook / "Dockerfile", 'CMD ["python", "server.py"]', 'CMD ["python", "sleepy.py"]')
     assert "sleepy.py" in agentenv.Bundle.load(root).envs["notebook"].command[-1]
     return root

@@ -205,12 +205,12 @@ def test_container_settings_and_limits(docker_client, tmp_path):
 
     owner, plain_id, (plain, limited) = run(go())
     host = plain["attrs"]["HostConfig"]
-    # published on a random port of the loopback interface only, nothing else published
-    assert host["PortBindings"] == {ENV_PORT: [{"HostIp": "127.0.0.1", "HostPort": ""}]}
-    assert not host.get("PublishAllPorts")
-    published = plain["attrs"]["NetworkSettings"]["Ports"][ENV_PORT]
-    assert published and {p["HostIp"] for p in published} == {"127.0.0.1"}
-    assert plain["base_url"] == f"http://127.0.0.1:{published[0]['HostPort']}"
+    # this host's daemon: nothing published (no port proxy relaying each call), the env dialled
+    # at its own address on its network
+    assert not host.get("PortBindings") and not host.get("PublishAllPorts")
+    assert not plain["attrs"]["NetworkSettings"]["Ports"]
+    [network] = plain["attrs"]["NetworkSettings"]["Networks"].values()
+    assert plain["base_url"] == f"http://{network['IPAddress']}:{agentenv.ENV_PORT}"
     # labelled for the sweep, and for the user
     labels = plain["attrs"]["Config"]["Labels"]
     assert labels["agentenv.owner"] == owner == owner_id()
@@ -267,6 +267,45 @@ def test_a_sandbox_told_an_address_publishes_its_envs_there_only(docker_client):
     assert base_url == f"http://127.0.0.2:{published[0]['HostPort']}"
     assert not elsewhere, "the env answered on 127.0.0.1 too"
     assert owned_containers(docker_client, owner_id()) == []
+
+def test_an_env_containers_death_is_told_at_once_even_across_a_broken_event_stream(docker_client):
+    """A daemon in the server's network namespace: envs are dialled at their own addresses, and
+    a container's death is learnt from Docker's event stream. The stream breaks (as when the
+    daemon restarts): it is read again from where it stopped, so a container killed while it was
+    down is told once it is back, and one killed after, at once; a container the server removes
+    itself is never told as a death."""
+    bundle = Bundle.load(NOTES)
+    env = bundle.envs["notebook"]
+
+    async def go():
+        sandbox = await agentenv.DockerSandbox.reached(owner_id())
+        instances = []
+        try:
+            assert sandbox.direct and sandbox.deaths is not None
+            await sandbox.prepare([env])
+            for n in range(3):
+                instances.append(await sandbox.launch(env, f"death-told-{n}", {}))
+            killed, later, removed = instances
+            assert all(i.stopped is not None and not i.stopped.done() for i in instances)
+            broken = sandbox.deaths.stream
+            await asyncio.to_thread(broken.close)
+            await asyncio.to_thread(killed.container.kill)      # while the stream is down
+            told = await asyncio.wait_for(asyncio.shield(killed.stopped), 30)
+            assert sandbox.deaths.stream is not broken           # read again
+            await removed.remove()
+            await asyncio.to_thread(later.container.kill)
+            return told, await asyncio.wait_for(asyncio.shield(later.stopped), 10), removed.stopped
+        finally:
+            for instance in instances:
+                await instance.remove()
+            await sandbox.close()
+
+    told, later, removed = run(go())
+    assert told == later == "its container exited with code 137"
+    # its removal's death came before the later kill's, which was told: it was not taken for one
+    assert not removed.done()
+    assert owned_containers(docker_client, owner_id()) == []
+
 
 # ---------------------------------------------------------------- 3. image built once per content
 

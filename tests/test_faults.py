@@ -38,7 +38,10 @@ Added here, each through a served surface (``serve``, or the resources server as
 with a sibling rollout scored alongside:
 
 * an env process killed mid-episode (local sandbox), then a tool call, or straight to /verify;
-* a container killed mid-episode (``docker kill``, found by its ``agentenv.episode`` label);
+* a container killed mid-episode (``docker kill``, found by its ``agentenv.episode`` label),
+  before a tool call, during one, before /verify, or while its verifier reads it: each ends
+  within seconds (serve dials containers at their own addresses, and Docker's event of the
+  death is what ends a wait on one);
 * an env that hangs on a tool (tool_timeout) and an env that never becomes ready (reset_timeout on
   Gym, the reply deadline on OpenEnv), both beside a sibling that scores;
 * a client that disconnects mid-tool-call (Gym and OpenEnv /ws alike: the call is cancelled, and
@@ -565,21 +568,51 @@ def owned_containers(docker_client, server: Server) -> list:
     return [c for c in found if c.labels["agentenv.owner"].split(":")[1] == str(server.pid)]
 
 
-def test_a_container_killed_mid_episode_masks_its_rollout_and_a_sibling_scores(docker_client, tmp_path):
+SLOW_VERIFIER = (NOTES / "artifacts" / "check_notes" / "verify.py").read_text().replace(
+    "    notes = await asyncio.to_thread(_dump_notes, mcp_url)",
+    "    await asyncio.to_thread(_sleep_in_the_env, mcp_url)\n"
+    "    notes = await asyncio.to_thread(_dump_notes, mcp_url)") + '''
+
+def _sleep_in_the_env(mcp_url):
+    """A verifier that takes its time reading the env: the env's sleep tool, for 600 s."""
+    sid, _ = _post(mcp_url, {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": PROTOCOL_VERSION, "capabilities": {},
+        "clientInfo": {"name": "check_slowly", "version": "1.0"}}})
+    _post(mcp_url, {"jsonrpc": "2.0", "method": "notifications/initialized"}, sid)
+    _post(mcp_url, {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                    "params": {"name": "sleep", "arguments": {"seconds": "600"}}}, sid)
+'''
+
+
+@pytest.mark.parametrize("then", ["tool call", "call in flight", "verify", "verifier reading"])
+def test_a_container_killed_mid_episode_masks_its_rollout_at_once_and_a_sibling_scores(
+        docker_client, tmp_path, then):
     """Docker sandbox: ``docker kill`` of one rollout's container (found by its agentenv.episode
-    label) mid-episode. Its next call and its verify say the env's container exited with code 137,
-    masked transport_peer_drop; the sibling's container plays on and scores 1.0; no container of
-    the server is left."""
+    label) mid-episode: before its next call, while a call of it sleeps in the env, before its
+    verify, or while its verifier waits on the env. The call, or the verify, says the env's
+    container exited with code 137 within seconds, not after the 60 s tool timeout or the
+    verifier's; masked transport_peer_drop; the sibling's container plays on and scores 1.0; no
+    container of the server is left. serve dials a container at its own address: a connection
+    open as it dies is reset by its dying process, but a new one to an address nobody holds
+    waits for an answer that never comes, so only Docker's word of the death (serve reads its
+    event stream) ends the next call and the verify at once (without it: 60 s and 35 s)."""
+    bundle = with_sleep_tool(copy_bundle(tmp_path / "bundle"))
+    slowly = bundle / "artifacts" / "check_slowly"
+    slowly.mkdir()
+    (slowly / "verify.py").write_text(SLOW_VERIFIER.replace("timeout=30", "timeout=900"))
+    (bundle / "tasks" / "check-slowly.json").write_text(json.dumps(one_turn_task(
+        "notebook", "Save a note titled 'groceries' with eggs and milk.", "check_slowly")))
     # no warm pool (the Docker default keeps one): the server's containers are its rollouts'
-    server = Server.serve(NOTES, tmp_path, "--max-concurrent-envs", "4", "--warm", "0",
+    server = Server.serve(bundle, tmp_path, "--max-concurrent-envs", "4", "--warm", "0",
                           sandbox="docker")
     try:
         with running(server):
-            row = gym_rows(NOTES)["save-groceries"]
+            row = gym_rows(bundle)["save-groceries"]
 
             async def go():
                 async with client() as http:
-                    victim = await seeded(http, server.url, row)
+                    victim = await seeded(http, server.url, gym_rows(bundle)["check-slowly"]
+                                          if then == "verifier reading" else row)
                     assert (await victim.call("list_notes")).text == "(no notes)"
                     [container] = await asyncio.to_thread(owned_containers, docker_client, server)
                     episode = container.labels["agentenv.episode"]
@@ -587,16 +620,36 @@ def test_a_container_killed_mid_episode_masks_its_rollout_and_a_sibling_scores(d
                     assert (await sibling.call("list_notes")).text == "(no notes)"
                     [target] = docker_client.containers.list(
                         filters={"label": f"agentenv.episode={episode}"})
+                    asleep = verifying = after = None
+                    if then == "call in flight":
+                        asleep = asyncio.ensure_future(victim.call("sleep", seconds="600"))
+                    if then == "verifier reading":
+                        verifying = asyncio.ensure_future(victim.verify())
+                    if asleep or verifying:
+                        await asyncio.to_thread(wait_until, lambda: b"sleepy: sleeping" in
+                                                target.logs(), 30, "the env sleeps in the call")
+                    started = time.monotonic()
                     await asyncio.to_thread(target.kill)
-                    after = (await victim.call("write_note", **GROCERIES)).text
+                    if asleep is not None:
+                        after = answer(await asleep)
+                    elif then == "tool call":
+                        after = answer(await victim.call("write_note", **GROCERIES))
                     sib = (await sibling.call("write_note", **GROCERIES)).text
-                    return after, sib, (await victim.verify()).json(), (await sibling.verify()).json()
+                    if verifying is None:
+                        started = time.monotonic()
+                        verifying = asyncio.ensure_future(victim.verify())
+                    masked = (await verifying).json()
+                    return after, sib, masked, time.monotonic() - started, \
+                        (await sibling.verify()).json()
 
-            after, sib, masked, scored = run(go())
+            after, sib, masked, verified_in, scored = run(go())
             stopped = "env 'notebook' stopped: its container exited with code 137"
-            assert after.startswith("error: the environment failed: write_note failed because the env "
-                                    f"failed: {stopped}"), after
+            if after is not None:
+                text, took = after
+                assert text.startswith("error: the environment failed: ") and stopped in text, text
+                assert took < 30, f"the call waited {took:.1f}s for a dead env"
             assert_masked(masked, "transport_peer_drop", stopped)
+            assert verified_in < 30, f"the verify waited {verified_in:.1f}s for a dead env"
             assert sib == "saved note 'groceries'"
             assert_scored(scored)
             wait_until(lambda: not owned_containers(docker_client, server), 20,

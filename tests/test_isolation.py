@@ -115,12 +115,15 @@ def test_an_env_can_not_reach_another_episodes_env_but_the_server_reaches_both(d
             assert network.attrs["Labels"]["agentenv.owner"] == runtime.owner
             task = runtime.bundle.tasks["save-groceries"]
             first, second = runtime.episode(task), runtime.episode(task)
-            # the server reached each env on its published port: each listed its tools
+            # the server reached each env at its address on the envs' network (the host's
+            # bridge): each listed its tools
             for episode in (first, second):
                 turn = await episode.next_turn()
                 assert "write_note" in {t["name"] for t in turn.tools}
-                assert episode.envs["notebook"].instance.base_url.startswith("http://127.0.0.1:")
             one, other = env_container(docker_client, first), env_container(docker_client, second)
+            for episode, container in ((first, one), (second, other)):
+                assert episode.envs["notebook"].instance.base_url == \
+                    f"http://{address(container)}:{agentenv.ENV_PORT}"
             assert list(one.attrs["NetworkSettings"]["Networks"]) == [sandbox.network_name()]
             # each env answers itself inside its container, and no other can reach it
             port = agentenv.ENV_PORT
