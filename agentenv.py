@@ -3008,6 +3008,42 @@ class DockerDaemon:
             threads.shutdown(wait=False)
 
 
+class EnvAddresses:
+    """The addresses of the envs' network, handed out by this server rather than the daemon,
+    for envs it dials at their own addresses.
+
+    The daemon gives a dead container's address to the next container it starts, at once (four
+    containers in a row all got 172.24.0.2 here). serve learns of a death a few tens of
+    milliseconds after the daemon freed the address, so a call, or a verifier, still dialling a
+    dead env could reach another episode's env in that window: one rollout writing into another's
+    env, or scored by it. So each env is started at an address taken here, in turn round the
+    subnet, and an address is taken again only once serve has removed its container."""
+
+    def __init__(self, subnet: str):
+        import ipaddress
+        network = ipaddress.ip_network(subnet)
+        self.gateway = str(network.network_address + 1)
+        self.first = int(network.network_address) + 2
+        self.last = int(network.broadcast_address) - 1
+        self.cursor = self.first
+        self.held: set[int] = set()
+
+    def take(self) -> str:
+        import ipaddress
+        for _ in range(self.last - self.first + 1):
+            address, self.cursor = self.cursor, (self.first if self.cursor >= self.last
+                                                 else self.cursor + 1)
+            if address not in self.held:
+                self.held.add(address)
+                return str(ipaddress.ip_address(address))
+        raise EpisodeFailed(f"every one of the {len(self.held)} addresses of the envs' network is "
+                            "held by an env; lower --max-concurrent-envs", PROVIDER_UNAVAILABLE)
+
+    def give_back(self, address: str) -> None:
+        import ipaddress
+        self.held.discard(int(ipaddress.ip_address(address)))
+
+
 class DeathWatch:
     """The daemon's word that one of this server's env containers died, passed on to the env at
     once: one thread reads Docker's event stream of the owner's containers dying, and each
@@ -3018,9 +3054,10 @@ class DeathWatch:
     only the connections open as its process dies; a new one waits for an answer nothing at that
     address will send, so the next call on a killed env waited out the 60 s tool timeout, and its
     verify 35 s (tests/test_faults.py), where the proxy failed them in 1.7 s. A model that can get
-    its env killed (an out-of-memory under ``memory_mb``) would hold its rollout that long. A
-    death told while the stream was down (the daemon restarting) is read again from where it
-    stopped; one before a container is watched is for its deploy to see (it inspects the
+    its env killed (an out-of-memory under ``memory_mb``) would hold its rollout that long. When
+    the stream broke (the daemon restarting), it is read again from where it stopped, and every
+    container watched is inspected too, since the daemon keeps only so many events (none across a
+    restart); a death before a container is watched is for its deploy to see (it inspects the
     container before it reports it up)."""
 
     def __init__(self, daemon: DockerDaemon, owner: str):
@@ -3047,31 +3084,37 @@ class DeathWatch:
         """No longer watched: it is being removed, and its death is ours."""
         self.watched.pop(container_id, None)
 
-    def _died(self, container_id: str, code: str) -> None:
+    def _died(self, container_id: str, how: str) -> None:
         future = self.watched.pop(container_id, None)
         if future is not None and not future.done():
-            future.set_result(f"its container exited with code {code}")
+            future.set_result(how)
 
     def _read(self, loop: asyncio.AbstractEventLoop, listening: asyncio.Future) -> None:
         def tell(call: Callable, *args: Any) -> None:
             with contextlib.suppress(RuntimeError):         # the server's loop has closed
                 loop.call_soon_threadsafe(call, *args)
-        since = None
+        since, read_before = None, False
         while not self.closed.is_set():
             try:
                 self.stream = self.daemon.client.events(decode=True, since=since, filters={
                     "type": "container", "event": "die", "label": f"agentenv.owner={self.owner}"})
+                if self.closed.is_set():            # closed while it was opened
+                    self.stream.close()
+                    return
                 since = since or int(time.time())
-                if not listening.done():
+                if read_before:
+                    self._inspect_watched(tell)
+                else:
+                    read_before = True
                     tell(lambda: listening.done() or listening.set_result(None))
                 for event in self.stream:
                     since = event.get("time", since)
                     code = ((event.get("Actor") or {}).get("Attributes") or {}).get("exitCode", "?")
-                    tell(self._died, event.get("id", ""), code)
+                    tell(self._died, event.get("id", ""), f"its container exited with code {code}")
             except Exception as exc:                    # noqa: BLE001 - docker raises many kinds
                 if self.closed.is_set():
                     return
-                if not listening.done():
+                if not read_before:
                     tell(lambda: listening.done() or listening.set_exception(AgentEnvError(
                         f"the Docker daemon sends no events ({short(str(exc), 200)}); serve "
                         "needs them to tell a dead env at once, or pass --docker-publish "
@@ -3081,11 +3124,58 @@ class DeathWatch:
                             "stopped.", short(str(exc), 200))
             self.closed.wait(1)     # a stream that ended or broke is opened again, not spun on
 
+    def _inspect_watched(self, tell: Callable) -> None:
+        """After the stream was down: every watched container that is no longer running."""
+        import docker.errors
+        for container_id in list(self.watched):
+            try:
+                state = self.daemon.client.api.inspect_container(container_id).get("State") or {}
+            except docker.errors.NotFound:
+                tell(self._died, container_id, "its container is gone (removed from outside)")
+                continue
+            except Exception:                           # noqa: BLE001 - the stream says the rest
+                continue
+            if state.get("Status") in ("exited", "dead"):
+                tell(self._died, container_id,
+                     f"its container exited with code {state.get('ExitCode')}")
+
     def close(self) -> None:
         self.closed.set()
         if self.stream is not None:
             with contextlib.suppress(Exception):
                 self.stream.close()
+
+
+def ipv4_subnet(attrs: dict[str, Any]) -> str:
+    """A network's IPv4 subnet (its inspection's IPAM), or "" if it has none."""
+    return next((c["Subnet"] for c in (attrs.get("IPAM") or {}).get("Config") or []
+                 if c.get("Subnet") and ":" not in c["Subnet"]), "")
+
+
+def own_subnet_network(client: Any, name: str, **create: Any) -> Any:
+    """Make (in a thread) a network whose subnet this server gave, so that it may give each
+    container its address (the daemon takes one only on a subnet its user gave): the subnet the
+    daemon chooses, read off a network made and removed first. Another network taking it in
+    between is tried again."""
+    import docker
+    import ipaddress
+    for attempt in range(3):
+        chosen = client.networks.create(name, **create)
+        try:
+            subnet = ipv4_subnet(chosen.attrs)
+        finally:
+            chosen.remove()
+        if not subnet:
+            raise RuntimeError(f"the daemon gave the network {name} no IPv4 subnet")
+        pool = docker.types.IPAMPool(subnet=subnet,
+                                     gateway=str(ipaddress.ip_network(subnet).network_address + 1))
+        try:
+            return client.networks.create(name, ipam=docker.types.IPAMConfig(pool_configs=[pool]),
+                                          **create)
+        except docker.errors.APIError as exc:
+            if attempt == 2 or "overlap" not in str(exc).lower():
+                raise
+    raise AssertionError("three tries either return or raise")
 
 
 def network_address(settings: dict[str, Any]) -> str:
@@ -3130,14 +3220,17 @@ def started_env(client: Any, options: dict[str, Any], publish: str,
 
 
 class DockerInstance(Instance):
-    """An env's container: dialled at its own address on its network where the daemon's bridges
-    are this host's, else on a random port the daemon publishes on the sandbox's address (a Ray
-    node's own, say); or, on a daemon with no bridge, listening on a port of that address itself."""
+    """An env's container: dialled at the address this server gave it on the envs' network,
+    where the daemon's bridges are this host's (its death told by ``deaths``, its address given
+    back by ``vacate`` once it is removed); else on a random port the daemon publishes on the
+    sandbox's address (a Ray node's own, say); or, on a daemon with no bridge, listening on a
+    port of that address itself."""
 
     def __init__(self, daemon: DockerDaemon, container: Any, base_url: str, own_port: int = 0,
-                 release: Callable[[], None] = lambda: None, deaths: DeathWatch | None = None):
+                 release: Callable[[], None] = lambda: None, deaths: DeathWatch | None = None,
+                 vacate: Callable[[], None] = lambda: None):
         self.daemon, self.container, self.own_port = daemon, container, own_port
-        self.base_url, self.release, self.deaths = base_url, release, deaths
+        self.base_url, self.release, self.deaths, self.vacate = base_url, release, deaths, vacate
         if deaths is not None:
             self.stopped = deaths.watch(container.id)
             # its dying process resets its connections, and the daemon tells of the death after
@@ -3191,18 +3284,25 @@ class DockerInstance(Instance):
 
     async def remove(self) -> None:
         if self.deaths is not None:
-            self.deaths.forget(self.container.id)
+            self.deaths.forget(self.container.id)       # its death is ours, not the env's
+            if self.stopped is not None and not self.stopped.done():
+                # and nothing dials it from now on (a call that outlived its episode)
+                self.stopped.set_result("its container was removed by the server")
         try:
             await self.daemon.remove(self.container)
         finally:
             self.release()
+        # its address only once it is gone, and once: another env may hold it next
+        vacate, self.vacate = self.vacate, lambda: None
+        vacate()
 
 
 @dataclasses.dataclass(frozen=True)
 class DockerOptions:
     """Where the Docker sandbox's envs are reached: the address their ports are published on,
-    which is the address this server dials (None: DOCKER_HOST's host for a daemon elsewhere, else
-    127.0.0.1)."""
+    which is the address this server dials (None: for a daemon in this network namespace, each
+    env at its own address on the envs' network, nothing published; DOCKER_HOST's host for a
+    daemon elsewhere; else 127.0.0.1)."""
 
     publish: str | None = None
 
@@ -3320,6 +3420,7 @@ class DockerSandbox(Sandbox):
         self.publish, self.node_network = publish, not daemon.bridged
         self.direct = direct and daemon.bridged
         self.deaths = DeathWatch(daemon, owner) if self.direct else None
+        self.addresses: EnvAddresses | None = None      # once the envs' network is made (direct)
         self.ports: set[int] = set()
         # in this sandbox's network names: its own, since two sandboxes of one process (two
         # runtimes, or the hosts of nodes in one test) would otherwise make networks of one name
@@ -3335,8 +3436,9 @@ class DockerSandbox(Sandbox):
 
     @classmethod
     async def reached(cls, owner: str, publish: str | None = None) -> DockerSandbox:
-        """The sandbox on the daemon DOCKER_HOST names, its envs reached at ``publish`` (None: on
-        DOCKER_HOST's host for a daemon elsewhere, else 127.0.0.1), once that is checked."""
+        """The sandbox on the daemon DOCKER_HOST names, its envs reached at ``publish`` (None: at
+        their own addresses for a daemon in this network namespace, on DOCKER_HOST's host for a
+        daemon elsewhere, else on 127.0.0.1), once that is checked."""
         daemon = await DockerDaemon.reach()
         # an address given is where envs are dialled; with none, a daemon in this network
         # namespace has its bridges here, and its envs are dialled on them
@@ -3458,12 +3560,17 @@ class DockerSandbox(Sandbox):
             labels = {"agentenv.owner": self.owner, "agentenv.episode": episode or "(envs)"}
             options = EPISODE_NETWORK_OPTIONS if episode else ENVS_NETWORK_OPTIONS
             bridge = BRIDGE_PREFIX + secrets.token_hex(6)          # at most 15 characters
-            self.networks[key] = asyncio.ensure_future(self.daemon.call(
-                self.daemon.client.networks.create, name, driver="bridge", labels=labels,
-                internal=bool(episode),
-                options={**options, "com.docker.network.bridge.name": bridge}, timeout=60))
+            create = dict(driver="bridge", labels=labels, internal=bool(episode),
+                          options={**options, "com.docker.network.bridge.name": bridge})
+            client = self.daemon.client
+            self.networks[key] = asyncio.ensure_future(
+                self.daemon.call(own_subnet_network, client, name, timeout=60, **create)
+                if self.direct and not episode else
+                self.daemon.call(client.networks.create, name, timeout=60, **create))
         try:
-            await asyncio.shield(self.networks[key])
+            network = await asyncio.shield(self.networks[key])
+            if self.direct and not episode and self.addresses is None:
+                self.addresses = EnvAddresses(ipv4_subnet(network.attrs))
         except asyncio.CancelledError:
             raise
         except Exception as exc:                        # noqa: BLE001 - docker raises many kinds
@@ -3498,31 +3605,42 @@ class DockerSandbox(Sandbox):
             # and a log on the host of a few MiB at most, whatever a tool call makes the env print
             security_opt=["no-new-privileges"], cap_drop=["ALL"], pids_limit=DOCKER_PIDS_LIMIT,
             log_config=ENV_LOG)
-        own_port = 0
+        own_port, address = 0, ""
         if self.node_network:       # no bridge: on the daemon's network, on a port of its own
             own_port = reserve_port(self.publish, self.ports)
             del options["ports"]
             options.update(network_mode="host", environment={
                 **options["environment"], "MCP_HOST": self.publish, "MCP_PORT": str(own_port)})
         elif env.network == "isolated":
-            options["network"] = await self._network("")
-        if self.direct:
-            del options["ports"]
+            options["network"] = network = await self._network("")
+            if self.addresses is not None:   # dialled at an address this server gives it
+                address = self.addresses.take()
+                del options["ports"]
+                options["networking_config"] = {
+                    network: self.daemon.client.api.create_endpoint_config(ipv4_address=address)}
+        # (an env on Docker's default bridge, which takes no address given, is published)
         if limits.get("cpu"):
             options["nano_cpus"] = int(float(limits["cpu"]) * 1e9)
         if limits.get("memory_mb"):
             options["mem_limit"] = f"{int(limits['memory_mb'])}m"
 
+        addresses = self.addresses
         try:
-            container, address, port = await self.daemon.created(
+            container, reached, port = await self.daemon.created(
                 lambda: started_env(self.daemon.client, options,
-                                    "" if self.direct else self.publish, own_port),
+                                    "" if address else self.publish, own_port),
                 lambda made: made[0], f"env {env.name!r}", "did not come up")
         except BaseException:
             self.ports.discard(own_port)
+            if address and addresses is not None:
+                addresses.give_back(address)
             raise
-        return DockerInstance(self.daemon, container, f"http://{address}:{port}", own_port,
-                              lambda: self.ports.discard(own_port), self.deaths)
+        if not address:
+            return DockerInstance(self.daemon, container, f"http://{reached}:{port}", own_port,
+                                  lambda: self.ports.discard(own_port))
+        assert addresses is not None
+        return DockerInstance(self.daemon, container, f"http://{address}:{port}",
+                              deaths=self.deaths, vacate=lambda: addresses.give_back(address))
 
     # -- boxes
 
@@ -5129,8 +5247,7 @@ class EnvLine:
 
     async def connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         if self.stopped is not None and self.stopped.done():
-            raise aiohttp.ClientOSError(errno.ECONNRESET, f"the env at {self.host}:{self.port} "
-                                                          f"stopped ({self.stopped.result()})")
+            raise self._refused()
         while self._idle:                 # the newest first; one the env closed meanwhile goes
             reader, writer = self._idle.pop()
             if not (reader.at_eof() or writer.is_closing() or unread(reader)
@@ -5138,14 +5255,27 @@ class EnvLine:
                 self._busy.add(writer)
                 return reader, writer
             writer.close()
+        opening = asyncio.open_connection(self.host, self.port, limit=self.MAX_HEAD)
         try:
-            reader, writer = await asyncio.open_connection(self.host, self.port,
-                                                           limit=self.MAX_HEAD)
+            if self.stopped is None:
+                reader, writer = await opening
+            else:       # a connect to an address nobody holds any more waits: not for long
+                reader, writer = await while_running(opening, self.stopped, "")
         except OSError as exc:
             raise aiohttp.ClientOSError(exc.errno, f"cannot connect to the env at "
                                                    f"{self.host}:{self.port}: {exc.strerror or exc}")
+        except EpisodeFailed:
+            raise self._refused() from None
+        if self.stopped is not None and self.stopped.done():
+            writer.transport.abort()
+            raise self._refused()
         self._busy.add(writer)
         return reader, writer
+
+    def _refused(self) -> aiohttp.ClientOSError:
+        assert self.stopped is not None
+        return aiohttp.ClientOSError(errno.ECONNRESET, f"the env at {self.host}:{self.port} "
+                                                       f"stopped ({self.stopped.result()})")
 
     def give_back(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                   keep: bool = True) -> None:
@@ -5157,16 +5287,22 @@ class EnvLine:
             writer.close()
         else:
             self._idle.append((reader, writer))
+        if self.closed and not self._busy:
+            self._unwatch()
 
     def _cut(self, _: Any) -> None:
         for writer in [*self._busy, *(writer for _, writer in self._idle)]:
             writer.transport.abort()     # a read waiting on it ends as if the env reset it
         self._idle.clear()
 
-    def close(self) -> None:
-        self.closed = True
+    def _unwatch(self) -> None:
         if self.stopped is not None:
             self.stopped.remove_done_callback(self._cut)
+
+    def close(self) -> None:
+        self.closed = True
+        if not self._busy:          # a call still under way is cut too, if its env dies
+            self._unwatch()
         for _, writer in self._idle:
             writer.close()
         self._idle.clear()
@@ -5584,6 +5720,8 @@ async def while_running(work: Awaitable[Any], stopped: asyncio.Future[str] | Non
         if not task.done():
             task.cancel()
             await asyncio.wait((task,))     # its end, not its error: ours is raised
+        if not task.cancelled():
+            task.exception()                # read, so that none is logged as never read
 
 
 async def wait_ready(http: aiohttp.ClientSession, instance: Instance, env: EnvSpec,

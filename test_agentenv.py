@@ -2345,6 +2345,23 @@ def test_an_env_known_stopped_ends_every_call_on_it_at_once():
     run(go())
 
 
+def test_env_addresses_go_round_the_subnet_and_come_back_only_when_given_back():
+    # The daemon would give a dead env's address to the next env at once; serve gives each its
+    # own, in turn, and one is taken again only once its container was removed and it was given
+    # back, after every other free one.
+    addresses = agentenv.EnvAddresses("10.9.8.0/29")      # .1 the gateway, .2 to .6 for envs
+    assert addresses.gateway == "10.9.8.1"
+    taken = [addresses.take() for _ in range(4)]
+    assert taken == ["10.9.8.2", "10.9.8.3", "10.9.8.4", "10.9.8.5"]
+    addresses.give_back("10.9.8.3")
+    assert addresses.take() == "10.9.8.6"         # the freed one waits its turn
+    assert addresses.take() == "10.9.8.3"
+    with pytest.raises(EpisodeFailed, match="every one of the 5 addresses .* lower "
+                                            "--max-concurrent-envs") as full:
+        addresses.take()
+    assert full.value.failure.kind == agentenv.PROVIDER_UNAVAILABLE
+
+
 def test_a_long_tool_answer_is_cut_and_says_so():
     text = agentenv.tool_text({"content": [{"type": "text", "text": "x" * 100_050}]})
     assert text.startswith("x" * 100_000 + "\n[output cut: the tool answered 100050 characters")

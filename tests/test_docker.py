@@ -269,11 +269,12 @@ def test_a_sandbox_told_an_address_publishes_its_envs_there_only(docker_client):
     assert owned_containers(docker_client, owner_id()) == []
 
 def test_an_env_containers_death_is_told_at_once_even_across_a_broken_event_stream(docker_client):
-    """A daemon in the server's network namespace: envs are dialled at their own addresses, and
-    a container's death is learnt from Docker's event stream. The stream breaks (as when the
-    daemon restarts): it is read again from where it stopped, so a container killed while it was
-    down is told once it is back, and one killed after, at once; a container the server removes
-    itself is never told as a death."""
+    """A daemon in the server's network namespace: envs are dialled at addresses the server gives
+    them, and a container's death is learnt from Docker's event stream. The stream breaks (as
+    when the daemon restarts): it is read again from where it stopped, so a container killed
+    while it was down is told once it is back, and one killed after, at once; a container the
+    server removes itself is never told as a death. A dead env's address is not given to the
+    next env (the daemon would give it at once) while the dead one is not yet removed."""
     bundle = Bundle.load(NOTES)
     env = bundle.envs["notebook"]
 
@@ -292,18 +293,24 @@ def test_an_env_containers_death_is_told_at_once_even_across_a_broken_event_stre
             await asyncio.to_thread(killed.container.kill)      # while the stream is down
             told = await asyncio.wait_for(asyncio.shield(killed.stopped), 30)
             assert sandbox.deaths.stream is not broken           # read again
+            removed_stopped = removed.stopped
             await removed.remove()
             await asyncio.to_thread(later.container.kill)
-            return told, await asyncio.wait_for(asyncio.shield(later.stopped), 10), removed.stopped
+            later_told = await asyncio.wait_for(asyncio.shield(later.stopped), 10)
+            instances.append(await sandbox.launch(env, "death-told-3", {}))
+            urls = [i.base_url for i in instances]
+            return told, later_told, removed_stopped, urls
         finally:
             for instance in instances:
                 await instance.remove()
             await sandbox.close()
 
-    told, later, removed = run(go())
+    told, later, removed, urls = run(go())
     assert told == later == "its container exited with code 137"
     # its removal's death came before the later kill's, which was told: it was not taken for one
-    assert not removed.done()
+    assert removed.result() == "its container was removed by the server"
+    # the next env is at an address none of the others had, though the daemon freed two
+    assert len(set(urls)) == 4, urls
     assert owned_containers(docker_client, owner_id()) == []
 
 
