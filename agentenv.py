@@ -2767,19 +2767,30 @@ class DockerDaemon:
     # -- containers
 
     async def created(self, create_and_start: Callable[[], Any], container_of: Callable[[Any], Any],
-                      what: str, failed: str) -> Any:
+                      what: str, failed: str, gone: Callable[[], None] = lambda: None) -> Any:
         """Create and start a container in a thread, within 120 s: what ``create_and_start``
         gives, or EpisodeFailed saying what the daemon did (``what`` names the env or box).
 
         The thread's own future is kept until the thread ends, so neither a deadline nor an
         abandoned episode nor close() can lose a container that is still being created (one that
         appears after its waiter gave up is removed at once); and a creation past its deadline
-        holds its slot until it ends, capping those in flight."""
+        holds its slot until it ends, capping those in flight. ``gone`` is called once no
+        container of this creation can stand: it never started, it failed (``create_and_start``
+        removes what it made), or the one that came too late was removed."""
+        async def undone(made: Any) -> None:
+            await self.remove(container_of(made))       # RemovalFailed: it may stand, kept
+            gone()
+
         def undo(made: Any) -> None:
-            self.removing(asyncio.get_running_loop().create_task(self.remove(container_of(made))))
-        job = await self.start(create_and_start)
+            self.removing(asyncio.get_running_loop().create_task(undone(made)))
+        try:
+            job = await self.start(create_and_start)
+        except BaseException:
+            gone()
+            raise
         self.creating.add(job)
         job.add_done_callback(self.creating.discard)
+        job.add_done_callback(lambda done: done.cancelled() or done.exception() is None or gone())
         try:
             return await asyncio.wait_for(guarded(job, undo), 120)
         except asyncio.TimeoutError:
@@ -3159,8 +3170,13 @@ def own_subnet_network(client: Any, name: str, **create: Any) -> Any:
     between is tried again."""
     import docker
     import ipaddress
-    for attempt in range(3):
-        chosen = client.networks.create(name, **create)
+    tries = 8
+    for attempt in range(tries):
+        # the probe has a name and a bridge of its own, so one left standing blocks nothing (it
+        # carries the owner's label: a sweep removes it)
+        probe = {**create, "options": {**create["options"], "com.docker.network.bridge.name":
+                                       BRIDGE_PREFIX + secrets.token_hex(6)}}
+        chosen = client.networks.create(f"{name}-probe-{secrets.token_hex(3)}", **probe)
         try:
             subnet = ipv4_subnet(chosen.attrs)
         finally:
@@ -3173,9 +3189,11 @@ def own_subnet_network(client: Any, name: str, **create: Any) -> Any:
             return client.networks.create(name, ipam=docker.types.IPAMConfig(pool_configs=[pool]),
                                           **create)
         except docker.errors.APIError as exc:
-            if attempt == 2 or "overlap" not in str(exc).lower():
+            if attempt == tries - 1 or "overlap" not in str(exc).lower():
                 raise
-    raise AssertionError("three tries either return or raise")
+        # another server took the subnet in between (several starting at once): a little later
+        time.sleep(random.uniform(0.05, 0.3))
+    raise AssertionError("the tries either return or raise")
 
 
 def network_address(settings: dict[str, Any]) -> str:
@@ -3625,22 +3643,26 @@ class DockerSandbox(Sandbox):
             options["mem_limit"] = f"{int(limits['memory_mb'])}m"
 
         addresses = self.addresses
+        # its address comes back once no container of this creation can stand, never before
+        vacate = (lambda: addresses.give_back(address)) if address and addresses else lambda: None
         try:
             container, reached, port = await self.daemon.created(
                 lambda: started_env(self.daemon.client, options,
                                     "" if address else self.publish, own_port),
-                lambda made: made[0], f"env {env.name!r}", "did not come up")
+                lambda made: made[0], f"env {env.name!r}", "did not come up", vacate)
         except BaseException:
             self.ports.discard(own_port)
-            if address and addresses is not None:
-                addresses.give_back(address)
             raise
         if not address:
             return DockerInstance(self.daemon, container, f"http://{reached}:{port}", own_port,
                                   lambda: self.ports.discard(own_port))
-        assert addresses is not None
-        return DockerInstance(self.daemon, container, f"http://{address}:{port}",
-                              deaths=self.deaths, vacate=lambda: addresses.give_back(address))
+        instance = DockerInstance(self.daemon, container, f"http://{address}:{port}",
+                                  deaths=self.deaths, vacate=vacate)
+        if reached != address:      # never dial an address the daemon gave another container
+            await instance.remove()
+            raise EpisodeFailed(f"env {env.name!r}: the Docker daemon gave its container the "
+                                f"address {reached}, not {address} as asked", PROVIDER_UNAVAILABLE)
+        return instance
 
     # -- boxes
 

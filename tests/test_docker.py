@@ -314,6 +314,31 @@ def test_an_env_containers_death_is_told_at_once_even_across_a_broken_event_stre
     assert owned_containers(docker_client, owner_id()) == []
 
 
+def test_servers_starting_together_each_make_an_envs_network_of_a_subnet_of_its_own(docker_client):
+    """The envs' network is made with the subnet the daemon chooses, given back to it explicitly
+    (so the server may give each env its address). Four servers starting at once (as Gym starts
+    them) each get a network, of four subnets; a subnet another took in between is tried again."""
+    async def go():
+        sandboxes = await asyncio.gather(*(agentenv.DockerSandbox.reached(owner_id())
+                                           for _ in range(4)))
+        try:
+            names = await asyncio.gather(*(s.episode_network("") for s in sandboxes))
+            subnets = [agentenv.ipv4_subnet((await asyncio.to_thread(
+                docker_client.networks.get, name)).attrs) for name in names]
+            return subnets, [s.addresses for s in sandboxes]
+        finally:
+            for sandbox in sandboxes:
+                await sandbox.close()
+
+    subnets, addresses = run(go())
+    assert len(set(subnets)) == 4 and all(subnets), subnets
+    assert all(a is not None for a in addresses)
+    assert [f"{a.gateway.rsplit('.', 1)[0]}" for a in addresses] == \
+        [s.split("/")[0].rsplit(".", 1)[0] for s in subnets]
+    left = docker_client.networks.list(filters={"label": f"agentenv.owner={owner_id()}"})
+    assert not left, [n.name for n in left]     # the probes too
+
+
 # ---------------------------------------------------------------- 3. image built once per content
 
 def test_image_built_once_per_content(docker_client, tmp_path, monkeypatch, built_images, caplog):
@@ -451,6 +476,8 @@ def test_launch_of_env_exiting_at_once_reports_code_and_output(docker_client, tm
             try:
                 instance = await rt.sandbox.launch(env, episode, {})
             except EpisodeFailed as exc:
+                # no container of it stands: its address is free for the next env
+                assert not rt.sandbox.addresses.held
                 return str(exc)
             try:
                 for _ in range(50):
@@ -460,6 +487,7 @@ def test_launch_of_env_exiting_at_once_reports_code_and_output(docker_client, tm
                 return "the container did not exit"
             finally:
                 await instance.remove()
+                assert not rt.sandbox.addresses.held
 
     try:
         said = run(go())
