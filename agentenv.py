@@ -3092,8 +3092,10 @@ class DeathWatch:
         return future
 
     def forget(self, container_id: str) -> None:
-        """No longer watched: it is being removed, and its death is ours."""
-        self.watched.pop(container_id, None)
+        """No longer watched, since the server removes it (its death is ours, not the env's):
+        its ``stopped`` says so, and nothing dials it from now on (a call that outlived its
+        episode)."""
+        self._died(container_id, "its container was removed by the server")
 
     def _died(self, container_id: str, how: str) -> None:
         future = self.watched.pop(container_id, None)
@@ -3197,12 +3199,9 @@ def own_subnet_network(client: Any, name: str, **create: Any) -> Any:
 
 
 def network_address(settings: dict[str, Any]) -> str:
-    """A container's address on its network (its NetworkSettings), as a URL's host: IPv4, else
-    [IPv6]; "" before it has one."""
-    for network in (settings.get("Networks") or {}).values():
-        if network.get("IPAddress") or network.get("GlobalIPv6Address"):
-            return network.get("IPAddress") or f"[{network['GlobalIPv6Address']}]"
-    return ""
+    """A container's IPv4 address on its network (its NetworkSettings); "" before it has one."""
+    return next((n["IPAddress"] for n in (settings.get("Networks") or {}).values()
+                 if n.get("IPAddress")), "")
 
 
 def started_env(client: Any, options: dict[str, Any], publish: str,
@@ -3302,10 +3301,7 @@ class DockerInstance(Instance):
 
     async def remove(self) -> None:
         if self.deaths is not None:
-            self.deaths.forget(self.container.id)       # its death is ours, not the env's
-            if self.stopped is not None and not self.stopped.done():
-                # and nothing dials it from now on (a call that outlived its episode)
-                self.stopped.set_result("its container was removed by the server")
+            self.deaths.forget(self.container.id)
         try:
             await self.daemon.remove(self.container)
         finally:
@@ -3644,7 +3640,7 @@ class DockerSandbox(Sandbox):
 
         addresses = self.addresses
         # its address comes back once no container of this creation can stand, never before
-        vacate = (lambda: addresses.give_back(address)) if address and addresses else lambda: None
+        vacate = (lambda: addresses.give_back(address)) if address else lambda: None
         try:
             container, reached, port = await self.daemon.created(
                 lambda: started_env(self.daemon.client, options,
