@@ -5349,19 +5349,19 @@ class EnvReply:
             writer.write(self.request)
             while True:                   # a 1xx reply (100 Continue) comes before the real one
                 head = await self._read(reader.readuntil(b"\r\n\r\n"), "its headers")
-                lines = head[:-4].split(b"\r\n")
-                if not (status := STATUS_LINE.fullmatch(lines[0])):
-                    raise McpError(f"the env answered {short(repr(lines[0]), 100)}, not HTTP/1.x")
+                status_line, _, fields = head[:-4].partition(b"\r\n")
+                if not (status := STATUS_LINE.fullmatch(status_line)):
+                    raise McpError(f"the env answered {short(repr(status_line), 100)}, not HTTP/1.x")
                 self.status = int(status.group(2))
                 if self.status >= 200:
                     break
-            for line in lines[1:]:
-                name, colon, value = line.decode("latin-1").partition(":")
-                name, value = name.strip().lower(), value.strip()
+            for line in fields.decode("latin-1").split("\r\n") if fields else ():
+                name, colon, value = line.partition(":")
                 if not colon:
                     raise aiohttp.ClientPayloadError(
                         f"the env sent a header line without a colon: {short(repr(line), 80)}")
-                if self.headers.get(name, value) != value and name == "content-length":
+                name, value = name.strip().lower(), value.strip()
+                if name == "content-length" and self.headers.get(name, value) != value:
                     raise aiohttp.ClientPayloadError("the env sent two Content-Lengths")
                 self.headers[name] = value
             connection = self.headers.get("connection", "").lower()
@@ -5378,6 +5378,10 @@ class EnvReply:
                             keep=self._done and self._keep and exc_info[0] is None)
 
     async def read(self) -> bytes:
+        if (length := self._length()) is not None:      # the usual reply: at once, no generator
+            body = await self._read(self._reader.readexactly(length), "its body") if length else b""
+            self._done = True
+            return body
         return b"".join([chunk async for chunk in self.chunks()])
 
     async def text(self) -> str:
@@ -5390,7 +5394,11 @@ class EnvReply:
         if self.status in (204, 304):     # no body; one sent anyway keeps the connection unused
             self._done = True
             return
-        if "chunked" in headers.get("transfer-encoding", "").lower():
+        if (length := self._length()) is not None:
+            if length:
+                yield await self._read(reader.readexactly(length), "its body")
+            self._done = True
+        elif "chunked" in headers.get("transfer-encoding", "").lower():
             if "content-length" in headers:      # both: chunks count, and the line is not kept
                 self._keep = False
             while True:
@@ -5409,14 +5417,6 @@ class EnvReply:
                 if chunk[-2:] != b"\r\n":
                     raise aiohttp.ClientPayloadError("the env sent a chunk longer than it said")
                 yield chunk[:-2]
-        elif (length_field := headers.get("content-length")) is not None:
-            if not DECIMAL.fullmatch(length_field):
-                raise aiohttp.ClientPayloadError(f"the env sent Content-Length {length_field!r}")
-            if (length := int(length_field)) > left:
-                raise McpTooLong(self._too_long())
-            if length:
-                yield await self._read(reader.readexactly(length), "its body")
-            self._done = True
         else:                             # no length: the body ends with the connection
             self._keep = False
             while chunk := await self._read(reader.read(65536), "its body"):
@@ -5424,6 +5424,19 @@ class EnvReply:
                     raise McpTooLong(self._too_long())
                 yield chunk
             self._done = True
+
+    def _length(self) -> int | None:
+        """The body's length, when its Content-Length says where it ends: not for a reply that has
+        no body (204, 304), comes in chunks, or ends with the connection."""
+        headers = self.headers
+        if self.status in (204, 304) or "chunked" in headers.get("transfer-encoding", "").lower() \
+                or (field := headers.get("content-length")) is None:
+            return None
+        if not DECIMAL.fullmatch(field):
+            raise aiohttp.ClientPayloadError(f"the env sent Content-Length {field!r}")
+        if (length := int(field)) > self.line.MAX_BODY:
+            raise McpTooLong(self._too_long())
+        return length
 
     def _too_long(self) -> str:
         return (f"the answer is longer than the {self.line.MAX_BODY // 2**20} MiB agentenv.py "
@@ -5519,8 +5532,11 @@ class McpSession:
         self.next_id += 1
         rid = self.next_id                  # this request's id, whatever later requests take
         body = json.dumps({"jsonrpc": "2.0", "id": rid, "method": method, "params": params}).encode()
-        async with asyncio.timeout(timeout):    # None for a tool call: its turn keeps the deadline
+        if timeout is None:                 # a tool call: its turn keeps the deadline
             message = await self._exchange(method, rid, body)
+        else:
+            async with asyncio.timeout(timeout):
+                message = await self._exchange(method, rid, body)
         if not isinstance(message, dict):
             raise McpError(f"{method} was answered with {type(message).__name__}, not a JSON-RPC reply")
         if isinstance(message.get("error"), dict):
@@ -10236,16 +10252,24 @@ class Server:
         _add_route(router, "GET", "/metrics", metrics_route(self.metrics))
         for method, path, handler in WebPage.ROUTES if self.web else ():
             _add_route(router, method, path, handler.__get__(self.web))
-        for surface in self.surfaces:
-            for method, path, handler in surface.ROUTES:
-                _add_route(router, method, path, handler.__get__(surface))
-        # Gym may prefix a rollout's routes; aiohttp matches routes in the order they were added,
-        # so the tool catch-all comes after every fixed route of both surfaces.
+        routes = [(method, path, handler.__get__(surface))
+                  for surface in self.surfaces for method, path, handler in surface.ROUTES]
+        # aiohttp matches routes in the order they were added, so the tool catch-all comes after
+        # every fixed route of both surfaces (Gym may prefix a rollout's routes). The routes of a
+        # path's own (fixed) go before it; OpenEnv's /{env}/... after it, since they can never
+        # match a tool's one-part path, and aiohttp tries all of them before it otherwise: on
+        # every tool call, the hop's hottest path.
+        for method, path, handler in routes:
+            if "{" not in path:
+                _add_route(router, method, path, handler)
         for method, path, handler in self.gym.ROUTES:
             _add_route(router, method, "/ng-rollout/{rollout_id}" + path, handler.__get__(self.gym))
         for prefix in ("", "/ng-rollout/{rollout_id}"):
             method, path, handler = self.gym.TOOL_ROUTE
             _add_route(router, method, prefix + path, handler.__get__(self.gym))
+        for method, path, handler in routes:
+            if "{" in path:
+                _add_route(router, method, path, handler)
         self.app.on_startup.append(self._start)
         self.app.on_shutdown.append(self._shutdown)
 
