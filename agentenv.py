@@ -144,6 +144,7 @@ import os
 import random
 import re
 import secrets
+import select
 import shlex
 import shutil
 import signal
@@ -2077,6 +2078,42 @@ def _process_start(pid: int) -> str:
         return ""
 
 
+def group_members(groups: set[int]) -> list[tuple[int, int]]:
+    """The running processes (Linux's /proc; zombies left out) of these process groups, each as
+    its pid and its group."""
+    members = []
+    for entry in os.listdir("/proc") if groups and os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                state, _, group = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[:3]
+                if state != "Z" and int(group) in groups:
+                    members.append((int(entry), int(group)))
+    return members
+
+
+def pidfd(pid: int) -> int | None:
+    """A file descriptor of a running process that polls readable once it has ended (Linux 5.3
+    and later); None if it is gone, or the system has none."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def still_running(pidfds: list[int], timeout: float) -> int:
+    """Wait until the processes of these pidfds have ended, ``timeout`` seconds at most: how many
+    have not."""
+    poller, waiting = select.poll(), set(pidfds)
+    for fd in pidfds:
+        poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + timeout
+    while waiting and (left := deadline - time.monotonic()) > 0:
+        for fd, _ in poller.poll(left * 1000):
+            poller.unregister(fd)
+            waiting.discard(fd)
+    return len(waiting)
+
+
 def owner_alive(owner: str) -> bool | None:
     """Whether the server that labelled something still runs; None when it ran on another host."""
     host, _, rest = owner.partition(":")
@@ -2387,6 +2424,7 @@ class LocalSandbox(Sandbox):
 
     kind = "local"
     summary = "local processes, isolated from nothing"
+    KILL_WAIT = 10.0        # seconds the start-up sweep waits for what it killed to have ended
 
     def __init__(self, owner: str, host: str = "127.0.0.1", die_with_parent: bool = False):
         super().__init__(owner)
@@ -2409,7 +2447,7 @@ class LocalSandbox(Sandbox):
     def kill_leftovers(self) -> int:
         """Kill, once each, the process groups of env processes whose server is gone: those its
         records name, and (Linux's /proc) any with a dead owner in their environment, which finds
-        one whose record a crash kept from being written."""
+        one whose record a crash kept from being written; and wait for them to have ended."""
         groups: set[int] = set()
         root = self.records.parent
         for folder in root.iterdir() if root.is_dir() else []:
@@ -2439,11 +2477,28 @@ class LocalSandbox(Sandbox):
             if owner_alive(owner) is False:
                 with contextlib.suppress(OSError):
                     groups.add(os.getpgid(int(entry)))
-        killed = 0
-        for group in groups - {os.getpgrp()}:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(group, signal.SIGKILL)
-                killed += 1
+        groups.discard(os.getpgrp())
+        # A killed process holds its port and files until it has ended, which takes a loaded
+        # machine a while: the sweep waits for that, so that what it killed is gone (by pidfds
+        # opened before the kill, so that a pid used again meanwhile is never waited on).
+        opened: dict[int, list[int]] = {}
+        for pid, group in group_members(groups):
+            if (fd := pidfd(pid)) is not None:
+                opened.setdefault(group, []).append(fd)
+        killed, ending = 0, []
+        try:
+            for group in groups:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(group, signal.SIGKILL)
+                    killed += 1
+                    ending += opened.get(group, [])     # a group not killed is not waited on
+            if running := still_running(ending, self.KILL_WAIT):
+                log.warning("%d process(es) that an earlier run of agentenv.py left, killed, had "
+                            "not ended %gs later; they may hold a port or a file a while longer.",
+                            running, self.KILL_WAIT)
+        finally:
+            for fd in (fd for fds in opened.values() for fd in fds):
+                os.close(fd)
         return killed
 
     async def launch(self, env: EnvSpec, episode: str, limits: dict[str, Any]) -> Instance:

@@ -69,7 +69,7 @@ import agentenv
 from agentenv import (AgentEnvError, Bundle, BundleError, EpisodeFailed, McpError, McpSession,
                       Runtime, StartGate, ToolResult, aggregate_score, parse_dockerfile,
                       response_rows, task_id_root)
-from tests.harness import NOTES, REPO, free_port, gone, run as run_within
+from tests.harness import NOTES, REPO, alive, free_port, gone, run as run_within
 
 
 # ================================================================ the fake bundle
@@ -1728,6 +1728,32 @@ def test_processes_left_by_a_crashed_run_are_killed_at_start(make_bundle, tmp_pa
         with contextlib.suppress(ProcessLookupError):
             leftover.kill()
         leftover.wait()
+
+
+def test_the_sweep_returns_once_every_process_it_killed_has_ended():
+    """A killed process holds its port and its files until it has ended, which on a loaded
+    machine can be after the kill returns: a group of twenty, each killed by the sweep, has
+    ended (reaped or a zombie) the moment the sweep returns. Without the wait, most are still
+    running then."""
+    dead_owner = f"{socket.gethostname()}:999999999:1"
+    leftover = subprocess.Popen(["sh", "-c", "for i in $(seq 20); do sleep 60 & done; wait"],
+                                start_new_session=True)
+    records = agentenv.LocalSandbox(dead_owner).records
+    try:
+        deadline = time.monotonic() + 30
+        while len(members := [pid for pid, _ in agentenv.group_members({leftover.pid})]) < 21:
+            assert time.monotonic() < deadline, f"the group started {len(members)} of 21"
+            time.sleep(0.02)
+        records.mkdir(parents=True)
+        (records / str(leftover.pid)).write_text(agentenv._process_start(leftover.pid))
+        assert agentenv.LocalSandbox(agentenv.owner_id()).kill_leftovers() == 1
+        assert [pid for pid in members if alive(pid)] == []
+        assert leftover.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(leftover.pid, signal.SIGKILL)
+        leftover.wait()
+        shutil.rmtree(records, ignore_errors=True)
 
 
 def test_servers_sharing_a_state_folder_start_together_while_sweeping_the_same_leftovers(
