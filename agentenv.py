@@ -2070,10 +2070,15 @@ def owner_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{_process_start(os.getpid())}"
 
 
+def _process_stat(pid: int) -> list[str]:
+    """A process's /proc stat from its third field on (state, parent, group, ...): after its name,
+    which may hold spaces and parentheses. OSError if it is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def _process_start(pid: int) -> str:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[19]     # field 22: start time in clock ticks
+        return _process_stat(pid)[19]       # field 22: start time in clock ticks
     except (OSError, IndexError):
         return ""
 
@@ -2085,7 +2090,7 @@ def group_members(groups: set[int]) -> list[tuple[int, int]]:
     for entry in os.listdir("/proc") if groups and os.path.isdir("/proc") else []:
         if entry.isdigit():
             with contextlib.suppress(OSError, IndexError, ValueError):
-                state, _, group = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[:3]
+                state, _, group = _process_stat(int(entry))[:3]
                 if state != "Z" and int(group) in groups:
                     members.append((int(entry), int(group)))
     return members
@@ -5434,9 +5439,7 @@ class EnvReply:
 
     async def read(self) -> bytes:
         if (length := self._length()) is not None:      # the usual reply: at once, no generator
-            body = await self._read(self._reader.readexactly(length), "its body") if length else b""
-            self._done = True
-            return body
+            return await self._whole(length)
         return b"".join([chunk async for chunk in self.chunks()])
 
     async def text(self) -> str:
@@ -5450,9 +5453,8 @@ class EnvReply:
             self._done = True
             return
         if (length := self._length()) is not None:
-            if length:
-                yield await self._read(reader.readexactly(length), "its body")
-            self._done = True
+            if body := await self._whole(length):
+                yield body
         elif "chunked" in headers.get("transfer-encoding", "").lower():
             if "content-length" in headers:      # both: chunks count, and the line is not kept
                 self._keep = False
@@ -5479,6 +5481,13 @@ class EnvReply:
                     raise McpTooLong(self._too_long())
                 yield chunk
             self._done = True
+
+    async def _whole(self, length: int) -> bytes:
+        """A body of ``length`` bytes, read to its end."""
+        assert self._reader is not None
+        body = await self._read(self._reader.readexactly(length), "its body") if length else b""
+        self._done = True
+        return body
 
     def _length(self) -> int | None:
         """The body's length, when its Content-Length says where it ends: not for a reply that has
@@ -10309,11 +10318,10 @@ class Server:
             _add_route(router, method, path, handler.__get__(self.web))
         routes = [(method, path, handler.__get__(surface))
                   for surface in self.surfaces for method, path, handler in surface.ROUTES]
-        # aiohttp matches routes in the order they were added, so the tool catch-all comes after
-        # every fixed route of both surfaces (Gym may prefix a rollout's routes). The routes of a
-        # path's own (fixed) go before it; OpenEnv's /{env}/... after it, since they can never
-        # match a tool's one-part path, and aiohttp tries all of them before it otherwise: on
-        # every tool call, the hop's hottest path.
+        # aiohttp matches routes in the order they were added: the fixed routes of both surfaces
+        # (and Gym's prefixed twins) come before the tool catch-all, which would take them. Routes
+        # with a part of their own ({env}) come after it: a tool's path of one part never matches
+        # OpenEnv's /{env}/..., and aiohttp would try each of them first on every tool call.
         for method, path, handler in routes:
             if "{" not in path:
                 _add_route(router, method, path, handler)
