@@ -308,6 +308,8 @@ class Settings:
     warm_env: tuple[tuple[str, int], ...] = ()   # (env, count): those envs warmed, the split aside
     bash_timeout: float = 300.0       # one bash command in the agent's box (within the call's own)
     status_interval: float = 60.0     # how often serve logs its status line while episodes are live
+    allow_host: tuple[str, ...] = ()  # names beside loopback's and this machine's the server
+                                      # answers to (a reverse proxy's): see BrowserGuard
     declared: tuple[tuple[str, Any], ...] = ()   # the declared settings given, by name
 
     # The settings section 3 declares, by name, as it declares each provider: filled at import.
@@ -364,6 +366,8 @@ class Settings:
                 values[key] = AUTO if value == AUTO else warm_count(value, said(key, value))
             elif key == "warm_env":                     # its messages quote the value
                 values[key] = warm_envs(value, said(key, None))
+            elif key == "allow_host":
+                values[key] = host_names(value, said(key, value))
             else:
                 whole, least = key in cls.WHOLE_KEYS, 0 if key in cls.ZERO_KEYS else 1
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or \
@@ -460,6 +464,26 @@ def warm_envs(value: Any, what: str) -> tuple[tuple[str, int], ...]:
                                 "the bundle's envs/ folder once, as NAME=N")
         named[name] = warm_count(count, f"{what}: {name}={count!r}")
     return tuple(named.items())
+
+
+# A host name as a Host header or a URL names it: labels of letters, digits and hyphens.
+HOST_NAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)"
+                       r"(\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+
+
+def host_names(value: Any, what: str) -> tuple[str, ...]:
+    """``--allow-host NAME`` flags (a list), a Gym config's ``allow_host: [NAME, ...]`` or a
+    build_app keyword (a name, or names): each a bare host name, in lower case."""
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise AgentEnvError(f"{what} is not a list of host names; give names such as "
+                            "['rl.example.com']")
+    for name in names:
+        if not HOST_NAME.fullmatch(name.rstrip(".")):
+            raise AgentEnvError(f"{what}: {name!r} is not a host name; give the name a browser or "
+                                "proxy reaches this server by, without a scheme, port or path, "
+                                "such as rl.example.com")
+    return tuple(dict.fromkeys(n.rstrip(".").lower() for n in names))
 
 
 def _plain(value: float) -> float | int:
@@ -2103,6 +2127,11 @@ def pidfd(pid: int) -> int | None:
         return os.pidfd_open(pid)
     except (AttributeError, OSError):
         return None
+
+
+def has_ended(held: int) -> bool:
+    """Whether the process of a pidfd has ended (its pid may be another's by now)."""
+    return bool(select.select([held], [], [], 0)[0])
 
 
 def still_running(pidfds: list[int], timeout: float) -> int:
@@ -4202,24 +4231,36 @@ class DockerBox(Box):
 
     def _kill_from_host(self, marker: str) -> bool:
         """The box's processes as this machine sees them (docker top), those with the marker in
-        their environment killed, group and all; False where this machine can't see them."""
+        their environment killed, group and all; False where this machine can't see them, or
+        can't hold them by pidfd. Each is held by a pidfd opened before its environment is read,
+        and killed only while that pidfd's process still runs: a pid the kernel has given to
+        another process meanwhile (a box's processes come and go by the thousand) is never
+        signalled."""
         needle = f"AGENTENV_CALL={marker}".encode()
         for _ in range(10):                       # rounds, for a tree that forks meanwhile
             found = 0
             for row in self.container.top(ps_args="-eo pid").get("Processes") or []:
                 pid = int(row[0])
+                if (held := pidfd(pid)) is None:
+                    if os.path.exists(f"/proc/{pid}"):    # no pidfds on this system
+                        return False
+                    continue                              # gone already
                 try:
-                    environ = Path(f"/proc/{pid}/environ").read_bytes()
-                except FileNotFoundError:
-                    continue
-                except OSError:                   # not ours to read: another user's daemon
-                    return False
-                if needle in environ.split(b"\0"):
-                    found += 1
-                    with contextlib.suppress(OSError):
-                        os.killpg(os.getpgid(pid), signal.SIGKILL)
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, signal.SIGKILL)
+                    try:
+                        environ = Path(f"/proc/{pid}/environ").read_bytes()
+                        group = int(_process_stat(pid)[2])
+                    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+                        continue
+                    except OSError:               # not ours to read: another user's daemon
+                        return False
+                    if needle in environ.split(b"\0") and not has_ended(held):
+                        found += 1
+                        with contextlib.suppress(OSError):
+                            os.killpg(group, signal.SIGKILL)
+                        with contextlib.suppress(OSError):
+                            signal.pidfd_send_signal(held, signal.SIGKILL)
+                finally:
+                    os.close(held)
             if not found:
                 return True
         return True
@@ -8094,6 +8135,12 @@ async def read_ahead(socket_: Any, backlog: int = 16) -> AsyncIterator[Inbox]:
             await reader
 
 
+def as_sent(header: str) -> bytes:
+    """A header's value as the bytes it came in: aiohttp decodes headers as UTF-8, keeping any
+    other byte as a lone surrogate, which a plain encode() refuses (a 500 anyone could cause)."""
+    return header.encode("utf-8", "surrogateescape")
+
+
 def bearer_token(token: str, locked: Callable[[Any], Any] | None = None) -> Any:
     """Middleware that asks every request, WebSocket upgrades included, for the bearer token: in
     the Authorization header, or (an upgrade only, from a browser, which can't set a socket's
@@ -8109,13 +8156,13 @@ def bearer_token(token: str, locked: Callable[[Any], Any] | None = None) -> Any:
             return False
         offered = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",")]
         # beside WS_PROTOCOL only: offered alone, aiohttp would log the protocols it can't answer
-        return WS_PROTOCOL in offered and any(secrets.compare_digest(p.encode(), protocol)
+        return WS_PROTOCOL in offered and any(secrets.compare_digest(as_sent(p), protocol)
                                               for p in offered)
 
     @web.middleware
     async def require_token(request: Any, handler: Callable) -> Any:
         # compare_digest: the time taken says nothing about how much of a guess was right
-        if not (secrets.compare_digest(request.headers.get("Authorization", "").encode(), expected)
+        if not (secrets.compare_digest(as_sent(request.headers.get("Authorization", "")), expected)
                 or offers_token(request)):
             if locked is not None and (page := locked(request)) is not None:
                 return page
@@ -8154,6 +8201,131 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False                    # a name or "" (every interface): assume it reaches out
+
+
+def host_and_port(authority: str) -> tuple[str, int | None] | None:
+    """A Host header's (or an Origin's) name in lower case, without a final dot or an IPv6
+    literal's brackets, and its port if it gives one; None for what names no host."""
+    name, port = authority, None
+    if authority.startswith("["):                                  # [::1]:8000
+        name, bracket, rest = authority[1:].partition("]")
+        if not bracket or (rest and not (rest[:1] == ":" and rest[1:].isdigit())):
+            return None
+        port = int(rest[1:]) if rest else None
+    elif authority.count(":") == 1:                                # 127.0.0.1:8000
+        name, _, given = authority.partition(":")
+        if not given.isdigit():
+            return None
+        port = int(given)
+    name = name.rstrip(".").lower()
+    return (name, port) if name else None
+
+
+def is_address(name: str) -> bool:
+    import ipaddress
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+class BrowserGuard:
+    """Keeps browsers from driving the server on anyone's behalf but its own page's (/web).
+
+    Any page the operator visits can send requests to a server on 127.0.0.1, and a token stops
+    them only where one is set; so, with a token or without, the server answers only to the Host
+    names it is reached by (421 otherwise: a DNS-rebinding page names its own domain, though it
+    resolves to 127.0.0.1), refuses an Origin that is not its own (403: browsers let any page
+    open a WebSocket to any server, and send its Origin), refuses what a browser marks as sent
+    from another site (Sec-Fetch-Site) unless it is a person's navigation to a page, and reads a
+    request's body only as application/json (415: a page can send another origin a text/plain
+    or form POST without asking first, never a JSON one without the CORS preflight this server
+    never answers). A client that is not a browser sends no Origin or Sec-Fetch-Site, and JSON.
+
+    The names answered to are loopback's (localhost and its subdomains), any IP address (a
+    rebinding page cannot make a browser send one as the Host of its own origin), this
+    machine's name, the address serve binds, and ``allow_host`` (a reverse proxy's)."""
+
+    ALLOWED_SITES = ("same-origin", "none")         # none: typed in, or a bookmark
+
+    def __init__(self, bound: str | None, allow_host: tuple[str, ...] = ()):
+        self.proxies = frozenset(allow_host)
+        self.names = frozenset(n.rstrip(".").lower() for n in (
+            "localhost", socket.gethostname(), bound or "", *allow_host) if n)
+        self._answered: set[str] = set()      # Host values let in before: one lookup a request
+
+    def answers_to(self, host: str) -> bool:
+        if host in self._answered:
+            return True
+        parsed = host_and_port(host)
+        known = parsed is not None and (parsed[0] in self.names or parsed[0].endswith(".localhost")
+                                        or is_address(parsed[0]))
+        if known and len(self._answered) < 256:
+            self._answered.add(host)
+        return known
+
+    def own_origin(self, origin: str, host: str | None) -> bool:
+        """Whether a page at ``origin`` is the server's own: the origin the request was sent to
+        (its Host), or a name of ``allow_host``'s (a proxy in front, which may rewrite Host)."""
+        scheme, colon, authority = origin.partition("://")
+        default = {"http": 80, "https": 443}.get(scheme.lower())
+        page = host_and_port(authority) if colon and default else None
+        if page is None:                                   # null, a file: page, nonsense
+            return False
+        if page[0] in self.proxies:
+            return True
+        sent_to = host_and_port(host) if host is not None else None
+        return sent_to is not None and sent_to[0] == page[0] and \
+            (sent_to[1] or default) == (page[1] or default)
+
+    def refusal(self, request: Any) -> Any:
+        """The answer to a request a browser must not make here (None: it may)."""
+        headers = request.headers
+        host = headers.get("Host")
+        if host is not None and not self.answers_to(host):
+            proxies = "".join(", " + name for name in sorted(self.proxies))
+            return json_reply({"detail": (
+                f"this server answers to the names it is reached by (localhost, an IP address, "
+                f"this machine's name{proxies}), not {short(host, 100)!r}: a web page can reach a server on this machine under "
+                "a name of its own (DNS rebinding), so other names are refused. Reached through a "
+                "proxy or by a name of its own, start it with --allow-host NAME (allow_host= to "
+                "build_app, allow_host: in a Gym config)")}, 421)
+        origin = headers.get("Origin")
+        if origin is not None and not self.own_origin(origin, host):
+            return json_reply({"detail": (
+                f"a web page at {short(origin, 100)!r} may not call this server: only its own page "
+                "(/web) may, so that no page you visit can drive it on your behalf. Clients that "
+                "are not browsers send no Origin; a page of yours behind a proxy: start the server "
+                "with --allow-host and the proxy's name")}, 403)
+        site = headers.get("Sec-Fetch-Site")
+        if site is not None and site not in self.ALLOWED_SITES and not (
+                request.method in ("GET", "HEAD") and headers.get("Sec-Fetch-Mode") == "navigate"):
+            return json_reply({"detail": (
+                f"the browser says this request comes from another site (Sec-Fetch-Site: "
+                f"{short(site, 40)}); only the server's own page (/web) may call it, so that no "
+                "page you visit can drive it on your behalf")}, 403)
+        if request.method not in ("GET", "HEAD", "OPTIONS") and request.body_exists:
+            kind = headers.get("Content-Type", "")
+            media = kind.partition(";")[0].strip().lower()
+            if media != "application/json" and not media.endswith("+json"):
+                return json_reply({"detail": (
+                    f"this server reads a request's body as JSON only, and this one was sent as "
+                    f"{short(kind, 80)!r}: send it with Content-Type: application/json (which a "
+                    "web page cannot send to another site's server without asking first, so no "
+                    "page can drive this one)" if kind else "this server reads a request's body as "
+                    "JSON only, and this one was sent with no Content-Type: send it with "
+                    "Content-Type: application/json")}, 415)
+        return None
+
+    def middleware(self) -> Any:
+        from aiohttp import web
+
+        @web.middleware
+        async def guard(request: Any, handler: Callable) -> Any:
+            refused = self.refusal(request)
+            return refused if refused is not None else await handler(request)
+        return guard
 
 
 def client_headers() -> dict[str, str]:
@@ -10302,8 +10474,10 @@ class Server:
         self.web = WebPage(runtime, self.metrics) if runtime else None
         # A request whose client goes away is cancelled (however the app is run): a call under
         # way stops, and its episode ends, instead of holding its box and slot to the end.
+        self.guard = BrowserGuard(host, settings.allow_host)
         self.app = web.Application(client_max_size=MAX_BODY, middlewares=[
-            json_errors(), *([bearer_token(token, self.web and self.web.locked)] if token else [])],
+            json_errors(), self.guard.middleware(),
+            *([bearer_token(token, self.web and self.web.locked)] if token else [])],
             handler_args={"handler_cancellation": True})
         sessions = Sessions(runtime.pool.limit if runtime else settings.max_concurrent_envs)
         self.metrics.watch("agentenv_sessions", "Live sessions, by wire", sessions.by_wire, "wire")
@@ -10653,7 +10827,7 @@ WEB_LOCKED = _document("agentenv.py: token", r"""<header><h1>agentenv.py</h1></h
 <main class="lock">
 <form id="unlock" class="card">
   <h2>This server asks for its token</h2>
-  <p class="muted">The token serve was given (--token or AGENTENV_TOKEN). This tab keeps it until it closes, and sends it as a bearer token.</p>
+  <p class="muted">The token serve was given (--token-file, --token or AGENTENV_TOKEN). This tab keeps it until it closes, and sends it as a bearer token.</p>
   <div class="field"><label for="token">Token</label><input id="token" type="password" autocomplete="off" required></div>
   <div class="row"><button>Open</button></div>
   <p id="said" class="alert" role="alert"></p>
@@ -12650,16 +12824,70 @@ def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
     settings = settings_of(args, max_concurrent_envs=pool_size(args.max_concurrent_envs),
                            warm_env=args.warm_env or None)
-    token = args.token or os.environ.get("AGENTENV_TOKEN") or None
-    if not is_loopback(args.host) and not token:
-        log.warning("Serving on %s with no token: anyone who can reach this port can run the "
-                    "bundle's envs and tools. Pass --token (or set AGENTENV_TOKEN) so every request "
-                    "must carry it, or bind 127.0.0.1.", args.host or "every interface")
+    token = served_token(args)
+    if not token:
+        log.warning("Serving with no token: any user or program on this machine%s can play the "
+                    "bundle's tasks and run what their tools and boxes run, from the web page or "
+                    "any client (web pages cannot: the server answers only its own). Start serve "
+                    "with --token-file PATH (or AGENTENV_TOKEN set) so every request must carry "
+                    "the token, and enter it at /web.",
+                    "" if is_loopback(args.host) else
+                    f", and anyone who can reach {args.host or 'every interface'}:{args.port},")
+    hide_from_other_processes()
     server = _server(args.bundle, reward=args.reward, token=token, settings=settings,
                      host=args.host, port=args.port)
     wait_for_children_by_pidfd()
     web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None,
                 shutdown_timeout=30)
+
+
+def served_token(args: argparse.Namespace) -> str | None:
+    """The token serve asks for: --token, else the first line of --token-file, else
+    AGENTENV_TOKEN, else none."""
+    if args.token is not None and args.token_file is not None:
+        raise AgentEnvError("--token and --token-file both name a token; give one (--token-file "
+                            "keeps it out of ps)")
+    if args.token is not None:
+        if not args.token:
+            raise AgentEnvError("--token is empty; give the token clients send, or leave it out")
+        return args.token
+    if args.token_file is None:
+        return os.environ.get("AGENTENV_TOKEN") or None
+    import stat
+    path = Path(args.token_file).expanduser()
+    try:            # not blocking: a FIFO given by mistake must not hang the start
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:
+            mode = os.fstat(file.fileno()).st_mode
+            if not stat.S_ISREG(mode):
+                raise AgentEnvError(f"--token-file {args.token_file} is not a regular file; write "
+                                    "the token in one")
+            first = file.read(4096).decode("utf-8").partition("\n")[0].strip()
+    except UnicodeDecodeError:
+        raise AgentEnvError(f"--token-file {args.token_file} does not hold UTF-8 text; write the "
+                            "token in it as text") from None
+    except OSError as exc:
+        raise AgentEnvError(f"--token-file {args.token_file} could not be read "
+                            f"({exc.strerror or exc}); give a file this user can read, holding "
+                            "the token") from None
+    if not first:
+        raise AgentEnvError(f"--token-file {args.token_file} holds no token on its first line; "
+                            "write one there, such as the output of: python -c \"import secrets; "
+                            "print(secrets.token_urlsafe(32))\"")
+    if mode & 0o077:
+        log.warning("The token file %s can be read by other users (mode %o); chmod 600 it so only "
+                    "you can.", path, mode & 0o777)
+    return first
+
+
+def hide_from_other_processes() -> None:
+    """Make this process undumpable (Linux's PR_SET_DUMPABLE 0): a process of the same user
+    without CAP_SYS_PTRACE, such as an env or a box command of the local sandbox, can then read
+    neither its environment (AGENTENV_TOKEN, a cloud key) nor its memory through /proc. What a
+    process runs is dumpable again (exec resets it), so envs are as they were. Its command line
+    stays readable by every user, as ps shows it: hence --token-file."""
+    with contextlib.suppress(Exception):          # not Linux, no libc: nothing to hide from
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)          # PR_SET_DUMPABLE, 0
 
 
 def pool_size(flag: int | None, default: int = Settings.max_concurrent_envs) -> int:
@@ -12792,8 +13020,19 @@ def command_line() -> argparse.ArgumentParser:
                                 "give it once per env")
     serve_cmd.add_argument("--token", default=None, metavar="TOKEN",
                            help="ask every request for the header Authorization: Bearer TOKEN "
-                                "(default: AGENTENV_TOKEN, else none); clients of a served URL "
-                                "(write-gym, a Gym server with url:) send AGENTENV_TOKEN")
+                                "(default: --token-file's, else AGENTENV_TOKEN, else none); every "
+                                "user of this machine sees it in ps, so prefer --token-file; "
+                                "clients of a served URL (write-gym, a Gym server with url:) send "
+                                "AGENTENV_TOKEN")
+    serve_cmd.add_argument("--token-file", default=None, metavar="PATH",
+                           help="the token, on the first line of this file (readable by you "
+                                "alone: chmod 600), instead of --token")
+    serve_cmd.add_argument("--allow-host", dest="allow_host", action="append", default=None,
+                           metavar="NAME",
+                           help="answer to requests for this host name too, beside localhost, "
+                                "IP addresses and this machine's name (a reverse proxy's name); "
+                                "give it once per name; other names are refused 421, as DNS "
+                                "rebinding would send them")
     writer = commands.add_parser(
         "write-gym", help="write a NeMo Gym resources server for a bundle into a Gym root",
         description="Write GYM_ROOT/resources_servers/<name>/: app.py, a copy of agentenv.py, the "

@@ -310,6 +310,32 @@ def test_bash_in_the_agents_box_answers_as_the_spec_measured(tmp_path, no_box_le
         ["All paths exist", "contains 'ALPHA'", "exit=0; stderr="]
 
 
+def test_a_root_command_past_its_deadline_is_killed_with_its_tree_and_nothing_else(no_box_left,
+                                                                                   docker_client):
+    """A command of the bundle's (as root, so not the agent's: its stop kills by the call's marker,
+    from this machine, each process held by a pidfd) past its deadline is killed with everything
+    it started, a setsid escapee too; a process another call left running is not touched."""
+    loaded = agentenv.Bundle.load(NOTES)
+
+    async def play() -> tuple[agentenv.Ran, list[str]]:
+        async with agentenv.Runtime(loaded, agentenv.Settings.of(sandbox="docker")) as runtime:
+            box = await runtime.sandbox.open_box("kill-test", "box", {}, agents=True)
+            try:
+                left = await box.run(["sh", "-c", "sleep 997 >/dev/null 2>&1 &"], 30, root=True)
+                assert left.exit_code == 0, left
+                ran = await box.run(["sh", "-c", "sleep 998 & setsid sleep 999 & sleep 1000"], 3,
+                                    root=True)
+                top = await asyncio.to_thread(box.container.top, ps_args="-eo pid,args")
+                return ran, [row[1] for row in top.get("Processes") or []]
+            finally:
+                await box.remove()
+    ran, processes = run(play(), 120)
+    assert ran.timed_out and ran.stopped == "it was killed, with every process it started", ran
+    assert not [p for p in processes if p.startswith("sleep 99") and p != "sleep 997"
+                or p == "sleep 1000"], processes
+    assert "sleep 997" in processes, processes
+
+
 def test_two_turns_share_the_box_and_checks_run_as_the_agent(tmp_path, no_box_left, docker_client):
     """... and a model that fills the disk fills only its box's share (memory_mb 256: /app 128 MiB)."""
     steps = [{"id": "solver", "type": "deploy_agent", "agent_name": "solver", "memory_mb": 256},

@@ -63,7 +63,12 @@ Where each case is covered (E = an existing test elsewhere, H = here):
   hostile names        H test_eval_entries_that_leave_tasks_are_refused, test_a_dockerfile_outside_the_env_folder_*,
                          test_an_environment_name_with_a_path_*, test_references_with_dot_dot_name_nothing,
                          test_odd_characters_in_file_names_load_and_play, test_write_gym_*
-  bearer token         H (spec of ccb7799) test_token_*
+  bearer token         H (spec of ccb7799) test_token_*; a token file, bad header bytes (issue 38)
+                         H test_token_file_*, test_bad_header_bytes_are_401_never_500
+  a browser's page     (issue 38) a cross-origin upgrade, a body that is not JSON, a foreign Host, a
+                       cross-site fetch, a session table flooded cross-site, --allow-host
+                         H test_a_web_page_*, test_a_foreign_host_is_421_*, test_allow_host_*;
+                       a real browser's hostile page  E test_web.py::test_a_hostile_page_in_a_real_browser_*
   property-based       H test_fuzz_* (hypothesis: Gym HTTP, OpenEnv HTTP, /ws frames, /mcp frames)
 
 Async code runs with ``asyncio.run`` (no pytest-asyncio).
@@ -1440,3 +1445,247 @@ def test_token_given_to_server_in_process(tmp_path):
             await runner.cleanup()
 
     assert asyncio.run(go()) == (401, 200)
+
+
+# ================================================================ a browser on the operator's machine (issue 38)
+#
+# The operator opens /web in a browser on the machine serve runs on, and so any page that browser
+# visits can send requests to 127.0.0.1. A browser marks what it sends (Origin, Sec-Fetch-Site, a
+# Host of the page's own name); a client that is not a browser sends none of that, and JSON.
+
+ELSEWHERE = "http://evil.example"            # any page the operator visits
+
+
+def open_sessions(server: Server) -> dict[str, int]:
+    return request(server.url + "/web/status", "GET", headers=server.headers).json()["sessions"]
+
+
+@pytest.mark.parametrize("path", ["/ws", "/mcp"])
+def test_a_web_page_cannot_open_a_socket(server, path):
+    with survivor(server):
+        before = open_sessions(server)
+        for origin in (ELSEWHERE, "null", "http://127.0.0.1:1", f"http://127.0.0.1:{server.port}.evil.example",
+                       f"http://localhost:{server.port}", "file://", "not a url"):
+            with pytest.raises(InvalidStatus) as refused:
+                Socket(server.ws_url + path, {"Origin": origin})
+            assert refused.value.response.status_code == 403, origin
+            assert "only its own page (/web) may" in refused.value.response.body.decode(), origin
+        assert open_sessions(server) == before
+        # the server's own page (its origin, default port or not), and a client with no Origin
+        for headers in ({"Origin": server.url}, {"Origin": server.url.replace("http:", "https:")}, {}):
+            with Socket(server.ws_url + path, headers) as sock:
+                if path == "/ws":
+                    assert sock.ask({"type": "state"})["type"] == "state"
+                else:
+                    listed = sock.ask({"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
+                    assert listed["result"]["tools"][-1]["name"] == "end_turn"
+
+
+def test_a_web_page_cannot_post_a_body_that_is_not_json(server):
+    """A page may POST text/plain, a form or multipart to any server without asking first: every
+    route refuses a body that is not JSON, 415, saying what to send; JSON and no body still play."""
+    row = json.dumps(gym_row(SAVE)).encode()
+    with survivor(server):
+        before = open_sessions(server)
+        for route in [*JSON_BODY_ROUTES, "/mcp", "/write_note", "/ng-rollout/r1/seed_session"]:
+            for kind in ("text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
+                         "multipart/form-data; boundary=x", "application/jsonp", ""):
+                reply = request(server.url + route, body=row, headers={"Content-Type": kind})
+                assert reply.status == 415, (route, kind, reply.status, reply.text[:300])
+                assert "Content-Type: application/json" in reply.json()["detail"], reply.text
+        assert open_sessions(server) == before
+        for kind in ("application/json", "application/json; charset=utf-8", "APPLICATION/JSON",
+                     "application/vnd.api+json"):
+            reply = request(server.url + "/reset", body=b"{}", headers={"Content-Type": kind})
+            assert reply.status == 200, (kind, reply.text[:300])
+        assert request(server.url + "/reset", body=None).status == 200       # no body at all
+
+
+def test_a_web_page_cannot_fetch_across_sites(server):
+    """What a browser marks as sent from another site is refused 403, whatever its body; a person
+    following a link to /web (a navigation) still gets the page."""
+    with survivor(server):
+        for site in ("cross-site", "same-site"):
+            for method, route in (("GET", "/web/status"), ("GET", "/metrics"), ("POST", "/reset"),
+                                  ("POST", "/seed_session")):
+                reply = request(server.url + route, method, body=gym_row(SAVE) if method == "POST" else None,
+                                headers={"Sec-Fetch-Site": site, "Sec-Fetch-Mode": "no-cors"})
+                assert reply.status == 403, (site, route, reply.status, reply.text[:200])
+                assert "comes from another site" in reply.json()["detail"]
+        followed = request(server.url + "/web", "GET", headers={
+            "Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"})
+        assert followed.status == 200 and followed.content_type == "text/html"
+        for site in ("same-origin", "none"):
+            own = request(server.url + "/web/status", "GET", headers={"Sec-Fetch-Site": site,
+                                                                      "Origin": server.url})
+            assert own.status == 200, own.text
+
+
+def test_a_foreign_host_is_421_so_dns_rebinding_reads_nothing(server):
+    """A page of a domain that resolves to 127.0.0.1 reaches the server under its own name: the
+    server answers only to loopback's names, IP addresses and this machine's name."""
+    import socket as socket_
+    with survivor(server):
+        for host in ("evil.example", f"evil.example:{server.port}", "localhost.evil.example", "",
+                     "127.0.0.1.nip.io", "[::1", "a b"):
+            for route in ("/web", "/web/status", "/health", "/metrics"):
+                reply = request(server.url + route, "GET", headers={"Host": host})
+                assert reply.status == 421, (host, route, reply.status)
+                assert "--allow-host" in reply.json()["detail"]
+                assert "bundle" not in reply.text and "notes" not in reply.text
+        for host in (f"127.0.0.1:{server.port}", f"localhost:{server.port}", "LOCALHOST.", "127.0.0.2",
+                     "[::1]:1", "web.localhost", socket_.gethostname()):
+            reply = request(server.url + "/web/status", "GET", headers={"Host": host})
+            assert reply.status == 200, (host, reply.text[:200])
+
+
+def test_a_session_table_flooded_cross_site_leaves_the_trainer_its_slots(tmp_path):
+    """At 23ac7e2 eight blind cross-site POSTs filled a server of 8 sessions, and the trainer's
+    own /ws was then refused for the idle timeout. A page's POSTs and sockets open nothing now."""
+    with serving(NOTES, tmp_path, "--max-concurrent-envs", "2") as served:
+        async def flood() -> list[int]:
+            async with aiohttp.ClientSession() as http_:
+                async def post(route: str) -> int:
+                    async with http_.post(served.url + route, data=b'{"split": "all", "index": 1}',
+                                          headers={"Content-Type": "text/plain", "Origin": ELSEWHERE,
+                                                   "Sec-Fetch-Site": "cross-site"}) as reply:
+                        return reply.status
+
+                async def socket_(path: str) -> int:
+                    try:
+                        async with http_.ws_connect(served.ws_url + path, origin=ELSEWHERE):
+                            return 101
+                    except aiohttp.WSServerHandshakeError as exc:
+                        return exc.status
+                return await asyncio.gather(*[post(r) for r in ("/reset", "/seed_session", "/mcp") * 8],
+                                            *[socket_(p) for p in ("/ws", "/mcp") * 8])
+        assert set(asyncio.run(flood())) == {403}
+        assert open_sessions(served) == {"openenv": 0, "gym": 0}
+        trainers = [Socket(served.ws_url + "/ws") for _ in range(2)]
+        try:
+            for n, sock in enumerate(trainers):
+                reset = sock.ask({"type": "reset", "data": {"split": "all", "index": SAVE}})
+                assert reset["type"] == "observation" and reset["data"]["done"] is False, (n, reset)
+        finally:
+            for sock in trainers:
+                sock.close()
+
+
+def test_allow_host_answers_a_proxys_name_and_its_pages(tmp_path):
+    with serving(NOTES, tmp_path, "--allow-host", "rl.example.com", "--allow-host", "Lab.Example.") as served:
+        for host in ("rl.example.com", "rl.example.com:443", "lab.example"):
+            assert request(served.url + "/health", "GET", headers={"Host": host}).status == 200, host
+        assert request(served.url + "/health", "GET", headers={"Host": "other.example.com"}).status == 421
+        # a page the proxy serves (its own origin, whatever Host the proxy forwards) may call it
+        with Socket(served.ws_url + "/ws", {"Origin": "https://rl.example.com"}) as sock:
+            assert sock.ask({"type": "state"})["type"] == "state"
+        with pytest.raises(InvalidStatus):
+            Socket(served.ws_url + "/ws", {"Origin": "https://other.example.com"})
+    for bad in ("https://rl.example.com", "rl.example.com:8000", "rl.example.com/x", "-x.example", ""):
+        code, out = run_cli(tmp_path / "state", "serve", str(NOTES), f"--allow-host={bad}")
+        assert code == 1 and "--allow-host" in out and "not a host name" in out, (bad, out)
+
+
+def run_cli(state: Path, *argv: str) -> tuple[int, str]:
+    """``python agentenv.py ARGV``, with a state dir of the test's: its exit code and output."""
+    import subprocess
+    from tests.harness import REPO, environ
+    done = subprocess.run([sys.executable, str(REPO / "agentenv.py"), *argv], capture_output=True,
+                          text=True, timeout=60, env=environ(state))
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_token_file_is_read_and_its_mistakes_are_refused(tmp_path):
+    import os
+    token = tmp_path / "token"
+    token.write_text(f"{TOKEN}\nsecond line ignored\n")
+    token.chmod(0o600)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with serving(NOTES, tmp_path / "served", "--token-file", str(token), headers=auth) as served:
+        assert_401(request(served.url + "/health", "GET"), "/health")
+        assert request(served.url + "/health", "GET", headers=auth).status == 200
+        assert "chmod 600" not in served.log()
+    empty, fifo = tmp_path / "empty", tmp_path / "fifo"
+    empty.write_text("\n  \n")
+    os.mkfifo(fifo)
+    for argv, said in ((["--token-file", str(tmp_path / "missing")], "could not be read"),
+                       (["--token-file", str(empty)], "holds no token on its first line"),
+                       (["--token-file", str(fifo)], "is not a regular file"),
+                       (["--token-file", str(tmp_path)], "could not be read (Is a directory)"),
+                       (["--token", "x", "--token-file", str(token)], "give one"),
+                       (["--token", ""], "--token is empty")):
+        code, out = run_cli(tmp_path / "state", "serve", str(NOTES), "--port", str(free_port()), *argv)
+        assert code == 1 and said in out, (argv, out)
+    token.chmod(0o644)               # readable by others: said, and served all the same
+    with serving(NOTES, tmp_path / "shared", "--token-file", str(token), headers=auth) as served:
+        assert request(served.url + "/health", "GET", headers=auth).status == 200
+        assert "can be read by other users (mode 644); chmod 600 it" in served.log()
+    code, out = run_cli(tmp_path / "state", "serve", "--help")
+    assert "ps" in out and "--token-file" in out
+
+
+def test_bad_header_bytes_are_401_never_500(locked):
+    """Header values that are not UTF-8 (a token, a subprotocol, an Origin, a Host) are refused
+    as any wrong value is, without a traceback; anyone could send them, token or not."""
+    import socket as socket_
+    upgrade = (b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+               b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n")
+    host = f"Host: 127.0.0.1:{locked.port}\r\n".encode()
+
+    def status_of(head: bytes) -> int:
+        with socket_.create_connection(("127.0.0.1", locked.port), timeout=30) as conn:
+            conn.sendall(head + b"\r\n")
+            answer = b""
+            while b"\r\n" not in answer and (got := conn.recv(4096)):
+                answer += got
+        return int(answer.split(b" ")[1])
+
+    with survivor(locked):
+        mark = len(locked.log())
+        for head, status in (
+                (b"GET /health HTTP/1.1\r\n" + host + b"Authorization: Bearer \xff\xfe" + TOKEN.encode()
+                 + b"\r\n", 401),
+                (b"GET /health HTTP/1.1\r\n" + host + b"Authorization: \xc3\r\n", 401),
+                (b"GET /ws HTTP/1.1\r\n" + host + upgrade + b"Sec-WebSocket-Protocol: agentenv, \xff\xfe\r\n", 401),
+                (b"GET /mcp HTTP/1.1\r\n" + host + upgrade + b"Sec-WebSocket-Protocol: \x80\r\n", 401),
+                (b"GET /health HTTP/1.1\r\nHost: 127.0.0.\xff1\r\n", 421),
+                (b"GET /ws HTTP/1.1\r\n" + host + upgrade + b"Origin: http://\xff\xfe\r\n", 403)):
+            assert status_of(head) == status, head
+        assert not server_errors(locked.log()[mark:]), locked.log()[mark:][-3000:]
+
+
+def test_a_local_model_cannot_read_the_token_from_proc(tmp_path):
+    """In the local sandbox the model's bash runs as serve's own user. It can read every process's
+    command line (so the token is given in a file, not with --token), and, had serve not made
+    itself undumpable, its environment (AGENTENV_TOKEN). serve runs here without CAP_SYS_PTRACE,
+    CAP_SYS_ADMIN and CAP_PERFMON, as a user's serve runs: root with them reads any process."""
+    import shutil
+    if not shutil.which("setpriv"):
+        pytest.skip("setpriv (util-linux) is not installed: it drops serve's capabilities here")
+    from tests.harness import PYFIX, REPO, running
+    secret = "t0ken-" + "x" * 24
+    token = tmp_path / "token"
+    token.write_text(secret + "\n")
+    token.chmod(0o600)
+    auth = {"Authorization": f"Bearer {secret}"}
+    argv = ["setpriv", "--bounding-set=-sys_ptrace,-sys_admin,-perfmon", "--inh-caps=-all",
+            sys.executable, str(REPO / "agentenv.py"), "serve", str(PYFIX), "--sandbox", "local",
+            "--port", "{port}", "--token-file", str(token)]
+    with running(Server(argv, tmp_path / "served", env={"AGENTENV_TOKEN": secret}, headers=auth)) as served:
+        row = harness_row(agentenv.Bundle.load(PYFIX), 0, tools=["bash", "end_turn"])
+        gym = SyncGym(served, row)
+        gym.seed()
+        own = gym.call("bash", command=f"cat /proc/{served.pid}/environ; echo; echo exit=$?")
+        assert own.status == 200 and "Permission denied" in own.text, own.text
+        # every process's environment and command line, searched in the box (the pattern is
+        # written so that the search's own command line does not hold the token)
+        everyone = gym.call("bash", command="for p in /proc/[0-9]*; do cat $p/environ $p/cmdline; "
+                                            "done 2>/dev/null | tr '\\0' '\\n' > /tmp/seen-$$; "
+                                            "grep -c AGENTENV_STATE_DIR /tmp/seen-$$; "
+                                            f"grep -c '{secret[:5]}[{secret[5]}]{secret[6:]}' /tmp/seen-$$; "
+                                            "rm /tmp/seen-$$")
+        assert everyone.status == 200, everyone.text
+        found, tokens = everyone.text.split()[:2]
+        assert int(found) > 0 and int(tokens) == 0, everyone.text
+        assert gym.call("bash", command="echo still here").text.strip().endswith("still here")
+        assert gym.verify("").json()["mask_sample"] is False

@@ -1256,15 +1256,23 @@ def test_a_token_protected_serve_is_reachable_by_write_gym_and_a_url_app_given_t
         serve.stop()
 
 
-def test_serving_beyond_loopback_without_a_token_warns(tmp_path):
+def test_serving_without_a_token_warns_saying_who_can_drive_it(tmp_path):
     serve = Server.serve(NOTES, tmp_path / "serve-open", "--host", "0.0.0.0")
     serve.stop()
-    assert ("WARNING agentenv: Serving on 0.0.0.0 with no token: anyone who can reach this port "
-            "can run the bundle's envs and tools. Pass --token (or set AGENTENV_TOKEN) so every "
-            "request must carry it, or bind 127.0.0.1.") in serve.log()
+    said = ("WARNING agentenv: Serving with no token: any user or program on this machine, and anyone "
+            f"who can reach 0.0.0.0:{serve.port}, can play the bundle's tasks and run what their tools "
+            "and boxes run, from the web page or any client (web pages cannot: the server answers "
+            "only its own). Start serve with --token-file PATH (or AGENTENV_TOKEN set) so every "
+            "request must carry the token, and enter it at /web.")
+    assert said in serve.log()
     loopback = Server.serve(NOTES, tmp_path / "serve-loopback")
     loopback.stop()
-    assert "with no token" not in loopback.log()
+    assert "Serving with no token: any user or program on this machine can play" in loopback.log()
+    assert "anyone who can reach" not in loopback.log()
+    locked = Server.serve(NOTES, tmp_path / "serve-locked", env={"AGENTENV_TOKEN": "t"},
+                          headers={"Authorization": "Bearer t"})
+    locked.stop()
+    assert "no token" not in locked.log()
 
 
 def test_warm_in_the_gym_config_keeps_envs_ready_and_a_rollout_takes_one(written, work):

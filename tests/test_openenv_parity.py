@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 import pytest
+from websockets.exceptions import InvalidStatus
 
 
 from tests.harness import (NOTES, REPO, Server, Socket, copy_bundle, request, running, serving,
@@ -606,6 +607,29 @@ def test_deviation_numbers_given_as_text_are_refused(servers):
     ours.no_envs()
 
 
+def test_deviation_what_a_browser_sends_for_another_site_is_refused(servers):
+    """OpenEnv's server answers any Origin and any Host, so any page the operator visits can play
+    its tasks over a WebSocket, and it refuses a text/plain body as a body of no fields (422).
+    Ours refuses the page (403), the Host (421) and the body's type (415, saying to send JSON); a
+    client that is not a browser sends none of them, and is answered as the reference answers."""
+    reference, ours = servers
+    body = json.dumps({"split": "all", "index": SAVE}).encode()
+    plain = {"Content-Type": "text/plain"}
+    assert request(reference.url + "/reset", "POST", body, headers=plain, timeout=60).status == 422
+    assert request(ours.url + "/reset", "POST", body, headers=plain, timeout=60).status == 415
+    for headers, status in (({"Origin": "http://evil.example"}, 403), ({"Host": "evil.example"}, 421)):
+        assert request(reference.url + "/health", "GET", headers=headers).status == 200
+        assert request(ours.url + "/health", "GET", headers=headers).status == status
+    with Socket(reference.ws_url + "/ws", {"Origin": "http://evil.example"}) as sock:
+        assert sock.ask({"type": "state"})["type"] == "state"
+    with pytest.raises(InvalidStatus) as refused:
+        Socket(ours.ws_url + "/ws", {"Origin": "http://evil.example"})
+    assert refused.value.response.status_code == 403
+    for server in servers:                  # what is not a browser's is answered alike
+        assert request(server.url + "/reset", "POST", body, timeout=60).status == 200
+    ours.no_envs()
+
+
 DEVIATION_TESTS = {
     "ws-frame-not-an-object": test_deviation_ws_frame_not_an_object,
     "ws-binary-frame": test_deviation_ws_binary_frame,
@@ -616,6 +640,7 @@ DEVIATION_TESTS = {
     "one-segment-paths-are-gym-tool-routes": test_deviation_one_segment_paths_are_gym_tool_routes,
     "tool-timeout-ends-the-episode": test_deviation_a_tool_timeout_ends_the_episode,
     "numbers-as-text": test_deviation_numbers_given_as_text_are_refused,
+    "a-browser-for-another-site": test_deviation_what_a_browser_sends_for_another_site_is_refused,
 }
 
 

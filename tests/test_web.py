@@ -20,7 +20,14 @@
   ``$AGENTENV_ARTIFACTS`` (by default ``.ci/artifacts/``): ``playing.png``, mid-turn, and
   ``web.png``, at the end.
 
-Without chromium or Playwright the browser test skips, saying why; ``AGENTENV_REQUIRE_BROWSER=1``
+* ``test_a_hostile_page_in_a_real_browser_drives_nothing`` (issue 38): the same chromium visits a page of
+  another site on this machine (``http://localhost:<another port>``), which tries what any page the
+  operator visits could: a WebSocket to ``/ws`` that resets a task, eight blind ``text/plain`` POSTs of
+  ``/reset`` and ``/seed_session``, and a read of ``/web/status``; then a page under a domain of its
+  own that resolves to 127.0.0.1 (DNS rebinding, by chromium's host resolver rules). Nothing opens a
+  session or plays an episode, nothing is read, and the server's own page still plays.
+
+Without chromium or Playwright the browser tests skip, saying why; ``AGENTENV_REQUIRE_BROWSER=1``
 (set by .ci/run) makes that a failure.
 """
 
@@ -456,3 +463,83 @@ def test_play_by_hand_and_watch_the_run(tmp_path):
         assert {url.split("?")[0] for url in asked} >= {
             server.url + "/web", server.url + "/web/status", server.ws_url + "/ws"}
     assert TOKEN not in server.log()
+
+
+HOSTILE_PAGE = """<!doctype html><title>a page the operator visits</title><script>
+const target = "TARGET", results = window.results = {};
+(async () => {
+  results.socket = await new Promise(done => {
+    const socket = new WebSocket(target.replace("http:", "ws:") + "/ws");
+    socket.onopen = () => {
+      socket.send(JSON.stringify({type: "reset", data: {split: "all", index: 1}}));
+      socket.onmessage = event => done("answered: " + event.data);
+    };
+    socket.onerror = () => done("refused");
+  });
+  const blind = route => fetch(target + route, {method: "POST", mode: "no-cors",
+    headers: {"Content-Type": "text/plain"}, body: JSON.stringify({split: "all", index: 1})})
+    .then(() => "sent", () => "failed");
+  results.posts = await Promise.all([..."12345678"].map(() => blind("/reset")).concat(
+    [..."1234"].map(() => blind("/seed_session"))));
+  results.read = await fetch(target + "/web/status").then(r => r.text(), () => "unreadable");
+  results.done = true;
+})();
+</script>"""
+
+
+def test_a_hostile_page_in_a_real_browser_drives_nothing(tmp_path):
+    import http.server
+    executable = chromium()
+    from playwright.sync_api import expect, sync_playwright
+    from tests.harness import free_port
+
+    with serving(NOTES, tmp_path / "serve") as server, sync_playwright() as playwright:
+        page_html = HOSTILE_PAGE.replace("TARGET", server.url).encode()
+
+        class Hostile(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.end_headers()
+                self.wfile.write(page_html)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        hostile = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Hostile)
+        threading.Thread(target=hostile.serve_forever, daemon=True).start()
+        home = tmp_path / "chromium-home"
+        browser = playwright.chromium.launch(
+            executable_path=executable, headless=True,
+            args=[*CHROMIUM_FLAGS, "--host-resolver-rules=MAP rebind.test 127.0.0.1"],
+            env={**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
+                 "XDG_CACHE_HOME": str(home / ".cache")})
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(60_000)
+            page.goto(f"http://localhost:{hostile.server_address[1]}/")
+            page.wait_for_function("window.results && window.results.done === true", timeout=60_000)
+            results = page.evaluate("window.results")
+            assert results["socket"] == "refused", results
+            assert results["read"] == "unreadable", results
+            status = request(server.url + "/web/status", "GET").json()
+            assert status["sessions"] == {"openenv": 0, "gym": 0}, status
+            assert status["episodes"]["played"] == 0, status
+            # a domain of the attacker's that resolves to 127.0.0.1: the page, and what it would read
+            for route in ("/web", "/web/status"):
+                answered = page.goto(f"http://rebind.test:{server.port}{route}")
+                assert answered is not None and answered.status == 421, route
+                assert "notes-v1" not in page.content()
+            # the server's own page still plays, reached by either of its names
+            for name in ("127.0.0.1", "localhost"):
+                own = page.goto(f"http://{name}:{server.port}/web")
+                assert own is not None and own.status == 200
+                expect(page.get_by_label("Task", exact=True).locator("option")).to_have_count(3)
+            page.get_by_label("Split").select_option("all")
+            page.get_by_label("Task", exact=True).select_option(label="recall-recipe (notebook)")
+            page.get_by_role("button", name="Start").click()
+            expect(page.get_by_role("button", name="Call read_note")).to_be_enabled()
+        finally:
+            browser.close()
+            hostile.shutdown()
+        assert request(server.url + "/web/status", "GET").json()["sessions"]["openenv"] in (0, 1)
