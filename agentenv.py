@@ -4142,7 +4142,10 @@ class DockerBox(Box):
 
     async def stop_all(self) -> None:
         """Stop every process of the agent's: the keeper kills all but itself and the init, again
-        while ``docker top`` still shows one of the agent's, within STOP_DEADLINE."""
+        while ``docker top`` still shows one of the agent's, within STOP_DEADLINE. The keeper is
+        signalled again, and this returns, only once it has done as it was told (the signal no
+        longer pending, the keeper waiting again): a kill of its that came later would land on
+        the next command, a verifier's reading what it found."""
         if not self.agents:             # no box of the agent's: it has no processes there
             return
         import docker.errors
@@ -4153,7 +4156,11 @@ class DockerBox(Box):
                     await asyncio.wait(set(self.opening))
                 while True:
                     await self.daemon.urgent(self.container.kill, signal="SIGUSR1", timeout=10)
-                    if not (left := await self._agents_processes()):
+                    pause = 0.002           # (the host tells nothing when the keeper is done)
+                    while not (seen := await self._top())[0]:
+                        await asyncio.sleep(pause)
+                        pause = min(2 * pause, 0.1)
+                    if not (left := seen[1]):
                         return
         except docker.errors.APIError as exc:
             if gone := await self._gone(exc):
@@ -4178,11 +4185,21 @@ class DockerBox(Box):
     async def _agents_processes(self) -> list[str]:
         """The box's live processes that are not root's (the keeper and the init are, and the
         agent can never be), as the host sees them."""
-        top = await self.daemon.urgent(self.container.top, ps_args="-eo pid,uid,stat", timeout=10)
+        return (await self._top())[1]
+
+    async def _top(self) -> tuple[bool, list[str]]:
+        """The box as the host sees it: whether its first process, the keeper, waits with no
+        SIGUSR1 pending (done with every one it was sent), and _agents_processes."""
+        top = await self.daemon.urgent(self.container.top, ps_args="-eo pid,uid,stat,pending",
+                                       timeout=10)
         rows = top.get("Processes") or []
         first = str(((self.container.attrs or {}).get("State") or {}).get("Pid", ""))
-        root = next((uid for pid, uid, _ in rows if pid == first), "0")
-        return [pid for pid, uid, stat in rows if uid != root and not stat.startswith("Z")]
+        keeper = next((row for row in rows if row[0] == first), None)
+        pending = int(keeper[3], 16) if keeper and re.fullmatch(r"[0-9a-fA-F]+", keeper[3]) else 0
+        idle = keeper is None or (not keeper[2].startswith("R") and
+                                  not pending >> (signal.SIGUSR1 - 1) & 1)
+        root = keeper[1] if keeper else "0"
+        return idle, [pid for pid, uid, stat, _ in rows if uid != root and not stat.startswith("Z")]
 
     async def _kill(self, marker: str) -> bool:
         """Kill every process of the call marked ``marker``: from this machine when the daemon

@@ -35,6 +35,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -427,3 +428,39 @@ def test_code_run_as_root_in_the_box_cannot_bring_it_down(tmp_path, no_box_left,
     assert (verdict["reward"], verdict["mask_sample"], verdict.get("failure_kind")) == (0.0, False, None)
     assert (sibling["reward"], sibling["mask_sample"]) == (1.0, False), sibling
 
+
+# ================================================================ the agent's processes, stopped
+
+def test_the_agents_processes_are_stopped_before_the_next_command_starts(tmp_path, no_box_left,
+                                                                        docker_client):
+    """The box's keeper is slow to act on the signal that stops every process of the agent's
+    (held stopped from the host, as a loaded machine may leave it unscheduled): stopping them does
+    not end until the keeper has acted, so its kill never lands on the command that follows (a
+    verifier reading what it found, as root: before, killed, and its result lost)."""
+    loaded = agentenv.Bundle.load(PYFIX)
+
+    async def play():
+        settings = agentenv.Settings.of(sandbox="docker")
+        async with agentenv.Runtime(loaded, settings) as runtime:
+            episode = runtime.episode(loaded.tasks[TASK])
+            await episode.next_turn()
+            box = episode.agent_box
+            keeper = box.container.attrs["State"]["Pid"]
+
+            async def read_after(stopping: asyncio.Future) -> agentenv.Ran:
+                await stopping
+                return await box.run(["sh", "-c", "sleep 3; echo read"], 30, root=True)
+            os.kill(keeper, signal.SIGSTOP)
+            try:
+                stopping = asyncio.ensure_future(box.stop_all())
+                reading = asyncio.ensure_future(read_after(stopping))
+                await asyncio.sleep(1)
+                waited = not stopping.done()
+            finally:
+                os.kill(keeper, signal.SIGCONT)
+            after = await reading
+            await episode.abandon("done")
+            return waited, after
+    waited, after = run(play(), 120)
+    assert (after.exit_code, after.stdout) == (0, b"read\n"), after
+    assert waited
