@@ -3904,9 +3904,40 @@ for round in 1 2 3 4 5 6 7 8; do
   done
   [ -z "$found" ] && exit 0
 done"""
-# Clears a path before a step loads files there again: run as the agent first (it may have made
-# what it owns unreadable), then as root for what root put there.
-CLEAR_PATH = 'chmod -R u+rwX -- "$1" 2>/dev/null; rm -rf -- "$1"; [ ! -e "$1" ] && [ ! -L "$1" ]'
+# Clears paths: where a step loads files again, and where a verifier writes what it found. Run as
+# the agent first (it may have made what it owns unreadable, or its folder read-only), then as root
+# for what root put there: no user in the box may override permissions, so each works on what it
+# owns. Every folder on the way is made searchable, and the path's own folder writable, by its
+# owner; a link is removed, never followed. Prints each path still there (NUL-ended), or in a
+# folder it can't search, so can't tell, and then exits 1.
+CLEAR_PATHS = r"""left=0
+for p; do
+  a=; rest=${p#/}
+  while case $rest in */*) true;; *) false;; esac; do
+    a=$a/${rest%%/*}; rest=${rest#*/}
+    [ -d "$a" ] && [ -O "$a" ] && chmod u+x -- "$a" 2>/dev/null
+  done
+  d=${p%/*}; d=${d:-/}
+  [ -d "$d" ] && [ -O "$d" ] && chmod u+wx -- "$d" 2>/dev/null
+  [ -d "$p" ] && [ ! -L "$p" ] && chmod -R u+rwX -- "$p" 2>/dev/null
+  rm -rf -- "$p"
+  if [ -e "$p" ] || [ -L "$p" ] || { [ -d "$d" ] && [ ! -x "$d" ]; }; then
+    printf '%s\0' "$p"; left=1
+  fi
+done
+exit $left"""
+# Reads a verifier's result file, as root: a regular file only (never a link, which may lead to a
+# file of root's, nor a FIFO or a device, which may never end), its size first, then its first
+# bytes up to a cap, so a sparse file of gigabytes is never streamed. Prints the size on a line of
+# its own, then the bytes; or exits 3, saying why it read nothing (nothing at all: it is missing).
+READ_RESULT = r"""p=$1
+if [ -L "$p" ]; then echo "is a link, not a regular file"; exit 3; fi
+[ -e "$p" ] || exit 3
+if [ ! -f "$p" ]; then echo "is not a regular file"; exit 3; fi
+size=$(stat -c %s -- "$p") || exit 4
+echo "$size"
+exec head -c "$2" -- "$p"
+"""
 
 
 class BoxGone(AgentEnvError):
@@ -3937,6 +3968,16 @@ class Ran:
         return (self.stdout + self.stderr).decode(errors="replace")
 
 
+@dataclasses.dataclass(frozen=True)
+class ResultFile:
+    """A verifier's result file as read from a box: its first bytes (up to a cap) and its whole
+    size; or, when nothing was read, why (none said: it is missing)."""
+
+    head: bytes | None
+    size: int = 0
+    why: str = ""
+
+
 class Box(abc.ABC):
     """A box an episode works in: the played agent's (its bash runs there) or a deploy_sandbox's.
     Commands run as its user ``agent`` in ``/app`` (or as root for the bundle's own steps),
@@ -3963,6 +4004,23 @@ class Box(abc.ABC):
                   replace: bool = False) -> None:
         """Write files (path inside ``dest`` -> bytes), making folders as needed; with
         ``replace``, whatever stood at ``dest`` is removed first (loaded again, not merged)."""
+
+    @abc.abstractmethod
+    async def clear(self, paths: list[str]) -> str | None:
+        """Remove whatever stands at each of ``paths`` (a folder, a file, a FIFO, a link, which is
+        never followed), its folders made searchable and its own folder writable by whoever owns
+        them: None once nothing does; else which paths are still there, and why, in a phrase."""
+
+    async def replace_at(self, dest: str) -> None:
+        """Clear ``dest`` before a step loads files there again (``put``'s ``replace``)."""
+        if why := await self.clear([dest]):
+            raise BoxFailed(f"{dest} in box {self.name!r} could not be cleared to load it "
+                            f"again: {why}")
+
+    @abc.abstractmethod
+    async def read_result(self, path: str, cap: int) -> ResultFile:
+        """A verifier's result file at ``path``, as root reads it: a regular file only (not a
+        link, a FIFO, a device or a folder), its size first, then at most ``cap`` bytes of it."""
 
     @abc.abstractmethod
     async def stop_all(self) -> None:
@@ -4171,7 +4229,10 @@ class DockerBox(Box):
 
     async def stop_all(self) -> None:
         """Stop every process of the agent's: the keeper kills all but itself and the init, again
-        while ``docker top`` still shows one of the agent's, within STOP_DEADLINE."""
+        while ``docker top`` still shows one of the agent's, within STOP_DEADLINE. The keeper is
+        signalled again, and this returns, only once it has done as it was told (the signal no
+        longer pending, the keeper waiting again): a kill of its that came later would land on
+        the next command, a verifier's reading what it found."""
         if not self.agents:             # no box of the agent's: it has no processes there
             return
         import docker.errors
@@ -4182,7 +4243,11 @@ class DockerBox(Box):
                     await asyncio.wait(set(self.opening))
                 while True:
                     await self.daemon.urgent(self.container.kill, signal="SIGUSR1", timeout=10)
-                    if not (left := await self._agents_processes()):
+                    pause = 0.002           # (the host tells nothing when the keeper is done)
+                    while not (seen := await self._top())[0]:
+                        await asyncio.sleep(pause)
+                        pause = min(2 * pause, 0.1)
+                    if not (left := seen[1]):
                         return
         except docker.errors.APIError as exc:
             if gone := await self._gone(exc):
@@ -4207,11 +4272,21 @@ class DockerBox(Box):
     async def _agents_processes(self) -> list[str]:
         """The box's live processes that are not root's (the keeper and the init are, and the
         agent can never be), as the host sees them."""
-        top = await self.daemon.urgent(self.container.top, ps_args="-eo pid,uid,stat", timeout=10)
+        return (await self._top())[1]
+
+    async def _top(self) -> tuple[bool, list[str]]:
+        """The box as the host sees it: whether its first process, the keeper, waits with no
+        SIGUSR1 pending (done with every one it was sent), and _agents_processes."""
+        top = await self.daemon.urgent(self.container.top, ps_args="-eo pid,uid,stat,pending",
+                                       timeout=10)
         rows = top.get("Processes") or []
         first = str(((self.container.attrs or {}).get("State") or {}).get("Pid", ""))
-        root = next((uid for pid, uid, _ in rows if pid == first), "0")
-        return [pid for pid, uid, stat in rows if uid != root and not stat.startswith("Z")]
+        keeper = next((row for row in rows if row[0] == first), None)
+        pending = int(keeper[3], 16) if keeper and re.fullmatch(r"[0-9a-fA-F]+", keeper[3]) else 0
+        idle = keeper is None or (not keeper[2].startswith("R") and
+                                  not pending >> (signal.SIGUSR1 - 1) & 1)
+        root = keeper[1] if keeper else "0"
+        return idle, [pid for pid, uid, stat, _ in rows if uid != root and not stat.startswith("Z")]
 
     async def _kill(self, marker: str) -> bool:
         """Kill every process of the call marked ``marker``: from this machine when the daemon
@@ -4268,7 +4343,7 @@ class DockerBox(Box):
     async def put(self, files: dict[str, bytes], dest: str, agent_owns: bool = True,
                   replace: bool = False) -> None:
         if replace:
-            await self._clear(dest)
+            await self.replace_at(dest)
         data = box_tar(files, dest, 1000 if agent_owns and self.exec_user else 0)
         if self.exec_user is None:           # an image of the bundle's: its disk, as it is
             try:
@@ -4290,19 +4365,31 @@ class DockerBox(Box):
                 short(ran.output.strip() or f"tar exited {ran.exit_code}", 500)
             raise BoxFailed(f"the files could not be put in box {self.name!r} at {dest}: {said}")
 
-    async def _clear(self, path: str) -> None:
-        """Remove whatever stands at ``path`` (a folder, a file, a FIFO, a link), so what a step
-        loads there is all there is."""
-        said = []
+    async def clear(self, paths: list[str]) -> str | None:
+        said, left = [], list(paths)
         for root in ((False, True) if self.exec_user else (True,)):
-            ran = await self.run(["sh", "-c", CLEAR_PATH, "sh", path], 60, root=root)
+            ran = await self.run(["sh", "-c", CLEAR_PATHS, "sh", *left], 60, root=root)
             if ran.exit_code == 0:
-                return
+                return None
+            if ran.exit_code == 1:
+                left = [p for p in ran.stdout.decode(errors="replace").split("\0") if p] or left
             said.append(f"as {'root' if root else self.user}: " + (
                 "it did not finish within 60s" if ran.timed_out else
-                short(ran.output.strip() or f"exit code {ran.exit_code}", 300)))
-        raise BoxFailed(f"{path} in box {self.name!r} could not be cleared to load it again "
-                        f"({'; '.join(said)})")
+                short(ran.stderr.decode(errors="replace") or f"exit code {ran.exit_code}", 300)))
+        return f"{', '.join(left)} still there ({'; '.join(said)})"
+
+    async def read_result(self, path: str, cap: int) -> ResultFile:
+        ran = await self.run(["sh", "-c", READ_RESULT, "sh", path, str(cap)], 60, root=True,
+                             cap=cap + 32)
+        if ran.timed_out:
+            return ResultFile(None, why="could not be read within 60s")
+        if ran.exit_code == 3:
+            return ResultFile(None, why=ran.stdout.decode(errors="replace").strip())
+        size, _, head = ran.stdout.partition(b"\n")
+        if ran.exit_code != 0 or not size.isdigit():
+            return ResultFile(None, why="could not be read: " + short(
+                ran.stderr.decode(errors="replace") or f"exit code {ran.exit_code}", 300))
+        return ResultFile(head, int(size))
 
     async def fault(self) -> str | None:
         import docker.errors
@@ -4464,16 +4551,10 @@ class LocalBox(Box):
 
     async def put(self, files: dict[str, bytes], dest: str, agent_owns: bool = True,
                   replace: bool = False) -> None:
+        if replace:
+            await self.replace_at(dest)
+
         def write() -> None:
-            if replace:
-                where = Path(self.here(dest))
-                if where.is_symlink() or (where.exists() and not where.is_dir()):
-                    where.unlink()
-                elif where.exists():
-                    for folder, _, _ in os.walk(where):       # what was made unreadable
-                        with contextlib.suppress(OSError):
-                            os.chmod(folder, 0o755)
-                    shutil.rmtree(where)
             for rel, data in files.items():
                 path = Path(self.here(dest.rstrip("/") + "/" + rel))
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -4483,6 +4564,64 @@ class LocalBox(Box):
         except OSError as exc:
             raise BoxFailed(f"the files could not be put in box {self.name!r} at {dest}: "
                             f"{exc}") from None
+
+    async def clear(self, paths: list[str]) -> str | None:
+        def remove() -> str | None:
+            left = []
+            for path in paths:
+                try:
+                    self._remove(Path(self.here(path)))
+                except OSError as exc:
+                    left.append(f"{path} ({exc.strerror or exc})")
+            return f"{', '.join(left)} still there" if left else None
+        return await asyncio.to_thread(remove)
+
+    @classmethod
+    def _remove(cls, where: Path) -> None:
+        """Remove what stands at ``where`` (a link, never followed), its folder made writable if
+        that is what kept it."""
+        if not where.is_symlink() and not where.exists():
+            return
+        try:
+            cls._unlink(where)
+        except PermissionError:
+            os.chmod(where.parent, where.parent.stat().st_mode & 0o7777 | 0o300)
+            cls._unlink(where)
+
+    @staticmethod
+    def _unlink(where: Path) -> None:
+        if where.is_symlink() or not where.is_dir():
+            where.unlink()
+            return
+        os.chmod(where, 0o700)                  # and each folder in it, before it is walked
+        for folder, folders, _ in os.walk(where):
+            for name in folders:
+                if not os.path.islink(inner := os.path.join(folder, name)):
+                    with contextlib.suppress(OSError):
+                        os.chmod(inner, 0o700)
+        shutil.rmtree(where)
+
+    async def read_result(self, path: str, cap: int) -> ResultFile:
+        def read() -> ResultFile:
+            import stat
+            try:        # (a FIFO opened without blocking, then refused)
+                fd = os.open(self.here(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except (FileNotFoundError, NotADirectoryError):
+                return ResultFile(None)
+            except OSError as exc:
+                return ResultFile(None, why="is a link, not a regular file"
+                                  if exc.errno == errno.ELOOP else f"could not be read: {exc}")
+            try:
+                found = os.fstat(fd)
+                if not stat.S_ISREG(found.st_mode):
+                    return ResultFile(None, why="is not a regular file")
+                head = b""
+                while len(head) < cap and (more := os.read(fd, cap - len(head))):
+                    head += more
+                return ResultFile(head, found.st_size)
+            finally:
+                os.close(fd)
+        return await asyncio.to_thread(read)
 
     async def stop_all(self) -> None:
         # what left its process group (setsid, a double fork) is out of reach here: a local box
@@ -5948,8 +6087,9 @@ def _mcp_path(card: dict[str, Any] | None) -> str:
 #
 # What scores an episode, and how each verifier's failures are told apart, the same on every kind:
 # - a check that ran and failed (a criterion not met or timed out, tests that exit non-zero or
-#   hang, a reward file that says 0) is the model's: a score of 0, or, where the step fails its
-#   task, a Forfeit, scored 0, never masked;
+#   hang, a reward file that says 0), and, in the model's box, an output path of a unit-test
+#   verifier that still held what the model left there after it was cleared, is the model's: a
+#   score of 0, or, where the step fails its task, a Forfeit, scored 0, never masked;
 # - a verifier that raised, hung, or gave what can't be scored (its code, its setup commands in a
 #   box the model never had, a user its box lacks, an aggregate over a verifier that gave nothing)
 #   is VERIFIER_ERROR, masked;
@@ -6050,10 +6190,15 @@ async def _criterion(box: Box, criterion: dict[str, Any], base_dir: str,
 
 
 TIMED_OUT_EXIT = 124     # the exit code of a unit-test command killed at its deadline, as timeout(1)'s
+# Bytes of a unit-test verifier's result file read, and kept in its record: the record goes to
+# clients, where a byte of a binary file may take six (a JSON escape), twice (OpenEnv's metadata).
+RESULT_FILE_CAP = 16 << 10
 
 
-def unit_test_rows(ran: Ran, reward_path: str | None, reward: Any) -> tuple[list[dict[str, Any]], float]:
-    """The row and score of a run_container_unit_tests_verifier: the exit code, or the reward file."""
+def unit_test_rows(ran: Ran, reward_path: str | None, reward: Any,
+                   unread: str = "") -> tuple[list[dict[str, Any]], float]:
+    """The row and score of a run_container_unit_tests_verifier: the exit code, or the reward file
+    (``unread``: why it gave nothing to read, when it is there but was not read)."""
     status = f"exit_code={ran.exit_code} timed_out={ran.timed_out}"
     if not reward_path:
         passed = ran.exit_code == 0 and not ran.timed_out
@@ -6064,8 +6209,9 @@ def unit_test_rows(ran: Ran, reward_path: str | None, reward: Any) -> tuple[list
         with contextlib.suppress(TypeError, ValueError):
             value = float(reward)
     if value is None or not math.isfinite(value):
+        said = unread or "missing or non-numeric"
         return [{"id": "reward", "score": 0.0, "result": False,
-                 "message": f"reward file {reward_path!r} missing or non-numeric ({status})"}], 0.0
+                 "message": f"reward file {reward_path!r} {said} ({status})"}], 0.0
     value = min(1.0, max(0.0, value))
     return [{"id": "reward", "score": value, "result": value >= 1.0,
              "message": f"reward={value} ({status})"}], value
@@ -6227,37 +6373,38 @@ async def unit_tests(box: Box, name: str, command: str, setup: list[str], *, use
                      result_paths: list[str], clean: bool) -> UnitTestRun:
     """Run a run_container_unit_tests_verifier in a box as AgentEnv does: its setup commands (one
     that fails is the verifier's failure, BoxFailed as VERIFIER_ERROR, unless the box is the
-    model's), its command, then the result files read; its rows from the exit code or the reward
-    file. ``clean``: run with nothing the agent planted on the way in, and stop what the tested
-    code started before the results are read."""
+    model's), its command, then the result files read (regular files only, each to a cap); its
+    rows from the exit code or the reward file. ``clean``, in the model's box: the paths it
+    writes its results to are cleared before anything of it runs (what the model left there that
+    could not be cleared is its 0, and the verifier does not run), it runs with nothing the agent
+    planted on the way in, and what the tested code started is stopped before the results are
+    read."""
     if user not in ("root", box.user):
         raise EpisodeFailed(f"user {user!r} is not one box {box.name!r} has; use root or "
                             f"{box.user}", VERIFIER_ERROR)
     root = user == "root"
+    # A relative result path is read from the container's root, not its working folder, as
+    # AgentEnv's `docker cp` reads it, so a bundle's score is the one AgentEnv gives it.
+    outputs = {path: box.path(path, "/")
+               for path in [*result_paths, *([reward_path] if reward_path else [])]}
+    if clean and outputs and (standing := await box.clear(list(outputs.values()))):
+        return not_cleared(name, reward_path, standing)
     for each in setup:
         ran = await box.run(["bash", "-c", each], timeout, root=root, env=env, clean=clean)
         if ran.timed_out or ran.exit_code != 0:
             raise BoxFailed(f"Verifier {name!r}: setup command {each!r} "
                             f"{'timed out' if ran.timed_out else f'exited {ran.exit_code}'}: "
                             f"{short(ran.output, 1500)}", VERIFIER_ERROR)
-    # A relative result path is read from the container's root, not its working folder, as
-    # AgentEnv's `docker cp` reads it, so a bundle's score is the one AgentEnv gives it.
-    if reward_path:
-        await box.run(["rm", "-f", box.path(reward_path, "/")], 30, root=root)
+    if reward_path and (setup or not clean):    # AgentEnv's own removal, after the setup
+        await box.run(["rm", "-f", outputs[reward_path]], 30, root=root)
     ran = await box.run(["bash", "-c", command], timeout, root=root, env=env, clean=clean)
     if ran.timed_out:       # recorded as AgentEnv's `timeout` reports it
         ran = dataclasses.replace(ran, exit_code=TIMED_OUT_EXIT)
-    if clean and not root:  # nothing the tested code started may write the results it reads
+    if clean:       # nothing the tested code started, as the agent or as root, writes on
         await box.stop_all()
-    extracted: dict[str, Any] = {}
-    for path in [*result_paths, *([reward_path] if reward_path else [])]:
-        got = await box.run(["cat", box.path(path, "/")], 60, root=True)
-        text = got.stdout.decode(errors="replace") if got.exit_code == 0 else None
-        try:
-            extracted[path] = json.loads(text) if text is not None else None
-        except ValueError:
-            extracted[path] = text
-    rows, score = unit_test_rows(ran, reward_path, extracted.get(reward_path))
+    extracted, unread = await read_results(box, outputs)
+    rows, score = unit_test_rows(ran, reward_path, extracted.get(reward_path),
+                                 unread.get(reward_path, ""))
     record = {"exit_code": ran.exit_code, "timed_out": ran.timed_out,
               "stdout_head": ran.stdout[:500].decode(errors="replace"),
               "stderr_head": ran.stderr[:500].decode(errors="replace"), "extracted_files": extracted}
@@ -6269,6 +6416,44 @@ async def unit_tests(box: Box, name: str, command: str, setup: list[str], *, use
         failed = (f"Verifier {name!r} exited {ran.exit_code}; stderr (last 1500 chars):\n"
                   f"{ran.stderr.decode(errors='replace')[-1500:]}")
     return UnitTestRun(rows, score, record, failed)
+
+
+def not_cleared(name: str, reward_path: str | None, standing: str) -> UnitTestRun:
+    """A unit-test verifier in the model's box whose output paths still held what the model left
+    there after they were cleared: it is not run, and the step fails scored 0, saying so."""
+    why = (f"Verifier {name!r} did not run: what the model left at its output paths could not be "
+           f"cleared, so a result read there would be the model's, not the verifier's: {standing}")
+    row = {"id": "reward" if reward_path else "exit_code", "score": 0.0, "result": False,
+           "message": why}
+    record = {"exit_code": None, "timed_out": False, "stdout_head": "", "stderr_head": "",
+              "extracted_files": {}}
+    return UnitTestRun([row], 0.0, record, why)
+
+
+async def read_results(box: Box, outputs: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Each result file as the record keeps it (as JSON where it is JSON, else as text; None where
+    nothing was read; cut at RESULT_FILE_CAP, and saying so), and why those there gave nothing."""
+    found = await asyncio.gather(*(box.read_result(where, RESULT_FILE_CAP)
+                                   for where in outputs.values()))
+    extracted: dict[str, Any] = {}
+    unread: dict[str, str] = {}
+    for path, got in zip(outputs, found):
+        if got.head is None:
+            extracted[path] = None
+            if got.why:
+                unread[path] = got.why
+        elif got.size > RESULT_FILE_CAP:
+            extracted[path] = got.head.decode(errors="replace") + (
+                f"\n[cut: the file holds {got.size} bytes; the record keeps its first "
+                f"{RESULT_FILE_CAP}]")
+            unread[path] = f"holds {got.size} bytes, more than a result file may hold"
+        else:
+            text = got.head.decode(errors="replace")
+            try:
+                extracted[path] = json.loads(text)
+            except ValueError:
+                extracted[path] = text
+    return extracted, unread
 
 
 # ================================================================ 6. Episode

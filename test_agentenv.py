@@ -1882,6 +1882,48 @@ def test_a_command_reaped_before_its_exit_is_awaited_is_over_though_a_job_holds_
     assert code == 0 and took < 5
 
 
+def test_a_local_box_clears_paths_without_following_links_and_reads_results_to_a_cap(tmp_path):
+    """clear removes a file in a read-only folder, a link (never what it leads to), a FIFO and a
+    folder made unreadable, and says what it could not remove (a file of /proc); read_result
+    reads a regular file only, at most the cap of it with its whole size (a sparse 4 GiB file at
+    once), and says why it read nothing (a link, a FIFO, which it never waits on)."""
+    box = local_box(tmp_path)
+    app = Path(box.workdir)
+    (app / "out").mkdir()
+    (app / "out" / "reward.txt").write_text("1\n")
+    (app / "out").chmod(0o555)
+    (tmp_path / "one").write_text("1\n")
+    for name in ("link", "link2"):
+        (app / name).symlink_to(tmp_path / "one")
+    for name in ("fifo", "fifo2"):
+        os.mkfifo(app / name)
+    (app / "tree" / "shut").mkdir(parents=True)
+    (app / "tree" / "shut").chmod(0o000)
+    (app / "small").write_text("0.5\n")
+    with open(app / "big", "wb") as big:
+        big.truncate(4 << 30)
+
+    async def go():
+        cleared = await box.clear(["/app/out/reward.txt", "/app/link", "/app/fifo", "/app/tree",
+                                   "/app/none/x"])
+        stuck = await box.clear(["/proc/version"])
+        started = time.monotonic()
+        read = {path: await box.read_result(path, 1024) for path in (
+            "/app/small", "/app/big", "/app/link2", "/app/fifo2", "/app/none")}
+        return cleared, stuck, read, time.monotonic() - started
+    cleared, stuck, read, took = run(go())
+    assert cleared is None
+    assert not any(os.path.lexists(app / name) for name in ("out/reward.txt", "link", "fifo", "tree"))
+    assert (tmp_path / "one").read_text() == "1\n"
+    assert stuck.startswith("/proc/version (") and stuck.endswith(") still there"), stuck
+    assert read == {"/app/small": agentenv.ResultFile(b"0.5\n", 4),
+                    "/app/big": agentenv.ResultFile(bytes(1024), 4 << 30),
+                    "/app/link2": agentenv.ResultFile(None, why="is a link, not a regular file"),
+                    "/app/fifo2": agentenv.ResultFile(None, why="is not a regular file"),
+                    "/app/none": agentenv.ResultFile(None)}
+    assert took < 5
+
+
 def test_a_box_without_bash_runs_sh_and_says_so(tmp_path):
     box = local_box(tmp_path)
     box.has_bash = False
@@ -3376,6 +3418,66 @@ def test_after_the_turn_a_load_replaces_what_stood_and_checks_run_with_nothing_p
     outcome, _ = play_box(bundle, ["echo 'import os; os._exit(0)' > /app/tests/test_000.py",
                                    "touch $HOME/marker", "chmod 000 /app/tests"])
     assert (outcome.status, outcome.scores, outcome.forfeit) == ("scored", {"tests-ran": 1.0}, None)
+
+
+OUTPUTS = {"reward_path": "/app/out/reward.txt", "result_paths": ["/app/out/result.json"]}
+
+
+def test_what_the_model_left_where_a_verifier_writes_is_cleared_before_it_runs(make_bundle):
+    """The turn planted a reward of 1 and a result where the unit-test verifier writes them, read-
+    only in a folder made read-only: both are cleared before the verifier runs, so a verifier that
+    writes nothing scores 0, its files missing, never what the model planted."""
+    bundle = Bundle.load(make_bundle({"t": played_in_a_box(unit_tests("true", **OUTPUTS))},
+                                     envs=(), artifacts=(), files=REPO_FILES))
+    outcome, _ = play_box(bundle, [
+        "mkdir -p /app/out && echo 1 > /app/out/reward.txt && echo '{\"passed\": 9}' > "
+        "/app/out/result.json && chmod 444 /app/out/* && chmod 555 /app/out"])
+    assert (outcome.status, outcome.scores, outcome.forfeit) == ("scored", {"tests-ran": 0.0}, None)
+    seen = outcome.verifications["tests-ran"]
+    assert seen["extracted_files"] == {"/app/out/result.json": None, "/app/out/reward.txt": None}
+    assert seen["results"][0]["message"] == ("reward file '/app/out/reward.txt' missing or "
+                                             "non-numeric (exit_code=0 timed_out=False)")
+
+
+def test_a_verifiers_result_files_are_read_as_regular_files_and_to_a_cap(make_bundle):
+    """The verifier's command leaves a link to a file holding 1 at its reward path, a FIFO and a
+    sparse 4 GiB file at its result paths: neither the link nor the FIFO is read (the reward is
+    0, saying why), the record keeps the sparse file's first RESULT_FILE_CAP bytes and says so,
+    and the verify ends at once."""
+    command = ("mkdir -p /app/out && cd /app/out && echo 1 > one && ln -s one reward.txt && "
+               "mkfifo fifo && truncate -s 4G result.json")
+    bundle = Bundle.load(make_bundle({"t": played_in_a_box(unit_tests(
+        command, reward_path="/app/out/reward.txt",
+        result_paths=["/app/out/fifo", "/app/out/result.json"]))},
+        envs=(), artifacts=(), files=REPO_FILES))
+    started = time.monotonic()
+    outcome, _ = play_box(bundle, [])
+    took = time.monotonic() - started
+    assert (outcome.status, outcome.scores) == ("scored", {"tests-ran": 0.0})
+    seen = outcome.verifications["tests-ran"]
+    assert seen["results"][0]["message"] == ("reward file '/app/out/reward.txt' is a link, not a "
+                                             "regular file (exit_code=0 timed_out=False)")
+    cap = agentenv.RESULT_FILE_CAP
+    assert seen["extracted_files"] == {
+        "/app/out/fifo": None, "/app/out/reward.txt": None,
+        "/app/out/result.json": "\0" * cap + f"\n[cut: the file holds {4 << 30} bytes; the record "
+                                             f"keeps its first {cap}]"}
+    assert took < 15
+
+
+def test_a_verifier_whose_output_paths_cannot_be_cleared_does_not_run_and_scores_0(make_bundle):
+    """A reward path nothing can clear (a file of /proc; in the agent's box, what the model's
+    commands made so): the verifier does not run, and its step fails scored 0, saying why; never
+    a reward read there, never a mask."""
+    bundle = Bundle.load(make_bundle({"t": played_in_a_box(unit_tests(
+        "touch /app/ran", reward_path="/proc/version"))}, envs=(), artifacts=(), files=REPO_FILES))
+    outcome, _ = play_box(bundle, [])
+    assert (outcome.status, outcome.reward, outcome.failure) == ("scored", 0.0, None)
+    assert outcome.forfeit.startswith(
+        "step 'tests-ran' (run_container_unit_tests_verifier) failed: Verifier 'tests-ran' did not "
+        "run: what the model left at its output paths could not be cleared, so a result read "
+        "there would be the model's, not the verifier's: /proc/version ("), outcome.forfeit
+    assert outcome.scores == {"tests-ran": 0.0}
 
 
 def test_a_command_under_way_when_its_turn_ends_is_stopped_and_said_so(make_bundle):

@@ -22,7 +22,13 @@ as a Gym rollout beside an honest sibling that fixes it and must still score 1.0
   host's disk as it was, within a few MiB;
 * a client gone mid-call: its box is removed within seconds, over /ws and the Gym wire;
 * a verifier that runs the model's code as root: that code kills every process it can, and the box
-  still stands (its keeper is its init): 0, never masked.
+  still stands (its keeper is its init): 0, never masked;
+* a verifier that writes its reward and its result to files, as the agent and as root: a reward or
+  a result planted read-only in a folder made read-only, a link or a FIFO at the reward path, a
+  sparse 4 GiB result file, or the module making the result file 4 GiB or linking the reward path
+  to a number of root's: 0.0, never masked, the verify in seconds and its record small (the
+  forgeries first shown to pay 1 when the model runs the verifier's command itself); and the
+  agent's processes stopped before the verifier reads what it found, however late the keeper acts.
 
 The Gym verify, the OpenEnv observation and /metrics agree on each: scored 0, not masked (and a
 forfeit says why). Docker is needed (skipped with the reason without it; required in CI).
@@ -35,14 +41,15 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from tests.harness import (Gym, PYFIX, Socket, box_of, boxes_of, client, gym_row, run,
-                           serving, started_here, wait_until)
+from tests.harness import (Gym, PYFIX, Socket, box_of, boxes_of, client, copy_bundle, gym_row,
+                           run, serving, started_here, wait_until)
 
 import agentenv
 
@@ -427,3 +434,180 @@ def test_code_run_as_root_in_the_box_cannot_bring_it_down(tmp_path, no_box_left,
     assert (verdict["reward"], verdict["mask_sample"], verdict.get("failure_kind")) == (0.0, False, None)
     assert (sibling["reward"], sibling["mask_sample"]) == (1.0, False), sibling
 
+
+# ================================================================ a verifier's output paths
+
+OUT, VERDICT = "/tmp/out", "/tmp/verdict"
+RESULT, REWARD = f"{OUT}/result.json", f"{VERDICT}/reward.txt"
+# bsearch judged as many bundles judge: the judge's exit code into a result file, and the reward
+# worked out from that file into a file of its own; each folder made by the verifier, in /tmp,
+# where root (who may override no permission in the box) can write too, and so can the model
+JUDGE_TO_FILES = (
+    f"mkdir -p {OUT} {VERDICT}; python3 -I -S /tmp/pyfix-verify/run_tests.py /app/{TASK}.py "
+    f"/tmp/pyfix-verify/test_{TASK}.py >/dev/null 2>&1; printf '{{\"exit\": %d}}\\n' $? > {RESULT}; "
+    f"if head -c 64 {RESULT} | grep -qx '{{\"exit\": 0}}'; then echo 1; else echo 0; fi > {REWARD}")
+
+
+def read_only(path: str, plant: str) -> str:
+    """The model's commands: ``plant`` at ``path``, then its folder made read-only."""
+    folder = path.rsplit("/", 1)[0]
+    return f"mkdir -p {folder} && {plant} && chmod 555 {folder}"
+
+
+# name -> (the model's commands, whether the verifier's own command, as the model runs it after
+# them, leaves a reward of 1 or more: a forgery a verifier that reads what stands there would pay)
+OUTPUT_HACKS: dict[str, tuple[list[str], bool]] = {
+    "a reward planted, read-only in a read-only folder": (
+        [read_only(REWARD, f"echo 1 > {REWARD} && chmod 444 {REWARD}")], True),
+    "a result planted, read-only in a read-only folder": (
+        [read_only(RESULT, f"printf '{{\"exit\": 0}}\\n' > {RESULT} && chmod 444 {RESULT}")], True),
+    "a link at the reward path to a file that holds 1": (
+        [read_only(REWARD, f"echo 1 > /app/one && chmod 444 /app/one && ln -s /app/one {REWARD}")],
+        True),
+    "a link at the reward path to a number of root's": (
+        [read_only(REWARD, f"ln -s /etc/debian_version {REWARD}")], True),
+    "a FIFO at the reward path": ([read_only(REWARD, f"mkfifo {REWARD}")], False),
+    "a sparse 4 GiB result file": (
+        [read_only(RESULT, f"truncate -s 4G {RESULT} && chmod 444 {RESULT}")], False),
+    # the code under test, run by the verifier, as its user: what it leaves is read as it stands
+    "the module makes the result file 4 GiB": ([prepend(
+        f"import os; open({RESULT!r}, 'a').close(); os.truncate({RESULT!r}, 4 << 30); "
+        f"os.chmod({RESULT!r}, 0o444)")], False),
+    "the module links the reward path to a number of root's": ([prepend(
+        f"import os; os.symlink('/etc/debian_version', {REWARD!r})")], False),
+}
+
+
+def outputs_bundle(folder: Path) -> Path:
+    """pyfix-v1 with bsearch judged to files (JUDGE_TO_FILES, reward_path and result_paths), run
+    as the agent, and as root in the task bsearch-root."""
+    root = copy_bundle(folder / "pyfix-outputs", PYFIX)
+    task = root / "tasks" / f"{TASK}.json"
+    steps = json.loads(task.read_text())
+    steps[-1].update(command=JUDGE_TO_FILES, reward_path=REWARD, result_paths=[RESULT])
+    task.write_text(json.dumps(steps))
+    steps[-1].update(user="root")
+    (root / "tasks" / f"{TASK}-root.json").write_text(json.dumps(steps))
+    return root
+
+
+def played_over_ws(server, index: int, commands: list[str]) -> tuple[list[str], dict, float, int]:
+    """A rollout of the task at ``index`` over /ws: ``commands`` with bash, then end_turn. What
+    each command answered, the last step's data, how long the end_turn (the verify) took and the
+    size of the frame that carried it."""
+    with Socket(server.ws_url + "/ws") as ws:
+        ws.ask({"type": "reset", "data": {"split": "all", "index": index}}, 120)
+        said = []
+        for command in commands:
+            observation = ws.ask({"type": "step", "data": {
+                "type": "call_tool", "tool_name": "bash", "arguments": {"command": command}}},
+                120)["data"]["observation"]
+            said.append((observation.get("result") or {}).get("data") or
+                        (observation.get("error") or {}).get("message", ""))
+        started = time.monotonic()
+        ws.send({"type": "step", "data": {"type": "call_tool", "tool_name": "end_turn",
+                                          "arguments": {"response": "Done."}}})
+        frame = ws.ws.recv(timeout=240)
+        return said, json.loads(frame)["data"], time.monotonic() - started, len(frame)
+
+
+def test_a_verifiers_output_paths_are_the_runtimes(tmp_path, no_box_left, docker_client):
+    """A verifier that writes its reward and its result to files, run as the agent and as root:
+    the model plants a reward or a result (read-only, in a folder it made read-only, so neither a
+    removal nor the verifier's own write can touch it), a link or a FIFO at the reward path, a
+    sparse 4 GiB result file; or its module, run by the verifier, makes the result file 4 GiB or
+    links the reward path to a number of root's. Each scores 0.0, never masked, its verify well
+    within the verifier's 60 s, its record at most RESULT_FILE_CAP of any file; each forgery is
+    first shown to leave a reward of 1 or more when the model runs the verifier's command itself.
+    The honest siblings (one as the agent, one as root, beside each batch) score 1.0 in time."""
+    root = outputs_bundle(tmp_path)
+    loaded = agentenv.Bundle.load(root)
+    names = [t.name for t in loaded.splits["all"]]
+    as_agent, as_root = names.index(TASK), names.index(f"{TASK}-root")
+    show = f"bash -c {shlex_quote(JUDGE_TO_FILES)}; echo reward=$(cat {REWARD})"
+    probes = [(f"{name} (as {who})", index, [*commands, *[show][:shown]], shown)
+              for name, (commands, forged) in OUTPUT_HACKS.items()
+              for who, index in (("agent", as_agent), ("root", as_root))
+              for shown in [forged and who == "agent"]]   # (root's command the model can't run)
+    cap = agentenv.RESULT_FILE_CAP
+    with serving(root, tmp_path / "served", "--max-concurrent-envs", "6", sandbox="docker") as server:
+        async def battery():
+            results, siblings = {}, []
+            for at in range(0, len(probes), 4):
+                batch = probes[at:at + 4]
+                played = await asyncio.gather(
+                    *(asyncio.to_thread(played_over_ws, server, index, [fix()])
+                      for index in (as_agent, as_root)),
+                    *(asyncio.to_thread(played_over_ws, server, index, commands)
+                      for _, index, commands, _ in batch))
+                siblings += played[:2]
+                results.update({probe[0]: (probe, outcome) for probe, outcome in zip(batch, played[2:])})
+            return results, siblings
+        results, siblings = run(battery(), 1200)
+        masked = metric(server, "agentenv_masked_rollouts_total")
+        log = server.log()
+    for name, ((_, _, _, forged), (said, ended, took, size)) in results.items():
+        metadata = ended["observation"]["metadata"]
+        assert (ended["done"], ended["reward"]) == (True, 0.0), (name, ended)
+        assert "failure_kind" not in metadata and metadata.get("status") != "error", (name, metadata)
+        if forged:                          # a real forgery: the verifier's command pays it
+            assert float(said[-1].split("reward=")[1].split()[0]) >= 1, (name, said)
+        assert took < 30, (name, took)      # within half the verifier's deadline, at load 8 too
+        # (a NUL is six characters of JSON, and OpenEnv's frame carries the metadata twice)
+        assert size < 16 * cap, (name, size)
+        for path, kept in metadata["verifications"]["unit-tests"]["extracted_files"].items():
+            assert kept is None or isinstance(kept, (int, float, dict)) or \
+                len(kept) <= cap + 100, (name, path, len(kept))
+    cut = results["the module makes the result file 4 GiB (as agent)"][1][1]
+    kept = cut["observation"]["metadata"]["verifications"]["unit-tests"]["extracted_files"][RESULT]
+    assert kept.endswith(f"[cut: the file holds {4 << 30} bytes; the record keeps its first {cap}]")
+    linked = results["the module links the reward path to a number of root's (as agent)"][1][1]
+    assert linked["observation"]["metadata"]["verifications"]["unit-tests"]["results"][0][
+        "message"].startswith(f"reward file {REWARD!r} is a link, not a regular file")
+    for name, (_, (_, ended, _, _)) in results.items():    # every file read that stood there
+        message = ended["observation"]["metadata"]["verifications"]["unit-tests"]["results"][0]
+        assert "could not be read" not in message["message"], (name, message)
+    for _, ended, took, _ in siblings:
+        assert (ended["done"], ended["reward"]) == (True, 1.0), ended
+        assert ended["observation"]["metadata"]["verifications"]["unit-tests"][
+            "extracted_files"] == {RESULT: {"exit": 0}, REWARD: 1}, ended
+        assert took < 60, took
+    assert masked == 0
+    assert "Traceback" not in log, log[-3000:]
+
+
+# ================================================================ the agent's processes, stopped
+
+def test_the_agents_processes_are_stopped_before_the_next_command_starts(tmp_path, no_box_left,
+                                                                        docker_client):
+    """The box's keeper is slow to act on the signal that stops every process of the agent's
+    (held stopped from the host, as a loaded machine may leave it unscheduled): stopping them does
+    not end until the keeper has acted, so its kill never lands on the command that follows (a
+    verifier reading what it found, as root: before, killed, and its result lost)."""
+    loaded = agentenv.Bundle.load(PYFIX)
+
+    async def play():
+        settings = agentenv.Settings.of(sandbox="docker")
+        async with agentenv.Runtime(loaded, settings) as runtime:
+            episode = runtime.episode(loaded.tasks[TASK])
+            await episode.next_turn()
+            box = episode.agent_box
+            keeper = box.container.attrs["State"]["Pid"]
+
+            async def read_after(stopping: asyncio.Future) -> agentenv.Ran:
+                await stopping
+                return await box.run(["sh", "-c", "sleep 3; echo read"], 30, root=True)
+            os.kill(keeper, signal.SIGSTOP)
+            try:
+                stopping = asyncio.ensure_future(box.stop_all())
+                reading = asyncio.ensure_future(read_after(stopping))
+                await asyncio.sleep(1)
+                waited = not stopping.done()
+            finally:
+                os.kill(keeper, signal.SIGCONT)
+            after = await reading
+            await episode.abandon("done")
+            return waited, after
+    waited, after = run(play(), 120)
+    assert (after.exit_code, after.stdout) == (0, b"read\n"), after
+    assert waited
