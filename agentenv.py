@@ -12298,31 +12298,48 @@ def type_hint(schema: Any) -> tuple[Any, dict[str, Any]]:
 
 
 def trl_tool_problems(toolset: str, tools: list[dict[str, Any]]) -> list[str]:
-    """Why tools of a toolset can't be methods of TRL's environment, one sentence each."""
+    """Why tools of a toolset can't be methods of TRL's environment, one sentence each: a name no
+    method can have, an input schema whose arguments no parameters can be, or one nested deeper
+    than its type hints are built (a hint per level) and its JSON written out again."""
     problems = []
     for tool in tools:
         name = tool.get("name")
+        shown = reprlib.repr(name)
         why = _not_a_name(name)
         if why is None and name.startswith("_"):
             why = "it starts with an underscore, and TRL offers the model no method that does"
         if why is None and name in TRL_NAMES:
             why = f"TRL calls an environment's {name}() itself, so it can't be a tool"
         if why:
-            problems.append(f"toolset {toolset}: the tool {name!r} can't be a method of TRL's "
+            problems.append(f"toolset {toolset}: the tool {shown} can't be a method of TRL's "
                             f"environment: {why}; rename it in the env")
         schema = tool.get("input_schema") or {}
-        for argument in (schema.get("properties") or {}) if isinstance(schema, dict) else {}:
+        properties = (schema.get("properties") or {}) if isinstance(schema, dict) else {}
+        if (depth := nesting(schema)) > MAX_NESTING:
+            problems.append(f"toolset {toolset}: the input schema of {shown} nests {depth} levels "
+                            f"of JSON deep, past the {MAX_NESTING} TRL's environment class is built "
+                            "from (a type hint per level); flatten it in the env, naming its parts "
+                            "in $defs and reaching them by $ref")
+        if not isinstance(properties, dict):
+            problems.append(f"toolset {toolset}: the input schema of {shown} gives its properties "
+                            f"as {type(properties).__name__}, not an object of each argument's "
+                            "schema, so its arguments can't be a Python method's parameters; fix "
+                            "its schema in the env")
+            continue
+        for argument in properties:
             if why := _not_a_name(argument):
-                problems.append(f"toolset {toolset}: the argument {argument!r} of {name!r} can't be "
-                                f"a parameter of a Python method (TRL calls a tool by its method, "
-                                f"and describes it from its parameters): {why}; rename it in the env")
+                problems.append(f"toolset {toolset}: the argument {reprlib.repr(argument)} of {shown} "
+                                f"can't be a parameter of a Python method (TRL calls a tool by its "
+                                f"method, and describes it from its parameters): {why}; rename it in "
+                                "the env")
     return problems
 
 
 def _not_a_name(name: Any) -> str | None:
     import keyword
     if not isinstance(name, str) or not name.isidentifier():
-        return f"{name!r} is not a Python identifier (letters, digits and _, not starting with a digit)"
+        return (f"{reprlib.repr(name)} is not a Python identifier (letters, digits and _, not "
+                "starting with a digit)")
     if keyword.iskeyword(name):
         return f"{name!r} is a Python keyword"
     return None
@@ -12337,7 +12354,8 @@ def trl_method(tool: dict[str, Any]) -> Callable[..., str]:
     name = tool["name"]
     schema = tool.get("input_schema") if isinstance(tool.get("input_schema"), dict) else {}
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    required = set(schema.get("required") or []) if isinstance(schema.get("required"), list) else set()
+    required = {r for r in schema.get("required") or [] if isinstance(r, str)} \
+        if isinstance(schema.get("required"), list) else set()
     receiver = "self"
     while receiver in properties:                 # an argument called self is the tool's
         receiver = "_" + receiver

@@ -4634,6 +4634,52 @@ def test_trl_tools_that_cant_be_methods_are_refused_saying_which_and_why():
         "Python identifier (letters, digits and _, not starting with a digit); rename it in the env"]
 
 
+def test_trl_schemas_that_would_break_the_class_builder_are_refused_saying_the_fix():
+    # What a hostile (or careless) env may list: a schema nested past what the builder's type
+    # hints take (it raised RecursionError), properties that are no object (TypeError), a
+    # required list of what no set holds, names that are no strings. Each is a problem said with
+    # its fix, before any class is built; what the builder then builds holds no surprise.
+    def deep(levels):                    # an input schema of arrays of arrays, ``levels`` deep
+        schema = {"type": "string"}
+        for _ in range(levels - 3):
+            schema = {"type": "array", "items": schema}
+        return {"type": "object", "properties": {"grid": schema}}
+
+    problems = agentenv.trl_tool_problems("notebook", [
+        {"name": "fine", "input_schema": deep(64)},
+        {"name": "deep", "input_schema": deep(65)},
+        {"name": "deeper", "input_schema": deep(2000)},
+        {"name": "listed", "input_schema": {"type": "object", "properties": [{"a": {}}]}},
+        {"name": "counted", "input_schema": {"type": "object", "properties": 5}},
+        {"name": ["not", "a", "name"], "input_schema": {}},
+        {"name": "x" * 500 + "-", "input_schema": {}}])
+    assert problems == [
+        "toolset notebook: the input schema of 'deep' nests 65 levels of JSON deep, past the 64 "
+        "TRL's environment class is built from (a type hint per level); flatten it in the env, "
+        "naming its parts in $defs and reaching them by $ref",
+        "toolset notebook: the input schema of 'deeper' nests 2000 levels of JSON deep, past the 64 "
+        "TRL's environment class is built from (a type hint per level); flatten it in the env, "
+        "naming its parts in $defs and reaching them by $ref",
+        "toolset notebook: the input schema of 'listed' gives its properties as list, not an object "
+        "of each argument's schema, so its arguments can't be a Python method's parameters; fix its "
+        "schema in the env",
+        "toolset notebook: the input schema of 'counted' gives its properties as int, not an object "
+        "of each argument's schema, so its arguments can't be a Python method's parameters; fix its "
+        "schema in the env",
+        "toolset notebook: the tool ['not', 'a', 'name'] can't be a method of TRL's environment: "
+        "['not', 'a', 'name'] is not a Python identifier (letters, digits and _, not starting with "
+        "a digit); rename it in the env",
+        "toolset notebook: the tool 'xxxxxxxxxxxx...xxxxxxxxxxxx-' can't be a method of TRL's "
+        "environment: 'xxxxxxxxxxxx...xxxxxxxxxxxx-' is not a Python identifier (letters, digits and "
+        "_, not starting with a digit); rename it in the env"]
+    # what passes is built, 64 levels deep included, and a required list of anything is no crash
+    method = agentenv.trl_method({"name": "fine", "input_schema": {
+        **deep(64), "required": ["grid", ["a"], {"b": 1}, 3]}})
+    assert inspect.signature(method).parameters["grid"].default is inspect.Parameter.empty
+    with pytest.raises(RecursionError):        # what the refusal above keeps the builder from
+        agentenv.trl_method({"name": "deeper", "input_schema": deep(2000)})
+
+
 def test_trl_environment_refuses_settings_it_cant_use_before_connecting():
     url = f"http://127.0.0.1:{free_port()}"          # nothing listens: nothing is asked of it
     for settings, words in [
