@@ -2439,6 +2439,58 @@ def test_a_session_id_that_is_not_visible_ascii_is_refused_as_it_arrives(sid):
     run(go())
 
 
+def test_a_card_or_an_initialize_past_max_env_reply_is_broken_not_asked_again():
+    # What a deploy reads before any tool: past the cap (or, a card, nested past MAX_NESTING),
+    # McpBroken, which fails the deploy at once; what is read of it is never more than the cap.
+    kind = "fits"
+
+    async def card(request: web.Request) -> web.StreamResponse:
+        if kind == "deep":
+            return web.Response(text='{"name": "x", "a": %s}' % ("[" * 70 + "]" * 70),
+                                content_type="application/json")
+        response = web.StreamResponse()         # chunked: its length unknown until its end
+        await response.prepare(request)
+        await response.write(b'{"name": "x", "pad": "' + b"x" * (1000 if kind == "fits" else 5000))
+        await response.write(b'"}')
+        return response
+
+    async def mcp(request: web.Request) -> web.Response:
+        msg = await request.json()
+        return web.json_response({"jsonrpc": "2.0", "id": msg.get("id"), "result": {
+            "protocolVersion": agentenv.MCP_PROTOCOL, "serverInfo": {"name": "x" * 5000}}})
+
+    async def go():
+        nonlocal kind
+        app = web.Application()
+        app.router.add_get("/.well-known/agent-env.json", card)
+        app.router.add_post("/mcp", mcp)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        session = McpSession(base + "/mcp", max_body=2000)
+        try:
+            async with aiohttp.ClientSession() as http:
+                assert (await agentenv._read_card(http, base, 2000))["name"] == "x"
+                kind = "long"
+                with pytest.raises(agentenv.McpBroken, match="its card is longer than the 2,000 bytes "
+                                                             "agentenv.py reads of an answer"):
+                    await agentenv._read_card(http, base, 2000)
+                kind = "deep"
+                with pytest.raises(agentenv.McpBroken, match="its card nests more than 64 levels"):
+                    await agentenv._read_card(http, base, 2000)
+            with pytest.raises(agentenv.McpBroken, match="it answered initialize with more than "
+                                                         "agentenv.py reads: the answer is longer "
+                                                         "than the 2,000 bytes"):
+                await session.open()
+        finally:
+            session.drop()
+            await runner.cleanup()
+
+    run(go())
+
+
 def nested_tool(name: str, levels: int) -> dict:
     """A tool whose JSON nests ``levels`` deep: itself, then its input schema's arrays of arrays."""
     schema: dict = {"type": "string"}
