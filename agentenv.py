@@ -5305,9 +5305,13 @@ def nesting(value: Any) -> int:
 
 # A reply's framing, read strictly: anything else is a malformed reply, never a guess.
 STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\r\n]*)?")
-# A header field: a token, a colon, and a value with no NUL nor a line break of its own (control
-# characters pass here, to be refused where they would matter: a session id).
-FIELD_LINE = re.compile(r"([!#$%&'*+.^_`|~0-9A-Za-z-]+):([^\x00\r\n]*)")
+# A header field's name is a token, right before its colon. The names an env sends are few and
+# the same on every reply, so each is checked once and remembered with its lower case (up to
+# FIELD_NAMES_KEPT): a reply's usual fields cost a lookup, not a regex. A value is read as it is:
+# the fields read (a length, the coding, a session id) are checked as what they are.
+FIELD_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+FIELD_NAMES: dict[str, str] = {}
+FIELD_NAMES_KEPT = 512
 DECIMAL = re.compile(r"[0-9]{1,18}")
 CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})(?:[ \t]*;[^\r\n]*)?\r\n")
 SESSION_ID = re.compile(r"[\x21-\x7e]+")      # MCP's spec: visible ASCII
@@ -5438,6 +5442,21 @@ class EnvLine:
         self._idle.clear()
 
 
+def _field_name(line: str, name: str, colon: str) -> str:
+    """A header line's field name in lower case, checked the first time it comes (then it is
+    remembered); a line that is no field, a folded one (obs-fold, which HTTP/1.1 forbids in a
+    reply) included, is a malformed reply."""
+    if line[:1] in (" ", "\t"):
+        raise aiohttp.ClientPayloadError(f"the env folded a header onto a second line, "
+                                         f"{short(repr(line), 80)}, which HTTP/1.1 forbids in a reply")
+    if not colon or not FIELD_NAME.fullmatch(name):
+        raise aiohttp.ClientPayloadError(f"the env sent a header line that is no NAME: VALUE, "
+                                         f"{short(repr(line), 80)}")
+    if len(FIELD_NAMES) < FIELD_NAMES_KEPT:
+        FIELD_NAMES[name] = name.lower()
+    return name.lower()
+
+
 class EnvReply:
     """One request on an EnvLine and its reply, as ``async with``: inside it, ``status``,
     ``headers`` (names in lower case) and ``content_type`` are read, and the body is read with
@@ -5460,7 +5479,8 @@ class EnvReply:
         self._reader, self._writer = reader, writer = await self.line.connection()
         try:
             writer.write(self.request)
-            while True:                   # a 1xx reply (100 Continue) comes before the real one
+            interim = 0                   # bytes of 1xx replies (100 Continue), before the real one
+            while True:
                 head = await self._read(reader.readuntil(b"\r\n\r\n"), "its headers")
                 status_line, _, fields = head[:-4].partition(b"\r\n")
                 if not (status := STATUS_LINE.fullmatch(status_line)):
@@ -5468,20 +5488,22 @@ class EnvReply:
                 self.status = int(status.group(2))
                 if self.status >= 200:
                     break
+                if (interim := interim + len(head)) > self.line.MAX_HEAD:
+                    raise aiohttp.ClientPayloadError(
+                        f"the env sent more than {self.line.MAX_HEAD // 1024} KiB of interim (1xx) "
+                        "replies, and no reply")
             headers = self.headers
             for line in fields.decode("latin-1").split("\r\n") if fields else ():
-                if not (field := FIELD_LINE.fullmatch(line)):
-                    raise aiohttp.ClientPayloadError(
-                        f"the env folded a header onto a second line, {short(repr(line), 80)}, "
-                        "which HTTP/1.1 forbids in a reply" if line[:1] in (" ", "\t") else
-                        f"the env sent a header line that is no NAME: VALUE, {short(repr(line), 80)}")
-                name, value = field.group(1).lower(), field.group(2).strip(" \t")
-                if name in headers:         # a field sent twice
-                    if name == "content-length" and headers[name] != value:
+                name, colon, value = line.partition(":")
+                if not colon or (key := FIELD_NAMES.get(name)) is None:
+                    key = _field_name(line, name, colon)
+                value = value.strip(" \t")
+                # A field sent twice (its first value kept is another string: one the same, as
+                # a 1-character value is, changes nothing).
+                if (kept := headers.setdefault(key, value)) is not value:
+                    if key == "content-length" and kept != value:
                         raise aiohttp.ClientPayloadError("the env sent two Content-Lengths")
-                    if name == "transfer-encoding":      # one list, in its order
-                        value = f"{headers[name]}, {value}"
-                headers[name] = value
+                    headers[key] = f"{kept}, {value}" if key == "transfer-encoding" else value
             if (coding := headers.get("transfer-encoding")) is not None:
                 codings = [c for c in (c.strip(" \t").lower() for c in coding.split(",")) if c]
                 if codings != ["chunked"]:
@@ -5528,8 +5550,11 @@ class EnvReply:
                     raise aiohttp.ClientPayloadError(
                         f"the env sent a chunk size that is not one: {short(repr(size_line), 80)}")
                 if (length := int(size.group(1), 16)) == 0:   # the last; trailers to a blank line
-                    while await self._read(reader.readuntil(b"\r\n"), "its trailers") != b"\r\n":
-                        pass
+                    while (line := await self._read(reader.readuntil(b"\r\n"), "its trailers")) \
+                            != b"\r\n":
+                        self.left -= len(line)              # trailers count as the body does
+                        if self.left < 0:
+                            raise McpTooLong(self._too_long())
                     self._done = True
                     return
                 self.left -= length
@@ -5707,6 +5732,9 @@ class McpSession:
             return ToolResult(str(exc), TOOL_ERROR)
         except McpTooLong as exc:           # the model asked for that much: it reads so
             return ToolResult(f"{exc}; ask the tool for less at a time", TOOL_ERROR)
+        except RecursionError:              # the model's arguments, nested past what json writes
+            return ToolResult(f"the arguments of {name} nest deeper than agentenv.py writes; send "
+                              "them nested less deep", BAD_ARGUMENTS)
         return ToolResult(tool_text(result), TOOL_ERROR if result.get("isError") else OK)
 
     async def close(self) -> None:

@@ -2147,7 +2147,9 @@ MALFORMED_SAYS = {
               "forbids in a reply",
     "tab folded": "folded a header onto a second line",
     "no field": "a header line that is no NAME: VALUE, 'Content Length: 2'",
-    "control": "a header line that is no NAME: VALUE"}
+    "spaced": "a header line that is no NAME: VALUE, 'Content-Length : 2'",
+    "no colon": "a header line that is no NAME: VALUE, 'Content-Length'",
+    "interim": r"the env sent more than 64 KiB of interim \(1xx\) replies, and no reply"}
 
 
 def test_mcp_client_keeps_one_connection_and_reads_every_framing_of_a_reply():
@@ -2174,7 +2176,11 @@ def test_mcp_client_keeps_one_connection_and_reads_every_framing_of_a_reply():
         "folded": b"HTTP/1.1 200 OK\r\nX-Note: a\r\n Content-Length: 2\r\n\r\nxy",
         "tab folded": b"HTTP/1.1 200 OK\r\nX-Note: a\r\n\tContent-Length: 2\r\n\r\nxy",
         "no field": b"HTTP/1.1 200 OK\r\nContent Length: 2\r\n\r\nxy",
-        "control": b"HTTP/1.1 200 OK\r\nX-Note: a\x00b\r\nContent-Length: 2\r\n\r\nxy"}
+        "spaced": b"HTTP/1.1 200 OK\r\nContent-Length : 2\r\n\r\nxy",
+        "no colon": b"HTTP/1.1 200 OK\r\nContent-Length\r\n\r\nxy",
+        # interim replies that never end (each within the head's cap): not read for ever
+        "interim": b"HTTP/1.1 100 Continue\r\nX-Pad: %s\r\n\r\n" % (b"x" * 1000) * 70 +
+                   b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nxy"}
 
     def answer(text: str, rid: int) -> bytes:
         return json.dumps({"jsonrpc": "2.0", "id": rid, "result": {
@@ -2355,6 +2361,11 @@ def test_an_answer_is_read_to_max_env_reply_in_every_framing_and_past_it_is_the_
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
                     continue
                 how, _, size = name.partition(" ")
+                if how == "trailers":        # a short answer, then trailers of ``size`` bytes
+                    head, body = framed("chunks", rid, 5)
+                    writer.write(head + b"%x\r\n%s\r\n0\r\n" % (len(body), body) +
+                                 b"X-Pad: %s\r\n" % (b"x" * 990) * (int(size) // 1000) + b"\r\n")
+                    continue
                 head, body = framed(how, rid, int(size or 5))
                 if how == "chunks":          # in pieces of 1000 bytes
                     body = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 1000]), body[i:i + 1000])
@@ -2381,6 +2392,9 @@ def test_an_answer_is_read_to_max_env_reply_in_every_framing_and_past_it_is_the_
                     "(max_env_reply); ask the tool for less at a time", agentenv.TOOL_ERROR), how
                 assert not set(session.line._idle) - set(idle), f"{how}: its connection was kept"
                 assert await session.call_tool("length 3", {}) == ToolResult("xxx")
+            # trailers count as the body does: an env can't send them past the cap either
+            assert await session.call_tool("trailers 40000", {}) == ToolResult("xxxxx")
+            assert (await session.call_tool("trailers 60000", {})).status == agentenv.TOOL_ERROR
             session.line.max_body = 2 * 2**20
             assert (await session.call_tool(f"length {3 * 2**20}", {})).text.startswith(
                 "the answer is longer than the 2 MiB agentenv.py reads")
@@ -2435,6 +2449,28 @@ def test_a_session_id_that_is_not_visible_ascii_is_refused_as_it_arrives(sid):
             server.close()
             await server.wait_closed()
         assert not [head for head in sent if sid.encode("latin-1") in head], "sent back to the env"
+
+    run(go())
+
+
+def test_arguments_nested_past_what_json_writes_are_the_models_bad_arguments(fastmcp_url):
+    # A wire reads a model's arguments where the stack is shallower than where the env client
+    # writes them: nested nearly as deep as json reads, they can't be written again (json raises
+    # RecursionError, which came out of serve as a 500 and a traceback). The model reads why.
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+
+    async def go():
+        session = McpSession(fastmcp_url)
+        try:
+            await session.open()
+            assert await session.call_tool("add", {"a": deep, "b": 1}) == ToolResult(
+                "the arguments of add nest deeper than agentenv.py writes; send them nested less "
+                "deep", agentenv.BAD_ARGUMENTS)
+            assert await session.call_tool("add", {"a": 2, "b": 3}) == ToolResult("5")
+        finally:
+            await session.close()
 
     run(go())
 
