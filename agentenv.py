@@ -5314,7 +5314,7 @@ FIELD_NAMES: dict[str, str] = {}
 FIELD_NAMES_KEPT = 512
 DECIMAL = re.compile(r"[0-9]{1,18}")
 CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})(?:[ \t]*;[^\r\n]*)?\r\n")
-SESSION_ID = re.compile(r"[\x21-\x7e]+")      # MCP's spec: visible ASCII
+VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")   # what MCP's spec allows in a session id
 
 
 def unread(reader: asyncio.StreamReader) -> int:
@@ -5452,9 +5452,10 @@ def _field_name(line: str, name: str, colon: str) -> str:
     if not colon or not FIELD_NAME.fullmatch(name):
         raise aiohttp.ClientPayloadError(f"the env sent a header line that is no NAME: VALUE, "
                                          f"{short(repr(line), 80)}")
+    key = name.lower()
     if len(FIELD_NAMES) < FIELD_NAMES_KEPT:
-        FIELD_NAMES[name] = name.lower()
-    return name.lower()
+        FIELD_NAMES[name] = key
+    return key
 
 
 class EnvReply:
@@ -5641,11 +5642,12 @@ class McpSession:
             result = await self.request("initialize", {
                 "protocolVersion": MCP_PROTOCOL, "capabilities": {},
                 "clientInfo": {"name": "agentenv.py", "version": __version__}}, timeout)
-        except McpTooLong as exc:
-            raise McpBroken(f"it answered initialize with more than agentenv.py reads: {exc}; "
-                            "answer it in a few KiB, or raise --max-env-reply") from None
+        except McpTooLong:
+            raise McpBroken(f"its answer to initialize is longer than the "
+                            f"{bytes_said(self.line.max_body)} agentenv.py reads of an answer "
+                            "(max_env_reply); answer it in a few KiB") from None
         version = result.get("protocolVersion", MCP_PROTOCOL)
-        if not isinstance(version, str) or not SESSION_ID.fullmatch(version):
+        if not isinstance(version, str) or not VISIBLE_ASCII.fullmatch(version):
             raise McpBroken(f"it answered initialize with the protocolVersion "
                             f"{reprlib.repr(version)}, which is no MCP version (such as "
                             f"{MCP_PROTOCOL!r}); fix its initialize")
@@ -5729,7 +5731,7 @@ class McpSession:
         try:
             result = await self.request("tools/call", {"name": name, "arguments": arguments}, timeout)
         except McpRefusal as exc:           # the call itself was refused: the model sees why
-            return ToolResult(str(exc), TOOL_ERROR)
+            return ToolResult(clipped(str(exc)), TOOL_ERROR)
         except McpTooLong as exc:           # the model asked for that much: it reads so
             return ToolResult(f"{exc}; ask the tool for less at a time", TOOL_ERROR)
         except RecursionError:              # the model's arguments, nested past what json writes
@@ -5786,7 +5788,7 @@ class McpSession:
         async with self.line.exchange(b"POST", self.headers, body, cap) as reply:
             if (session := reply.headers.get("mcp-session-id")) and \
                     session != self.headers.get("Mcp-Session-Id"):
-                if not SESSION_ID.fullmatch(session):
+                if not VISIBLE_ASCII.fullmatch(session):
                     raise McpBroken(f"it gave the session id {short(repr(session), 80)}, which holds "
                                     "characters MCP's spec does not allow in one (visible ASCII "
                                     "alone, 0x21 to 0x7E), and agentenv.py would send it back in a "
@@ -5848,7 +5850,11 @@ def tool_text(result: dict[str, Any]) -> str:
             parts.append(f"[{item.get('type', 'unknown')} content: {item.get('mimeType', 'no type')}]")
     if not parts and result.get("structuredContent") is not None:
         parts.append(json.dumps(result["structuredContent"]))
-    text = "\n".join(parts)
+    return clipped("\n".join(parts))
+
+
+def clipped(text: str) -> str:
+    """A tool's text as the model reads it: at most MAX_TOOL_OUTPUT characters, and the cut said."""
     if len(text) > MAX_TOOL_OUTPUT:
         text = (text[:MAX_TOOL_OUTPUT] + f"\n[output cut: the tool answered {len(text)} characters; "
                 f"agentenv.py passes on the first {MAX_TOOL_OUTPUT}]")

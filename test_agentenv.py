@@ -2082,6 +2082,9 @@ def test_mcp_client_reads_sse_replies_and_refusals():
         if name == "refuse":
             return web.json_response({"jsonrpc": "2.0", "id": mid,
                                       "error": {"code": -32602, "message": "Unknown tool: refuse"}})
+        if name == "refuse at length":      # the model reads no more of it than of an answer
+            return web.json_response({"jsonrpc": "2.0", "id": mid,
+                                      "error": {"code": -32602, "message": "no " * 50_000}})
         if name == "http500":
             return web.Response(status=500, text="the server broke")
         if name == "notjson":
@@ -2119,6 +2122,9 @@ def test_mcp_client_reads_sse_replies_and_refusals():
                 ToolResult("hi\n[image content: image/png]")
             assert await session.call_tool("refuse", {}) == \
                 ToolResult("Unknown tool: refuse", agentenv.TOOL_ERROR)
+            assert await session.call_tool("refuse at length", {}) == ToolResult(
+                "no " * 33_333 + "n\n[output cut: the tool answered 150000 characters; agentenv.py "
+                "passes on the first 100000]", agentenv.TOOL_ERROR)
             with pytest.raises(McpError, match="tools/call was answered HTTP 500: the server broke"):
                 await session.call_tool("http500", {})
             with pytest.raises(McpError, match="answered with something that is not JSON"):
@@ -2492,8 +2498,9 @@ def test_a_card_or_an_initialize_past_max_env_reply_is_broken_not_asked_again():
 
     async def mcp(request: web.Request) -> web.Response:
         msg = await request.json()
+        version = {"fits": agentenv.MCP_PROTOCOL, "number": 20250618}.get(kind, "2025\x01")
         return web.json_response({"jsonrpc": "2.0", "id": msg.get("id"), "result": {
-            "protocolVersion": agentenv.MCP_PROTOCOL, "serverInfo": {"name": "x" * 5000}}})
+            "protocolVersion": version, "serverInfo": {"name": "x" * (5000 if kind == "long" else 5)}}})
 
     async def go():
         nonlocal kind
@@ -2516,10 +2523,19 @@ def test_a_card_or_an_initialize_past_max_env_reply_is_broken_not_asked_again():
                 kind = "deep"
                 with pytest.raises(agentenv.McpBroken, match="its card nests more than 64 levels"):
                     await agentenv._read_card(http, base, 2000)
-            with pytest.raises(agentenv.McpBroken, match="it answered initialize with more than "
-                                                         "agentenv.py reads: the answer is longer "
-                                                         "than the 2,000 bytes"):
+            kind = "long"
+            with pytest.raises(agentenv.McpBroken, match=r"its answer to initialize is longer than "
+                                                         r"the 2,000 bytes agentenv.py reads of an "
+                                                         r"answer \(max_env_reply\)"):
                 await session.open()
+            # a protocol version that is no version is not sent back in a header either
+            for kind, said in (("number", "20250618"), ("control", "'2025\\x01'")):
+                with pytest.raises(agentenv.McpBroken, match=re.escape(
+                        f"it answered initialize with the protocolVersion {said}, which is no MCP "
+                        "version (such as '2025-06-18'); fix its initialize")):
+                    await session.open()
+            kind = "fits"
+            assert (await session.open())["protocolVersion"] == agentenv.MCP_PROTOCOL
         finally:
             session.drop()
             await runner.cleanup()
