@@ -143,6 +143,7 @@ import math
 import os
 import random
 import re
+import reprlib
 import secrets
 import select
 import shlex
@@ -307,6 +308,14 @@ class Settings:
                                       # a server with Docker keeps what warm_default says, else none
     warm_env: tuple[tuple[str, int], ...] = ()   # (env, count): those envs warmed, the split aside
     bash_timeout: float = 300.0       # one bash command in the agent's box (within the call's own)
+    # Bytes of an env's answer read (a tool's, and its tool listing, all pages, as one): past them a
+    # tool's answer is the model's tool error, and a listing fails the deploy. The model sees at
+    # most MAX_TOOL_OUTPUT (100,000) characters of an answer, and they come JSON-escaped: as
+    # \uXXXX, 6 bytes a character (12 past the BMP, a surrogate pair), 600 KB for 100,000, and
+    # twice that from an MCP server that also gives the result as structuredContent, as FastMCP
+    # does for a typed return. 2 MiB holds that (all but such a server's characters past the BMP,
+    # 2.4 MB), and an answer costs a few times that in memory at most, not its own size.
+    max_env_reply: int = 2 * 2**20
     status_interval: float = 60.0     # how often serve logs its status line while episodes are live
     allow_host: tuple[str, ...] = ()  # names beside loopback's and this machine's the server
                                       # answers to (a reverse proxy's): see BrowserGuard
@@ -318,14 +327,15 @@ class Settings:
     # The keys a Gym config carries, with the resources server serving the bundle (bundle:) or
     # playing on a running serve (url:); the declared ones only where they were given.
     GYM_KEYS = ("tool_timeout", "reset_timeout", "idle_timeout")
-    BUNDLE_KEYS = ("max_concurrent_envs", "deploy_timeout", "bash_timeout", "status_interval", "warm",
-                   "warm_env")
+    BUNDLE_KEYS = ("max_concurrent_envs", "deploy_timeout", "bash_timeout", "max_env_reply",
+                   "status_interval", "warm", "warm_env")
     # eval's own settings: how it plays a model, not how a bundle is served
     EVAL_KEYS = ("request_timeout", "model_retries", "eval_concurrency", "max_steps")
 
     # The settings counted in whole numbers (of which some may be 0: no retries, no step limit);
     # every other number is seconds.
-    WHOLE_KEYS = ("max_concurrent_envs", "model_retries", "eval_concurrency", "max_steps")
+    WHOLE_KEYS = ("max_concurrent_envs", "max_env_reply", "model_retries", "eval_concurrency",
+                  "max_steps")
     ZERO_KEYS = ("model_retries", "max_steps")
 
     def __getattr__(self, name: str) -> Any:
@@ -5423,6 +5433,15 @@ MCP_PROTOCOL = "2025-06-18"
 HIDDEN_META = "agentenv.io/hiddenByDefault"
 ROLE_HEADER = "AgentEnv-Role"
 MAX_TOOL_OUTPUT = 100_000        # characters of a tool's answer passed on to the model
+# An env's tool listing, every page of it, is read as one answer: within max_env_reply's bytes, one
+# deadline, and these counts. An env that pages forever fails its deploy, not the server's memory.
+LIST_TIMEOUT = 30.0              # seconds for the whole tools/list
+MAX_LIST_PAGES = 100
+MAX_TOOLS = 1000                 # far past any model's use: each is in every prompt of its turn
+# How deep an env's tool (or card) may nest, in JSON objects and arrays. Every wire writes a tool
+# out again, deeper in the stack than it was read, and Python's json writes no deeper than the
+# stack allows there; no schema a model can use comes near this.
+MAX_NESTING = 64
 
 
 class McpError(AgentEnvError):
@@ -5434,15 +5453,48 @@ class McpRefusal(McpError):
 
 
 class McpTooLong(McpError):
-    """A reply longer than the env client reads (EnvLine.MAX_BODY). A tool call's is the model's
+    """A reply longer than the env client reads (max_env_reply). A tool call's is the model's
     doing (it asked for that much), so the model reads it as a tool error; never a mask, which
     would let a model escape a poor score by asking a tool for too much."""
 
 
+class McpBroken(McpError):
+    """An env that breaks MCP in a way no second try mends: a session id it can't be sent back, a
+    tool listing past its limits, an answer to initialize past max_env_reply. The deploy (or the
+    turn) fails at once, masked env_failed, instead of asking again until the deploy deadline."""
+
+
+def env_broke(env: str, exc: McpBroken) -> EpisodeFailed:
+    """The episode's failure for an env that broke MCP so."""
+    return EpisodeFailed(f"env {env!r} can't be played as it is: {exc}", ENV_FAILED)
+
+
+def bytes_said(size: int) -> str:
+    return f"{size // 2**20} MiB" if size % 2**20 == 0 else f"{size:,} bytes"
+
+
+def nesting(value: Any) -> int:
+    """How deep JSON objects and arrays nest in ``value`` (0: a scalar), found level by level:
+    a recursive walk would stop where the stack does, which is what this guards against."""
+    depth, level = 0, [value]
+    while level := [v for v in level if isinstance(v, (dict, list))]:
+        depth += 1
+        level = [item for v in level for item in (v.values() if isinstance(v, dict) else v)]
+    return depth
+
+
 # A reply's framing, read strictly: anything else is a malformed reply, never a guess.
 STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\r\n]*)?")
+# A header field's name is a token, right before its colon. The names an env sends are few and
+# the same on every reply, so each is checked once and remembered with its lower case (up to
+# FIELD_NAMES_KEPT): a reply's usual fields cost a lookup, not a regex. A value is read as it is:
+# the fields read (a length, the coding, a session id) are checked as what they are.
+FIELD_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+FIELD_NAMES: dict[str, str] = {}
+FIELD_NAMES_KEPT = 512
 DECIMAL = re.compile(r"[0-9]{1,18}")
 CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})(?:[ \t]*;[^\r\n]*)?\r\n")
+VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")   # what MCP's spec allows in a session id
 
 
 def unread(reader: asyncio.StreamReader) -> int:
@@ -5466,17 +5518,19 @@ class EnvLine:
     does a call that ends after the line was closed. Nothing is retried: a tool call may have
     run though its reply was lost. Failures are aiohttp's (``ClientOSError``,
     ``ServerDisconnectedError``, ``ClientPayloadError``), as for a call made with aiohttp, so
-    every caller tells them apart as it did. A reply past ``MAX_BODY`` fails as McpTooLong.
+    every caller tells them apart as it did. A reply's body past ``max_body`` (max_env_reply:
+    at most that much of an answer is ever held) fails as McpTooLong.
 
     Given the env's ``stopped`` (Instance.stopped), the line cuts every connection the moment
     the env is known dead, in flight or idle, and opens none after: the call fails as one whose
     env reset it would, instead of waiting for an answer nothing will send."""
 
     MAX_HEAD = 64 * 1024                  # bytes of a reply's status line and headers
-    MAX_BODY = 64 * 1024 * 1024           # bytes of a reply's body: an env answering forever fails
 
-    def __init__(self, url: yarl.URL, stopped: asyncio.Future[str] | None = None):
+    def __init__(self, url: yarl.URL, stopped: asyncio.Future[str] | None = None,
+                 max_body: int = Settings.max_env_reply):
         self.host, self.port = url.raw_host or "", url.port or 80
+        self.max_body = max_body
         self.target = (url.raw_path_qs or "/").encode()
         authority = f"[{self.host}]" if ":" in self.host else self.host
         if url.explicit_port:
@@ -5493,7 +5547,9 @@ class EnvLine:
     def handles(url: yarl.URL) -> bool:
         return url.scheme == "http" and bool(url.host)
 
-    def exchange(self, method: bytes, headers: dict[str, str], body: bytes = b"") -> "EnvReply":
+    def exchange(self, method: bytes, headers: dict[str, str], body: bytes = b"",
+                 cap: int | None = None) -> "EnvReply":
+        """A request, and its reply read within ``cap`` bytes (``max_body`` when None)."""
         head = [method, b" ", self.target, b" HTTP/1.1\r\n", self._host]
         for name, value in headers.items():
             line = f"{name}: {value}\r\n"
@@ -5501,7 +5557,7 @@ class EnvLine:
                 raise McpError(f"the header {name} holds a line break, which HTTP does not allow")
             head.append(line.encode("utf-8"))
         head.append(b"Content-Length: %d\r\n\r\n" % len(body))
-        return EnvReply(self, b"".join(head) + body)
+        return EnvReply(self, b"".join(head) + body, self.max_body if cap is None else cap)
 
     async def connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         if self.stopped is not None and self.stopped.done():
@@ -5566,14 +5622,31 @@ class EnvLine:
         self._idle.clear()
 
 
+def _field_name(line: str, name: str, colon: str) -> str:
+    """A header line's field name in lower case, checked the first time it comes (then it is
+    remembered); a line that is no field, a folded one (obs-fold, which HTTP/1.1 forbids in a
+    reply) included, is a malformed reply."""
+    if line[:1] in (" ", "\t"):
+        raise aiohttp.ClientPayloadError(f"the env folded a header onto a second line, "
+                                         f"{short(repr(line), 80)}, which HTTP/1.1 forbids in a reply")
+    if not colon or not FIELD_NAME.fullmatch(name):
+        raise aiohttp.ClientPayloadError(f"the env sent a header line that is no NAME: VALUE, "
+                                         f"{short(repr(line), 80)}")
+    key = name.lower()
+    if len(FIELD_NAMES) < FIELD_NAMES_KEPT:
+        FIELD_NAMES[name] = key
+    return key
+
+
 class EnvReply:
     """One request on an EnvLine and its reply, as ``async with``: inside it, ``status``,
     ``headers`` (names in lower case) and ``content_type`` are read, and the body is read with
-    ``read()`` or piece by piece with ``chunks()``. On leaving, the connection goes back to the
-    line if the body was read whole and the env keeps it open, and is closed otherwise."""
+    ``read()`` or piece by piece with ``chunks()``, never past ``left`` bytes (the body's cap, less
+    what was read of it: McpTooLong). On leaving, the connection goes back to the line if the body
+    was read whole and the env keeps it open, and is closed otherwise."""
 
-    def __init__(self, line: EnvLine, request: bytes):
-        self.line, self.request = line, request
+    def __init__(self, line: EnvLine, request: bytes, cap: int):
+        self.line, self.request, self.left = line, request, cap
         self.status, self.headers = 0, {}
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -5587,7 +5660,8 @@ class EnvReply:
         self._reader, self._writer = reader, writer = await self.line.connection()
         try:
             writer.write(self.request)
-            while True:                   # a 1xx reply (100 Continue) comes before the real one
+            interim = 0                   # bytes of 1xx replies (100 Continue), before the real one
+            while True:
                 head = await self._read(reader.readuntil(b"\r\n\r\n"), "its headers")
                 status_line, _, fields = head[:-4].partition(b"\r\n")
                 if not (status := STATUS_LINE.fullmatch(status_line)):
@@ -5595,16 +5669,29 @@ class EnvReply:
                 self.status = int(status.group(2))
                 if self.status >= 200:
                     break
+                if (interim := interim + len(head)) > self.line.MAX_HEAD:
+                    raise aiohttp.ClientPayloadError(
+                        f"the env sent more than {self.line.MAX_HEAD // 1024} KiB of interim (1xx) "
+                        "replies, and no reply")
+            headers = self.headers
             for line in fields.decode("latin-1").split("\r\n") if fields else ():
                 name, colon, value = line.partition(":")
-                if not colon:
+                if not colon or (key := FIELD_NAMES.get(name)) is None:
+                    key = _field_name(line, name, colon)
+                value = value.strip(" \t")
+                # A field sent twice (its first value kept is another string: one the same, as
+                # a 1-character value is, changes nothing).
+                if (kept := headers.setdefault(key, value)) is not value:
+                    if key == "content-length" and kept != value:
+                        raise aiohttp.ClientPayloadError("the env sent two Content-Lengths")
+                    headers[key] = f"{kept}, {value}" if key == "transfer-encoding" else value
+            if (coding := headers.get("transfer-encoding")) is not None:
+                codings = [c for c in (c.strip(" \t").lower() for c in coding.split(",")) if c]
+                if codings != ["chunked"]:
                     raise aiohttp.ClientPayloadError(
-                        f"the env sent a header line without a colon: {short(repr(line), 80)}")
-                name, value = name.strip().lower(), value.strip()
-                if name == "content-length" and self.headers.get(name, value) != value:
-                    raise aiohttp.ClientPayloadError("the env sent two Content-Lengths")
-                self.headers[name] = value
-            connection = self.headers.get("connection", "").lower()
+                        f"the env sent Transfer-Encoding {short(repr(coding), 80)}: agentenv.py "
+                        "reads chunked alone, and asks for no other coding")
+            connection = headers.get("connection", "").lower()
             self._keep = "close" not in connection and (status.group(1) == b"1"
                                                          or "keep-alive" in connection)
         except BaseException:
@@ -5627,7 +5714,7 @@ class EnvReply:
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives; its end read, ``_done`` is set."""
-        reader, headers, left = self._reader, self.headers, self.line.MAX_BODY
+        reader, headers = self._reader, self.headers
         assert reader is not None
         if self.status in (204, 304):     # no body; one sent anyway keeps the connection unused
             self._done = True
@@ -5635,7 +5722,7 @@ class EnvReply:
         if (length := self._length()) is not None:
             if body := await self._whole(length):
                 yield body
-        elif "chunked" in headers.get("transfer-encoding", "").lower():
+        elif "transfer-encoding" in headers:    # chunked: __aenter__ refused any other coding
             if "content-length" in headers:      # both: chunks count, and the line is not kept
                 self._keep = False
             while True:
@@ -5644,11 +5731,15 @@ class EnvReply:
                     raise aiohttp.ClientPayloadError(
                         f"the env sent a chunk size that is not one: {short(repr(size_line), 80)}")
                 if (length := int(size.group(1), 16)) == 0:   # the last; trailers to a blank line
-                    while await self._read(reader.readuntil(b"\r\n"), "its trailers") != b"\r\n":
-                        pass
+                    while (line := await self._read(reader.readuntil(b"\r\n"), "its trailers")) \
+                            != b"\r\n":
+                        self.left -= len(line)              # trailers count as the body does
+                        if self.left < 0:
+                            raise McpTooLong(self._too_long())
                     self._done = True
                     return
-                if (left := left - length) < 0:
+                self.left -= length
+                if self.left < 0:
                     raise McpTooLong(self._too_long())
                 chunk = await self._read(reader.readexactly(length + 2), "a chunk")
                 if chunk[-2:] != b"\r\n":
@@ -5657,7 +5748,8 @@ class EnvReply:
         else:                             # no length: the body ends with the connection
             self._keep = False
             while chunk := await self._read(reader.read(65536), "its body"):
-                if (left := left - len(chunk)) < 0:
+                self.left -= len(chunk)
+                if self.left < 0:
                     raise McpTooLong(self._too_long())
                 yield chunk
             self._done = True
@@ -5667,24 +5759,25 @@ class EnvReply:
         assert self._reader is not None
         body = await self._read(self._reader.readexactly(length), "its body") if length else b""
         self._done = True
+        self.left -= length
         return body
 
     def _length(self) -> int | None:
         """The body's length, when its Content-Length says where it ends: not for a reply that has
         no body (204, 304), comes in chunks, or ends with the connection."""
         headers = self.headers
-        if self.status in (204, 304) or "chunked" in headers.get("transfer-encoding", "").lower() \
+        if self.status in (204, 304) or "transfer-encoding" in headers \
                 or (field := headers.get("content-length")) is None:
             return None
         if not DECIMAL.fullmatch(field):
             raise aiohttp.ClientPayloadError(f"the env sent Content-Length {field!r}")
-        if (length := int(field)) > self.line.MAX_BODY:
+        if (length := int(field)) > self.left:
             raise McpTooLong(self._too_long())
         return length
 
     def _too_long(self) -> str:
-        return (f"the answer is longer than the {self.line.MAX_BODY // 2**20} MiB agentenv.py "
-                "reads; ask for less at a time")
+        return (f"the answer is longer than the {bytes_said(self.line.max_body)} agentenv.py reads "
+                "of an env's answer (max_env_reply)")
 
     async def _read(self, reading: Awaitable[bytes], what: str) -> bytes:
         try:
@@ -5708,44 +5801,122 @@ class McpSession:
     It speaks JSON-RPC over POST, takes a reply as JSON or as an SSE stream (reading the stream
     only until its own answer arrives), and carries ``Mcp-Session-Id`` once the server assigns one.
     ``close()`` ends it on the server and closes its connections. Given the env's ``stopped``,
-    its calls end the moment the env is known dead (see EnvLine).
+    its calls end the moment the env is known dead (see EnvLine). No answer is read past
+    ``max_body`` bytes (max_env_reply), a tool listing's pages together included.
     """
 
     def __init__(self, url: str, headers: dict[str, str] | None = None,
-                 stopped: asyncio.Future[str] | None = None):
+                 stopped: asyncio.Future[str] | None = None, max_body: int = Settings.max_env_reply):
         self.url = url
         self.headers = {"Content-Type": "application/json",
                         "Accept": "application/json, text/event-stream", **(headers or {})}
         self.next_id = 0
+        self.left = 0                       # of the last answer's cap, what its body left unread
         target = yarl.URL(url)
         if not EnvLine.handles(target):
             raise McpError(f"an env is reached at an http:// address, not {url!r}")
-        self.line = EnvLine(target, stopped)
+        self.line = EnvLine(target, stopped, max_body)
 
     async def open(self, timeout: float = 30) -> dict[str, Any]:
-        result = await self.request("initialize", {
-            "protocolVersion": MCP_PROTOCOL, "capabilities": {},
-            "clientInfo": {"name": "agentenv.py", "version": __version__}}, timeout)
-        self.headers["MCP-Protocol-Version"] = str(result.get("protocolVersion", MCP_PROTOCOL))
+        try:
+            result = await self.request("initialize", {
+                "protocolVersion": MCP_PROTOCOL, "capabilities": {},
+                "clientInfo": {"name": "agentenv.py", "version": __version__}}, timeout)
+        except McpTooLong:
+            raise McpBroken(f"its answer to initialize is longer than the "
+                            f"{bytes_said(self.line.max_body)} agentenv.py reads of an answer "
+                            "(max_env_reply); answer it in a few KiB") from None
+        version = result.get("protocolVersion", MCP_PROTOCOL)
+        if not isinstance(version, str) or not VISIBLE_ASCII.fullmatch(version):
+            raise McpBroken(f"it answered initialize with the protocolVersion "
+                            f"{reprlib.repr(version)}, which is no MCP version (such as "
+                            f"{MCP_PROTOCOL!r}); fix its initialize")
+        self.headers["MCP-Protocol-Version"] = version
         await self.notify("notifications/initialized", timeout)
         return result
 
-    async def list_tools(self, timeout: float = 30) -> list[dict[str, Any]]:
+    async def list_tools(self, timeout: float = LIST_TIMEOUT) -> list[dict[str, Any]]:
+        """Every tool the env lists (those with a name), over every page it gives, as one answer:
+        within ``timeout`` for them all, max_env_reply's bytes for them all, MAX_LIST_PAGES pages
+        and MAX_TOOLS tools, no cursor given twice, and no tool nested past MAX_NESTING. An env
+        past one is McpBroken, saying which and the fix; a first page that never comes is a
+        timeout, as any answer that never comes."""
         tools: list[dict[str, Any]] = []
-        cursor = None
-        while True:
-            result = await self.request("tools/list", {"cursor": cursor} if cursor else {}, timeout)
-            tools.extend(t for t in result.get("tools", []) if isinstance(t, dict) and t.get("name"))
-            cursor = result.get("nextCursor")
-            if not cursor:
-                return tools
+        cursors: set[str] = set()
+        cursor, left, pages, cap = None, self.line.max_body, 0, bytes_said(self.line.max_body)
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    try:
+                        result = await self.request(
+                            "tools/list", {"cursor": cursor} if cursor else {}, None, left)
+                    except McpTooLong:
+                        raise McpBroken(
+                            f"its tool listing, {pages + 1} page{'s' if pages else ''} of it, is "
+                            f"longer than the {cap} agentenv.py reads of an answer (max_env_reply; "
+                            "the pages of a listing count as one answer, since a model is shown "
+                            "every tool of its turn); list fewer tools, or shorter descriptions and "
+                            "schemas, or raise --max-env-reply (max_env_reply in a Gym "
+                            "config)") from None
+                    pages, left = pages + 1, self.left
+                    listed = result.get("tools", [])
+                    if not isinstance(listed, list):
+                        raise McpBroken(f"it answered tools/list with tools that are "
+                                        f"{type(listed).__name__}, not a list; fix its tools/list")
+                    for tool in listed:
+                        if not (isinstance(tool, dict) and isinstance(tool.get("name"), str)
+                                and tool["name"]):
+                            continue
+                        if (depth := nesting(tool)) > MAX_NESTING:
+                            raise McpBroken(
+                                f"its tool {short(tool['name'], 80)!r} nests {depth} levels of JSON "
+                                f"deep, past the {MAX_NESTING} agentenv.py takes (every wire writes "
+                                "a tool out again, and so does TRL's environment class); flatten "
+                                "its schema, naming its parts in $defs and reaching them by $ref")
+                        tools.append(tool)
+                    if len(tools) > MAX_TOOLS:
+                        raise McpBroken(
+                            f"it lists more than {MAX_TOOLS} tools ({len(tools)} in {pages} "
+                            f"page{'s' if pages > 1 else ''}), past what agentenv.py takes: a model "
+                            "is offered every tool of its turn, in every prompt; offer fewer, or "
+                            "split them among the task's envs or turns")
+                    cursor = result.get("nextCursor")
+                    if cursor is None or cursor == "":
+                        return tools
+                    if not isinstance(cursor, str):
+                        raise McpBroken(f"its tools/list gave the nextCursor {reprlib.repr(cursor)}, "
+                                        "which is no string (MCP's cursors are opaque strings); "
+                                        "fix its tools/list")
+                    if cursor in cursors:
+                        raise McpBroken(
+                            f"its tools/list gave the cursor {short(cursor, 80)!r} a second time, "
+                            f"on page {pages}, so its pages would never end; give each page a "
+                            "cursor of its own, and none after the last page")
+                    if pages == MAX_LIST_PAGES:
+                        raise McpBroken(
+                            f"its tools/list gave a next cursor on page {pages}, the most "
+                            f"agentenv.py reads ({len(tools)} tools so far), so its pages may never "
+                            "end; give none after the last page, or list more tools a page")
+                    cursors.add(cursor)
+        except TimeoutError:
+            if not pages:               # no answer at all: a timeout, as any other
+                raise
+            raise McpBroken(f"its tools/list took longer than {timeout:g}s, {pages} pages and "
+                            f"{len(tools)} tools of it, the most agentenv.py waits for a tool "
+                            "listing; answer each page at once, and give no cursor after the "
+                            "last page") from None
 
     async def call_tool(self, name: str, arguments: dict[str, Any], timeout: float | None = None,
                         ) -> ToolResult:
         try:
             result = await self.request("tools/call", {"name": name, "arguments": arguments}, timeout)
-        except (McpRefusal, McpTooLong) as exc:     # the call itself was refused, or asked for
-            return ToolResult(str(exc), TOOL_ERROR)     # too much: the model sees why
+        except McpRefusal as exc:           # the call itself was refused: the model sees why
+            return ToolResult(clipped(str(exc)), TOOL_ERROR)
+        except McpTooLong as exc:           # the model asked for that much: it reads so
+            return ToolResult(f"{exc}; ask the tool for less at a time", TOOL_ERROR)
+        except RecursionError:              # the model's arguments, nested past what json writes
+            return ToolResult(f"the arguments of {name} nest deeper than agentenv.py writes; send "
+                              "them nested less deep", BAD_ARGUMENTS)
         return ToolResult(tool_text(result), TOOL_ERROR if result.get("isError") else OK)
 
     async def close(self) -> None:
@@ -5772,40 +5943,52 @@ class McpSession:
         if reply.status >= 400:
             raise McpError(f"{method} was answered HTTP {reply.status}: {short(text, 300)}")
 
-    async def request(self, method: str, params: dict[str, Any], timeout: float | None = 30) -> dict:
+    async def request(self, method: str, params: dict[str, Any], timeout: float | None = 30,
+                      cap: int | None = None) -> dict:
+        """A request's result, its answer read within ``cap`` bytes (max_env_reply when None)."""
         self.next_id += 1
         rid = self.next_id                  # this request's id, whatever later requests take
         body = json.dumps({"jsonrpc": "2.0", "id": rid, "method": method, "params": params}).encode()
         if timeout is None:                 # a tool call: its turn keeps the deadline
-            message = await self._exchange(method, rid, body)
+            message = await self._exchange(method, rid, body, cap)
         else:
             async with asyncio.timeout(timeout):
-                message = await self._exchange(method, rid, body)
+                message = await self._exchange(method, rid, body, cap)
         if not isinstance(message, dict):
             raise McpError(f"{method} was answered with {type(message).__name__}, not a JSON-RPC reply")
-        if isinstance(message.get("error"), dict):
-            raise McpRefusal(str(message["error"].get("message", message["error"])))
+        if isinstance(error := message.get("error"), dict):
+            said = error.get("message")
+            raise McpRefusal(said if isinstance(said, str) else reprlib.repr(error))
         result = message.get("result")
         if not isinstance(result, dict):
             raise McpError(f"{method} was answered without a result")
         return result
 
-    async def _exchange(self, method: str, rid: int, body: bytes) -> Any:
-        async with self.line.exchange(b"POST", self.headers, body) as reply:
-            if session := reply.headers.get("mcp-session-id"):
+    async def _exchange(self, method: str, rid: int, body: bytes, cap: int | None) -> Any:
+        async with self.line.exchange(b"POST", self.headers, body, cap) as reply:
+            if (session := reply.headers.get("mcp-session-id")) and \
+                    session != self.headers.get("Mcp-Session-Id"):
+                if not VISIBLE_ASCII.fullmatch(session):
+                    raise McpBroken(f"it gave the session id {short(repr(session), 80)}, which holds "
+                                    "characters MCP's spec does not allow in one (visible ASCII "
+                                    "alone, 0x21 to 0x7E), and agentenv.py would send it back in a "
+                                    "header; make its session ids of those characters")
                 self.headers["Mcp-Session-Id"] = session
             if reply.status >= 400:
                 raise McpError(f"{method} was answered HTTP {reply.status}: "
                                f"{short(await reply.text(), 300)}")
             if reply.content_type == "text/event-stream":
-                return await self._from_stream(reply, rid)
-            try:
-                message = json.loads(await reply.read())
-            except ValueError:
-                raise McpError(f"{method} was answered with something that is not JSON") from None
+                message = await self._from_stream(reply, rid)
+            else:
+                try:
+                    message = loads(await reply.read())
+                except ValueError as exc:
+                    raise McpError(f"{method} was answered with something that is not JSON "
+                                   f"({short(str(exc), 200)})") from None
+            self.left = reply.left
         if isinstance(message, dict) and message.get("id") not in (None, rid):
             raise McpError(f"{method} was answered for another request (id "
-                           f"{short(repr(message['id']), 40)}, not {rid}): the env's connection is "
+                           f"{reprlib.repr(message['id'])}, not {rid}): the env's connection is "
                            "out of step")
         return message
 
@@ -5825,7 +6008,7 @@ class McpSession:
                     data.append(line[5:].lstrip(b" "))
                 elif not line and data:       # a blank line ends an event
                     with contextlib.suppress(ValueError):
-                        message = json.loads(b"\n".join(data))
+                        message = loads(b"\n".join(data))
                         if isinstance(message, dict) and message.get("id") == wanted:
                             return message
                     data = []
@@ -5847,7 +6030,11 @@ def tool_text(result: dict[str, Any]) -> str:
             parts.append(f"[{item.get('type', 'unknown')} content: {item.get('mimeType', 'no type')}]")
     if not parts and result.get("structuredContent") is not None:
         parts.append(json.dumps(result["structuredContent"]))
-    text = "\n".join(parts)
+    return clipped("\n".join(parts))
+
+
+def clipped(text: str) -> str:
+    """A tool's text as the model reads it: at most MAX_TOOL_OUTPUT characters, and the cut said."""
     if len(text) > MAX_TOOL_OUTPUT:
         text = (text[:MAX_TOOL_OUTPUT] + f"\n[output cut: the tool answered {len(text)} characters; "
                 f"agentenv.py passes on the first {MAX_TOOL_OUTPUT}]")
@@ -5973,9 +6160,10 @@ class DeployedEnv:
         try:
             async with asyncio.timeout(timeout):
                 async with request as resp:
-                    if resp.status >= 300:
+                    if resp.status >= 300:     # what it says, not all it may send
+                        said = (await resp.content.read(4096)).decode("utf-8", "replace")
                         raise EpisodeFailed(f"env {self.spec.name!r} refused {uri!r} with HTTP "
-                                            f"{resp.status}: {short(await resp.text(), 300)}")
+                                            f"{resp.status}: {short(said, 300)}")
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise EpisodeFailed(f"env {self.spec.name!r} did not take {uri!r} within {timeout:g}s "
                                 f"({type(exc).__name__}: {exc})") from None
@@ -6003,13 +6191,17 @@ async def while_running(work: Awaitable[Any], stopped: asyncio.Future[str] | Non
 
 
 async def wait_ready(http: aiohttp.ClientSession, instance: Instance, env: EnvSpec,
-                     timeout: float, deadline: float | None = None) -> DeployedEnv:
+                     timeout: float, deadline: float | None = None,
+                     max_body: int = Settings.max_env_reply) -> DeployedEnv:
     """Wait until a launched env answers: its card with its name (or, with no card, MCP
-    ``initialize``), and a tools list with at least one tool and no name twice.
+    ``initialize``), and a tools list with at least one tool and no name twice, each answer read
+    within ``max_body`` bytes (max_env_reply).
 
     It fails at once when the env stops, and on every failure quotes the env's last output: the
     sandbox could not provide the env (provider_unavailable), or it missed ``timeout`` (which
-    ends at ``deadline`` when earlier tries of the same deploy used some of it).
+    ends at ``deadline`` when earlier tries of the same deploy used some of it). An env that
+    breaks MCP so that no second try mends it (McpBroken: a listing that never ends, say) fails
+    at once, masked env_failed.
     """
     deadline = deadline or time.monotonic() + timeout
     delay, last = 0.01, "it did not answer"
@@ -6018,30 +6210,32 @@ async def wait_ready(http: aiohttp.ClientSession, instance: Instance, env: EnvSp
             raise EpisodeFailed(f"env {env.name!r} did not come up: {why}. Its last output:\n"
                                 f"{short(await instance.output())}", PROVIDER_UNAVAILABLE)
         try:
-            card = await _read_card(http, instance.base_url)
+            card = await _read_card(http, instance.base_url, max_body)
             if card is not None and card.get("name") != env.environment_name:
                 await _answers_itself(instance)     # another's env, with its card, holds the port
                 raise EpisodeFailed(
-                    f"env {env.name!r} answers with the card of {card.get('name')!r}, not "
+                    f"env {env.name!r} answers with the card of {reprlib.repr(card.get('name'))}, not "
                     f"{env.environment_name!r}; set environment_name in envs/{env.name}/env.toml, or "
                     "make the server take its name from ENVIRONMENT_NAME", PROVIDER_UNAVAILABLE)
             mcp_url = instance.base_url + "/" + _mcp_path(card).lstrip("/")
-            session = McpSession(mcp_url, stopped=instance.stopped)
+            session = McpSession(mcp_url, stopped=instance.stopped, max_body=max_body)
             try:
                 await session.open(timeout=5)
-                tools = await session.list_tools(timeout=10)
+                tools = await session.list_tools()
                 await session.close()
             finally:
                 session.drop()          # a session that failed is not ended on the server
-            names = [t["name"] for t in tools]
             if not tools:
                 raise EpisodeFailed(f"env {env.name!r} lists no tools; an env offers at least one",
                                     PROVIDER_UNAVAILABLE)
-            if dupes := sorted({n for n in names if names.count(n) > 1}):
+            listed = collections.Counter(t["name"] for t in tools)
+            if dupes := sorted(name for name, count in listed.items() if count > 1):
                 raise EpisodeFailed(f"env {env.name!r} lists the tools {dupes} twice; tool names are "
                                     "unique", PROVIDER_UNAVAILABLE)
             await _answers_itself(instance)
             return DeployedEnv(env, instance, mcp_url, card, tools)
+        except McpBroken as exc:
+            raise env_broke(env.name, exc) from None
         except (aiohttp.ClientError, asyncio.TimeoutError, McpError, ValueError) as exc:
             last = f"{type(exc).__name__}: {exc}"
         if time.monotonic() >= deadline:
@@ -6062,18 +6256,29 @@ async def _answers_itself(instance: Instance) -> None:
                        "listen on; the env is expected to fail to bind it")
 
 
-async def _read_card(http: aiohttp.ClientSession, base_url: str) -> dict[str, Any] | None:
-    """The env's card, or None when the server has none (a plain MCP server)."""
+async def _read_card(http: aiohttp.ClientSession, base_url: str,
+                     max_body: int = Settings.max_env_reply) -> dict[str, Any] | None:
+    """The env's card, or None when the server has none (a plain MCP server); one longer than
+    ``max_body`` or nested past MAX_NESTING is McpBroken."""
     async with http.get(base_url + "/.well-known/agent-env.json",
                         timeout=aiohttp.ClientTimeout(total=5)) as resp:
         if resp.status == 404:
             return None
         if resp.status != 200:
             raise McpError(f"its card answered HTTP {resp.status}")
-        card = json.loads(await resp.read())
-        if not isinstance(card, dict) or not card.get("name"):
-            raise McpError("its card has no name yet")
-        return card
+        raw = bytearray()
+        while chunk := await resp.content.read(max_body + 1 - len(raw)):
+            raw += chunk
+            if len(raw) > max_body:
+                raise McpBroken(f"its card is longer than the {bytes_said(max_body)} agentenv.py "
+                                "reads of an answer (max_env_reply); make it shorter")
+    card = loads(raw)
+    if not isinstance(card, dict) or not card.get("name"):
+        raise McpError("its card has no name yet")
+    if nesting(card) > MAX_NESTING:
+        raise McpBroken(f"its card nests more than {MAX_NESTING} levels of JSON deep, past what "
+                        "agentenv.py takes; flatten it")
+    return card
 
 
 def _mcp_path(card: dict[str, Any] | None) -> str:
@@ -6474,6 +6679,7 @@ class EpisodeContext:
     verifiers: Verifiers
     deploy_timeout: float
     bash_timeout: float
+    max_env_reply: int                              # bytes of an env's answer read
     enter: Callable[[], Awaitable[None]]            # a slot of the pool, once one is free
     leave: Callable[[], None]                       # the slot given back
     starting: Callable[[], contextlib.AbstractAsyncContextManager[None]]  # a start slot: a launch
@@ -6985,7 +7191,8 @@ class Episode:
             self.instances.append(instance)
             try:
                 return await wait_ready(self.context.http, instance, env,
-                                        self.context.deploy_timeout, deadline)
+                                        self.context.deploy_timeout, deadline,
+                                        self.context.max_env_reply)
             except EpisodeFailed:
                 if tries == PORT_TRIES or not await instance.lost_its_port():
                     raise
@@ -7277,12 +7484,22 @@ class Episode:
         try:
             for env_id in agent.get("env_ids", []):     # one MCP session per env per turn
                 env = self.envs[env_id]
-                session = McpSession(env.mcp_url, headers, env.instance.stopped)
+                session = McpSession(env.mcp_url, headers, env.instance.stopped,
+                                     self.context.max_env_reply)
                 sessions.append(session)
-                await session.open()
-                for tool in await session.list_tools():
+                try:
+                    await session.open()
+                    listed = await session.list_tools()
+                except McpBroken as exc:
+                    raise env_broke(env.spec.name, exc) from None
+                for tool in listed:
                     if is_hidden(tool):
                         continue
+                    if tool["name"] == "end_turn":
+                        raise EpisodeFailed(
+                            f"env {env.spec.name!r} offers a tool named 'end_turn', the name of the "
+                            "tool that every wire adds to a turn to end it, so a call to the env's "
+                            "would never reach it; rename that tool in the env")
                     if tool["name"] in route:
                         twice = "the agent's box and an env" if route[tool["name"]] is None \
                             else "two envs"
@@ -7898,7 +8115,8 @@ class WarmPool:
                 self._launched[key].append(claim)
                 offered = True
                 assert runtime.http is not None
-                warm = await wait_ready(runtime.http, instance, env, runtime.settings.deploy_timeout)
+                warm = await wait_ready(runtime.http, instance, env, runtime.settings.deploy_timeout,
+                                        max_body=runtime.settings.max_env_reply)
             self._retry[key] = 0.0
             if claim in self._launched[key] or claim.cancelled():   # unclaimed, or its claimer left
                 self.ready[key].append(warm)
@@ -8082,9 +8300,9 @@ class Runtime:
         # (the start gate read when asked: a sandbox that gates its own boots replaces it)
         self.context = EpisodeContext(
             self.bundle, self.sandbox, self.http, self.metrics, self.verifiers,
-            self.settings.deploy_timeout, self.settings.bash_timeout, self.pool.acquire,
-            self.pool.release, lambda: self.starting.slot(), self.warm.take, self.live,
-            self.closing, self.clearing.turn, self.wake_background)
+            self.settings.deploy_timeout, self.settings.bash_timeout, self.settings.max_env_reply,
+            self.pool.acquire, self.pool.release, lambda: self.starting.slot(), self.warm.take,
+            self.live, self.closing, self.clearing.turn, self.wake_background)
         self.warm.start()
         # What starting freed (the bundle's files read, images built, the sweep's listings) goes
         # back too, as after a drain: the pool is as empty now.
@@ -12473,31 +12691,48 @@ def type_hint(schema: Any) -> tuple[Any, dict[str, Any]]:
 
 
 def trl_tool_problems(toolset: str, tools: list[dict[str, Any]]) -> list[str]:
-    """Why tools of a toolset can't be methods of TRL's environment, one sentence each."""
+    """Why tools of a toolset can't be methods of TRL's environment, one sentence each: a name no
+    method can have, an input schema whose arguments no parameters can be, or one nested deeper
+    than its type hints are built (a hint per level) and its JSON written out again."""
     problems = []
     for tool in tools:
         name = tool.get("name")
+        shown = reprlib.repr(name)
         why = _not_a_name(name)
         if why is None and name.startswith("_"):
             why = "it starts with an underscore, and TRL offers the model no method that does"
         if why is None and name in TRL_NAMES:
             why = f"TRL calls an environment's {name}() itself, so it can't be a tool"
         if why:
-            problems.append(f"toolset {toolset}: the tool {name!r} can't be a method of TRL's "
+            problems.append(f"toolset {toolset}: the tool {shown} can't be a method of TRL's "
                             f"environment: {why}; rename it in the env")
         schema = tool.get("input_schema") or {}
-        for argument in (schema.get("properties") or {}) if isinstance(schema, dict) else {}:
+        properties = (schema.get("properties") or {}) if isinstance(schema, dict) else {}
+        if (depth := nesting(schema)) > MAX_NESTING:
+            problems.append(f"toolset {toolset}: the input schema of {shown} nests {depth} levels "
+                            f"of JSON deep, past the {MAX_NESTING} TRL's environment class is built "
+                            "from (a type hint per level); flatten it in the env, naming its parts "
+                            "in $defs and reaching them by $ref")
+        if not isinstance(properties, dict):
+            problems.append(f"toolset {toolset}: the input schema of {shown} gives its properties "
+                            f"as {type(properties).__name__}, not an object of each argument's "
+                            "schema, so its arguments can't be a Python method's parameters; fix "
+                            "its schema in the env")
+            continue
+        for argument in properties:
             if why := _not_a_name(argument):
-                problems.append(f"toolset {toolset}: the argument {argument!r} of {name!r} can't be "
-                                f"a parameter of a Python method (TRL calls a tool by its method, "
-                                f"and describes it from its parameters): {why}; rename it in the env")
+                problems.append(f"toolset {toolset}: the argument {reprlib.repr(argument)} of {shown} "
+                                f"can't be a parameter of a Python method (TRL calls a tool by its "
+                                f"method, and describes it from its parameters): {why}; rename it in "
+                                "the env")
     return problems
 
 
 def _not_a_name(name: Any) -> str | None:
     import keyword
     if not isinstance(name, str) or not name.isidentifier():
-        return f"{name!r} is not a Python identifier (letters, digits and _, not starting with a digit)"
+        return (f"{reprlib.repr(name)} is not a Python identifier (letters, digits and _, not "
+                "starting with a digit)")
     if keyword.iskeyword(name):
         return f"{name!r} is a Python keyword"
     return None
@@ -12512,7 +12747,8 @@ def trl_method(tool: dict[str, Any]) -> Callable[..., str]:
     name = tool["name"]
     schema = tool.get("input_schema") if isinstance(tool.get("input_schema"), dict) else {}
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    required = set(schema.get("required") or []) if isinstance(schema.get("required"), list) else set()
+    required = {r for r in schema.get("required") or [] if isinstance(r, str)} \
+        if isinstance(schema.get("required"), list) else set()
     receiver = "self"
     while receiver in properties:                 # an argument called self is the tool's
         receiver = "_" + receiver
@@ -13155,6 +13391,13 @@ def pool_flag(cmd: argparse.ArgumentParser, default: str) -> None:
                      help=f"episodes live at once; past it, new ones wait (default: {default})")
 
 
+def reply_flag(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--max-env-reply", type=int, default=None, metavar="BYTES",
+                     help="bytes of an env's answer read: past them a tool's answer is the model's "
+                          "tool error (it asked for too much), and a tool listing (every page) "
+                          f"fails the deploy ({Settings.max_env_reply})")
+
+
 def seconds_flags(cmd: argparse.ArgumentParser, deadlines: dict[str, str]) -> None:
     for key, help_ in deadlines.items():
         cmd.add_argument(flag(key), type=float, default=None, metavar="SECONDS",
@@ -13184,6 +13427,7 @@ def command_line() -> argparse.ArgumentParser:
     bundle_options(check_cmd)
     pool_flag(check_cmd, pool_default)
     seconds_flags(check_cmd, DEADLINES)
+    reply_flag(check_cmd)
     serve_cmd = commands.add_parser(
         "serve", help="serve a bundle's tasks as OpenEnv envs",
         description="Serve every task of a bundle from one aiohttp app: the OpenEnv wire (/health, "
@@ -13194,6 +13438,7 @@ def command_line() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--port", type=int, default=8000, help="the port (8000)")
     pool_flag(serve_cmd, pool_default)
     seconds_flags(serve_cmd, {**DEADLINES, **GYM_DEADLINES, **SERVE_DEADLINES})
+    reply_flag(serve_cmd)
     serve_cmd.add_argument("--warm", default=None, metavar="N", type=warm_flag,
                            help="keep N envs started and ready ahead of demand, split among the "
                                 "bundle's envs by how many tasks use each; a deploy takes one at "
@@ -13291,6 +13536,7 @@ def command_line() -> argparse.ArgumentParser:
     pool_flag(evaluator, "MAX_CONCURRENT_ENVS, else --concurrency or "
                          f"{Settings.max_concurrent_envs}, the larger")
     seconds_flags(evaluator, {**DEADLINES, **GYM_DEADLINES})
+    reply_flag(evaluator)
     return parser
 
 

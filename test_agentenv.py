@@ -290,7 +290,7 @@ def test_a_gym_config_sets_the_settings_and_the_rest_keep_their_defaults():
     assert settings == agentenv.Settings(tool_timeout=5, deploy_timeout=30.5, max_concurrent_envs=16)
     assert settings.gym_config(bundle=True) == {
         "tool_timeout": 5, "reset_timeout": 600, "idle_timeout": 600, "max_concurrent_envs": 16,
-        "deploy_timeout": 30.5, "bash_timeout": 300, "status_interval": 60}
+        "deploy_timeout": 30.5, "bash_timeout": 300, "max_env_reply": 2097152, "status_interval": 60}
     assert agentenv.Settings().gym_config(bundle=False) == {
         "tool_timeout": 60, "reset_timeout": 600, "idle_timeout": 600}
 
@@ -303,6 +303,9 @@ def test_a_gym_config_sets_the_settings_and_the_rest_keep_their_defaults():
     ("max_concurrent_envs", 2.5, "max_concurrent_envs: 2.5 in configs/x.yaml: it must be a whole number "
                                  "of at least 1, such as 8"),
     ("max_concurrent_envs", True, "max_concurrent_envs: True in configs/x.yaml: it must be a whole number"),
+    ("max_env_reply", 0, "max_env_reply: 0 in configs/x.yaml: it must be a whole number of at least 1, "
+                         "such as 2097152"),
+    ("max_env_reply", "1M", "max_env_reply: '1M' in configs/x.yaml: it must be a whole number"),
 ])
 def test_a_bad_setting_in_a_gym_config_says_which_and_the_fix(key, value, says):
     with pytest.raises(AgentEnvError) as caught:
@@ -394,16 +397,17 @@ def test_check_serve_and_eval_take_the_same_sandbox_pool_deadline_and_box_flags(
     plays a bundle: each becomes the same Settings."""
     shared = ["--sandbox", "ray", "--ray-address", "10.0.0.5:6379", "--ray-resource", "envs",
               "--ray-node-sandbox", "docker", "--max-concurrent-envs", "3", "--deploy-timeout", "7",
-              "--verifier-timeout", "8", "--bash-timeout", "9"]
+              "--verifier-timeout", "8", "--bash-timeout", "9", "--max-env-reply", "65536"]
     parser = agentenv.command_line()
     made = []
     for command in (["check", str(NOTES)], ["serve", str(NOTES)],
                     ["eval", str(NOTES), "--model-url", "http://127.0.0.1:1/v1", "--model", "m"]):
         settings = agentenv.settings_of(parser.parse_args([*command, *shared]))
         made.append((settings.sandbox, agentenv.RayOptions.of(settings), settings.max_concurrent_envs,
-                     settings.deploy_timeout, settings.verifier_timeout, settings.bash_timeout))
+                     settings.deploy_timeout, settings.verifier_timeout, settings.bash_timeout,
+                     settings.max_env_reply))
     assert made == [("ray", agentenv.RayOptions("10.0.0.5:6379", "envs", 7.0, "docker"), 3, 7.0, 8.0,
-                     9.0)] * 3
+                     9.0, 65536)] * 3
 
 
 def test_serve_shows_the_settings_defaults_in_its_help(capsys):
@@ -2120,6 +2124,9 @@ def test_mcp_client_reads_sse_replies_and_refusals():
         if name == "refuse":
             return web.json_response({"jsonrpc": "2.0", "id": mid,
                                       "error": {"code": -32602, "message": "Unknown tool: refuse"}})
+        if name == "refuse at length":      # the model reads no more of it than of an answer
+            return web.json_response({"jsonrpc": "2.0", "id": mid,
+                                      "error": {"code": -32602, "message": "no " * 50_000}})
         if name == "http500":
             return web.Response(status=500, text="the server broke")
         if name == "notjson":
@@ -2157,6 +2164,9 @@ def test_mcp_client_reads_sse_replies_and_refusals():
                 ToolResult("hi\n[image content: image/png]")
             assert await session.call_tool("refuse", {}) == \
                 ToolResult("Unknown tool: refuse", agentenv.TOOL_ERROR)
+            assert await session.call_tool("refuse at length", {}) == ToolResult(
+                "no " * 33_333 + "n\n[output cut: the tool answered 150000 characters; agentenv.py "
+                "passes on the first 100000]", agentenv.TOOL_ERROR)
             with pytest.raises(McpError, match="tools/call was answered HTTP 500: the server broke"):
                 await session.call_tool("http500", {})
             with pytest.raises(McpError, match="answered with something that is not JSON"):
@@ -2177,6 +2187,19 @@ async def raw_env(serve_one: Callable) -> tuple[asyncio.Server, str]:
     return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/mcp"
 
 
+MALFORMED_SAYS = {
+    "xchunked": "the env sent Transfer-Encoding 'xchunked': agentenv.py reads chunked alone",
+    "gzip first": "Transfer-Encoding 'gzip, chunked'",
+    "chunked twice": "Transfer-Encoding 'chunked, chunked'",
+    "folded": r"the env folded a header onto a second line, ' Content-Length: 2', which HTTP/1.1 "
+              "forbids in a reply",
+    "tab folded": "folded a header onto a second line",
+    "no field": "a header line that is no NAME: VALUE, 'Content Length: 2'",
+    "spaced": "a header line that is no NAME: VALUE, 'Content-Length : 2'",
+    "no colon": "a header line that is no NAME: VALUE, 'Content-Length'",
+    "interim": r"the env sent more than 64 KiB of interim \(1xx\) replies, and no reply"}
+
+
 def test_mcp_client_keeps_one_connection_and_reads_every_framing_of_a_reply():
     # An env written on anything: replies by Content-Length, by chunks (with an extension and a
     # trailer), after a 100 Continue, over HTTP/1.0 to the connection's end, and with
@@ -2189,7 +2212,23 @@ def test_mcp_client_keeps_one_connection_and_reads_every_framing_of_a_reply():
         "chunk size": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-5\r\nhello\r\n0\r\n\r\n",
         "chunk end": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhello\r\n0\r\n\r\n",
         "length": b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\nx",
-        "two lengths": b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nxy"}
+        "two lengths": b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nxy",
+        # a coding that only holds the word chunked, one before it, chunked twice (in one field
+        # or two), a coding agentenv.py never asked for: none is read as chunks, nor to the end
+        "xchunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: xchunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+        "gzip first": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+        "chunked twice": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: "
+                         b"chunked\r\n\r\n0\r\n\r\n",
+        "gzip": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nx",
+        # a header folded onto the next line (obs-fold): never read as a header of its own
+        "folded": b"HTTP/1.1 200 OK\r\nX-Note: a\r\n Content-Length: 2\r\n\r\nxy",
+        "tab folded": b"HTTP/1.1 200 OK\r\nX-Note: a\r\n\tContent-Length: 2\r\n\r\nxy",
+        "no field": b"HTTP/1.1 200 OK\r\nContent Length: 2\r\n\r\nxy",
+        "spaced": b"HTTP/1.1 200 OK\r\nContent-Length : 2\r\n\r\nxy",
+        "no colon": b"HTTP/1.1 200 OK\r\nContent-Length\r\n\r\nxy",
+        # interim replies that never end (each within the head's cap): not read for ever
+        "interim": b"HTTP/1.1 100 Continue\r\nX-Pad: %s\r\n\r\n" % (b"x" * 1000) * 70 +
+                   b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nxy"}
 
     def answer(text: str, rid: int) -> bytes:
         return json.dumps({"jsonrpc": "2.0", "id": rid, "result": {
@@ -2257,10 +2296,10 @@ def test_mcp_client_keeps_one_connection_and_reads_every_framing_of_a_reply():
                 elif how in MALFORMED:
                     writer.write(MALFORMED[how])
                     break
-                elif how == "too much":        # more than the client reads (its cap set low)
-                    body = answer("x" * 5000, rid)
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s"
-                                 % (len(body), body))
+                elif how == "Chunked, spaced":   # one coding, as a list may give it
+                    body = answer("in chunks too", rid)
+                    writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: ,  Chunked \t\r\n\r\n"
+                                 b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
                 elif how == "slow":
                     slow_arrived.set()
                     await asyncio.sleep(0.5)
@@ -2310,19 +2349,11 @@ def test_mcp_client_keeps_one_connection_and_reads_every_framing_of_a_reply():
             assert await session.call_tool("after the 408", {}) == ToolResult("called after the 408")
             with pytest.raises(McpError, match="answered for another request .* out of step"):
                 await session.call_tool("another id", {})
-            for how, kind in (("status", McpError), ("chunk size", aiohttp.ClientPayloadError),
-                              ("chunk end", aiohttp.ClientPayloadError),
-                              ("length", aiohttp.ClientPayloadError),
-                              ("two lengths", aiohttp.ClientPayloadError)):
-                with pytest.raises(kind):       # a malformed reply fails the call, nothing else
+            for how in MALFORMED:               # a malformed reply fails the call, nothing else
+                with pytest.raises(McpError if how == "status" else aiohttp.ClientPayloadError,
+                                   match=MALFORMED_SAYS.get(how)):
                     await session.call_tool(how, {})
-            # a tool asked for more than the client reads: the model's doing, so a tool error
-            # it reads (never a failure that would mask its rollout), and the session goes on
-            session.line.MAX_BODY = 1000
-            too_much = await session.call_tool("too much", {})
-            assert too_much.status == agentenv.TOOL_ERROR and "ask for less" in too_much.text
-            del session.line.MAX_BODY
-            assert await session.call_tool("after too much", {}) == ToolResult("called after too much")
+            assert await session.call_tool("Chunked, spaced", {}) == ToolResult("in chunks too")
             session.headers["AgentEnv-Role"] = "a\r\nX-Injected: 1"
             with pytest.raises(McpError, match="holds a line break"):
                 await session.call_tool("injected", {})
@@ -2338,6 +2369,365 @@ def test_mcp_client_keeps_one_connection_and_reads_every_framing_of_a_reply():
             server.close()
             await server.wait_closed()
         assert session.line._idle == []
+
+    run(go())
+
+
+def test_an_answer_is_read_to_max_env_reply_in_every_framing_and_past_it_is_the_models_tool_error():
+    # The cap is on what is read of the body, however it comes: by its length, in chunks, to the
+    # connection's end, or as an event stream (every event of it: notifications too). An answer
+    # of exactly the cap is read; a byte more is a tool error the model reads (it asked for too
+    # much: never a mask), the connection it came on is never used again, and the session goes on.
+    def framed(how: str, rid: int, size: int) -> tuple[bytes, bytes]:
+        """The reply's head and the body counted against the cap."""
+        text = "x" * size
+        if how == "sse":
+            note = json.dumps({"jsonrpc": "2.0", "method": "notifications/message",
+                               "params": {"data": "working"}})
+            body = b"data: %s\n\ndata: %s\n\n" % (note.encode(), json.dumps({
+                "jsonrpc": "2.0", "id": rid, "result": {"content": [{"type": "text", "text": text}]}}
+            ).encode())
+            return b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n" \
+                % len(body), body
+        body = json.dumps({"jsonrpc": "2.0", "id": rid, "result": {
+            "content": [{"type": "text", "text": text}]}}).encode()
+        if how == "length":
+            return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body), body
+        if how == "chunks":
+            return b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", body
+        return b"HTTP/1.0 200 OK\r\n\r\n", body               # to the end
+
+    async def serve_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
+                msg = json.loads(await reader.readexactly(length) or b"{}")
+                rid, name = msg.get("id"), (msg.get("params") or {}).get("name") or ""
+                if msg.get("method") == "initialize" or rid is None:
+                    body = json.dumps({"jsonrpc": "2.0", "id": rid, "result": {}}).encode()
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                    continue
+                how, _, size = name.partition(" ")
+                if how == "trailers":        # a short answer, then trailers of ``size`` bytes
+                    head, body = framed("chunks", rid, 5)
+                    writer.write(head + b"%x\r\n%s\r\n0\r\n" % (len(body), body) +
+                                 b"X-Pad: %s\r\n" % (b"x" * 990) * (int(size) // 1000) + b"\r\n")
+                    continue
+                head, body = framed(how, rid, int(size or 5))
+                if how == "chunks":          # in pieces of 1000 bytes
+                    body = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 1000]), body[i:i + 1000])
+                                    for i in range(0, len(body), 1000)) + b"0\r\n\r\n"
+                writer.write(head + body)
+                if how == "end":
+                    break
+        writer.close()
+
+    async def go():
+        server, url = await raw_env(serve_one)
+        session = McpSession(url, max_body=50_000)
+        try:
+            await session.open()
+            for how in ("length", "chunks", "end", "sse"):
+                # the size of text whose answer is the cap exactly (its envelope, counted once)
+                envelope = len(framed(how, session.next_id + 1, 0)[1])
+                exactly = await session.call_tool(f"{how} {50_000 - envelope}", {})
+                assert exactly == ToolResult("x" * (50_000 - envelope)), (how, exactly.text[-200:])
+                idle = list(session.line._idle)
+                past = await session.call_tool(f"{how} {50_001 - envelope}", {})
+                assert past == ToolResult(
+                    "the answer is longer than the 50,000 bytes agentenv.py reads of an env's answer "
+                    "(max_env_reply); ask the tool for less at a time", agentenv.TOOL_ERROR), how
+                assert not set(session.line._idle) - set(idle), f"{how}: its connection was kept"
+                assert await session.call_tool("length 3", {}) == ToolResult("xxx")
+            # trailers count as the body does: an env can't send them past the cap either
+            assert await session.call_tool("trailers 40000", {}) == ToolResult("xxxxx")
+            assert (await session.call_tool("trailers 60000", {})).status == agentenv.TOOL_ERROR
+            session.line.max_body = 2 * 2**20
+            assert (await session.call_tool(f"length {3 * 2**20}", {})).text.startswith(
+                "the answer is longer than the 2 MiB agentenv.py reads")
+        finally:
+            session.drop()
+            server.close()
+            await server.wait_closed()
+
+    run(go())
+
+
+@pytest.mark.parametrize("sid", ["abc\x01def", "abc\x7f", "tab\there", "caf\xe9", "x\x1f"])
+def test_a_session_id_that_is_not_visible_ascii_is_refused_as_it_arrives(sid):
+    # MCP's spec: a session id is visible ASCII (0x21 to 0x7E), and agentenv.py sends it back in
+    # a header. One that holds anything else is refused when it comes (on initialize, or on a
+    # later answer), never sent back to the env.
+    sent = []
+
+    async def serve_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                sent.append(head)
+                length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
+                msg = json.loads(await reader.readexactly(length) or b"{}")
+                later = (msg.get("params") or {}).get("name") == "later"
+                given = sid if msg.get("method") == "initialize" or later else "s1"
+                body = json.dumps({"jsonrpc": "2.0", "id": msg.get("id"), "result": {
+                    "content": [{"type": "text", "text": "ok"}]}}).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nMcp-Session-Id: %s\r\nContent-Length: %d\r\n\r\n%s"
+                             % (given.encode("latin-1"), len(body), body))
+        writer.close()
+
+    async def go():
+        server, url = await raw_env(serve_one)
+        try:
+            first = McpSession(url)
+            with pytest.raises(agentenv.McpBroken, match=re.escape(
+                    f"it gave the session id {sid!r}, which holds characters MCP's spec does not "
+                    "allow in one (visible ASCII alone, 0x21 to 0x7E)")):
+                await first.open()
+            first.drop()
+            second = McpSession(McpSession(url).url)
+            await second.notify("notifications/initialized")        # no session id yet
+            second.headers["Mcp-Session-Id"] = "s1"
+            assert await second.call_tool("now", {}) == ToolResult("ok")
+            with pytest.raises(McpError, match="visible ASCII alone"):
+                await second.call_tool("later", {})
+            assert second.headers["Mcp-Session-Id"] == "s1"
+            second.drop()
+        finally:
+            server.close()
+            await server.wait_closed()
+        assert not [head for head in sent if sid.encode("latin-1") in head], "sent back to the env"
+
+    run(go())
+
+
+def test_arguments_nested_past_what_json_writes_are_the_models_bad_arguments(fastmcp_url):
+    # A wire reads a model's arguments where the stack is shallower than where the env client
+    # writes them: nested nearly as deep as json reads, they can't be written again (json raises
+    # RecursionError, which came out of serve as a 500 and a traceback). The model reads why.
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+
+    async def go():
+        session = McpSession(fastmcp_url)
+        try:
+            await session.open()
+            assert await session.call_tool("add", {"a": deep, "b": 1}) == ToolResult(
+                "the arguments of add nest deeper than agentenv.py writes; send them nested less "
+                "deep", agentenv.BAD_ARGUMENTS)
+            assert await session.call_tool("add", {"a": 2, "b": 3}) == ToolResult("5")
+        finally:
+            await session.close()
+
+    run(go())
+
+
+def test_a_card_or_an_initialize_past_max_env_reply_is_broken_not_asked_again():
+    # What a deploy reads before any tool: past the cap (or, a card, nested past MAX_NESTING),
+    # McpBroken, which fails the deploy at once; what is read of it is never more than the cap.
+    kind = "fits"
+
+    async def card(request: web.Request) -> web.StreamResponse:
+        if kind == "deep":
+            return web.Response(text='{"name": "x", "a": %s}' % ("[" * 70 + "]" * 70),
+                                content_type="application/json")
+        response = web.StreamResponse()         # chunked: its length unknown until its end
+        await response.prepare(request)
+        await response.write(b'{"name": "x", "pad": "' + b"x" * (1000 if kind == "fits" else 5000))
+        await response.write(b'"}')
+        return response
+
+    async def mcp(request: web.Request) -> web.Response:
+        msg = await request.json()
+        version = {"fits": agentenv.MCP_PROTOCOL, "number": 20250618}.get(kind, "2025\x01")
+        return web.json_response({"jsonrpc": "2.0", "id": msg.get("id"), "result": {
+            "protocolVersion": version, "serverInfo": {"name": "x" * (5000 if kind == "long" else 5)}}})
+
+    async def go():
+        nonlocal kind
+        app = web.Application()
+        app.router.add_get("/.well-known/agent-env.json", card)
+        app.router.add_post("/mcp", mcp)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        session = McpSession(base + "/mcp", max_body=2000)
+        try:
+            async with aiohttp.ClientSession() as http:
+                assert (await agentenv._read_card(http, base, 2000))["name"] == "x"
+                kind = "long"
+                with pytest.raises(agentenv.McpBroken, match="its card is longer than the 2,000 bytes "
+                                                             "agentenv.py reads of an answer"):
+                    await agentenv._read_card(http, base, 2000)
+                kind = "deep"
+                with pytest.raises(agentenv.McpBroken, match="its card nests more than 64 levels"):
+                    await agentenv._read_card(http, base, 2000)
+            kind = "long"
+            with pytest.raises(agentenv.McpBroken, match=r"its answer to initialize is longer than "
+                                                         r"the 2,000 bytes agentenv.py reads of an "
+                                                         r"answer \(max_env_reply\)"):
+                await session.open()
+            # a protocol version that is no version is not sent back in a header either
+            for kind, said in (("number", "20250618"), ("control", "'2025\\x01'")):
+                with pytest.raises(agentenv.McpBroken, match=re.escape(
+                        f"it answered initialize with the protocolVersion {said}, which is no MCP "
+                        "version (such as '2025-06-18'); fix its initialize")):
+                    await session.open()
+            kind = "fits"
+            assert (await session.open())["protocolVersion"] == agentenv.MCP_PROTOCOL
+        finally:
+            session.drop()
+            await runner.cleanup()
+
+    run(go())
+
+
+def nested_tool(name: str, levels: int) -> dict:
+    """A tool whose JSON nests ``levels`` deep: itself, then its input schema's arrays of arrays."""
+    schema: dict = {"type": "string"}
+    for _ in range(levels - 2):
+        schema = {"type": "array", "items": schema}
+    return {"name": name, "inputSchema": schema}
+
+
+@pytest.mark.parametrize("lister, says", [
+    ("endless", "its tools/list gave a next cursor on page 100, the most agentenv.py reads (100 "
+                "tools so far), so its pages may never end; give none after the last page"),
+    ("repeats", "its tools/list gave the cursor 'same' a second time, on page 2, so its pages "
+                "would never end"),
+    ("crowded", "it lists more than 1000 tools (1100 in 11 pages), past what agentenv.py takes"),
+    ("long", "its tool listing, 3 pages of it, is longer than the 50,000 bytes agentenv.py reads of "
+             "an answer (max_env_reply; the pages of a listing count as one answer"),
+    ("slow", "its tools/list took longer than 1s, "),
+    ("deep", "its tool 'deep' nests 65 levels of JSON deep, past the 64 agentenv.py takes"),
+    ("number cursor", "its tools/list gave the nextCursor 2, which is no string"),
+    ("not a list", "it answered tools/list with tools that are dict, not a list"),
+])
+def test_a_tool_listing_past_its_limits_is_refused_saying_which_and_the_fix(lister, says):
+    # One tools/list, every page of it, is one answer: within one deadline, max_env_reply's bytes,
+    # MAX_LIST_PAGES pages and MAX_TOOLS tools, each cursor once and no tool nested past
+    # MAX_NESTING. Within them, a listing is read whole (the last one, at each limit exactly).
+    def page(cursor: int) -> dict:
+        if lister == "endless" or (lister == "at the limits" and cursor < 99):
+            return {"tools": [{"name": f"t{cursor}"}], "nextCursor": str(cursor + 1)}
+        if lister == "repeats":
+            return {"tools": [{"name": f"t{cursor}"}], "nextCursor": "same"}
+        if lister == "crowded":
+            return {"tools": [{"name": f"t{cursor}_{n}"} for n in range(100)],
+                    "nextCursor": str(cursor + 1)}
+        if lister == "long":
+            return {"tools": [{"name": f"t{cursor}", "description": "x" * 20_000}],
+                    "nextCursor": str(cursor + 1)}
+        if lister == "slow":
+            return {"tools": [], "nextCursor": str(cursor + 1)}
+        if lister == "deep":
+            return {"tools": [nested_tool("fine", 64), nested_tool("deep", 65)]}
+        if lister == "number cursor":
+            return {"tools": [{"name": "t"}], "nextCursor": 2}
+        if lister == "not a list":
+            return {"tools": {"name": "t"}}
+        # at the limits: the last of 100 pages, 1000 tools in all, one nested 64 deep
+        return {"tools": [{"name": f"u{n}"} for n in range(900)] + [nested_tool("deepest", 64)]}
+
+    async def handler(request: web.Request) -> web.Response:
+        msg = await request.json()
+        if msg.get("id") is None:
+            return web.Response(status=202)
+        if msg["method"] == "initialize":
+            return web.json_response({"jsonrpc": "2.0", "id": msg["id"], "result": {}})
+        if lister == "slow":
+            await asyncio.sleep(0.1)
+        given = str((msg.get("params") or {}).get("cursor") or 0)
+        cursor = int(given) if given.isdigit() else 1
+        return web.json_response({"jsonrpc": "2.0", "id": msg["id"], "result": page(cursor)})
+
+    async def go():
+        runner, url = await sse_server(handler)
+        session = McpSession(url, max_body=50_000 if lister == "long" else 2 * 2**20)
+        try:
+            await session.open()
+            if lister == "at the limits":
+                tools = await session.list_tools()
+                assert len(tools) == agentenv.MAX_TOOLS and tools[-1]["name"] == "deepest"
+                return
+            with pytest.raises(agentenv.McpBroken, match=re.escape(says)):
+                await session.list_tools(timeout=1 if lister == "slow" else agentenv.LIST_TIMEOUT)
+        finally:
+            session.drop()
+            await runner.cleanup()
+
+    run(go())
+
+
+def test_a_tool_listing_within_its_limits_is_read_whole():
+    test_a_tool_listing_past_its_limits_is_refused_saying_which_and_the_fix("at the limits", "")
+
+
+def test_a_first_page_of_tools_that_never_comes_is_a_timeout_as_any_answer_is():
+    # Not an env past a limit (it may be starting up): a deploy asks again, to its deadline.
+    asked = asyncio.Event()
+    released = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.Response:
+        msg = await request.json()
+        if msg.get("method") == "tools/list":
+            asked.set()
+            await released.wait()               # no answer until the test is over
+        return web.json_response({"jsonrpc": "2.0", "id": msg.get("id"), "result": {}})
+
+    async def go():
+        runner, url = await sse_server(handler)
+        session = McpSession(url)
+        try:
+            await session.open()
+            with pytest.raises(TimeoutError):
+                await session.list_tools(timeout=0.5)
+            assert asked.is_set()
+        finally:
+            session.drop()
+            released.set()
+            await runner.cleanup()
+
+    run(go())
+
+
+def test_an_answer_nested_past_what_python_reads_fails_the_call_not_the_server():
+    # JSON nested deeper than the stack allows: json raises RecursionError, which must come out
+    # as an env's malformed answer (McpError), never as an error of agentenv.py's own.
+    deep = "[" * 100_000 + "]" * 100_000
+
+    async def handler(request: web.Request) -> web.Response:
+        msg = await request.json()
+        name = (msg.get("params") or {}).get("name")
+        if msg.get("id") is None:
+            return web.Response(status=202)
+        if msg.get("method") == "initialize":
+            return web.json_response({"jsonrpc": "2.0", "id": msg["id"], "result": {}})
+        if name == "body":
+            return web.Response(text=deep, content_type="application/json")
+        if name == "event":
+            return web.Response(text=f"data: {deep}\n\n", content_type="text/event-stream")
+        # an id nested as deep as json reads, but too deep for repr() in the message
+        return web.Response(text='{"jsonrpc": "2.0", "id": %s, "result": {}}' % ("[" * 900 + "]" * 900),
+                            content_type="application/json")
+
+    async def go():
+        runner, url = await sse_server(handler)
+        session = McpSession(url)
+        try:
+            await session.open()
+            with pytest.raises(McpError, match="not JSON .*nests arrays or objects deeper"):
+                await session.call_tool("body", {})
+            with pytest.raises(McpError, match="the server's event stream ended without an answer"):
+                await session.call_tool("event", {})
+            with pytest.raises(McpError, match=r"answered for another request \(id \[\[\[\[\[\[\[\.\.\.\]\]"):
+                await session.call_tool("id", {})
+        finally:
+            session.drop()
+            await runner.cleanup()
 
     run(go())
 
@@ -2560,6 +2950,46 @@ def test_an_env_that_answers_wrongly_fails_the_deploy_at_once(make_bundle, env, 
 
     assert run(go()) < 5      # not the deploy timeout
 
+
+# An env that lists a tool of its own named end_turn; one whose session ids hold a control character.
+END_TURN_SERVER = fake_server_with('    tool("dump",', '    tool("end_turn", "End the turn, the env '
+                                                       'thinks."),\n')
+SESSION_SERVER = FAKE_SERVER.replace('"fake-session"', '"fake\\x01session"')
+
+
+@pytest.mark.parametrize("env, server, part", [
+    ("endless", dockerfile("FAKE_MODE=endless"),
+     "env 'endless' can't be played as it is: its tools/list gave a next cursor on page 100, the "
+     "most agentenv.py reads (6 tools so far), so its pages may never end; give none after the last "
+     "page, or list more tools a page"),
+    ("sessions", SESSION_SERVER, "env 'sessions' can't be played as it is: it gave the session id "
+                                 "'fake\\x01session', which holds characters MCP's spec does not allow"),
+    ("reserved", END_TURN_SERVER,
+     "env 'reserved' offers a tool named 'end_turn', the name of the tool that every wire adds to a "
+     "turn to end it, so a call to the env's would never reach it; rename that tool in the env"),
+], ids=["endless", "sessions", "reserved"])
+def test_an_env_that_breaks_mcp_beyond_a_retry_fails_at_once_masked_env_failed(make_bundle, env,
+                                                                                server, part):
+    # Not asked again until the deploy deadline (20 s here), and the failure is the env's, with
+    # what to fix: its listing that never ends, its session id, its tool named as ours.
+    files = {f"envs/{env}/Dockerfile": server, f"envs/{env}/server.py": FAKE_SERVER} \
+        if server.startswith("FROM") else custom_env(env, server)
+    bundle = Bundle.load(make_bundle({"a": [deploy(env), agent(env), prompt(), contains()]},
+                                     envs=(), files=files))
+
+    async def go():
+        async with local(bundle, deploy_timeout=20) as rt:
+            started = time.monotonic()
+            ep = rt.episode(bundle.tasks["a"])
+            with pytest.raises(EpisodeFailed, match=re.escape(part)) as failed:
+                await ep.next_turn()
+            await ep.closed.wait()
+            assert_torn_down(ep)
+            assert failed.value.failure.kind == agentenv.ENV_FAILED
+            assert ep.outcome.failure == failed.value.failure
+            return time.monotonic() - started
+
+    assert run(go()) < 10     # not the deploy timeout
 
 
 # ================================================================ Verifiers
@@ -4410,6 +4840,52 @@ def test_trl_tools_that_cant_be_methods_are_refused_saying_which_and_why():
         "Python identifier (letters, digits and _, not starting with a digit); rename it in the env"]
 
 
+def test_trl_schemas_that_would_break_the_class_builder_are_refused_saying_the_fix():
+    # What a hostile (or careless) env may list: a schema nested past what the builder's type
+    # hints take (it raised RecursionError), properties that are no object (TypeError), a
+    # required list of what no set holds, names that are no strings. Each is a problem said with
+    # its fix, before any class is built; what the builder then builds holds no surprise.
+    def deep(levels):                    # an input schema of arrays of arrays, ``levels`` deep
+        schema = {"type": "string"}
+        for _ in range(levels - 3):
+            schema = {"type": "array", "items": schema}
+        return {"type": "object", "properties": {"grid": schema}}
+
+    problems = agentenv.trl_tool_problems("notebook", [
+        {"name": "fine", "input_schema": deep(64)},
+        {"name": "deep", "input_schema": deep(65)},
+        {"name": "deeper", "input_schema": deep(2000)},
+        {"name": "listed", "input_schema": {"type": "object", "properties": [{"a": {}}]}},
+        {"name": "counted", "input_schema": {"type": "object", "properties": 5}},
+        {"name": ["not", "a", "name"], "input_schema": {}},
+        {"name": "x" * 500 + "-", "input_schema": {}}])
+    assert problems == [
+        "toolset notebook: the input schema of 'deep' nests 65 levels of JSON deep, past the 64 "
+        "TRL's environment class is built from (a type hint per level); flatten it in the env, "
+        "naming its parts in $defs and reaching them by $ref",
+        "toolset notebook: the input schema of 'deeper' nests 2000 levels of JSON deep, past the 64 "
+        "TRL's environment class is built from (a type hint per level); flatten it in the env, "
+        "naming its parts in $defs and reaching them by $ref",
+        "toolset notebook: the input schema of 'listed' gives its properties as list, not an object "
+        "of each argument's schema, so its arguments can't be a Python method's parameters; fix its "
+        "schema in the env",
+        "toolset notebook: the input schema of 'counted' gives its properties as int, not an object "
+        "of each argument's schema, so its arguments can't be a Python method's parameters; fix its "
+        "schema in the env",
+        "toolset notebook: the tool ['not', 'a', 'name'] can't be a method of TRL's environment: "
+        "['not', 'a', 'name'] is not a Python identifier (letters, digits and _, not starting with "
+        "a digit); rename it in the env",
+        "toolset notebook: the tool 'xxxxxxxxxxxx...xxxxxxxxxxxx-' can't be a method of TRL's "
+        "environment: 'xxxxxxxxxxxx...xxxxxxxxxxxx-' is not a Python identifier (letters, digits and "
+        "_, not starting with a digit); rename it in the env"]
+    # what passes is built, 64 levels deep included, and a required list of anything is no crash
+    method = agentenv.trl_method({"name": "fine", "input_schema": {
+        **deep(64), "required": ["grid", ["a"], {"b": 1}, 3]}})
+    assert inspect.signature(method).parameters["grid"].default is inspect.Parameter.empty
+    with pytest.raises(RecursionError):        # what the refusal above keeps the builder from
+        agentenv.trl_method({"name": "deeper", "input_schema": deep(2000)})
+
+
 def test_trl_environment_refuses_settings_it_cant_use_before_connecting():
     url = f"http://127.0.0.1:{free_port()}"          # nothing listens: nothing is asked of it
     for settings, words in [
@@ -4492,6 +4968,18 @@ def test_check_raises_when_a_toolset_fails(make_bundle):
     assert failed and "its process exited with code 4" in failed[0]
     assert "FAKE_MODE=exit" in failed[0]
     assert not any(line.startswith("ok:") for line in lines)
+
+
+def test_check_says_a_tool_named_end_turn_is_the_envs_to_rename(make_bundle):
+    root = make_bundle({"a": simple("reserved")}, envs=(),
+                       files=custom_env("reserved", END_TURN_SERVER))
+    lines: list[str] = []
+    with pytest.raises(AgentEnvError, match=r"^the toolsets reserved did not play; see above$"):
+        run(agentenv.check(str(root), agentenv.Settings.of(sandbox="local"), None, out=lines.append))
+    assert "  reserved: the episode of a failed: step 'turn1' (prompt_agent) failed: env 'reserved' " \
+           "offers a tool named 'end_turn', the " \
+           "name of the tool that every wire adds to a turn to end it, so a call to the env's would " \
+           "never reach it; rename that tool in the env" in lines, lines
 
 
 def test_cli_check_exit_codes(make_bundle, capsys):

@@ -50,7 +50,10 @@ with a sibling rollout scored alongside:
   processes of the first run (by its records) are gone after the new start; the same with Docker
   containers through serve;
 * SIGINT while both surfaces are busy (calls in flight): every episode ended, every env torn down,
-  every socket closed, exit 0.
+  every socket closed, exit 0;
+* a greedy env: a tool listing whose pages never end (its deploy fails at the page limit, masked
+  agentenv:env_failed) and tools that answer 60 MiB (the model's tool error, never a mask), each
+  beside a sibling that scores, with the server's peak memory (VmHWM) read before and after.
 
 Bugs these found, fixed since, each test now passing: an env killed between the last tool call and
 /verify was masked as the verifier's fault; a /ws client gone mid-step logged an ERROR with a
@@ -840,3 +843,161 @@ def test_a_failed_deploy_quotes_the_envs_output_even_when_its_reader_lags(faults
     message = run(go(), 60)
     assert "did not come up: its process exited with code 3" in message, message
     assert "broken: no config at /etc/broken.toml" in message, message
+
+
+# ================================================================ 8. a greedy env: endless tool pages, a 60 MiB answer
+
+GREEDY = '''\
+"""The notebook env of notes-v1, greedy, as GREEDY in its environment says: "pages" lists its
+tools in pages that never end (each a new cursor and five more tools of a KiB); "flood" adds the
+tools flood and flood_chunks, which answer 60 MiB of text: the first with its length said up front,
+the second in chunks of 64 KiB, its length unknown until its end."""
+import json
+import os
+
+import server as notebook
+
+MODE = os.environ.get("GREEDY", "")
+FLOOD = "x" * (60 * 2**20)
+if MODE == "flood":
+    for name in ("flood", "flood_chunks"):
+        notebook.TOOLS.append({"name": name, "description": "Answer a great deal of text.",
+                               "inputSchema": notebook._schema()})
+        notebook.SCHEMAS[name] = notebook.TOOLS[-1]["inputSchema"]
+_handle_rpc, _reply = notebook.handle_rpc, notebook.Handler.reply
+
+
+def handle_rpc(msg, role):
+    params = msg.get("params") or {}
+    if MODE == "pages" and msg["method"] == "tools/list":
+        page = int(params.get("cursor") or 0)
+        more = [{"name": f"tool_{page}_{n}", "description": "x" * 1024,
+                 "inputSchema": notebook._schema()} for n in range(5)]
+        return {"jsonrpc": "2.0", "id": msg["id"], "result": {
+            "tools": (notebook.TOOLS if page == 0 else []) + more, "nextCursor": str(page + 1)}}
+    if MODE == "flood" and msg["method"] == "tools/call" and params.get("name", "").startswith("flood"):
+        return {"jsonrpc": "2.0", "id": msg["id"], "chunks": params["name"] == "flood_chunks",
+                "result": {"content": [{"type": "text", "text": FLOOD}], "isError": False}}
+    return _handle_rpc(msg, role)
+
+
+def reply(self, status, body=None, headers=None):
+    if not (isinstance(body, dict) and body.pop("chunks", False)):
+        return _reply(self, status, body, headers)
+    data = json.dumps(body).encode()
+    self.send_response(status)
+    self.send_header("Content-Type", "application/json")
+    self.send_header("Transfer-Encoding", "chunked")
+    self.end_headers()
+    try:
+        for at in range(0, len(data), 65536):
+            self.wfile.write(b"%x\\r\\n%s\\r\\n" % (len(data[at:at + 65536]), data[at:at + 65536]))
+        self.wfile.write(b"0\\r\\n\\r\\n")
+    except ConnectionError:          # the client read what it reads, and hung up
+        self.close_connection = True
+
+
+notebook.handle_rpc = handle_rpc
+notebook.Handler.reply = reply
+notebook.main()
+'''
+
+
+@pytest.fixture(scope="module")
+def greedy(tmp_path_factory) -> Path:
+    """notes-v1 with two greedy copies of its notebook env (GREEDY above): ``pager``, whose tool
+    listing never ends, and ``flooder``, whose flood tool answers 60 MiB; a one-turn task each
+    (``pages``, ``flood``), scored as save-groceries is."""
+    root = copy_bundle(tmp_path_factory.mktemp("bundle") / "greedy-v1")
+    for name, mode in (("pager", "pages"), ("flooder", "flood")):
+        env = root / "envs" / name
+        shutil.copytree(root / "envs" / "notebook", env)
+        (env / "greedy.py").write_text(GREEDY)
+        (env / "Dockerfile").write_text(f'FROM python:3.11-slim\nWORKDIR /app\nCOPY server.py greedy.py ./\n'
+                                        f'ENV GREEDY={mode}\nCMD ["python", "greedy.py"]\n')
+        task = one_turn_task(name, "Save a note titled 'groceries' with eggs and milk.")
+        (root / "tasks" / f"{'pages' if mode == 'pages' else 'flood'}.json").write_text(json.dumps(task))
+    return root
+
+
+def memory(pid: int) -> dict[str, float]:
+    """A process's resident memory now (VmRSS) and at its peak (VmHWM), in MiB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return {key: int(fields[key].split()[0]) / 1024 for key in ("VmRSS", "VmHWM")}
+
+
+def peak_from_here(pid: int) -> float:
+    """The process's resident memory now, after which its peak (VmHWM) counts from there: Linux
+    resets it when told 5 in clear_refs. Where it can't, the peak so far stays, and the growth a
+    test reads from it can only be smaller than it was."""
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    return memory(pid)["VmRSS"]
+
+
+def test_an_env_whose_tool_listing_never_ends_fails_its_deploy_and_the_server_does_not_notice(
+        tmp_path, greedy):
+    """The pager lists five tools a page, each page with a new cursor, for ever. Its deploy fails
+    at the 100th page, masked agentenv:env_failed with what it did and the fix, and the server's
+    peak memory grows by a few MiB at most (it grew by 60 MiB a second, without end, when only
+    each page had a deadline); a sibling rollout beside it scores 1.0."""
+    with running(Server.serve(greedy, tmp_path, "--max-concurrent-envs", "4",
+                              "--reset-timeout", "120")) as server:
+        table = gym_rows(greedy)
+
+        async def go():
+            async with client() as http:
+                sibling = await seeded(http, server.url, table["save-groceries"])
+                assert (await sibling.call("list_notes")).text == "(no notes)"
+                before = peak_from_here(server.pid)
+                pager = await seeded(http, server.url, table["pages"])
+                text, _ = answer(await pager.call("list_notes"))
+                grew = memory(server.pid)["VmHWM"] - before
+                sib = (await sibling.call("write_note", **GROCERIES)).text
+                return text, grew, (await pager.verify()).json(), sib, (await sibling.verify()).json()
+
+        text, grew, masked, sib, scored = run(go())
+        endless = ("env 'pager' can't be played as it is: its tools/list gave a next cursor on page "
+                   "100, the most agentenv.py reads (504 tools so far), so its pages may never end; "
+                   "give none after the last page, or list more tools a page")
+        assert text.startswith("error: the environment of this rollout failed, so list_notes did "
+                               "not run") and endless in text, text
+        assert_masked(masked, "agentenv:env_failed", endless)
+        assert grew < 20, f"the server's peak grew by {grew:.1f} MiB"
+        assert sib == "saved note 'groceries'"
+        assert_scored(scored)
+        server.no_envs()
+
+
+def test_a_60_mib_tool_answer_is_the_models_tool_error_and_costs_the_server_little(tmp_path, greedy):
+    """The flooder's tools answer 60 MiB (the model asked for it), one with its length said up
+    front, two at once in chunks. The model reads a tool error saying the answer is past
+    max_env_reply and to ask for less, its rollout goes on and scores 1.0 (never masked: the
+    model's doing), a sibling's call beside them answers as usual, and the server's peak memory
+    grows by far less than one answer (by 120 MiB for one, when it read up to 64 MiB of it)."""
+    with running(Server.serve(greedy, tmp_path, "--max-concurrent-envs", "4")) as server:
+        table = gym_rows(greedy)
+
+        async def go():
+            async with client() as http:
+                sibling = await seeded(http, server.url, table["save-groceries"])
+                flooded = await seeded(http, server.url, table["flood"])
+                for rollout in (sibling, flooded):
+                    assert (await rollout.call("list_notes")).text == "(no notes)"
+                before = peak_from_here(server.pid)
+                floods = [flooded.call(name) for name in ("flood", "flood_chunks", "flood_chunks")]
+                texts = await asyncio.gather(*floods, sibling.call("write_note", **GROCERIES))
+                grew = memory(server.pid)["VmHWM"] - before
+                saved = (await flooded.call("write_note", **GROCERIES)).text
+                return [t.text for t in texts], grew, saved, (await flooded.verify()).json(), \
+                    (await sibling.verify()).json()
+
+        (*floods, sib), grew, saved, flooded, scored = run(go())
+        for text in floods:
+            assert text == ("error: the answer is longer than the 2 MiB agentenv.py reads of an env's "
+                            "answer (max_env_reply); ask the tool for less at a time"), text[:300]
+        assert grew < 20, f"the server's peak grew by {grew:.1f} MiB for three 60 MiB answers"
+        assert sib == saved == "saved note 'groceries'"
+        assert_scored(flooded)                 # the model's doing: never masked
+        assert_scored(scored)
+        server.no_envs()

@@ -274,7 +274,7 @@ def test_the_config_has_the_pages_shape_with_the_bundle_and_the_default_settings
     assert {k: v for k, v in server.items() if k != "description"} == {
         "entrypoint": "app.py", "domain": "agent", "bundle": str(NOTES), "max_concurrent_envs": 8,
         "sandbox": "local", "tool_timeout": 60, "reset_timeout": 600, "idle_timeout": 600,
-        "deploy_timeout": 180, "bash_timeout": 300, "status_interval": 60}
+        "deploy_timeout": 180, "bash_timeout": 300, "max_env_reply": 2097152, "status_interval": 60}
     assert Path(server["bundle"]).is_absolute()
     assert config["notes_v1_simple_agent"] == {"responses_api_agents": {"simple_agent": {
         "entrypoint": "app.py", "resources_server": {"type": "resources_servers", "name": name},

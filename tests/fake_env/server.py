@@ -4,7 +4,8 @@ The fast suite (test_agentenv.py) writes this file as envs/<env>/server.py of ea
 makes; the env's Dockerfile switches what it does with ENV lines:
 
 * FAKE_MODE: ``serve`` (the default), ``exit`` (says why and exits with code 4 at start), ``deaf``
-  (starts and never listens), ``notools`` (lists no tools).
+  (starts and never listens), ``notools`` (lists no tools), ``endless`` (lists its tools on the
+  first page of a tools/list whose pages never end).
 * TOOL_PREFIX: put before every tool's name (two envs of one turn need different names).
 * CARD_NAME: the name on its card, when it is not the env's own (ENVIRONMENT_NAME).
 * FAKE_PIDDIR: a folder where it records its pid, so a test can tell that no env outlived it.
@@ -126,7 +127,10 @@ class Handler(BaseHTTPRequestHandler):
             result = {"protocolVersion": params.get("protocolVersion"),
                       "capabilities": {"tools": {}}, "serverInfo": {"name": NAME, "version": "1"}}
         elif method == "tools/list":
-            result = {"tools": TOOLS}
+            page = int(params.get("cursor") or 0)
+            result = {"tools": TOOLS if page == 0 else []}
+            if MODE == "endless":
+                result["nextCursor"] = str(page + 1)
         elif method == "tools/call":
             text, error = call(params.get("name"), params.get("arguments") or {},
                                self.headers.get("AgentEnv-Role"))
