@@ -5486,12 +5486,11 @@ def nesting(value: Any) -> int:
 # A reply's framing, read strictly: anything else is a malformed reply, never a guess.
 STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\r\n]*)?")
 # A header field's name is a token, right before its colon. The names an env sends are few and
-# the same on every reply, so each is checked once and remembered with its lower case (up to
-# FIELD_NAMES_KEPT): a reply's usual fields cost a lookup, not a regex. A value is read as it is:
-# the fields read (a length, the coding, a session id) are checked as what they are.
+# the same on every reply, so each is checked once on a line and remembered there with its lower
+# case (up to FIELD_NAMES_KEPT): a reply's usual fields cost a lookup, not a regex. A value is read
+# as it is: the fields read (a length, the coding, a session id) are checked as what they are.
 FIELD_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-FIELD_NAMES: dict[str, str] = {}
-FIELD_NAMES_KEPT = 512
+FIELD_NAMES_KEPT = 64
 DECIMAL = re.compile(r"[0-9]{1,18}")
 CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})(?:[ \t]*;[^\r\n]*)?\r\n")
 VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")   # what MCP's spec allows in a session id
@@ -5531,6 +5530,7 @@ class EnvLine:
                  max_body: int = Settings.max_env_reply):
         self.host, self.port = url.raw_host or "", url.port or 80
         self.max_body = max_body
+        self.field_names: dict[str, str] = {}     # header names checked, with their lower case
         self.target = (url.raw_path_qs or "/").encode()
         authority = f"[{self.host}]" if ":" in self.host else self.host
         if url.explicit_port:
@@ -5622,9 +5622,9 @@ class EnvLine:
         self._idle.clear()
 
 
-def _field_name(line: str, name: str, colon: str) -> str:
-    """A header line's field name in lower case, checked the first time it comes (then it is
-    remembered); a line that is no field, a folded one (obs-fold, which HTTP/1.1 forbids in a
+def _field_name(line: str, name: str, colon: str, known: dict[str, str]) -> str:
+    """A header line's field name in lower case, checked the first time it comes on a line (then
+    it is remembered in ``known``, the line's); a line that is no field, a folded one (obs-fold, which HTTP/1.1 forbids in a
     reply) included, is a malformed reply."""
     if line[:1] in (" ", "\t"):
         raise aiohttp.ClientPayloadError(f"the env folded a header onto a second line, "
@@ -5633,8 +5633,8 @@ def _field_name(line: str, name: str, colon: str) -> str:
         raise aiohttp.ClientPayloadError(f"the env sent a header line that is no NAME: VALUE, "
                                          f"{short(repr(line), 80)}")
     key = name.lower()
-    if len(FIELD_NAMES) < FIELD_NAMES_KEPT:
-        FIELD_NAMES[name] = key
+    if len(known) < FIELD_NAMES_KEPT:
+        known[name] = key
     return key
 
 
@@ -5673,11 +5673,11 @@ class EnvReply:
                     raise aiohttp.ClientPayloadError(
                         f"the env sent more than {self.line.MAX_HEAD // 1024} KiB of interim (1xx) "
                         "replies, and no reply")
-            headers = self.headers
+            headers, known = self.headers, self.line.field_names
             for line in fields.decode("latin-1").split("\r\n") if fields else ():
                 name, colon, value = line.partition(":")
-                if not colon or (key := FIELD_NAMES.get(name)) is None:
-                    key = _field_name(line, name, colon)
+                if not colon or (key := known.get(name)) is None:
+                    key = _field_name(line, name, colon, known)
                 value = value.strip(" \t")
                 # A field sent twice (its first value kept is another string: one the same, as
                 # a 1-character value is, changes nothing).
