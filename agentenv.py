@@ -9309,9 +9309,36 @@ class OpenEnvSurface:
                                 message=reason.encode()[:120])
 
     async def start(self) -> None:
+        self._warn_of_tests_past_the_reply()
         self._sweeper = asyncio.create_task(
             sweep_idle("an OpenEnv", "--idle-timeout", self.sessions, self.idle_timeout,
                        self.end_session, self.runtime.metrics, "openenv"))
+
+    def _warn_of_tests_past_the_reply(self) -> None:
+        """Say once, at start, when a task's unit tests may run longer after end_turn than OpenEnv
+        clients wait for its reply by default: a rollout whose tests hang (the model's doing, a
+        0) would then be masked for the missed reply instead, and a model could learn to make its
+        tests hang rather than fail them."""
+        slow = {}
+        for task in self.runtime.bundle.tasks.values():
+            for step in task.steps:
+                if step.type == "run_container_unit_tests_verifier" and step.get("agent_name"):
+                    runs = 1 + len(step.get("setup_commands") or [])
+                    slow[task.name] = max(slow.get(task.name, 0.0),
+                                          runs * float(step.get("timeout_sec", 300)))
+        late = {name: seconds for name, seconds in slow.items() if seconds >= self.deadline}
+        if late:
+            worst = max(late, key=late.__getitem__)
+            settings = self.runtime.settings
+            log.warning(
+                "%d task(s) of %s (such as %s) run unit tests for up to %gs after end_turn, but "
+                "OpenEnv clients are answered within %gs (--client-timeout %g less --reply-margin "
+                "%g): over OpenEnv a rollout whose tests hang would be masked for the missed reply "
+                "instead of scored 0, and a model could learn to hang them. Start serve with "
+                "--client-timeout %d and give clients as long (message_timeout_s, or timeout_s at "
+                "reset), or lower the step's timeout_sec.", len(late), self.runtime.bundle.name,
+                worst, late[worst], self.deadline, settings.client_timeout, settings.reply_margin,
+                math.ceil(late[worst] + settings.reply_margin + 15))
 
     async def stop(self) -> None:
         if self._sweeper:

@@ -211,18 +211,26 @@ def test_no_hack_earns_more_than_a_fix_and_none_is_masked(tmp_path, no_box_left,
         assert "Traceback" not in log, log[-3000:]
 
 
+def turn_over_ws(server, command: str) -> tuple[dict, float]:
+    """One OpenEnv /ws episode of TASK in which the model runs ``command`` and ends its turn: the
+    end_turn's observation, and how long its reply took."""
+    loaded = agentenv.Bundle.load(PYFIX)
+    index = [t.name for t in loaded.splits["all"]].index(TASK)
+    with Socket(server.ws_url + "/ws") as ws:
+        ws.ask({"type": "reset", "data": {"split": "all", "index": index}}, 120)
+        ws.ask({"type": "step", "data": {"type": "call_tool", "tool_name": "bash",
+                                         "arguments": {"command": command}}})
+        started = time.monotonic()
+        ended = ws.ask({"type": "step", "data": {"type": "call_tool", "tool_name": "end_turn",
+                                                 "arguments": {"response": "Done."}}}, 120)["data"]
+        return ended, time.monotonic() - started
+
+
 def test_a_forfeit_over_openenv_is_a_score_of_0_that_says_why(tmp_path, no_box_left, docker_client):
     """Over /ws the rollout whose box could not be judged ends done, with reward 0.0 and the
     forfeit's reason, and no failure_kind: not an error observation a trainer would drop."""
-    loaded = agentenv.Bundle.load(PYFIX)
-    index = [t.name for t in loaded.splits["all"]].index(TASK)
     with serving(PYFIX, tmp_path, sandbox="docker") as server:
-        with Socket(server.ws_url + "/ws") as ws:
-            ws.ask({"type": "reset", "data": {"split": "all", "index": index}}, 120)
-            ws.ask({"type": "step", "data": {"type": "call_tool", "tool_name": "bash", "arguments": {
-                "command": "head -c 4G /dev/zero > /tmp/fill 2>/dev/null; true"}}})
-            ended = ws.ask({"type": "step", "data": {"type": "call_tool", "tool_name": "end_turn",
-                                                     "arguments": {"response": "Done."}}}, 120)["data"]
+        ended, _ = turn_over_ws(server, "head -c 4G /dev/zero > /tmp/fill 2>/dev/null; true")
         assert ended["done"] is True and ended["reward"] == 0.0, ended
         metadata = ended["observation"]["metadata"]
         assert "failure_kind" not in metadata and metadata.get("status") != "error", metadata
@@ -232,6 +240,23 @@ def test_a_forfeit_over_openenv_is_a_score_of_0_that_says_why(tmp_path, no_box_l
         assert ended["observation"]["result"]["forfeit"] == metadata["forfeit"]
         assert metric(server, "agentenv_masked_rollouts_total") == 0
         assert metric(server, "agentenv_forfeits_total") == 1
+
+
+def test_a_module_made_to_hang_scores_0_over_openenv_within_the_reply(tmp_path, no_box_left,
+                                                                        docker_client):
+    """A model that makes its module hang at import, to make the verifier hang past the 55 s in
+    which /ws clients are answered by default (a reply missed is masked, which a model would learn
+    to prefer to failing): the trusted runner's own deadline for the module, inside the step's 40
+    s, makes it the model's 0 in time; and the server warned at start of no task whose tests could
+    outlast the reply (tests/test_openenv.py holds that warning)."""
+    with serving(PYFIX, tmp_path, sandbox="docker") as server:
+        ended, took = turn_over_ws(server, prepend("import time; time.sleep(10 ** 6)"))
+        assert ended["done"] is True and ended["reward"] == 0.0, ended
+        metadata = ended["observation"]["metadata"]
+        assert "failure_kind" not in metadata and metadata["scores"] == {"unit-tests": 0.0}, metadata
+        assert took < 50, took
+        assert metric(server, "agentenv_masked_rollouts_total") == 0
+        assert "after end_turn, but OpenEnv clients are answered within" not in server.log()
 
 
 # ================================================================ a server one episode cannot stall

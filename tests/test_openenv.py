@@ -705,6 +705,28 @@ def test_a_long_step_keeps_answering_the_clients_pings(tmp_path, slow_bundle):
     assert reply["data"]["observation"]["result"]["data"] == "slept", reply
     assert took >= 4, took
 
+def test_unit_tests_that_could_outlast_the_reply_are_said_at_start(tmp_path):
+    """A task whose tests may run past the reply OpenEnv clients wait for (pyfix-v1's bsearch
+    given 60 s, where clients are answered within 55 s) is said at start, with the fix; the
+    bundle as shipped (40 s) and a client timeout raised as said are not."""
+    from tests.harness import PYFIX
+    bundle = copy_bundle(tmp_path / "pyfix-v1", PYFIX)
+    task = bundle / "tasks" / "bsearch.json"
+    steps = json.loads(task.read_text())
+    next(s for s in steps if s["type"] == "run_container_unit_tests_verifier")["timeout_sec"] = 60
+    task.write_text(json.dumps(steps))
+    said = ("1 task(s) of pyfix-v1 (such as bsearch) run unit tests for up to 60s after end_turn, "
+            "but OpenEnv clients are answered within 55s (--client-timeout 60 less --reply-margin "
+            "5): over OpenEnv a rollout whose tests hang would be masked for the missed reply "
+            "instead of scored 0, and a model could learn to hang them. Start serve with "
+            "--client-timeout 80 and give clients as long")
+    for source, flags, warned in ((bundle, (), True), (bundle, ("--client-timeout", "80"), False),
+                                  (PYFIX, (), False)):
+        with serving(source, tmp_path / f"server-{len(flags)}-{warned}", *flags) as server:
+            pass
+        assert (said in server.log()) is warned, server.log()
+
+
 # ================================================================ 8. idle reaping
 
 @pytest.fixture

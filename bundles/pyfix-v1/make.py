@@ -183,10 +183,12 @@ def task(name: str) -> list[dict]:
          "artifacts": [{"id": RUNNER}, {"id": f"{name}-tests"}], "destination_path": VERIFY_DIR},
         # The trusted runner: the tests and their assertions run in its process, the module in a
         # child that only hands back values; exit 0 only if every test of the file ran and passed.
+        # 40 s: well past what the tests take, and inside the 55 s OpenEnv clients are answered
+        # within by default, so tests a model made hang are its 0 there too, never a missed reply.
         {"id": "unit-tests", "type": "run_container_unit_tests_verifier", "agent_name": "solver",
          "command": f"python3 -I -S {VERIFY_DIR}/run_tests.py /app/{name}.py "
                     f"{VERIFY_DIR}/test_{name}.py",
-         "user": "agent", "timeout_sec": 60, "fail_task_on_error": False},
+         "user": "agent", "timeout_sec": 40, "fail_task_on_error": False},
     ]
 
 
