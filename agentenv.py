@@ -3227,10 +3227,12 @@ class DeathWatch:
                 if self.closed.is_set():
                     return
                 if not read_before:
-                    tell(lambda: listening.done() or listening.set_exception(AgentEnvError(
+                    # made here: the except block's name is gone by the time the loop calls it
+                    refusal = AgentEnvError(
                         f"the Docker daemon sends no events ({short(str(exc), 200)}); serve "
                         "needs them to tell a dead env at once, or pass --docker-publish "
-                        "127.0.0.1 to reach envs through published ports")))
+                        "127.0.0.1 to reach envs through published ports")
+                    tell(lambda: listening.done() or listening.set_exception(refusal))
                     return
                 log.warning("Docker's event stream broke (%s); reading it again from where it "
                             "stopped.", short(str(exc), 200))
@@ -4083,12 +4085,46 @@ def box_tar(files: dict[str, bytes], dest: str, uid: int) -> bytes:
     return buffer.getvalue()
 
 
-def read_exec(stream: Any, stdin: bytes | None, cap: int) -> tuple[bytes, bytes, int]:
-    """A docker exec's output, read from its attached socket until the command and everything
-    holding its output are gone: stdout and stderr, each kept up to ``cap`` bytes, and how many
-    it printed in all. ``stdin`` is written first, then closed. (Docker frames the output: one
-    byte for the stream, three of padding, four of size, then the bytes.)"""
-    raw = getattr(stream, "_sock", stream)
+class ExecSocket:
+    """The socket a docker exec is attached on, as the docker SDK hands it back, with the calls
+    read_exec makes. A TLS daemon's is a socket already, and an SSH one's a channel with a
+    socket's calls; a Unix socket's or plain TCP's comes wrapped for reading alone
+    (socket.SocketIO), so a socket is made of a copy of its file descriptor, to write stdin to,
+    half-close and cut. The wrapper is closed only with the socket: closing it hands its HTTP
+    connection back to the SDK's pool, and the next call to the daemon would be written into the
+    exec's stream."""
+
+    def __init__(self, stream: Any):
+        self.stream = stream
+        self.raw = socket.socket(fileno=os.dup(stream.fileno())) \
+            if isinstance(stream, socket.SocketIO) else stream
+        # No timeout of the SDK's (its 120 s a call, which as the descriptor's non-blocking mode
+        # the copy shares): a command that prints nothing for minutes is still running, and its
+        # own deadline ends it (shut_stream), not a read given up as if it had ended.
+        self.raw.settimeout(None)
+
+    def sendall(self, data: bytes) -> None:
+        self.raw.sendall(data)
+
+    def recv(self, size: int) -> bytes:
+        return self.raw.recv(size)
+
+    def shutdown(self, how: int) -> None:
+        self.raw.shutdown(how)
+
+    def close(self) -> None:
+        try:
+            self.raw.close()
+        finally:
+            if self.raw is not self.stream:
+                self.stream.close()
+
+
+def read_exec(raw: Any, stdin: bytes | None, cap: int) -> tuple[bytes, bytes, int]:
+    """A docker exec's output, read from its attached socket (ExecSocket) until the command and
+    everything holding its output are gone: stdout and stderr, each kept up to ``cap`` bytes, and
+    how many it printed in all. ``stdin`` is written first, then closed. (Docker frames the
+    output: one byte for the stream, three of padding, four of size, then the bytes.)"""
     kept = {1: bytearray(), 2: bytearray()}
     printed, buffer = 0, bytearray()
     try:
@@ -4107,14 +4143,14 @@ def read_exec(stream: Any, stdin: bytes | None, cap: int) -> tuple[bytes, bytes,
         pass
     finally:
         with contextlib.suppress(OSError):
-            stream.close()
+            raw.close()
     return bytes(kept[1]), bytes(kept[2]), printed
 
 
-def shut_stream(stream: Any) -> None:
-    """Cut a command's output stream, so the thread reading it (read_exec) ends."""
+def shut_stream(raw: Any) -> None:
+    """Cut a command's output stream (an ExecSocket), so the thread reading it (read_exec) ends."""
     with contextlib.suppress(OSError):
-        getattr(stream, "_sock", stream).shutdown(socket.SHUT_RDWR)
+        raw.shutdown(socket.SHUT_RDWR)
 
 
 class DockerBox(Box):
@@ -4192,11 +4228,11 @@ class DockerBox(Box):
 
     def _open(self, argv: list[str], user: str, workdir: str | None, environment: dict[str, str],
               stdin: bool) -> tuple[str, Any]:
-        """Create an exec and start it, attached: its id and its socket."""
+        """Create an exec and start it, attached: its id and its socket (ExecSocket)."""
         api = self.daemon.client.api
         made = api.exec_create(self.container.id, argv, stdout=True, stderr=True, stdin=stdin,
                                user=user, workdir=workdir, environment=environment)
-        return made["Id"], api.exec_start(made["Id"], socket=True)
+        return made["Id"], ExecSocket(api.exec_start(made["Id"], socket=True))
 
     async def _exit_code(self, exec_id: str) -> int | None:
         """An exec's exit code, once the daemon has seen its process exit: its output may end a
@@ -5496,15 +5532,127 @@ CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})(?:[ \t]*;[^\r\n]*)?\r\n")
 VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")   # what MCP's spec allows in a session id
 
 
-def unread(reader: asyncio.StreamReader) -> int:
-    """Bytes a stream holds that nobody has read yet. asyncio has no public call for it; a
-    connection holding any after its reply was read whole is out of step with its env, and is
-    never used again."""
-    return len(getattr(reader, "_buffer", b""))
+class EnvConnection(asyncio.Protocol):
+    """One connection to an env, read as asyncio's StreamReader reads one (``readuntil``,
+    ``readexactly``, ``read``, failing as it fails) and written through its transport, with the
+    bytes that came and were not read yet its own to count (``unread``): a connection holding any
+    once its reply was read whole is out of step with its env, and is never used again
+    (``usable``; StreamReader keeps them private). Past ``limit`` bytes unread, the env is read no more until
+    a read wants them."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.buffer = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.ended = False                # the env closed its end, or the connection was lost
+        self.error: Exception | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+
+    @classmethod
+    async def open(cls, host: str, port: int, limit: int) -> EnvConnection:
+        _, connection = await asyncio.get_running_loop().create_connection(
+            lambda: cls(limit), host, port)
+        return connection
+
+    # -- what asyncio calls
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport                       # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if len(self.buffer) > 2 * self.limit and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.ended = True
+        self._wake()
+        return False                                     # and close: HTTP/1.1 writes no more
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.ended, self.error = True, exc
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _more(self) -> None:
+        """Wait for more bytes, or the end; the error the connection was lost with, raised."""
+        if self.error is not None:
+            raise self.error
+        if self.ended:
+            return
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+        if self.error is not None:
+            raise self.error
+
+    def _take(self, size: int) -> bytes:
+        taken = bytes(self.buffer[:size])
+        del self.buffer[:size]
+        return taken
+
+    # -- reads, as StreamReader's
+
+    async def readuntil(self, separator: bytes) -> bytes:
+        start = 0
+        while True:
+            if (found := self.buffer.find(separator, start)) >= 0:
+                if found > self.limit:
+                    raise asyncio.LimitOverrunError("the separator came past the limit", found)
+                return self._take(found + len(separator))
+            if len(self.buffer) > self.limit:
+                raise asyncio.LimitOverrunError("no separator within the limit", len(self.buffer))
+            if self.ended:
+                raise asyncio.IncompleteReadError(self._take(len(self.buffer)), None)
+            start = max(0, len(self.buffer) - len(separator) + 1)
+            await self._more()
+
+    async def readexactly(self, size: int) -> bytes:
+        while len(self.buffer) < size:
+            if self.ended:
+                raise asyncio.IncompleteReadError(self._take(len(self.buffer)), size)
+            await self._more()
+        return self._take(size)
+
+    async def read(self, most: int) -> bytes:
+        while not self.buffer and not self.ended:
+            await self._more()
+        return self._take(most)
+
+    # -- the connection
+
+    def usable(self) -> bool:
+        """Whether the connection can carry another request: open at both ends, nothing unread."""
+        return not (self.ended or self.buffer or self.transport is None
+                    or self.transport.is_closing())
+
+    def write(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(data)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        """Cut it at once: a read waiting on it ends as if the env reset it."""
+        if self.transport is not None:
+            self.transport.abort()
 
 
 class EnvLine:
-    """Kept-alive HTTP/1.1 connections to one env's MCP endpoint, written on asyncio's streams:
+    """Kept-alive HTTP/1.1 connections to one env's MCP endpoint (EnvConnection), of its own:
     the client of the hop, where every tool call goes.
 
     An MCP session posts small JSON bodies to one URL, one after another. aiohttp's client made a
@@ -5536,8 +5684,8 @@ class EnvLine:
         if url.explicit_port:
             authority += f":{url.explicit_port}"
         self._host = f"Host: {authority}\r\n".encode()
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-        self._busy: set[asyncio.StreamWriter] = set()      # connections a call holds
+        self._idle: list[EnvConnection] = []
+        self._busy: set[EnvConnection] = set()      # connections a call holds
         self.closed = False
         self.stopped = stopped
         if stopped is not None:
@@ -5559,54 +5707,52 @@ class EnvLine:
         head.append(b"Content-Length: %d\r\n\r\n" % len(body))
         return EnvReply(self, b"".join(head) + body, self.max_body if cap is None else cap)
 
-    async def connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def connection(self) -> EnvConnection:
         if self.stopped is not None and self.stopped.done():
             raise self._refused()
         while self._idle:                 # the newest first; one the env closed meanwhile goes
-            reader, writer = self._idle.pop()
-            if not (reader.at_eof() or writer.is_closing() or unread(reader)
-                    or reader.exception() is not None):
-                self._busy.add(writer)
-                return reader, writer
-            writer.close()
-        opening = asyncio.open_connection(self.host, self.port, limit=self.MAX_HEAD)
+            kept = self._idle.pop()
+            if kept.usable():
+                self._busy.add(kept)
+                return kept
+            kept.close()
+        opening = EnvConnection.open(self.host, self.port, self.MAX_HEAD)
         try:
             if self.stopped is None:
-                reader, writer = await opening
+                connection = await opening
             else:       # a connect to an address nobody holds any more waits: not for long
-                reader, writer = await while_running(opening, self.stopped, "")
+                connection = await while_running(opening, self.stopped, "")
         except OSError as exc:
             raise aiohttp.ClientOSError(exc.errno, f"cannot connect to the env at "
                                                    f"{self.host}:{self.port}: {exc.strerror or exc}")
         except EpisodeFailed:
             raise self._refused() from None
         if self.stopped is not None and self.stopped.done():
-            writer.transport.abort()
+            connection.abort()
             raise self._refused()
-        self._busy.add(writer)
-        return reader, writer
+        self._busy.add(connection)
+        return connection
 
     def _refused(self) -> aiohttp.ClientOSError:
         assert self.stopped is not None
         return aiohttp.ClientOSError(errno.ECONNRESET, f"the env at {self.host}:{self.port} "
                                                        f"stopped ({self.stopped.result()})")
 
-    def give_back(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                  keep: bool = True) -> None:
+    def give_back(self, connection: EnvConnection, keep: bool = True) -> None:
         """A connection a call is done with: kept for the next, or (``keep`` False: its reply was
         not read whole) closed."""
-        self._busy.discard(writer)
+        self._busy.discard(connection)
         # closed too: a call that outlived its session, or a connection out of step with its env
-        if not keep or self.closed or unread(reader) or writer.is_closing():
-            writer.close()
+        if not keep or self.closed or not connection.usable():
+            connection.close()
         else:
-            self._idle.append((reader, writer))
+            self._idle.append(connection)
         if self.closed and not self._busy:
             self._unwatch()
 
     def _cut(self, _: Any) -> None:
-        for writer in [*self._busy, *(writer for _, writer in self._idle)]:
-            writer.transport.abort()     # a read waiting on it ends as if the env reset it
+        for connection in [*self._busy, *self._idle]:
+            connection.abort()           # a read waiting on it ends as if the env reset it
         self._idle.clear()
 
     def _unwatch(self) -> None:
@@ -5617,8 +5763,8 @@ class EnvLine:
         self.closed = True
         if not self._busy:          # a call still under way is cut too, if its env dies
             self._unwatch()
-        for _, writer in self._idle:
-            writer.close()
+        for connection in self._idle:
+            connection.close()
         self._idle.clear()
 
 
@@ -5648,8 +5794,7 @@ class EnvReply:
     def __init__(self, line: EnvLine, request: bytes, cap: int):
         self.line, self.request, self.left = line, request, cap
         self.status, self.headers = 0, {}
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self._connection: EnvConnection | None = None
         self._done = self._keep = False
 
     @property
@@ -5657,9 +5802,9 @@ class EnvReply:
         return self.headers.get("content-type", "").partition(";")[0].strip().lower()
 
     async def __aenter__(self) -> "EnvReply":
-        self._reader, self._writer = reader, writer = await self.line.connection()
+        self._connection = reader = await self.line.connection()
         try:
-            writer.write(self.request)
+            reader.write(self.request)
             interim = 0                   # bytes of 1xx replies (100 Continue), before the real one
             while True:
                 head = await self._read(reader.readuntil(b"\r\n\r\n"), "its headers")
@@ -5695,13 +5840,13 @@ class EnvReply:
             self._keep = "close" not in connection and (status.group(1) == b"1"
                                                          or "keep-alive" in connection)
         except BaseException:
-            self.line.give_back(reader, writer, keep=False)
+            self.line.give_back(reader, keep=False)
             raise
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
-        assert self._writer is not None and self._reader is not None
-        self.line.give_back(self._reader, self._writer,
+        assert self._connection is not None
+        self.line.give_back(self._connection,
                             keep=self._done and self._keep and exc_info[0] is None)
 
     async def read(self) -> bytes:
@@ -5714,7 +5859,7 @@ class EnvReply:
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives; its end read, ``_done`` is set."""
-        reader, headers = self._reader, self.headers
+        reader, headers = self._connection, self.headers
         assert reader is not None
         if self.status in (204, 304):     # no body; one sent anyway keeps the connection unused
             self._done = True
@@ -5756,8 +5901,8 @@ class EnvReply:
 
     async def _whole(self, length: int) -> bytes:
         """A body of ``length`` bytes, read to its end."""
-        assert self._reader is not None
-        body = await self._read(self._reader.readexactly(length), "its body") if length else b""
+        assert self._connection is not None
+        body = await self._read(self._connection.readexactly(length), "its body") if length else b""
         self._done = True
         self.left -= length
         return body
@@ -12559,7 +12704,7 @@ async def served(source: str, settings: Settings, *, reward: str | None = None,
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]              # type: ignore[union-attr]
+        port = runner.addresses[0][1]                 # (host, port) of the one site, bound
         assert server.runtime is not None
         bundle = server.runtime.bundle
         toolsets = await _toolsets_here(bundle, settings, out, runtime=server.runtime, who=who)

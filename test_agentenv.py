@@ -1940,6 +1940,28 @@ def test_a_box_without_bash_runs_sh_and_says_so(tmp_path):
 
 # -- Docker calls (no daemon needed)
 
+def test_a_daemon_that_sends_no_events_is_refused_at_once_saying_why():
+    """Docker's event stream failing as it opens: the death watch's start fails with the reason
+    and the fix, at once (the refusal was built after the except block's name was gone, so the
+    start waited out its 30 s and said nothing)."""
+    class Client:
+        def events(self, **_: object) -> None:
+            raise ConnectionError("the daemon refused /events")
+
+    watch = agentenv.DeathWatch(type("Daemon", (), {"client": Client()})(), "owner")
+
+    async def start() -> float:
+        began = time.monotonic()
+        with pytest.raises(AgentEnvError, match=r"sends no events \(the daemon refused /events\)"
+                                                r".*--docker-publish"):
+            await watch.start()
+        return time.monotonic() - began
+    try:
+        assert run_within(start(), 60) < 20
+    finally:
+        watch.closed.set()
+
+
 def test_a_docker_call_past_its_deadline_keeps_its_slot_until_its_thread_ends():
     """The cap on Docker operations counts calls still running in their thread after their
     caller gave up: a daemon that is slow to create must not be handed more creations."""
@@ -2330,7 +2352,7 @@ def test_mcp_client_keeps_one_connection_and_reads_every_framing_of_a_reply():
             assert await session.call_tool("close", {}) == ToolResult("then closed")
             assert await session.call_tool("idle out", {}) == ToolResult("idled out")
             deadline = time.monotonic() + 30            # until the client has seen the close
-            while not all(reader.at_eof() for reader, _ in session.line._idle):
+            while any(kept.usable() for kept in session.line._idle):
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)
             assert await session.call_tool("after", {}) == ToolResult("called after")
@@ -2342,8 +2364,7 @@ def test_mcp_client_keeps_one_connection_and_reads_every_framing_of_a_reply():
             assert await session.call_tool("and more", {}) == ToolResult("the first")
             assert await session.call_tool("next", {}) == ToolResult("called next")
             assert await session.call_tool("then 408", {}) == ToolResult("before the 408")
-            while not all(agentenv.unread(reader) or reader.at_eof()
-                          for reader, _ in session.line._idle):
+            while any(kept.usable() for kept in session.line._idle):
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)
             assert await session.call_tool("after the 408", {}) == ToolResult("called after the 408")

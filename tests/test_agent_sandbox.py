@@ -336,6 +336,30 @@ def test_a_root_command_past_its_deadline_is_killed_with_its_tree_and_nothing_el
     assert "sleep 997" in processes, processes
 
 
+def test_a_command_silent_past_the_docker_clients_timeout_runs_to_its_end(no_box_left, docker_client,
+                                                                         monkeypatch):
+    """The docker SDK's client times out a call (120 s in serve; 3 s here), and that timeout was
+    the exec stream's too: a command that printed nothing for that long was read as ended, with
+    no exit code, while it ran on. It runs to its end now, its own deadline the only one."""
+    import docker
+    made = docker.from_env
+    monkeypatch.setattr(docker, "from_env", lambda **kwargs: made(**{**kwargs, "timeout": 3}))
+    loaded = agentenv.Bundle.load(NOTES)
+
+    async def play() -> tuple[agentenv.Ran, float]:
+        async with agentenv.Runtime(loaded, agentenv.Settings.of(sandbox="docker")) as runtime:
+            box = await runtime.sandbox.open_box("silent-test", "box", {}, agents=True)
+            try:
+                started = time.monotonic()
+                ran = await box.run(["sh", "-c", "sleep 8; echo finished"], 60)
+                return ran, time.monotonic() - started
+            finally:
+                await box.remove()
+    ran, took = run(play(), 120)
+    assert (ran.exit_code, ran.stdout, ran.timed_out) == (0, b"finished\n", False), ran
+    assert took >= 8, took
+
+
 def test_two_turns_share_the_box_and_checks_run_as_the_agent(tmp_path, no_box_left, docker_client):
     """... and a model that fills the disk fills only its box's share (memory_mb 256: /app 128 MiB)."""
     steps = [{"id": "solver", "type": "deploy_agent", "agent_name": "solver", "memory_mb": 256},
