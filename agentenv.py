@@ -2172,7 +2172,7 @@ def owner_alive(owner: str) -> bool | None:
 
 class RemovalFailed(AgentEnvError):
     """An env or box whose removal failed: it may still stand (and run). Its episode's teardown
-    tries again until it is gone, holding the slot meanwhile (see ``Episode._teardown``)."""
+    tries again until it is gone, holding the slot meanwhile (see ``Teardown``)."""
 
 
 class Instance(abc.ABC):
@@ -3959,7 +3959,7 @@ class BoxGone(AgentEnvError):
 class BoxFailed(EpisodeFailed):
     """A step's command or copy in a box failed on what the box holds (a folder full or made
     unreadable, a command that hangs or exits non-zero) or on the bundle's own mistake. In the
-    agent's box once its turn has begun, that is the model's doing (Episode._run_step)."""
+    agent's box once its turn has begun, that is the model's doing (Steps._run_step)."""
 
 
 @dataclasses.dataclass(frozen=True)
