@@ -29,9 +29,11 @@ The file reads top to bottom in the order data flows; a section uses only the se
                         their execution under a deadline (Verifiers, unit_tests) with one failure
                         kind per cause, and AgentEnv's score aggregators.
 6. Episode              one play of a task, given an EpisodeContext (what it uses, not the
-                        runtime): its steps as a graph (a handler per step type), its turns, its
-                        outcome; what the model does to its own box is its 0 (a Forfeit), never
-                        a mask.
+                        runtime), in three parts: the play (Episode: its phase, turns and
+                        outcome), its steps (Steps: run as a graph, a handler per step type) and
+                        its teardown (Teardown: what the steps made removed, in order, and tried
+                        again while a removal fails); what the model does to its own box is its 0
+                        (a Forfeit), never a mask.
 7. Pool and runtime     the semaphore that bounds live episodes, the boot gate, the warm pool
                         of envs ready ahead of demand, and Runtime(bundle, settings).
 8. Plumbing             what both wires share: HTTP helpers, the JSON reader, the bearer token
@@ -2170,7 +2172,7 @@ def owner_alive(owner: str) -> bool | None:
 
 class RemovalFailed(AgentEnvError):
     """An env or box whose removal failed: it may still stand (and run). Its episode's teardown
-    tries again until it is gone, holding the slot meanwhile (see ``Episode._teardown``)."""
+    tries again until it is gone, holding the slot meanwhile (see ``Teardown``)."""
 
 
 class Instance(abc.ABC):
@@ -3959,7 +3961,7 @@ class BoxGone(AgentEnvError):
 class BoxFailed(EpisodeFailed):
     """A step's command or copy in a box failed on what the box holds (a folder full or made
     unreadable, a command that hangs or exits non-zero) or on the bundle's own mistake. In the
-    agent's box once its turn has begun, that is the model's doing (Episode._run_step)."""
+    agent's box once its turn has begun, that is the model's doing (Steps._run_step)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -6926,7 +6928,7 @@ class Turn:
                 raise EpisodeFailed(f"{name} was cut short: the episode was ended, since "
                                     f"{stopped.reason}", SESSION_LOST) from None
             failure = Failure(PEER_DROP, f"{name} failed because the env failed: "
-                                         f"{await self.episode.env_trouble(exc)}")
+                                         f"{await self.episode.steps.env_trouble(exc)}")
             self.episode.end(failure)
             raise EpisodeFailed(failure) from None
 
@@ -6981,27 +6983,19 @@ class Turn:
             self.ended.set_result(response or "")
 
 
-class Episode:
-    """One play of a task: it waits for a slot, runs the task's steps, hands each turn to the
-    caller, scores, and tears everything down. Ending it at any point tears it down too.
+class Steps:
+    """The steps of an episode's task, each done by its handler: a method per step type
+    (``HANDLERS``, below). They run as AgentEnv runs them: each after the steps it depends on (by
+    default every step before it), several at once where the graph allows. What they make (the
+    envs, the agent and its box, the sandboxes' boxes and containers) and what they record (the
+    replies, run_code's results, the scores and verifications, why tolerated steps failed) are
+    kept here: the play scores the episode from them, and the teardown removes what they made.
+    A prompt_agent step opens a turn of the play (``Episode.open_turn``) and waits for its end."""
 
-    The outcome is settled before the teardown begins, so whoever waits for it (``result``: a
-    Gym /verify, OpenEnv's last end_turn) answers at once while the envs and boxes are removed
-    in the background; the episode stays among the runtime's live ones, holding its slot, until
-    they are gone (``closed``), so the pool's bound counts what really runs.
-
-    Steps run as AgentEnv runs them: each after the steps it depends on (by default every step
-    before it), several at once where the graph allows, each by its handler in ``HANDLERS``. The
-    caller drives it with ``next_turn`` → ``turn.call`` / ``turn.end`` → ... → ``result``, and
-    ``end`` (or ``abandon``, which waits for the teardown) is the one way to stop it early.
-    """
-
-    def __init__(self, context: EpisodeContext, task: Task, seed: dict[str, Any] | None = None,
-                 split: str = "all"):
-        self.context, self.task, self.split = context, task.seeded(seed), split
+    def __init__(self, episode: Episode, task: Task, seed: dict[str, Any] | None):
+        self.episode, self.context, self.task = episode, episode.context, episode.task
         self.seed = dict(seed or {})
         self.unseeded = {step.id: step for step in task.steps} if seed else {}
-        self.id = uuid.uuid4().hex
         self.envs: dict[str, DeployedEnv] = {}    # by env_id as the task writes it
         self.instances: list[Instance] = []       # every env launched, ready or not
         self.agent: Step | None = None
@@ -7011,229 +7005,14 @@ class Episode:
         self.skills: set[str] = set()             # the names of the skills in the agent's box
         self.verifications: dict[str, dict[str, Any]] = {}  # verifier_id -> {results, score}
         self.script_results: dict[str, Any] = {}  # run_code's results, by result_id
-        self.turn: Turn | None = None
         self.replies: dict[str, str] = {}         # prompt_id -> reply
         self.scores: dict[str, float] = {}
         self.errors: dict[str, str] = {}          # step id -> why it failed (tolerated steps)
         self.system_prompt: str | None = None     # the agent's, as its deploy or a prompt last set it
         self.played = False                       # a turn has opened: the agent's box is the model's
         self.forfeits: list[str] = []             # the model's doing that failed tolerated steps
-        self.outcome: Outcome | None = None
-        self.closed = asyncio.Event()
-        self.awaited = asyncio.Event()            # someone waits for the teardown (abandon)
-        self._changed = asyncio.Event()
-        self._ending: Outcome | None = None        # how it was ended from outside, if it was
-        self._holds_slot = False
-        self._driver: asyncio.Task | None = None
 
-    # -- the caller's side
-
-    @property
-    def phase(self) -> str:
-        """Where the episode is: waiting (for a slot), deploying, playing, scoring, closed."""
-        if self.closed.is_set():
-            return "closed"
-        if not self._holds_slot:
-            return "waiting"
-        if self.turn is None:
-            return "deploying"
-        return "playing" if self.turn.is_open else "scoring"
-
-    @property
-    def stopped(self) -> Failure | None:
-        """Why the episode was ended from outside, once it was."""
-        return self._ending.failure if self._ending else None
-
-    @property
-    def over(self) -> bool:
-        """Whether the episode has ended, or been ended (scored, failed, forfeited or abandoned)."""
-        return self.outcome is not None or self._ending is not None
-
-    def start(self) -> Episode:
-        self._driver = asyncio.create_task(self._drive(), name=f"episode {self.id}")
-        self._driver.add_done_callback(self._closed)
-        self.context.live.add(self)
-        return self
-
-    async def next_turn(self) -> Turn | None:
-        """The open turn, once the steps before it have run; None once the episode is scored.
-        Raises EpisodeFailed if the environment failed it, or it was ended."""
-        while True:
-            if self.turn is not None and self.turn.is_open:
-                return self.turn
-            if self.outcome is not None:
-                if self.outcome.failure is None:
-                    return None
-                raise EpisodeFailed(self.outcome.failure)
-            await self._wait_change()
-
-    async def result(self) -> Outcome:
-        """The outcome, once the steps after the last turn (the verifiers) have run."""
-        while self.outcome is None:
-            if self.turn is not None and self.turn.is_open:
-                raise AgentEnvError(f"turn {self.turn.id!r} isn't ended, so the episode can't be "
-                                    "scored yet; end it first")
-            await self._wait_change()
-        return self.outcome
-
-    def end(self, why: str | Failure) -> None:
-        """Stop the episode wherever it is, unscored; its teardown follows in the background. A
-        Failure says the environment failed it (``failed``); a reason, that its caller ended it
-        (``abandoned``)."""
-        if self.outcome is None and self._ending is None and self._driver is not None:
-            if isinstance(why, Failure):
-                self._ending = Outcome("failed", {}, None, why)
-            else:
-                self._ending = Outcome("abandoned", {}, None, Failure(SESSION_LOST, why))
-            self._driver.cancel()
-
-    def forfeit(self, reason: str) -> None:
-        """Stop the episode wherever it is, scored 0: the model's own doing broke it (Forfeit)."""
-        if self.outcome is None and self._ending is None and self._driver is not None:
-            self._ending = self._forfeited(reason)
-            self._driver.cancel()
-
-    async def abandon(self, reason: str) -> None:
-        """End the episode (as ``end``) and wait until it is torn down: a teardown someone waits
-        for waits for no episode playing."""
-        self.awaited.set()
-        self.end(reason)
-        await self.closed.wait()
-
-    def let_go(self, reason: str) -> None:
-        """End the episode if it isn't over (as ``end``) and wait for nothing: its teardown is the
-        runtime's, which holds its slot until it is done and waits for it when it closes."""
-        self.end(reason)
-
-    async def env_trouble(self, exc: BaseException) -> str:
-        """Why a call to an env failed: an env that stopped says so, with its last output. Every
-        env of the episode is asked at once, given its ``drop_settle`` to be seen stopped after a
-        connection dropped (half a second at most after a reply that is no MCP: it answered)."""
-        envs = list(self.envs.values())
-        whys = await asyncio.gather(*(env.instance.exited(
-            settle=min(0.5, env.instance.drop_settle) if isinstance(exc, McpError)
-            else env.instance.drop_settle) for env in envs))
-        for env, why in zip(envs, whys):
-            if why:
-                return f"env {env.spec.name!r} stopped: {why}. Its last output:\n" \
-                       f"{short(await env.instance.output(), 1000)}"
-        return f"{type(exc).__name__}: {exc}"
-
-    async def _wait_change(self) -> None:
-        changed = self._changed
-        await changed.wait()
-
-    def _signal(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    def _settle(self, outcome: Outcome) -> None:
-        if self.outcome is None:
-            self.outcome = outcome
-            self.context.metrics.ended(outcome.status, self.split, outcome.reward)
-            if outcome.status == "failed":
-                log.warning("Episode %s of task %r failed: %s", self.id[:8], self.task.name,
-                            outcome.failure)
-            if outcome.forfeit:
-                self.context.metrics.forfeited()
-                log.info("Episode %s of task %r scores 0, not masked, since the model's own doing "
-                         "ended it: %s", self.id[:8], self.task.name, outcome.forfeit)
-            self._signal()
-            self.context.settled()
-
-    def _closed(self, driver: asyncio.Task) -> None:
-        # The one place an episode closes: after its driver ran its teardown, or was cancelled
-        # before its first step, when there was nothing to tear down and no slot taken.
-        if self.outcome is None:
-            self._settle(self._ended_outcome("the episode was cancelled"))
-        self.context.live.discard(self)
-        self.closed.set()
-        self._signal()
-
-    def _ended_outcome(self, reason: str) -> Outcome:
-        ending = self._ending or Outcome("abandoned", {}, None, Failure(SESSION_LOST, reason))
-        return ending if ending.forfeit else dataclasses.replace(ending, scores=dict(self.scores))
-
-    def _forfeited(self, reason: str) -> Outcome:
-        """The outcome of an episode the model's own doing ended: its reward 0, never masked."""
-        return Outcome("scored", {**self.scores, self.task.reward_step: 0.0}, 0.0, None, reason)
-
-    # -- the driver
-
-    async def _drive(self) -> None:
-        try:
-            await self.context.enter()
-            self._holds_slot = True
-            await self._run_steps()
-            self._settle(self._score())
-        except asyncio.CancelledError:
-            self._settle(self._ended_outcome("the episode was cancelled"))
-        except Forfeit as exc:
-            self._settle(self._forfeited(str(exc)))
-        except EpisodeFailed as exc:
-            self._settle(Outcome("failed", dict(self.scores), None, exc.failure))
-        except Exception as exc:                        # noqa: BLE001 - a bug must not leak an env
-            log.exception("Episode %s of task %r hit an unexpected error.", self.id[:8], self.task.name)
-            self._settle(Outcome("failed", dict(self.scores), None, Failure(
-                INTERNAL_ERROR, f"agentenv.py failed: {type(exc).__name__}: {exc}")))
-        finally:
-            if self.turn is not None:
-                self.turn.end(None)
-            if self.instances or self.boxes or self.containers or self.agent_box:
-                # Teardown runs to its end even if the episode is cancelled again meanwhile.
-                teardown = asyncio.ensure_future(self._teardown())
-                while not teardown.done():
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await asyncio.shield(teardown)
-            else:                   # nothing launched: no task to start and wake for no removal
-                await self._teardown()
-            if self._holds_slot:
-                self.context.leave()
-
-    async def _teardown(self) -> None:
-        """Remove every env launched and every box opened, then what the sandbox held for the
-        episode (its network). It runs after the outcome is settled, so no reply waits for it,
-        and the slot is given back only once it ends. With Docker the envs' removal waits its
-        turn at the runtime's TeardownGate, so the removals of a burst's first rollouts to end do
-        not take the cores from those still playing; the boxes go at once.
-
-        A removal that fails is not the rollout's failure (its reward stands, unmasked): it is
-        said once, counted, and tried again at growing intervals until what it removes is gone,
-        holding the slot meanwhile (a slot is free only when its env is); once the runtime
-        closes, what is left is the sandbox's (its close tries once more, the next start's sweep
-        after that)."""
-        # The boxes (the agent's own, and those steps opened) go at once, whatever plays: what
-        # the model left running there must not outlive its episode. The envs wait their turn.
-        failed = await self._removed([*self.boxes.values(), *self.containers.values(),
-                                      *([self.agent_box] if self.agent_box else [])])
-        if self.instances:
-            async with self.context.clearing(self.awaited):
-                failed |= await self._removed(list(self.instances))
-        if failed:
-            self.context.metrics.teardown_failed(len(failed))
-            log.warning("Episode %s of task %r ended %s, but its teardown failed: %s. Its slot "
-                        "stays taken until what is left is gone, which is tried again every "
-                        "%g-%gs; the outcome stands.", self.id[:8], self.task.name,
-                        self.outcome.status if self.outcome else "", "; ".join(
-                            str(exc) for exc in failed.values()), *TEARDOWN_RETRY)
-        delay, closing = TEARDOWN_RETRY[0], self.context.closing
-        while failed and not closing.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):     # a timer, cut short by the close
-                await asyncio.wait_for(closing.wait(), delay)
-            if not (failed := await self._removed(list(failed))):
-                log.info("Episode %s's teardown succeeded on a later try; its slot is free.",
-                         self.id[:8])
-            delay = min(delay * 2, TEARDOWN_RETRY[1])
-        with contextlib.suppress(Exception):
-            await self.context.sandbox.end_episode(self.id)
-
-    @staticmethod
-    async def _removed(parts: list[Instance | Box]) -> dict[Instance | Box, Exception]:
-        """Remove the parts at once: those whose removal failed, with why."""
-        results = await asyncio.gather(*(part.remove() for part in parts), return_exceptions=True)
-        return {part: result for part, result in zip(parts, results) if isinstance(result, Exception)}
-
-    async def _run_steps(self) -> None:
+    async def run(self) -> None:
         """Run the steps as a graph: each once the steps it depends on are done. A tolerated
         failure (``fail_task_on_error: false``) counts as done, so the steps after it run, as
         AgentEnv runs them (an aggregate over a failed verifier then fails itself, saying which
@@ -7276,7 +7055,7 @@ class Episode:
                 self.forfeits.append(f"step {step.id!r} ({step.type}) failed: {exc}")
             self.errors[step.id] = str(exc)
             log.info("Episode %s: step %r (%s) failed: %s; going on (fail_task_on_error is "
-                     "false).", self.id[:8], step.id, step.type, str(exc).rstrip())
+                     "false).", self.episode.id[:8], step.id, step.type, str(exc).rstrip())
 
     async def _run_step(self, step: Step) -> None:
         try:
@@ -7298,6 +7077,20 @@ class Episode:
             raise EpisodeFailed(await self.env_trouble(exc), PEER_DROP) from None
         except BoxGone as exc:
             raise EpisodeFailed(str(exc), PEER_DROP) from None
+
+    async def env_trouble(self, exc: BaseException) -> str:
+        """Why a call to an env failed: an env that stopped says so, with its last output. Every
+        env of the episode is asked at once, given its ``drop_settle`` to be seen stopped after a
+        connection dropped (half a second at most after a reply that is no MCP: it answered)."""
+        envs = list(self.envs.values())
+        whys = await asyncio.gather(*(env.instance.exited(
+            settle=min(0.5, env.instance.drop_settle) if isinstance(exc, McpError)
+            else env.instance.drop_settle) for env in envs))
+        for env, why in zip(envs, whys):
+            if why:
+                return f"env {env.spec.name!r} stopped: {why}. Its last output:\n" \
+                       f"{short(await env.instance.output(), 1000)}"
+        return f"{type(exc).__name__}: {exc}"
 
     # -- the step handlers, one per step type (HANDLERS, below)
 
@@ -7332,7 +7125,7 @@ class Episode:
         machine); an env that died of that is started again on another port, a few times."""
         deadline, tries = time.monotonic() + self.context.deploy_timeout, 1
         while True:
-            instance = await self.context.sandbox.launch(env, self.id, limits)
+            instance = await self.context.sandbox.launch(env, self.episode.id, limits)
             self.instances.append(instance)
             try:
                 return await wait_ready(self.context.http, instance, env,
@@ -7342,7 +7135,7 @@ class Episode:
                 if tries == PORT_TRIES or not await instance.lost_its_port():
                     raise
             log.info("Env %r of episode %s lost its port to another process before binding it; "
-                     "starting it again on another port.", env.name, self.id[:8])
+                     "starting it again on another port.", env.name, self.episode.id[:8])
             with contextlib.suppress(RemovalFailed):   # then it stays, for the teardown to remove
                 await instance.remove()
                 self.instances.remove(instance)
@@ -7367,7 +7160,8 @@ class Episode:
             # own: on the sandbox's network, where it reaches the sandbox and its containers.
             self.agent_box = await self._open_box(
                 step, lambda sandbox, limits: sandbox.open_box(
-                    self.id, name, limits, {"": (name,)} if vm else None, agents=True))
+                    self.episode.id, name, limits, {"": (name,)} if vm else None,
+                    agents=True))
             for skill in step.get("skills") or []:
                 await self._add_skill(skill)
 
@@ -7462,10 +7256,10 @@ class Episode:
         mode, name = step.get("sandbox_mode"), step.get("sandbox_name")
         if mode == "container":             # a container of its own, on no network
             self.boxes[name] = await self._open_box(step, lambda sandbox, limits: sandbox.open_image(
-                self.id, name, limits, step.get("image")))
+                self.episode.id, name, limits, step.get("image")))
         else:
             self.boxes[name] = await self._open_box(step, lambda sandbox, limits: sandbox.open_box(
-                self.id, name, limits, self._vm_network(name)))
+                self.episode.id, name, limits, self._vm_network(name)))
 
     async def _add_skills(self, step: Step) -> None:
         self._box_of(step)
@@ -7558,7 +7352,8 @@ class Episode:
         # "host", in the sandbox box's own network (as on the VM's host); with "none", on none
         vm = step.get("sandbox_name")
         box = await self._open_box(step, lambda sandbox, limits: sandbox.run_sibling(
-            self.id, f"{vm}/{name}", limits, image, {s: (name,) for s in self._segments(step)} or None,
+            self.episode.id, f"{vm}/{name}", limits, image,
+            {s: (name,) for s in self._segments(step)} or None,
             self.boxes[vm] if step.get("network") == "host" else None))
         self.containers[(step.get("sandbox_name"), name)] = box
         if ready := step.get("ready_command"):
@@ -7655,9 +7450,10 @@ class Episode:
             # a prompt's own system prompt stays the agent's for the turns after it, as in AgentEnv
             self.system_prompt = step.get("system_prompt") or self.system_prompt or \
                 agent.get("system_prompt")
-            turn = Turn(self, step, step.get("prompt"), self.system_prompt, tools, route, box)
-            self.turn, self.played = turn, True
-            self._signal()
+            turn = Turn(self.episode, step, step.get("prompt"), self.system_prompt, tools,
+                        route, box)
+            self.played = True
+            self.episode.open_turn(turn)
             timeout = float(step.get("timeout_seconds", 600))
             try:
                 # Awaited directly: a cancel or the timeout cancels ``ended``, which closes the
@@ -7696,7 +7492,7 @@ class Episode:
         reply = self.replies.get(step.get("prompt_id"), "")
         self._record(step, response_rows(step.get("criteria"), reply))
 
-    HANDLERS: dict[str, Callable[[Episode, Step], Any]] = {
+    HANDLERS: dict[str, Callable[[Steps, Step], Any]] = {
         "deploy_env": _deploy_env,
         "apply_server_config": _apply_server_config,
         "deploy_agent": _deploy_agent,
@@ -7732,16 +7528,289 @@ class Episode:
         self.verifications[step.get("verifier_id") or step.id] = {
             "results": rows if kept is None else kept, "score": score}
 
+
+class Teardown:
+    """The end of an episode: every env its steps launched and every box they opened removed,
+    then what the sandbox held for the episode (its network). It runs after the outcome is
+    settled, so no reply waits for it, and the episode's slot is given back only once it ends.
+    The boxes (the agent's own, and those steps opened) go at once, whatever plays: what the
+    model left running there must not outlive its episode. With Docker the envs' removal waits
+    its turn at the runtime's TeardownGate, so the removals of a burst's first rollouts to end do
+    not take the cores from those still playing.
+
+    A removal that fails is not the rollout's failure (its reward stands, unmasked): it is said
+    once, counted, and tried again at growing intervals (TEARDOWN_RETRY) until what it removes is
+    gone, holding the slot meanwhile (a slot is free only when its env is); once the runtime
+    closes, what is left is the sandbox's (its close tries once more, the next start's sweep
+    after that)."""
+
+    def __init__(self, episode: Episode):
+        self.episode = episode
+
+    async def run(self) -> None:
+        """Tear the episode down, to the end even if its driver is cancelled again meanwhile."""
+        made = self.episode.steps
+        if made.instances or made.boxes or made.containers or made.agent_box:
+            teardown = asyncio.ensure_future(self._tear_down())
+            while not teardown.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(teardown)
+        else:                   # nothing launched: no task to start and wake for no removal
+            await self._tear_down()
+
+    async def _tear_down(self) -> None:
+        """The boxes at once, then the envs at their turn, then the episode's network; what
+        failed, tried again until it is gone or the runtime closes."""
+        episode, made, context = self.episode, self.episode.steps, self.episode.context
+        failed = await self._removed([*made.boxes.values(), *made.containers.values(),
+                                      *([made.agent_box] if made.agent_box else [])])
+        if made.instances:
+            async with context.clearing(episode.awaited):
+                failed |= await self._removed(list(made.instances))
+        if failed:
+            context.metrics.teardown_failed(len(failed))
+            log.warning("Episode %s of task %r ended %s, but its teardown failed: %s. Its slot "
+                        "stays taken until what is left is gone, which is tried again every "
+                        "%g-%gs; the outcome stands.", episode.id[:8], episode.task.name,
+                        episode.outcome.status if episode.outcome else "", "; ".join(
+                            str(exc) for exc in failed.values()), *TEARDOWN_RETRY)
+        delay, closing = TEARDOWN_RETRY[0], context.closing
+        while failed and not closing.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):     # a timer, cut short by the close
+                await asyncio.wait_for(closing.wait(), delay)
+            if not (failed := await self._removed(list(failed))):
+                log.info("Episode %s's teardown succeeded on a later try; its slot is free.",
+                         episode.id[:8])
+            delay = min(delay * 2, TEARDOWN_RETRY[1])
+        with contextlib.suppress(Exception):
+            await context.sandbox.end_episode(episode.id)
+
+    @staticmethod
+    async def _removed(parts: list[Instance | Box]) -> dict[Instance | Box, Exception]:
+        """Remove the parts at once: those whose removal failed, with why."""
+        results = await asyncio.gather(*(part.remove() for part in parts), return_exceptions=True)
+        return {part: result for part, result in zip(parts, results) if isinstance(result, Exception)}
+
+
+class Episode:
+    """One play of a task, as trainers and surfaces drive it: it waits for a slot, has its steps
+    run (Steps), hands each turn to the caller, settles the outcome, and is torn down (Teardown).
+    Ending it at any point tears it down too.
+
+    The caller drives it with ``next_turn`` → ``turn.call`` / ``turn.end`` → ... → ``result``,
+    and ``end`` (or ``abandon``, which waits for the teardown) is the one way to stop it early.
+    What the model does to its own box stops it scored 0 (``forfeit``), never masked.
+
+    The outcome is settled before the teardown begins, so whoever waits for it (``result``: a
+    Gym /verify, OpenEnv's last end_turn) answers at once while the envs and boxes are removed
+    in the background; the episode stays among the runtime's live ones, holding its slot, until
+    they are gone (``closed``), so the pool's bound counts what really runs.
+    """
+
+    HANDLERS = Steps.HANDLERS           # the step types it plays, each by its handler in Steps
+
+    def __init__(self, context: EpisodeContext, task: Task, seed: dict[str, Any] | None = None,
+                 split: str = "all"):
+        self.context, self.task, self.split = context, task.seeded(seed), split
+        self.id = uuid.uuid4().hex
+        self.turn: Turn | None = None
+        self.outcome: Outcome | None = None
+        self.closed = asyncio.Event()
+        self.awaited = asyncio.Event()            # someone waits for the teardown (abandon)
+        self._changed = asyncio.Event()
+        self._ending: Outcome | None = None        # how it was ended from outside, if it was
+        self._holds_slot = False
+        self._driver: asyncio.Task | None = None
+        self.steps = Steps(self, task, seed)
+        self.teardown = Teardown(self)
+
+    # -- what its steps made and recorded, as surfaces read them (Steps keeps them)
+
+    @property
+    def envs(self) -> dict[str, DeployedEnv]:
+        return self.steps.envs
+
+    @property
+    def instances(self) -> list[Instance]:
+        return self.steps.instances
+
+    @property
+    def agent_box(self) -> Box | None:
+        return self.steps.agent_box
+
+    @property
+    def verifications(self) -> dict[str, dict[str, Any]]:
+        return self.steps.verifications
+
+    @property
+    def script_results(self) -> dict[str, Any]:
+        return self.steps.script_results
+
+    @property
+    def errors(self) -> dict[str, str]:
+        return self.steps.errors
+
+    # -- the caller's side
+
+    @property
+    def phase(self) -> str:
+        """Where the episode is: waiting (for a slot), deploying, playing, scoring, closed."""
+        if self.closed.is_set():
+            return "closed"
+        if not self._holds_slot:
+            return "waiting"
+        if self.turn is None:
+            return "deploying"
+        return "playing" if self.turn.is_open else "scoring"
+
+    @property
+    def stopped(self) -> Failure | None:
+        """Why the episode was ended from outside, once it was."""
+        return self._ending.failure if self._ending else None
+
+    @property
+    def over(self) -> bool:
+        """Whether the episode has ended, or been ended (scored, failed, forfeited or abandoned)."""
+        return self.outcome is not None or self._ending is not None
+
+    def start(self) -> Episode:
+        self._driver = asyncio.create_task(self._drive(), name=f"episode {self.id}")
+        self._driver.add_done_callback(self._closed)
+        self.context.live.add(self)
+        return self
+
+    async def next_turn(self) -> Turn | None:
+        """The open turn, once the steps before it have run; None once the episode is scored.
+        Raises EpisodeFailed if the environment failed it, or it was ended."""
+        while True:
+            if self.turn is not None and self.turn.is_open:
+                return self.turn
+            if self.outcome is not None:
+                if self.outcome.failure is None:
+                    return None
+                raise EpisodeFailed(self.outcome.failure)
+            await self._wait_change()
+
+    async def result(self) -> Outcome:
+        """The outcome, once the steps after the last turn (the verifiers) have run."""
+        while self.outcome is None:
+            if self.turn is not None and self.turn.is_open:
+                raise AgentEnvError(f"turn {self.turn.id!r} isn't ended, so the episode can't be "
+                                    "scored yet; end it first")
+            await self._wait_change()
+        return self.outcome
+
+    def end(self, why: str | Failure) -> None:
+        """Stop the episode wherever it is, unscored; its teardown follows in the background. A
+        Failure says the environment failed it (``failed``); a reason, that its caller ended it
+        (``abandoned``)."""
+        if self.outcome is None and self._ending is None and self._driver is not None:
+            if isinstance(why, Failure):
+                self._ending = Outcome("failed", {}, None, why)
+            else:
+                self._ending = Outcome("abandoned", {}, None, Failure(SESSION_LOST, why))
+            self._driver.cancel()
+
+    def forfeit(self, reason: str) -> None:
+        """Stop the episode wherever it is, scored 0: the model's own doing broke it (Forfeit)."""
+        if self.outcome is None and self._ending is None and self._driver is not None:
+            self._ending = self._forfeited(reason)
+            self._driver.cancel()
+
+    async def abandon(self, reason: str) -> None:
+        """End the episode (as ``end``) and wait until it is torn down: a teardown someone waits
+        for waits for no episode playing."""
+        self.awaited.set()
+        self.end(reason)
+        await self.closed.wait()
+
+    def let_go(self, reason: str) -> None:
+        """End the episode if it isn't over (as ``end``) and wait for nothing: its teardown is the
+        runtime's, which holds its slot until it is done and waits for it when it closes."""
+        self.end(reason)
+
+    def open_turn(self, turn: Turn) -> None:
+        """Hand a turn to the caller (its prompt_agent step opened it): ``next_turn`` returns it."""
+        self.turn = turn
+        self._signal()
+
+    async def _wait_change(self) -> None:
+        changed = self._changed
+        await changed.wait()
+
+    def _signal(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _settle(self, outcome: Outcome) -> None:
+        if self.outcome is None:
+            self.outcome = outcome
+            self.context.metrics.ended(outcome.status, self.split, outcome.reward)
+            if outcome.status == "failed":
+                log.warning("Episode %s of task %r failed: %s", self.id[:8], self.task.name,
+                            outcome.failure)
+            if outcome.forfeit:
+                self.context.metrics.forfeited()
+                log.info("Episode %s of task %r scores 0, not masked, since the model's own doing "
+                         "ended it: %s", self.id[:8], self.task.name, outcome.forfeit)
+            self._signal()
+            self.context.settled()
+
+    def _closed(self, driver: asyncio.Task) -> None:
+        # The one place an episode closes: after its driver ran its teardown, or was cancelled
+        # before its first step, when there was nothing to tear down and no slot taken.
+        if self.outcome is None:
+            self._settle(self._ended_outcome("the episode was cancelled"))
+        self.context.live.discard(self)
+        self.closed.set()
+        self._signal()
+
+    def _ended_outcome(self, reason: str) -> Outcome:
+        ending = self._ending or Outcome("abandoned", {}, None, Failure(SESSION_LOST, reason))
+        return ending if ending.forfeit else dataclasses.replace(
+            ending, scores=dict(self.steps.scores))
+
+    def _forfeited(self, reason: str) -> Outcome:
+        """The outcome of an episode the model's own doing ended: its reward 0, never masked."""
+        scores = {**self.steps.scores, self.task.reward_step: 0.0}
+        return Outcome("scored", scores, 0.0, None, reason)
+
     def _score(self) -> Outcome:
-        step = self.task.reward_step
-        if step not in self.scores and self.forfeits:   # the model's doing kept it from a score
-            return self._forfeited(self.forfeits[0])
-        if step not in self.scores:
-            why = self.errors.get(step, "it did not run")
-            return Outcome("failed", dict(self.scores), None, Failure(
+        """The outcome of an episode whose steps all ran: the reward step's score."""
+        step, made = self.task.reward_step, self.steps
+        if step not in made.scores and made.forfeits:   # the model's doing kept it from a score
+            return self._forfeited(made.forfeits[0])
+        if step not in made.scores:
+            why = made.errors.get(step, "it did not run")
+            return Outcome("failed", dict(made.scores), None, Failure(
                 VERIFIER_ERROR, f"no reward: the run recorded no score at step {step!r} ({why})"))
-        return Outcome("scored", dict(self.scores), self.scores[step],
-                       verifications=dict(self.verifications))
+        return Outcome("scored", dict(made.scores), made.scores[step],
+                       verifications=dict(made.verifications))
+
+    # -- the driver
+
+    async def _drive(self) -> None:
+        try:
+            await self.context.enter()
+            self._holds_slot = True
+            await self.steps.run()
+            self._settle(self._score())
+        except asyncio.CancelledError:
+            self._settle(self._ended_outcome("the episode was cancelled"))
+        except Forfeit as exc:
+            self._settle(self._forfeited(str(exc)))
+        except EpisodeFailed as exc:
+            self._settle(Outcome("failed", dict(self.steps.scores), None, exc.failure))
+        except Exception as exc:                        # noqa: BLE001 - a bug must not leak an env
+            log.exception("Episode %s of task %r hit an unexpected error.", self.id[:8], self.task.name)
+            self._settle(Outcome("failed", dict(self.steps.scores), None, Failure(
+                INTERNAL_ERROR, f"agentenv.py failed: {type(exc).__name__}: {exc}")))
+        finally:
+            if self.turn is not None:
+                self.turn.end(None)
+            await self.teardown.run()
+            if self._holds_slot:
+                self.context.leave()
 
 
 async def _first_error(tasks: list[asyncio.Task]) -> None:
