@@ -322,8 +322,8 @@ def test_a_bad_setting_in_a_gym_config_says_which_and_the_fix(key, value, says):
     ({"ray_resource": "env nodes"}, "ray_resource: 'env nodes' in configs/x.yaml: it must name a "
                                     "custom resource"),
     ({"ray_node_sandbox": "podman"}, "ray_node_sandbox: 'podman' in configs/x.yaml: it must be auto "
-                                     "(Docker on each node whose daemon answers, else local "
-                                     "processes), docker or local"),
+                                     "(on each node, the first of docker, local that it can run), "
+                                     "docker or local"),
 ])
 def test_a_gym_configs_ray_keys_are_checked_like_the_others(config, says):
     with pytest.raises(AgentEnvError) as caught:
@@ -1518,8 +1518,8 @@ def test_auto_sandbox_without_docker_falls_back_to_local_and_says_why(make_bundl
     assert kind == "local" and result.reward == 1.0
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1, warnings
-    assert warnings[0].startswith("Envs run as local processes (--sandbox local), with no "
-                                  "isolation, since no Docker daemon answered"), warnings[0]
+    assert warnings[0].startswith("Envs run in the local sandbox (local processes, isolated from "
+                                  "nothing), since no Docker daemon answered"), warnings[0]
 
 
 # -- local env processes: their command, environment and output
@@ -2005,12 +2005,18 @@ def test_a_pool_whose_boxes_could_outgrow_the_machine_is_said_at_start(make_bund
              {"id": "check", "type": "verify_sandbox", "agent_name": "solver",
               "criteria": [{"type": "probe_file_exists", "paths": ["x"]}]}]
     bundle = Bundle.load(make_bundle({"t": steps}))
-    assert agentenv.episode_memory(bundle.tasks["t"]) == 2048 + 512
+    assert agentenv.episode_memory(bundle.tasks["t"], agentenv.DockerSandbox.box_memory_mb) == \
+        2048 + 512
+    # the Docker sandbox's box memory and words for its host, without a daemon: the runtimes'
+    # own, as once started
+    docker = agentenv.DockerSandbox.__new__(agentenv.DockerSandbox)
     runtime = local(bundle, max_concurrent_envs=64)
+    small = Runtime(bundle, agentenv.Settings.of(sandbox="local", max_concurrent_envs=9))
+    runtime.sandbox = small.sandbox = docker
     with caplog.at_level(logging.WARNING):
         runtime._weigh_memory(24 << 30)
         runtime._weigh_memory(None)
-        Runtime(bundle, agentenv.Settings.of(sandbox="local", max_concurrent_envs=9))._weigh_memory(24 << 30)
+        small._weigh_memory(24 << 30)
     [said] = [r.getMessage() for r in caplog.records if "Docker host has" in r.getMessage()]
     assert said.startswith("Up to 64 episodes run at once, and each may hold 2,560 MiB in its boxes "
                            "and containers (by the limits of task 't'): 160.0 GiB in all, more "
