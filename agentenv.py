@@ -18,11 +18,13 @@ The file reads top to bottom in the order data flows; a section uses only the se
 3. Sandbox providers    where an env runs, one class per provider in one registry (PROVIDERS):
                         local processes; Docker (its daemon apart from its sandbox: containers
                         on a network that reaches nothing it should not); either of those on the
-                        Ray node a placement group picked; and auto. Each has its settings, its
-                        options, ``connect``, ``describe`` and its capabilities; and the boxes
-                        the agent works in with bash (a container of its own, whose keeper stops
-                        every process of the agent's at a turn's end and a command's deadline;
-                        or a work folder).
+                        Ray node a placement group picked; and auto, the first that connects in
+                        the providers' own order. Each has its settings, its options,
+                        ``connect``, ``describe``, its capabilities and what the server decides
+                        by it (its warm pool, its boxes' memory, auto, Ray's nodes: nothing else
+                        decides by a provider's name); and the boxes the agent works in with
+                        bash (a container of its own, whose keeper stops every process of the
+                        agent's at a turn's end and a command's deadline; or a work folder).
 4. Env client           an MCP client on kept-alive HTTP/1.1 connections of its own (EnvLine),
                         readiness, the env's card and extensions; bash.
 5. Verifiers            the verifier kinds (an env's outcome, a reply, a box's state, unit tests),
@@ -33,7 +35,8 @@ The file reads top to bottom in the order data flows; a section uses only the se
                         outcome; what the model does to its own box is its 0 (a Forfeit), never
                         a mask.
 7. Pool and runtime     the semaphore that bounds live episodes, the boot gate, the warm pool
-                        of envs ready ahead of demand, and Runtime(bundle, settings).
+                        of envs ready ahead of demand (by default as the sandbox's provider
+                        says), and Runtime(bundle, settings).
 8. Plumbing             what both wires share: HTTP helpers, the JSON reader, the bearer token
                         (a header, or a browser's WebSocket subprotocol), the sessions table
                         both wires count against the pool, the idle sweep.
@@ -69,7 +72,14 @@ in ``connect(owner, settings)``; ``connect`` reaches the provider and checks tha
 can be reached from where calls come from. Then ``launch`` (an ``Instance`` per env: its URL,
 liveness, output, removal), and whichever capabilities it has (``open_box``, ``open_image``,
 ``run_sibling``, ``build_image``, ``episode_network``): the others refuse, provider_unavailable,
-saying which provider has them. ``describe`` and ``network_mode`` say what ``check`` prints.
+saying which provider has them. ``describe`` and ``network_mode`` say what ``check`` prints. And it
+says what the server decides by it, each with a default for one that says nothing, since nothing
+outside the providers decides by a provider's name: ``warm_by_default`` (whether a warm pool pays
+off, and why, in the start-up line's words; by default one does), ``box_memory_mb``, ``memory`` and
+``memory_of`` (what the warm pool's bound and the memory warning weigh), ``auto_rank`` (its place
+in auto's order; by default auto never picks it), ``serves_ray_nodes`` with ``on_ray_node`` (a Ray
+node's host running its envs, which ``--ray-node-sandbox`` then offers), ``env_boxes``,
+``gates_its_boots`` and ``paced_teardown``.
 
 Only the standard library, aiohttp, prometheus-client (for /metrics), the docker SDK (for the
 Docker sandbox), PyYAML (for Gym's YAML) and, with ``--sandbox ray`` only, Ray (an optional extra)
@@ -2244,7 +2254,7 @@ class Sandbox(abc.ABC):
 
     Every choice the server makes by its sandbox is the provider's to say, here: the policies
     below (its warm pool, its boxes' memory, auto's order, Ray's nodes), each with the default
-    a provider that says nothing gets; nothing outside the providers names one of them."""
+    a provider that says nothing gets; nothing outside the providers decides by one's name."""
 
     kind = ""                   # its name: --sandbox KIND
     summary = ""                # what --help says it is
@@ -8299,8 +8309,8 @@ WARM_ENV_MIB = 64      # what the default pool counts a warm env to hold when it
 WARM_PER_CORE = 16     # the most warm envs the default keeps per core: a refill's boots, in spare CPU
 
 
-def warm_default(sandbox: Any, limit: int, machine: int | None, episode_mib: int, env_mib: int,
-                 cores: int = os.cpu_count() or 2) -> tuple[int, str]:
+def warm_default(sandbox: Sandbox | type[Sandbox], limit: int, machine: int | None,
+                 episode_mib: int, env_mib: int, cores: int = os.cpu_count() or 2) -> tuple[int, str]:
     """How many warm envs a server keeps when ``warm`` is left "auto", and why, in a phrase.
 
     None where the sandbox's provider says a pool gains it too little (``warm_by_default``: a
