@@ -18,11 +18,13 @@ The file reads top to bottom in the order data flows; a section uses only the se
 3. Sandbox providers    where an env runs, one class per provider in one registry (PROVIDERS):
                         local processes; Docker (its daemon apart from its sandbox: containers
                         on a network that reaches nothing it should not); either of those on the
-                        Ray node a placement group picked; and auto. Each has its settings, its
-                        options, ``connect``, ``describe`` and its capabilities; and the boxes
-                        the agent works in with bash (a container of its own, whose keeper stops
-                        every process of the agent's at a turn's end and a command's deadline;
-                        or a work folder).
+                        Ray node a placement group picked; and auto, the first that connects in
+                        the providers' own order. Each has its settings, its options,
+                        ``connect``, ``describe``, its capabilities and what the server decides
+                        by it (its warm pool, its boxes' memory, auto, Ray's nodes: nothing else
+                        decides by a provider's name); and the boxes the agent works in with
+                        bash (a container of its own, whose keeper stops every process of the
+                        agent's at a turn's end and a command's deadline; or a work folder).
 4. Env client           an MCP client on kept-alive HTTP/1.1 connections of its own (EnvLine),
                         readiness, the env's card and extensions; bash.
 5. Verifiers            the verifier kinds (an env's outcome, a reply, a box's state, unit tests),
@@ -35,7 +37,8 @@ The file reads top to bottom in the order data flows; a section uses only the se
                         again while a removal fails); what the model does to its own box is its 0
                         (a Forfeit), never a mask.
 7. Pool and runtime     the semaphore that bounds live episodes, the boot gate, the warm pool
-                        of envs ready ahead of demand, and Runtime(bundle, settings).
+                        of envs ready ahead of demand (by default as the sandbox's provider
+                        says), and Runtime(bundle, settings).
 8. Plumbing             what both wires share: HTTP helpers, the JSON reader, the bearer token
                         (a header, or a browser's WebSocket subprotocol), the sessions table
                         both wires count against the pool, the idle sweep.
@@ -71,7 +74,14 @@ in ``connect(owner, settings)``; ``connect`` reaches the provider and checks tha
 can be reached from where calls come from. Then ``launch`` (an ``Instance`` per env: its URL,
 liveness, output, removal), and whichever capabilities it has (``open_box``, ``open_image``,
 ``run_sibling``, ``build_image``, ``episode_network``): the others refuse, provider_unavailable,
-saying which provider has them. ``describe`` and ``network_mode`` say what ``check`` prints.
+saying which provider has them. ``describe`` and ``network_mode`` say what ``check`` prints. And it
+says what the server decides by it, each with a default for one that says nothing, since nothing
+outside the providers decides by a provider's name: ``warm_by_default`` (whether a warm pool pays
+off, and why, in the start-up line's words; by default one does), ``box_memory_mb``, ``memory`` and
+``memory_of`` (what the warm pool's bound and the memory warning weigh), ``auto_rank`` (its place
+in auto's order; by default auto never picks it), ``serves_ray_nodes`` with ``on_ray_node`` (a Ray
+node's host running its envs, which ``--ray-node-sandbox`` then offers), ``env_boxes``,
+``gates_its_boots`` and ``paced_teardown``.
 
 Only the standard library, aiohttp, prometheus-client (for /metrics), the docker SDK (for the
 Docker sandbox), PyYAML (for Gym's YAML) and, with ``--sandbox ray`` only, Ray (an optional extra)
@@ -307,7 +317,7 @@ class Settings:
     max_steps: int = 32               # eval: model calls in one rollout (simple_agent's max_steps)
     warm: int | str = "auto"          # envs kept started and ready ahead of demand, split among
                                       # the bundle's env specs by how many tasks use each; "auto":
-                                      # a server with Docker keeps what warm_default says, else none
+                                      # a server keeps what warm_default says for its sandbox
     warm_env: tuple[tuple[str, int], ...] = ()   # (env, count): those envs warmed, the split aside
     bash_timeout: float = 300.0       # one bash command in the agent's box (within the call's own)
     # Bytes of an env's answer read (a tool's, and its tool listing, all pages, as one): past them a
@@ -2093,6 +2103,7 @@ def _load_evals(root: Path, tasks: dict[str, Task], id_root: str,
 build_log = logging.getLogger("agentenv.build")
 
 DOCKER_PIDS_LIMIT = 1024          # processes and threads in one env container (a fork bomb stops)
+BOX_MEMORY_MB = 2048              # a box's memory when its step sets no memory_mb
 ENV_PORT = 18765                  # the port an env's MCP server listens on in its container
 OUTPUT_LINES = 40                 # how much of an env's last output a failure quotes
 # An env's log on the host: two files of 1 MiB at most (its last output is what a failure quotes).
@@ -2228,8 +2239,8 @@ class Instance(abc.ABC):
         """Where the env runs, as a box the bundle's steps act in (load_artifact and run_code
         with env_id): the env's own container, or its folder. It goes with the env."""
         raise EpisodeFailed(f"env {name!r} runs where agentenv.py runs no bundle code, so a step "
-                            "can't load files into it or run code by it; serve with --sandbox "
-                            "docker (or local)", PROVIDER_UNAVAILABLE)
+                            "can't load files into it or run code by it; serve with " + serve_with(
+                                providers_that(lambda able: able.env_boxes)), PROVIDER_UNAVAILABLE)
 
 
 class Sandbox(abc.ABC):
@@ -2241,7 +2252,11 @@ class Sandbox(abc.ABC):
     ``connect`` once at start-up (reaching the provider, and checking that what it starts can be
     reached from here), then ``prepare``, ``launch`` per env per episode, and ``close``. Its
     capabilities (a box, a box from an image, a sibling container, an image built, an episode's
-    network) are refused here, by default: provider_unavailable, saying which sandbox has them."""
+    network) are refused here, by default: provider_unavailable, saying which sandbox has them.
+
+    Every choice the server makes by its sandbox is the provider's to say, here: the policies
+    below (its warm pool, its boxes' memory, auto's order, Ray's nodes), each with the default
+    a provider that says nothing gets; nothing outside the providers decides by one's name."""
 
     kind = ""                   # its name: --sandbox KIND
     summary = ""                # what --help says it is
@@ -2249,9 +2264,35 @@ class Sandbox(abc.ABC):
     settings: tuple[Declared, ...] = ()     # the settings it declares, its options' names
     gates_its_boots = False     # True where the sandbox bounds its own envs' boots (Ray: per node)
     paced_teardown = False      # True where a removal costs this machine (Docker's): TeardownGate
+    # auto tries the providers that have a rank, lowest first, and runs the first that connects
+    # (None: auto never picks it); so does a Ray node's host, among those that serve Ray's nodes.
+    auto_rank: int | None = None
+    serves_ray_nodes = False    # True where a Ray node's host can run its envs in it: on_ray_node
+    env_boxes = False           # True where its envs run where bundle code can act (Instance.box)
+    box_memory_mb = 0           # a box's memory when its step sets none (0: unbounded, or no box)
+    memory_of = "the machine"   # what ``memory`` measures, in the words a warning says it in
 
     def __init__(self, owner: str):
         self.owner = owner
+
+    @classmethod
+    def warm_by_default(cls) -> tuple[bool, str]:
+        """Whether a warm pool (envs booted ahead of demand) pays off with this provider, so a
+        server keeps one when ``warm`` is left auto (``warm_default`` sizes it); and the words its
+        start-up line says that in: what the pool's size follows ("with the docker sandbox", then
+        the bound), or why it keeps none. A pool pays wherever a deploy costs more than a
+        rollout's first reply hides, as it does unless the provider says otherwise."""
+        return True, f"with the {cls.kind} sandbox"
+
+    @classmethod
+    async def on_ray_node(cls, owner: str, address: str) -> Sandbox:
+        """The sandbox a Ray node's host (``EnvHost``, of server ``owner``) runs its envs in, for
+        a provider that ``serves_ray_nodes``, reached there (the host prepares it): its envs
+        reached at the node's ``address``, each ending with the host's process however that
+        ends. AgentEnvError, saying why, if it can't be had on that node: auto then tries the
+        next."""
+        raise AgentEnvError(f"the {cls.kind} sandbox can't run a Ray node's envs; pass "
+                            + serve_with(ray_node_sandboxes()[1:], "--ray-node-sandbox"))
 
     @classmethod
     async def connect(cls, owner: str, settings: Settings) -> Sandbox:
@@ -2290,10 +2331,10 @@ class Sandbox(abc.ABC):
 
     def unable(self, what: str, capability: str) -> EpisodeFailed:
         """The refusal of a capability this provider lacks: what was asked, and where it is had."""
-        able = [kind for kind in sandbox_names() if issubclass(PROVIDERS[kind], Sandbox) and
-                getattr(PROVIDERS[kind], capability) is not getattr(Sandbox, capability)]
+        able = providers_that(lambda able: getattr(able, capability) is not getattr(Sandbox,
+                                                                                 capability))
         return EpisodeFailed(f"{what}, and the {self.kind} sandbox can't; serve with "
-                             f"--sandbox {' or '.join(able) or 'docker'}", PROVIDER_UNAVAILABLE)
+                             + serve_with(able), PROVIDER_UNAVAILABLE)
 
     async def prepare_box(self) -> None:
         """Make the agent's box ready to open (its image built), for a bundle whose tasks use one."""
@@ -2337,11 +2378,34 @@ PROVIDERS: dict[str, Any] = {}
 
 
 def provider(cls: Any) -> Any:
-    """Register a sandbox provider under its ``kind``, and declare its settings."""
+    """Register a sandbox provider under its ``kind``, and declare its settings (and ``sandbox``
+    again, once declared, so that its --help names a provider added after it)."""
     PROVIDERS[cls.kind] = cls
     for declared in cls.settings:
         Settings.DECLARED[declared.name] = declared
+    if "sandbox" in Settings.DECLARED:
+        Settings.DECLARED["sandbox"] = sandbox_setting()
     return cls
+
+
+def providers_that(has: Callable[[Any], bool]) -> list[str]:
+    """The names of the providers (auto aside) that have something, in the order the commands
+    offer them: what a refusal names as able."""
+    return [kind for kind in sorted(PROVIDERS) if issubclass(PROVIDERS[kind], Sandbox) and
+            has(PROVIDERS[kind])]
+
+
+def serve_with(kinds: list[str] | tuple[str, ...], flag: str = "--sandbox") -> str:
+    """The fix a refusal says: the providers that can, else that none registered can."""
+    return f"{flag} {' or '.join(kinds)}" if kinds else \
+        "a sandbox provider that can (none of those agentenv.py has can)"
+
+
+def auto_order(has: Callable[[Any], bool] = lambda able: True) -> list[str]:
+    """The providers auto may pick (those with an ``auto_rank``, and ``has``), in the order it
+    tries them."""
+    return sorted(providers_that(lambda able: able.auto_rank is not None and has(able)),
+                  key=lambda kind: PROVIDERS[kind].auto_rank)
 
 
 async def guarded(awaitable: Any, undo: Callable[[Any], None]) -> Any:
@@ -2470,6 +2534,9 @@ class LocalSandbox(Sandbox):
 
     kind = "local"
     summary = "local processes, isolated from nothing"
+    place = "as local processes"
+    auto_rank = 2               # auto's last resort: it always connects
+    serves_ray_nodes = env_boxes = True
     KILL_WAIT = 10.0        # seconds the start-up sweep waits for what it killed to have ended
 
     def __init__(self, owner: str, host: str = "127.0.0.1", die_with_parent: bool = False):
@@ -2477,6 +2544,17 @@ class LocalSandbox(Sandbox):
         self.host, self.die_with_parent = host, die_with_parent
         self.records = state_dir() / "local" / owner
         self.ports: set[int] = set()        # handed to envs still running: never handed twice
+
+    @classmethod
+    def warm_by_default(cls) -> tuple[bool, str]:
+        # A deploy is a process start (0.18 s measured on 2 busy cores, against 0.02 s warm),
+        # which a Gym rollout's first reply hides.
+        return False, f"the {cls.kind} sandbox gains too little from one to keep it by default"
+
+    @classmethod
+    async def on_ray_node(cls, owner: str, address: str) -> Sandbox:
+        # Its envs bind the node's address, and Linux kills each when the host's thread ends.
+        return cls(owner, host=address, die_with_parent=True)
 
     async def prepare(self, envs: list[EnvSpec]) -> None:
         killed = await asyncio.to_thread(self.kill_leftovers)
@@ -3503,6 +3581,45 @@ def publish_address(value: Any, what: str) -> str:
                             "this server reaches, such as 127.0.0.1 (the default) or 10.0.0.5") from None
 
 
+# Run by a node's Docker host, it forks at once into a session of its own and its first process
+# exits: Ray kills a worker's children when the worker ends, not their children. It then waits
+# for its stdin to close, which happens when the host's process ends however it ends, and removes
+# every container the host labelled as its own.
+DOCKER_REAPER = """
+import os, sys
+if os.fork():
+    os._exit(0)
+os.setsid()
+sys.stdin.buffer.read()
+import docker
+client = docker.from_env(timeout=60)
+for container in client.containers.list(all=True, sparse=True,
+                                        filters={"label": "agentenv.owner=" + sys.argv[1]}):
+    try:
+        container.remove(force=True)
+    except Exception:
+        pass
+"""
+
+
+def start_reaper(owner: str) -> int:
+    """Start DOCKER_REAPER for the containers ``owner`` labels; the end of its stdin pipe that
+    this process holds (never written, never inherited: it closes only when this process ends)."""
+    read, write = os.pipe()
+    try:
+        first = subprocess.Popen(
+            [sys.executable, "-c", DOCKER_REAPER, owner], stdin=read, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, close_fds=True,
+            env={k: v for k, v in os.environ.items() if not k.startswith("AGENTENV_")})
+        first.wait(30)                          # it exits as soon as it has forked the reaper
+    except BaseException:
+        os.close(write)
+        raise
+    finally:
+        os.close(read)
+    return write
+
+
 @provider
 class DockerSandbox(Sandbox):
     """Runs each env as a container on the user's Docker daemon, from an image built once per
@@ -3517,6 +3634,10 @@ class DockerSandbox(Sandbox):
     summary = "containers of the Docker daemon DOCKER_HOST names (else the default socket)"
     place = "in Docker containers"
     paced_teardown = True
+    auto_rank = 1               # auto's first choice: isolation, where a daemon answers
+    serves_ray_nodes = env_boxes = True
+    box_memory_mb = BOX_MEMORY_MB
+    memory_of = "the Docker host"
     settings = (Declared("docker_publish", None, publish_address,
                          "with --sandbox docker: the address of the daemon's machine the envs' ports "
                          "are published on and dialled at (default: none for a daemon in this "
@@ -3546,10 +3667,26 @@ class DockerSandbox(Sandbox):
         # the networks made, by episode ("" for the envs' shared one), each as its creation
         self.networks: dict[str, asyncio.Future] = {}
         self.unremoved: list[Any] = []      # networks a removal left standing: retried at close
+        self.reaper: int | None = None      # on a Ray node: the pipe whose closing starts it
+
+    @classmethod
+    def warm_by_default(cls) -> tuple[bool, str]:
+        # A cold deploy (a container created, started and answering: 0.3 s quiet, seconds under
+        # load) is otherwise waited for by each rollout's first tool call.
+        return True, "with the Docker sandbox"
 
     @classmethod
     async def connect(cls, owner: str, settings: Settings) -> DockerSandbox:
         return await cls.reached(owner, DockerOptions.of(settings).publish)
+
+    @classmethod
+    async def on_ray_node(cls, owner: str, address: str) -> Sandbox:
+        # The node's own daemon, its envs' ports published on the node's address.
+        sandbox = await cls.reached(owner, publish=address)
+        # before any env's container exists: it removes this host's containers once the host is
+        # gone (Docker's settings it keeps; ours it has no use for, and it is no env of ours)
+        sandbox.reaper = await asyncio.to_thread(start_reaper, owner)
+        return sandbox
 
     @classmethod
     async def reached(cls, owner: str, publish: str | None = None) -> DockerSandbox:
@@ -3794,7 +3931,7 @@ class DockerSandbox(Sandbox):
         """How a box's container is made: the one place its isolation is chosen. No network, or
         one of its episode's internal networks (reached there by ``aliases``), or the network
         namespace of box ``share``."""
-        memory = int(limits.get("memory_mb") or BOX_MEMORY_MB)
+        memory = int(limits.get("memory_mb") or self.box_memory_mb)
         # Our own box: a read-only root, and its writable places tmpfs mounts of bounded sizes
         # (within its memory), so a command that fills the disk fills only its box's share.
         own = {} if image != self.images.get("") else dict(read_only=True, tmpfs={
@@ -3882,7 +4019,6 @@ class DockerSandbox(Sandbox):
 
 BOX_BASE = "python:3.11-slim"     # the image the bundles' envs build FROM: a box is built on it too
 BOX_PIDS_LIMIT = 256              # processes and threads in one box (a fork bomb stops there)
-BOX_MEMORY_MB = 2048              # a box's memory when its step sets no memory_mb
 BOX_DOCKERFILE = f"""FROM {BOX_BASE}
 RUN useradd --create-home --uid 1000 --user-group --shell /bin/bash agent \\
  && mkdir -p /app /home/agent/skills && chown agent:agent /app /home/agent/skills
@@ -4714,7 +4850,11 @@ RAY_BOOT_HOLD = 10.0              # a boot stops counting against its node's gat
 
 
 RAY_OWN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
-RAY_NODE_SANDBOXES = ("auto", "docker", "local")
+
+
+def ray_node_sandboxes() -> tuple[str, ...]:
+    """What --ray-node-sandbox offers: auto, then the providers that serve Ray's nodes."""
+    return (AUTO, *providers_that(lambda able: able.serves_ray_nodes))
 
 
 def ray_address(value: Any, what: str) -> str:
@@ -4743,9 +4883,11 @@ def ray_resource(value: Any, what: str) -> str:
 def ray_node_sandbox(value: Any, what: str) -> str:
     """What runs envs on each Ray node, as a user gave it."""
     text = value.strip() if isinstance(value, str) else ""
-    if text not in RAY_NODE_SANDBOXES:
-        raise AgentEnvError(f"{what}: it must be auto (Docker on each node whose daemon "
-                            "answers, else local processes), docker or local")
+    if text not in (offered := ray_node_sandboxes()):
+        ranked = auto_order(lambda able: able.serves_ray_nodes)
+        raise AgentEnvError(f"{what}: it must be " + ", ".join(
+            [f"auto (on each node, the first of {', '.join(ranked)} that it can run)",
+             *offered[1:-1]]) + f" or {offered[-1]}")
     return text
 
 
@@ -4803,9 +4945,10 @@ def node_env(env: dict[str, Any], archive: bytes) -> EnvSpec:
 
 
 class EnvHost:
-    """A node's host actor, run by Ray on that node: the node's sandbox (Docker where its daemon
-    answers, else local processes, unless told which), its envs by key, and the node's boot gate
-    (sized by the CPUs the node declares to Ray, held until an env answers).
+    """A node's host actor, run by Ray on that node: the node's sandbox (the first provider that
+    serves Ray's nodes and can be had there, in auto's order: Docker where its daemon answers,
+    else local processes; unless told which), its envs by key, and the node's boot gate (sized
+    by the CPUs the node declares to Ray, held until an env answers).
 
     Ray runs it from this file's own text (``host_actor``), so a node needs Ray (and the docker
     package, for Docker), not agentenv.py; it lives as long as the server's connection to the
@@ -4818,15 +4961,10 @@ class EnvHost:
             os.environ["AGENTENV_STATE_DIR"] = state
         self.address, self.cores, self.cpus, self.mode = address, os.cpu_count() or 2, cpus, sandbox
         self.owner = owner_id()
-        self.sandbox: Sandbox = LocalSandbox(self.owner, host=address, die_with_parent=True)
-        swept = self.sandbox.kill_leftovers()   # what a host of an earlier run left on this node
-        if swept:
-            log.warning("Killed %d env process group(s) that an earlier host on node %s left.",
-                        swept, address)
-        self.why = "--ray-node-sandbox local" if sandbox == "local" else ""
+        self.sandbox: Sandbox | None = None     # once prepared
+        self.why = ""                # why the node's sandbox is not auto's first choice, if not
         self.envs = {name: node_env(spec, archive) for name, (spec, archive) in envs.items()}
         self.instances: dict[str, Instance] = {}
-        self.reaper: int | None = None        # the pipe's end whose closing starts the reaper
         self._preparing: asyncio.Future | None = None
         # Two per CPU, as the runtime's own gate is sized on one machine, but per CPU the node
         # declares: a node that lends Ray 2 of its 64 cores boots envs on those 2 (and one that
@@ -4847,34 +4985,46 @@ class EnvHost:
         return await self.node()
 
     async def _prepare(self) -> None:
-        if self.mode == "local":
+        ranked = auto_order(lambda able: able.serves_ray_nodes)
+        told = self.mode != AUTO
+        if told and self.mode not in ray_node_sandboxes():
+            raise AgentEnvError(f"--ray-node-sandbox {self.mode}, and Ray node {self.address} has "
+                                "no such sandbox; pass one of " + ", ".join(ray_node_sandboxes()))
+        tried: list[str] = []
+        for kind in [self.mode] if told else ranked:
+            try:
+                sandbox = await PROVIDERS[kind].on_ray_node(self.owner, self.address)
+            except AgentEnvError as exc:
+                if told:
+                    raise AgentEnvError(f"--ray-node-sandbox {kind}, and on Ray node "
+                                        f"{self.address} {exc}") from None
+                tried.append(str(exc).split(";")[0])   # "no Docker daemon answered (...)"
+                continue
+            await sandbox.prepare(list(self.envs.values()))
+            self.sandbox = sandbox
+            self.why = f"--ray-node-sandbox {kind}" if told and ranked[:1] != [kind] else \
+                ", and ".join(tried)
             return
-        try:
-            docker = await DockerSandbox.reached(self.owner, publish=self.address)
-        except AgentEnvError as exc:
-            if self.mode == "docker":
-                raise AgentEnvError(f"--ray-node-sandbox docker, and on Ray node {self.address} "
-                                    f"{exc}") from None
-            self.why = str(exc).split(";")[0]          # "no Docker daemon answered (...)"
-            return
-        # before any container exists: it removes this host's containers once the host is gone
-        # (Docker's settings it keeps; ours it has no use for, and it is no env of ours)
-        self.reaper = await asyncio.to_thread(start_reaper, self.owner)
-        await docker.prepare(list(self.envs.values()))
-        self.sandbox = docker
+        raise AgentEnvError(f"on Ray node {self.address} no sandbox could run envs: "
+                            + "; ".join(tried))
 
     async def node(self) -> dict[str, Any]:
         """What the node is: its address, the CPUs it declares and its cores, its boot gate, its
-        sandbox (and why, when local), the envs it can start."""
+        sandbox once prepared (where it runs envs, and why when not auto's first choice), the
+        envs it can start."""
+        sandbox = self.sandbox
         return {"address": self.address, "cpus": self.cpus, "cores": self.cores,
                 "boot_slots": self.boot_slots, "pid": os.getpid(), "envs": sorted(self.envs),
-                "sandbox": self.sandbox.kind, "why": self.why,
-                "networks": {name: self.sandbox.network_mode(env) for name, env in self.envs.items()}}
+                "sandbox": sandbox.kind if sandbox else "", "why": self.why,
+                "place": sandbox.place if sandbox else "",
+                "networks": {name: sandbox.network_mode(env) for name, env in self.envs.items()}
+                if sandbox else {}}
 
     async def launch(self, env: str, episode: str, limits: dict[str, Any]) -> tuple[str, str, bool]:
         """Start an env; its key, its base URL, and whether it is known to be the env itself
         that answers there, once it answers (or has had the gate's hold)."""
         await self.prepare()
+        assert self.sandbox is not None         # prepared
         async with self.gate:
             instance = await self.sandbox.launch(self.envs[env], episode, limits)
             key = uuid.uuid4().hex
@@ -4916,45 +5066,6 @@ class EnvHost:
 
     async def live(self) -> int:
         return len(self.instances)
-
-
-# Run by a node's Docker host, it forks at once into a session of its own and its first process
-# exits: Ray kills a worker's children when the worker ends, not their children. It then waits
-# for its stdin to close, which happens when the host's process ends however it ends, and removes
-# every container the host labelled as its own.
-DOCKER_REAPER = """
-import os, sys
-if os.fork():
-    os._exit(0)
-os.setsid()
-sys.stdin.buffer.read()
-import docker
-client = docker.from_env(timeout=60)
-for container in client.containers.list(all=True, sparse=True,
-                                        filters={"label": "agentenv.owner=" + sys.argv[1]}):
-    try:
-        container.remove(force=True)
-    except Exception:
-        pass
-"""
-
-
-def start_reaper(owner: str) -> int:
-    """Start DOCKER_REAPER for the containers ``owner`` labels; the end of its stdin pipe that
-    this process holds (never written, never inherited: it closes only when this process ends)."""
-    read, write = os.pipe()
-    try:
-        first = subprocess.Popen(
-            [sys.executable, "-c", DOCKER_REAPER, owner], stdin=read, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, close_fds=True,
-            env={k: v for k, v in os.environ.items() if not k.startswith("AGENTENV_")})
-        first.wait(30)                          # it exits as soon as it has forked the reaper
-    except BaseException:
-        os.close(write)
-        raise
-    finally:
-        os.close(read)
-    return write
 
 
 async def http_answers(base_url: str, timeout: float = 1.0) -> bool:
@@ -5110,11 +5221,16 @@ class RaySandbox(Sandbox):
                  "with --sandbox ray: what runs envs on each node: docker (the node's own daemon, "
                  "from DOCKER_HOST there; its ports published on the node's address), local "
                  "processes, or auto (Docker on each node whose daemon answers, else local; said "
-                 "per node at start)", choices=lambda: RAY_NODE_SANDBOXES),
+                 "per node at start)", choices=ray_node_sandboxes),
         # NeMo Gym's own key, at the top of its config: the cluster Gym started
         Declared("ray_head_node_address", None, ray_address, "", written=False, gym_global=True),
     )
     gates_its_boots = True
+
+    @classmethod
+    def warm_by_default(cls) -> tuple[bool, str]:
+        # Each node boots its own envs, and no pool's gain is measured there.
+        return False, f"the {cls.kind} sandbox gains too little from one to keep it by default"
 
     def __init__(self, owner: str, ray: Any, options: RayOptions):
         super().__init__(owner)
@@ -5223,8 +5339,7 @@ class RaySandbox(Sandbox):
                                 f"{short(str(said), 1500)}", PROVIDER_UNAVAILABLE) from None
         found = RayNode(node["NodeID"], address, dict(node.get("Resources") or {}), actor, facts)
         self.nodes[found.id] = found
-        where = ("in containers of the node's Docker daemon" if facts["sandbox"] == "docker"
-                 else f"as local processes ({facts['why']})")
+        where = facts["place"] + (f" ({facts['why']})" if facts["why"] else "")
         log.info("Ray node %s (%g CPUs, %d cores): envs run there %s, reached at %s, up to %d "
                  "booting at once.", address, found.resources.get("CPU", 0), facts["cores"],
                  where, address, facts["boot_slots"])
@@ -5395,23 +5510,37 @@ def in_daemon_thread(fn: Callable[[], Any], name: str = "ray-connect") -> asynci
 
 
 class AutoSandbox:
-    """``auto``, the default: the Docker sandbox where a daemon answers (and its envs can be
-    reached from here), else local processes, saying why."""
+    """``auto``, the default: the providers with an ``auto_rank``, tried in its order, the first
+    that connects run (the Docker sandbox where a daemon answers and its envs can be reached from
+    here, else local processes); a fall past the first is said in one log line, with why."""
 
     kind = "auto"
     summary = ("docker when a daemon answers and its envs can be reached from here, else local "
                "(the default)")
     settings: tuple[Declared, ...] = ()
-    chooses = ("auto", "docker", "local")        # the providers whose options apply to it
+
+    @staticmethod
+    def chooses() -> tuple[str, ...]:
+        """The providers whose options apply to it: its own, and those it may pick."""
+        return (AUTO, *auto_order())
 
     @classmethod
     async def connect(cls, owner: str, settings: Settings) -> Sandbox:
-        try:
-            return await DockerSandbox.connect(owner, settings)
-        except AgentEnvError as exc:
-            log.warning("Envs run as local processes (--sandbox local), with no isolation, since %s.",
-                        str(exc).split(";")[0])
-            return await LocalSandbox.connect(owner, settings)
+        ranked, tried = auto_order(), []
+        for kind in ranked:
+            try:
+                sandbox = await PROVIDERS[kind].connect(owner, settings)
+            except AgentEnvError as exc:
+                if kind == ranked[-1]:
+                    raise
+                tried.append(str(exc).split(";")[0])
+                continue
+            if tried:
+                log.warning("Envs run in the %s sandbox (%s), since %s.", kind,
+                            PROVIDERS[kind].summary, ", and ".join(tried))
+            return sandbox
+        raise AgentEnvError("no sandbox provider may be picked by auto; pass --sandbox "
+                            + " or ".join(sandbox_names()[1:]))
 
 
 provider(AutoSandbox)
@@ -5422,7 +5551,8 @@ def sandbox_named(value: Any, what: str) -> str:
     if value not in PROVIDERS:
         raise AgentEnvError(f"{what} is not a sandbox agentenv.py runs envs in; pass "
                             + ", ".join(repr(k) for k in sandbox_names() if k != "auto")
-                            + ", or None or 'auto' (docker when a daemon answers, else local)")
+                            + ", or None or 'auto' (the first of " + ", ".join(auto_order())
+                            + " that can be reached)")
     return value
 
 
@@ -5431,18 +5561,23 @@ def sandbox_names() -> tuple[str, ...]:
     return tuple(sorted(PROVIDERS, key=lambda kind: (kind != "auto", kind)))
 
 
-Settings.DECLARED["sandbox"] = Declared(
-    "sandbox", "auto", sandbox_named, "where envs run: " + "; ".join(
+def sandbox_setting() -> Declared:
+    """The setting ``sandbox``: which provider, one of the registry's (each with its summary)."""
+    return Declared("sandbox", "auto", sandbox_named, "where envs run: " + "; ".join(
         f"{kind}, {PROVIDERS[kind].summary}" for kind in sandbox_names()),
-    choices=sandbox_names, written=False)
+        choices=sandbox_names, written=False)
+
+
+Settings.DECLARED["sandbox"] = sandbox_setting()
 
 
 def options_apart(settings: Settings, remote: bool) -> None:
     """Refuse a provider's options given where they can't apply: with another sandbox, or with a
     served URL (whose server runs its envs where it runs them)."""
+    picked = PROVIDERS.get(settings.sandbox)
+    chosen = picked.chooses() if hasattr(picked, "chooses") else (settings.sandbox,)
     for kind, cls in PROVIDERS.items():
         names = [d.name for d in cls.settings if not d.gym_global]
-        chosen = getattr(PROVIDERS.get(settings.sandbox), "chooses", (settings.sandbox,))
         if any(name in dict(settings.declared) for name in names) and \
                 (remote or kind not in chosen):
             flags = [f"--{name.replace('_', '-')}" for name in names]
@@ -8388,21 +8523,21 @@ WARM_ENV_MIB = 64      # what the default pool counts a warm env to hold when it
 WARM_PER_CORE = 16     # the most warm envs the default keeps per core: a refill's boots, in spare CPU
 
 
-def warm_default(sandbox: str, limit: int, machine: int | None, episode_mib: int, env_mib: int,
-                 cores: int = os.cpu_count() or 2) -> tuple[int, str]:
+def warm_default(sandbox: Sandbox | type[Sandbox], limit: int, machine: int | None,
+                 episode_mib: int, env_mib: int, cores: int = os.cpu_count() or 2) -> tuple[int, str]:
     """How many warm envs a server keeps when ``warm`` is left "auto", and why, in a phrase.
 
-    With Docker, as many as the pool's ``limit``: a trainer sizes the pool to a step (Gym seeds a
-    step's rollouts in a burst; TRL resets its generation batch one at a time), and a cold deploy
-    (a container created, started and answering: 0.3 s quiet, seconds under load) is otherwise
-    waited for by each rollout's first tool call. Never more than the machine can hold: the warm
-    envs may take a quarter of the Docker host's memory that the full pool's episodes leave (each
-    counted at its deploy_env's memory_mb, else WARM_ENV_MIB), and at most WARM_PER_CORE per
-    core, since every one taken is booted again in spare CPU. With the local sandbox a deploy is
-    a process start (0.18 s measured on 2 busy cores, against 0.02 s warm), which a Gym rollout's
-    first reply hides, so none; with Ray each node boots its own and none is measured, so none."""
-    if sandbox != "docker":
-        return 0, f"the {sandbox} sandbox gains too little from one to keep it by default"
+    None where the sandbox's provider says a pool gains it too little (``warm_by_default``: a
+    local process starts as fast as a rollout's first reply hides). Else as many as the pool's
+    ``limit``: a trainer sizes the pool to a step (Gym seeds a step's rollouts in a burst; TRL
+    resets its generation batch one at a time), and a cold deploy is otherwise waited for by each
+    rollout's first tool call. Never more than the machine can hold: the warm envs may take a
+    quarter of the memory of the sandbox's machine (``memory``, where it says) that the full
+    pool's episodes leave (each counted at its deploy_env's memory_mb, else WARM_ENV_MIB), and
+    at most WARM_PER_CORE per core, since every one taken is booted again in spare CPU."""
+    pays, said = sandbox.warm_by_default()
+    if not pays:
+        return 0, said
     count, why = limit, f"as many as the {limit} episode slots"
     by_cpu = WARM_PER_CORE * cores
     if by_cpu < count:
@@ -8410,21 +8545,22 @@ def warm_default(sandbox: str, limit: int, machine: int | None, episode_mib: int
     if machine:
         spare = max(0, machine // MIB - episode_mib * limit) // 4
         if spare // env_mib < count:
-            count, why = spare // env_mib, (f"as many as a quarter of the Docker host's "
+            count, why = spare // env_mib, (f"as many as a quarter of {sandbox.memory_of}'s "
                                             f"{machine / (1 << 30):.1f} GiB holds beside the pool, "
                                             f"at {env_mib} MiB an env")
-    return count, why if count else f"with the Docker sandbox, {why}, which is none"
+    return count, f"{said}, {why}" + ("" if count else ", which is none")
 
 
-def episode_memory(task: Task) -> int:
-    """The most memory (MiB) one episode of a task may hold in the Docker sandbox: its boxes'
-    limits (a step's memory_mb, else BOX_MEMORY_MB) and its envs' where a deploy_env sets one."""
+def episode_memory(task: Task, box_mib: int) -> int:
+    """The most memory (MiB) one episode of a task may hold, by its limits: its boxes' (a step's
+    memory_mb, else ``box_mib``, what the sandbox gives a box) and its envs' where a deploy_env
+    sets one."""
     total = 0
     for step in task.steps:
         boxed = step.type in ("deploy_sandbox", "run_docker_container") or (
             step.type == "deploy_agent" and task.sandboxed)
         if boxed or (step.type == "deploy_env" and step.get("memory_mb")):
-            total += int(step.get("memory_mb") or BOX_MEMORY_MB)
+            total += int(step.get("memory_mb") or box_mib)
     return total
 
 
@@ -8536,28 +8672,32 @@ class Runtime:
         if not specs:                      # no task deploys an env: nothing to warm
             return
         env_mib = max(int(dict(limits).get("memory_mb") or WARM_ENV_MIB) for _, limits in specs)
-        episode_mib = max(episode_memory(t) for t in self.bundle.tasks.values())
-        count, why = warm_default(self.sandbox.kind, self.pool.limit, machine, episode_mib, env_mib)
+        box_mib = self.sandbox.box_memory_mb
+        episode_mib = max(episode_memory(t, box_mib) for t in self.bundle.tasks.values())
+        count, why = warm_default(self.sandbox, self.pool.limit, machine, episode_mib, env_mib)
         self.warm_why = why
         if count:
             self.warm = WarmPool(self, warm_plan(self.bundle, count, ()))
 
     def _weigh_memory(self, machine: int | None) -> None:
         """Say once, at start, when the pool's episodes may together hold more memory in their
-        boxes and containers (by their limits) than the Docker host has: past it, the host's
-        OOM killer picks among them, not each one's own limit."""
+        boxes and containers (by their limits) than the sandbox's machine has (the Docker
+        host): past it, the host's OOM killer picks among them, not each one's own limit."""
         if not machine:
             return
-        need, task = max((episode_memory(t), t.name) for t in self.bundle.tasks.values())
+        assert self.sandbox is not None         # it said the machine's memory
+        need, task = max((episode_memory(t, self.sandbox.box_memory_mb), t.name)
+                         for t in self.bundle.tasks.values())
         total = need * self.pool.limit
         if total * MIB > machine:
             fits = max(1, machine // (need * MIB))
             log.warning("Up to %d episodes run at once, and each may hold %s MiB in its boxes and "
                         "containers (by the limits of task %r): %.1f GiB in all, more than the "
-                        "%.1f GiB the Docker host has, so a full pool can run the host out of "
-                        "memory. Lower %s to %d, or give the boxes less (the memory_mb of "
-                        "deploy_agent, deploy_sandbox and deploy_env steps).", self.pool.limit,
-                        f"{need:,}", task, total / 1024, machine / (1 << 30), self.pool.knob, fits)
+                        "%.1f GiB %s has, so a full pool can run the host out of memory. Lower "
+                        "%s to %d, or give the boxes less (the memory_mb of deploy_agent, "
+                        "deploy_sandbox and deploy_env steps).", self.pool.limit, f"{need:,}",
+                        task, total / 1024, machine / (1 << 30), self.sandbox.memory_of,
+                        self.pool.knob, fits)
 
     def episode(self, task: Task, seed: dict[str, Any] | None = None, split: str = "all") -> Episode:
         """Start an episode of a task (played from ``split``); it waits for a slot, then deploys."""
@@ -11173,7 +11313,7 @@ class Server:
                 log.info("Keeping %d warm env(s) started and ready ahead of demand (%s), beside the "
                          "%d episode slots%s.", warm, self.runtime.warm.describe(),
                          self.runtime.pool.limit, "" if why is None else (
-                             f": by default with the Docker sandbox, {why}, so a step's rollouts "
+                             f": by default {why}, so a step's rollouts "
                              "take envs already up instead of each waiting for a cold deploy; "
                              "--warm 0 (warm=0 to build_app, warm: 0 in a Gym config) turns it "
                              "off, --warm N sets it"))
@@ -13684,8 +13824,10 @@ def command_line() -> argparse.ArgumentParser:
                            help="keep N envs started and ready ahead of demand, split among the "
                                 "bundle's envs by how many tasks use each; a deploy takes one at "
                                 "once, or deploys cold when none is ready; 0: none (default "
-                                f"{Settings.warm}: with the Docker sandbox as many as "
-                                "--max-concurrent-envs, within the machine's memory; else none)")
+                                f"{Settings.warm}: with the " + " or ".join(providers_that(
+                                    lambda able: able.warm_by_default()[0]))
+                                + " sandbox as many as --max-concurrent-envs, within the machine's "
+                                "memory; else none)")
     serve_cmd.add_argument("--warm-env", action="append", default=None, metavar="NAME=N",
                            help="keep N warm envs of the env NAME (instead of a share of --warm); "
                                 "give it once per env")

@@ -69,7 +69,8 @@ import agentenv
 from agentenv import (AgentEnvError, Bundle, BundleError, EpisodeFailed, McpError, McpSession,
                       Runtime, StartGate, ToolResult, aggregate_score, parse_dockerfile,
                       response_rows, task_id_root)
-from tests.harness import NOTES, REPO, alive, free_port, gone, run as run_within
+from tests.harness import (NOTES, REPO, Gym, alive, client, free_port, gone, gym_row,
+                           run as run_within)
 
 
 # ================================================================ the fake bundle
@@ -322,8 +323,8 @@ def test_a_bad_setting_in_a_gym_config_says_which_and_the_fix(key, value, says):
     ({"ray_resource": "env nodes"}, "ray_resource: 'env nodes' in configs/x.yaml: it must name a "
                                     "custom resource"),
     ({"ray_node_sandbox": "podman"}, "ray_node_sandbox: 'podman' in configs/x.yaml: it must be auto "
-                                     "(Docker on each node whose daemon answers, else local "
-                                     "processes), docker or local"),
+                                     "(on each node, the first of docker, local that it can run), "
+                                     "docker or local"),
 ])
 def test_a_gym_configs_ray_keys_are_checked_like_the_others(config, says):
     with pytest.raises(AgentEnvError) as caught:
@@ -1323,6 +1324,131 @@ def test_the_commands_build_app_and_a_gym_config_read_the_provider_registry(zone
                                agentenv.Settings.of(sandbox="local", zone_name="z4")))
 
 
+# -- a provider added in a few lines: the module docstring's promise, checked
+
+@pytest.fixture
+def dummy():
+    """A provider added as the module docstring says, with ``@provider`` and nothing else: local
+    processes under another name, with a setting of its own, a warm pool it keeps by default,
+    and boxes of its own memory on a machine whose memory it says. It is registered in copies of
+    the registry and of the declared settings that the test's end puts back: no other test sees
+    it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(agentenv, "PROVIDERS", dict(agentenv.PROVIDERS))
+        patch.setattr(agentenv.Settings, "DECLARED", dict(agentenv.Settings.DECLARED))
+
+        @agentenv.provider
+        class DummySandbox(agentenv.LocalSandbox):
+            kind = "dummy"
+            summary = "local processes, for a test"
+            place = "as a test's local processes"
+            settings = (agentenv.Declared("dummy_label", None, lambda value, what: str(value),
+                                          "with --sandbox dummy: the label its envs carry",
+                                          metavar="LABEL"),)
+            auto_rank = None            # auto never picks it (it would inherit local's rank)
+            box_memory_mb = 768
+            memory_of = "the dummy's machine"
+            labels: list = []           # each connect's dummy_label
+
+            @classmethod
+            def warm_by_default(cls):
+                return True, "with the dummy sandbox, whose deploys a test keeps warm"
+
+            @classmethod
+            async def connect(cls, owner, settings):
+                cls.labels.append(settings.dummy_label)
+                return cls(owner)
+
+            async def memory(self):
+                return 8 << 30
+
+        yield DummySandbox
+    assert "dummy" not in agentenv.PROVIDERS and "dummy_label" not in agentenv.Settings.DECLARED
+    assert "dummy" not in agentenv.Settings.DECLARED["sandbox"].help
+
+
+def test_a_provider_of_a_few_lines_is_offered_everywhere_and_serves_a_bundle(
+        dummy, make_bundle, capsys, caplog, tmp_path, monkeypatch):
+    """A provider registered with @provider (the class above, a few lines) is a choice of
+    --sandbox (check's too) and of --ray-node-sandbox, and its setting a flag of serve --help, a
+    build_app keyword and a Gym config key; build_app serves notes-v1 through it to a score,
+    keeping the warm pool its provider says it pays for; its boxes' memory is weighed against
+    its machine's; and a Ray node's host runs its envs in it when told to."""
+    parser = agentenv.command_line()
+    for command in (["check", str(NOTES)], ["serve", str(NOTES)]):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*command, "--sandbox", "cloud"])
+        assert "(choose from 'auto', 'docker', 'dummy', 'local', 'ray')" in \
+            capsys.readouterr().err, command
+    with pytest.raises(SystemExit):
+        agentenv.main(["serve", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "--sandbox {auto,docker,dummy,local,ray}" in said
+    assert "dummy, local processes, for a test;" in said
+    assert "--dummy-label LABEL with --sandbox dummy: the label its envs carry" in said
+    assert "--ray-node-sandbox {auto,docker,dummy,local}" in said
+    assert "default auto: with the docker or dummy sandbox as many as" in said
+    assert agentenv.main(["check", str(NOTES), "--sandbox", "dummy", "--dummy-label", "c"]) == 0
+    assert "sandbox: dummy" in capsys.readouterr().out.splitlines()
+    settings = agentenv.Settings.from_config({"sandbox": "dummy", "dummy_label": "g"}, "here")
+    assert (settings.sandbox, settings.dummy_label) == ("dummy", "g")
+    assert settings.gym_config(bundle=True)["dummy_label"] == "g"
+
+    caplog.set_level(logging.INFO, "agentenv")         # (main set it for check)
+    app = agentenv.build_app(NOTES, sandbox="dummy", dummy_label="b", max_concurrent_envs=2)
+    row = gym_row(NOTES, [t.name for t in Bundle.load(NOTES).splits["all"]].index(
+        "save-groceries"))
+
+    async def serve_and_play():
+        from aiohttp.test_utils import TestServer
+        async with TestServer(app, host="127.0.0.1") as server, client() as http:
+            base = str(server.make_url("")).rstrip("/")
+            async with http.get(base + "/health") as reply:
+                health = await reply.json()
+            rollout = Gym(base, row, http, strict=True)
+            await rollout.seed()
+            wrote = await rollout.call("write_note", title="groceries", text="eggs and milk")
+            return health, wrote.text, (await rollout.verify("Saved.")).json()
+
+    health, wrote, verdict = run(serve_and_play())
+    assert wrote == "saved note 'groceries'"
+    assert (verdict["reward"], verdict["mask_sample"]) == (1.0, False), verdict
+    assert health["warm"]["target"] == 2, health
+    assert dummy.labels == ["c", "b"]
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("envs in the dummy sandbox" in m for m in messages), messages
+    assert any(m.startswith("Keeping 2 warm env(s) started and ready ahead of demand") and
+               "by default with the dummy sandbox, whose deploys a test keeps warm, as many as "
+               "the 2 episode slots, so a step's rollouts" in m for m in messages), messages
+
+    steps = [deploy(memory_mb=512), agent("main", agent_name="solver"),
+             prompt(agent_name="solver"),
+             {"id": "check", "type": "verify_sandbox", "agent_name": "solver",
+              "criteria": [{"type": "probe_file_exists", "paths": ["x"]}]}]
+    bundle = Bundle.load(make_bundle({"t": steps}))
+
+    async def start():
+        async with Runtime(bundle, agentenv.Settings.of(sandbox="dummy", max_concurrent_envs=8)):
+            pass
+
+    caplog.clear()
+    run(start())
+    assert any(r.getMessage().startswith(
+        "Up to 8 episodes run at once, and each may hold 1,280 MiB in its boxes and containers "
+        "(by the limits of task 't'): 10.0 GiB in all, more than the 8.0 GiB the dummy's "
+        "machine has") for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+    monkeypatch.setenv("AGENTENV_STATE_DIR", str(tmp_path / "state"))
+    env = Bundle.load(NOTES).envs["notebook"]
+    spec = {f.name: getattr(env, f.name) for f in agentenv.dataclasses.fields(env)}
+    spec.update(folder="", dockerfile=env.dockerfile.name)
+    host = agentenv.EnvHost("127.0.0.1", {"notebook": (spec, agentenv.env_archive(env))}, None, 1,
+                            "dummy")
+    facts = run(host.prepare())
+    assert (facts["sandbox"], facts["place"], facts["why"]) == (
+        "dummy", "as a test's local processes", "--ray-node-sandbox dummy"), facts
+
+
 @pytest.mark.parametrize("capability, call", [
     ("open_image", lambda sandbox: sandbox.open_image("e", "vm", {}, "img")),
     ("run_sibling", lambda sandbox: sandbox.run_sibling("e", "vm/c", {}, "img")),
@@ -1518,8 +1644,8 @@ def test_auto_sandbox_without_docker_falls_back_to_local_and_says_why(make_bundl
     assert kind == "local" and result.reward == 1.0
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1, warnings
-    assert warnings[0].startswith("Envs run as local processes (--sandbox local), with no "
-                                  "isolation, since no Docker daemon answered"), warnings[0]
+    assert warnings[0].startswith("Envs run in the local sandbox (local processes, isolated from "
+                                  "nothing), since no Docker daemon answered"), warnings[0]
 
 
 # -- local env processes: their command, environment and output
@@ -2027,12 +2153,18 @@ def test_a_pool_whose_boxes_could_outgrow_the_machine_is_said_at_start(make_bund
              {"id": "check", "type": "verify_sandbox", "agent_name": "solver",
               "criteria": [{"type": "probe_file_exists", "paths": ["x"]}]}]
     bundle = Bundle.load(make_bundle({"t": steps}))
-    assert agentenv.episode_memory(bundle.tasks["t"]) == 2048 + 512
+    assert agentenv.episode_memory(bundle.tasks["t"], agentenv.DockerSandbox.box_memory_mb) == \
+        2048 + 512
+    # the Docker sandbox's box memory and words for its host, without a daemon: the runtimes'
+    # own, as once started
+    docker = agentenv.DockerSandbox.__new__(agentenv.DockerSandbox)
     runtime = local(bundle, max_concurrent_envs=64)
+    small = Runtime(bundle, agentenv.Settings.of(sandbox="local", max_concurrent_envs=9))
+    runtime.sandbox = small.sandbox = docker
     with caplog.at_level(logging.WARNING):
         runtime._weigh_memory(24 << 30)
         runtime._weigh_memory(None)
-        Runtime(bundle, agentenv.Settings.of(sandbox="local", max_concurrent_envs=9))._weigh_memory(24 << 30)
+        small._weigh_memory(24 << 30)
     [said] = [r.getMessage() for r in caplog.records if "Docker host has" in r.getMessage()]
     assert said.startswith("Up to 64 episodes run at once, and each may hold 2,560 MiB in its boxes "
                            "and containers (by the limits of task 't'): 160.0 GiB in all, more "

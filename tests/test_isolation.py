@@ -359,8 +359,8 @@ def test_from_a_namespace_that_cant_reach_the_daemons_ports_docker_refuses_and_a
         text = log.read_text()
         assert reward == 1.0, text
         assert auto.returncode == 0, text
-        assert "Envs run as local processes (--sandbox local), with no isolation, since the Docker " \
-               "daemon at the default socket answers, but its envs can't be reached from here" in \
-               text, text
+        assert "Envs run in the local sandbox (local processes, isolated from nothing), since " \
+               "the Docker daemon at the default socket answers, but its envs can't be reached " \
+               "from here" in text, text
         assert "envs in the local sandbox" in text, text
     assert probes_of(docker_client, {refusing.pid, auto.pid}) == [], "a probe container was left"

@@ -547,7 +547,7 @@ else:
             return {f"127.0.0.{n + 1}": len(dockers.containers(n, "agentenv.env")) for n in range(3)}
         for bundle in (NOTES, GRIDSIM):
             play_waves(cluster, bundle, tmp_path / bundle.name, "auto",
-                       "in containers of the node's Docker daemon", containers)
+                       "in Docker containers", containers)
             assert [dockers.containers(n) for n in range(3)] == [[], [], []]
 
     def test_a_serve_killed_takes_its_containers_along_on_every_node(cluster, tmp_path):

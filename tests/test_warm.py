@@ -20,8 +20,8 @@ import time
 import pytest
 from aiohttp import web
 
-from agentenv import (AUTO, WARM_PER_CORE, Bundle, Runtime, Settings, ToolResult, build_app,
-                      owner_id, warm_default)
+from agentenv import (AUTO, WARM_PER_CORE, Bundle, DockerSandbox, LocalSandbox, RaySandbox,
+                      Runtime, Settings, ToolResult, build_app, owner_id, warm_default)
 from tests.harness import (NOTES, Server, client, copy_bundle, labelled, patch, remove_quietly,
                            request, resources_config, run, wait_until)
 
@@ -279,14 +279,14 @@ def test_the_default_is_bounded_by_a_quarter_of_the_hosts_memory(docker_client, 
 @pytest.mark.parametrize("cores", [1, 2, 48])
 def test_the_default_never_exceeds_the_pool_the_memory_or_the_cores(limit, machine_gib, cores):
     for episode_mib, env_mib in ((0, 64), (2048, 64), (0, 4096)):
-        count, why = warm_default("docker", limit, machine_gib and machine_gib << 30, episode_mib,
-                                  env_mib, cores)
+        count, why = warm_default(DockerSandbox, limit, machine_gib and machine_gib << 30,
+                                  episode_mib, env_mib, cores)
         assert 0 <= count <= limit and count <= WARM_PER_CORE * cores, (count, why)
         if machine_gib:
             assert count * env_mib <= (max(0, (machine_gib << 10) - episode_mib * limit)) / 4, why
         assert why
-    assert warm_default("local", limit, 24 << 30, 0, 64, cores)[0] == 0
-    assert warm_default("ray", limit, 24 << 30, 0, 64, cores)[0] == 0
+    assert warm_default(LocalSandbox, limit, 24 << 30, 0, 64, cores)[0] == 0
+    assert warm_default(RaySandbox, limit, 24 << 30, 0, 64, cores)[0] == 0
 
 
 def test_warm_is_auto_unless_given_and_0_is_given():
