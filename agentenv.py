@@ -105,30 +105,46 @@ from __future__ import annotations
 if __name__ == "__main__":
     import os as _os
     import sys as _sys
-    _AS_AGENTENV = ("import importlib.util, sys\n"
-                    "spec = importlib.util.spec_from_file_location('agentenv', path)\n"
-                    "agentenv = sys.modules['agentenv'] = importlib.util.module_from_spec(spec)\n"
-                    "exec(code, agentenv.__dict__)\n"
-                    "sys.exit(agentenv.main())\n")
+
+    _AS_AGENTENV = (
+        "import importlib.util, sys\n"
+        "spec = importlib.util.spec_from_file_location('agentenv', path)\n"
+        "agentenv = sys.modules['agentenv'] = importlib.util.module_from_spec(spec)\n"
+        "exec(code, agentenv.__dict__)\n"
+        "sys.exit(agentenv.main())\n"
+    )
     _code, _path = _sys._getframe().f_code, _os.path.abspath(__file__)
-    if (_sys._getframe().f_back is None and _sys.executable and hasattr(_os, "memfd_create")
-            and hasattr(_os, "execv")):
+    if (
+        _sys._getframe().f_back is None
+        and _sys.executable
+        and hasattr(_os, "memfd_create")
+        and hasattr(_os, "execv")
+    ):
         import marshal as _marshal
-        _handed = _os.memfd_create("agentenv.py code", 0)          # inherited across the exec
+
+        _handed = _os.memfd_create("agentenv.py code", 0)  # inherited across the exec
         _os.write(_handed, _marshal.dumps(_code))
         _os.lseek(_handed, 0, _os.SEEK_SET)
-        _flags = _sys.orig_argv[1:len(_sys.orig_argv) - len(_sys.argv)]     # -X, -W, -u ...
+        _flags = _sys.orig_argv[1 : len(_sys.orig_argv) - len(_sys.argv)]  # -X, -W, -u ...
         try:
-            _os.execv(_sys.executable, [
-                _sys.executable, *_flags, "-c",
-                "import marshal, os, sys\n"
-                "handed, path = int(sys.argv[1]), sys.argv[2]\n"
-                "del sys.argv[:3]         # -c, and the two above\n"
-                "with os.fdopen(handed, 'rb') as memory:\n    code = marshal.load(memory)\n"
-                "if sys.path[0] == '':      # as the program had it: its own folder\n"
-                "    sys.path[0] = os.path.dirname(os.path.realpath(path))\n" + _AS_AGENTENV,
-                str(_handed), _path, *_sys.argv])
-        except OSError:                                   # no exec here: in place, then
+            _os.execv(
+                _sys.executable,
+                [
+                    _sys.executable,
+                    *_flags,
+                    "-c",
+                    "import marshal, os, sys\n"
+                    "handed, path = int(sys.argv[1]), sys.argv[2]\n"
+                    "del sys.argv[:3]         # -c, and the two above\n"
+                    "with os.fdopen(handed, 'rb') as memory:\n    code = marshal.load(memory)\n"
+                    "if sys.path[0] == '':      # as the program had it: its own folder\n"
+                    "    sys.path[0] = os.path.dirname(os.path.realpath(path))\n" + _AS_AGENTENV,
+                    str(_handed),
+                    _path,
+                    *_sys.argv,
+                ],
+            )
+        except OSError:  # no exec here: in place, then
             _os.close(_handed)
     exec(_AS_AGENTENV, {"code": _code, "path": _path})
 
@@ -149,6 +165,7 @@ import gc
 import hashlib
 import importlib.util
 import inspect
+import itertools
 import json
 import logging
 import math
@@ -176,14 +193,15 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Union
 
 import aiohttp
-import yarl                 # aiohttp's own URLs
+import yarl  # aiohttp's own URLs
 
 __version__ = "0.1.0"
 
 log = logging.getLogger("agentenv")
 
 
-# ================================================================ 1. Values, errors, defaults and metrics
+# ================================================================ 1. Values, errors, metrics
+
 
 class AgentEnvError(Exception):
     """A failure a user can act on. Its message says what happened, why, and what to do."""
@@ -201,15 +219,15 @@ class BundleError(AgentEnvError):
 
 # The kinds of failure, in NeMo Gym's registered vocabulary where it has a word for one, else as
 # agentenv:<kind>. Both wires carry them, and a trainer masks the rollout instead of scoring it 0.
-PROVIDER_UNAVAILABLE = "provider_unavailable"   # the sandbox could not provide an env
-TRANSPORT_TIMEOUT = "transport_timeout"         # a deploy, a call or a turn missed its deadline
-PEER_DROP = "transport_peer_drop"               # the env died under a call
-VERIFIER_ERROR = "verifier_error"               # the verifier raised, hung or gave no score
-SESSION_LOST = "session_lost"                   # the episode was ended from outside, or is gone
-ENV_FAILED = "agentenv:env_failed"              # the env failed in a way with no word of its own
-TOOLS_MISMATCH = "agentenv:tools_mismatch"      # a row offers other tools than its task
-REPLAY_DIVERGED = "agentenv:replay_diverged"    # a reverified rollout's calls answered otherwise
-INTERNAL_ERROR = "agentenv:internal_error"      # a bug of agentenv.py's own
+PROVIDER_UNAVAILABLE = "provider_unavailable"  # the sandbox could not provide an env
+TRANSPORT_TIMEOUT = "transport_timeout"  # a deploy, a call or a turn missed its deadline
+PEER_DROP = "transport_peer_drop"  # the env died under a call
+VERIFIER_ERROR = "verifier_error"  # the verifier raised, hung or gave no score
+SESSION_LOST = "session_lost"  # the episode was ended from outside, or is gone
+ENV_FAILED = "agentenv:env_failed"  # the env failed in a way with no word of its own
+TOOLS_MISMATCH = "agentenv:tools_mismatch"  # a row offers other tools than its task
+REPLAY_DIVERGED = "agentenv:replay_diverged"  # a reverified rollout's calls answered otherwise
+INTERNAL_ERROR = "agentenv:internal_error"  # a bug of agentenv.py's own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,11 +266,13 @@ class Forfeit(AgentEnvError):
 # and learns from, and the episode goes on; a timeout ends the episode (what the call does may
 # still be under way), so it fails the rollout.
 OK = "ok"
-TOOL_ERROR = "tool_error"            # the tool answered with an error, or its server refused the call
-UNKNOWN_TOOL = "unknown_tool"        # the turn offers no tool of that name
-BAD_ARGUMENTS = "bad_arguments"      # the arguments don't fit the tool's input schema (or aren't an object)
-NO_TURN = "no_turn"                  # the episode has no open turn to call tools in
-TIMEOUT = "timeout"                  # the call missed its deadline, and the episode ended
+TOOL_ERROR = "tool_error"  # the tool answered with an error, or its server refused the call
+UNKNOWN_TOOL = "unknown_tool"  # the turn offers no tool of that name
+BAD_ARGUMENTS = (
+    "bad_arguments"  # the arguments don't fit the tool's input schema (or aren't an object)
+)
+NO_TURN = "no_turn"  # the episode has no open turn to call tools in
+TIMEOUT = "timeout"  # the call missed its deadline, and the episode ended
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,8 +294,10 @@ class ToolResult:
 
 def missed(name: str, timeout: float) -> str:
     """The reason a tool call that missed its deadline gives, in the trainer's page's words."""
-    return (f"{name} didn't answer within {timeout:g}s, and the episode ended, since what the call "
-            "does may still be under way")
+    return (
+        f"{name} didn't answer within {timeout:g}s, and the episode ended, since what the call "
+        "does may still be under way"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,9 +313,9 @@ class Declared:
     check: Callable[[Any, str], Any]
     help: str
     metavar: str = "NAME"
-    choices: Callable[[], tuple[str, ...]] | None = None    # what argparse offers, read when asked
-    written: bool = True        # write-gym writes it into a bundle's Gym config, when it was given
-    gym_global: bool = False    # a Gym config gives it at its top (Gym's own key), not the server's
+    choices: Callable[[], tuple[str, ...]] | None = None  # what argparse offers, read when asked
+    written: bool = True  # write-gym writes it into a bundle's Gym config, when it was given
+    gym_global: bool = False  # a Gym config gives it at its top (Gym's own key), not the server's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,23 +325,23 @@ class Settings:
     The settings of sandboxes (which provider, and each provider's options) are declared by
     section 3 (``DECLARED``), kept in ``declared`` and read as attributes all the same."""
 
-    max_concurrent_envs: int = 8      # episodes live at once; past it, new ones wait
-    deploy_timeout: float = 180.0     # an env's launch until it answers
-    tool_timeout: float = 60.0        # one Gym tool call
-    reset_timeout: float = 600.0      # Gym: deploy + first turn, each end_turn, the wait for a slot
-    idle_timeout: float = 600.0       # a session with no request is ended, freeing its slot
-    client_timeout: float = 60.0      # how long OpenEnv clients wait for a reply
-    reply_margin: float = 5.0         # every OpenEnv reply comes this long before that
-    verifier_timeout: float = 300.0   # a verifier's run
-    request_timeout: float = 300.0    # eval: one request to the model's endpoint
-    model_retries: int = 4            # eval: retries of a model request after a 429, 5xx or timeout
-    eval_concurrency: int = 8         # eval: rollouts played at once
-    max_steps: int = 32               # eval: model calls in one rollout (simple_agent's max_steps)
-    warm: int | str = "auto"          # envs kept started and ready ahead of demand, split among
-                                      # the bundle's env specs by how many tasks use each; "auto":
-                                      # a server keeps what warm_default says for its sandbox
-    warm_env: tuple[tuple[str, int], ...] = ()   # (env, count): those envs warmed, the split aside
-    bash_timeout: float = 300.0       # one bash command in the agent's box (within the call's own)
+    max_concurrent_envs: int = 8  # episodes live at once; past it, new ones wait
+    deploy_timeout: float = 180.0  # an env's launch until it answers
+    tool_timeout: float = 60.0  # one Gym tool call
+    reset_timeout: float = 600.0  # Gym: deploy + first turn, each end_turn, the wait for a slot
+    idle_timeout: float = 600.0  # a session with no request is ended, freeing its slot
+    client_timeout: float = 60.0  # how long OpenEnv clients wait for a reply
+    reply_margin: float = 5.0  # every OpenEnv reply comes this long before that
+    verifier_timeout: float = 300.0  # a verifier's run
+    request_timeout: float = 300.0  # eval: one request to the model's endpoint
+    model_retries: int = 4  # eval: retries of a model request after a 429, 5xx or timeout
+    eval_concurrency: int = 8  # eval: rollouts played at once
+    max_steps: int = 32  # eval: model calls in one rollout (simple_agent's max_steps)
+    warm: int | str = "auto"  # envs kept started and ready ahead of demand, split among
+    # the bundle's env specs by how many tasks use each; "auto":
+    # a server keeps what warm_default says for its sandbox
+    warm_env: tuple[tuple[str, int], ...] = ()  # (env, count): those envs warmed, the split aside
+    bash_timeout: float = 300.0  # one bash command in the agent's box (within the call's own)
     # Bytes of an env's answer read (a tool's, and its tool listing, all pages, as one): past them a
     # tool's answer is the model's tool error, and a listing fails the deploy. The model sees at
     # most MAX_TOOL_OUTPUT (100,000) characters of an answer, and they come JSON-escaped: as
@@ -328,26 +350,38 @@ class Settings:
     # does for a typed return. 2 MiB holds that (all but such a server's characters past the BMP,
     # 2.4 MB), and an answer costs a few times that in memory at most, not its own size.
     max_env_reply: int = 2 * 2**20
-    status_interval: float = 60.0     # how often serve logs its status line while episodes are live
+    status_interval: float = 60.0  # how often serve logs its status line while episodes are live
     allow_host: tuple[str, ...] = ()  # names beside loopback's and this machine's the server
-                                      # answers to (a reverse proxy's): see BrowserGuard
-    declared: tuple[tuple[str, Any], ...] = ()   # the declared settings given, by name
+    # answers to (a reverse proxy's): see BrowserGuard
+    declared: tuple[tuple[str, Any], ...] = ()  # the declared settings given, by name
 
     # The settings section 3 declares, by name, as it declares each provider: filled at import.
-    DECLARED = {}       # type: dict[str, Declared]
+    DECLARED = {}  # type: dict[str, Declared]
 
     # The keys a Gym config carries, with the resources server serving the bundle (bundle:) or
     # playing on a running serve (url:); the declared ones only where they were given.
     GYM_KEYS = ("tool_timeout", "reset_timeout", "idle_timeout")
-    BUNDLE_KEYS = ("max_concurrent_envs", "deploy_timeout", "bash_timeout", "max_env_reply",
-                   "status_interval", "warm", "warm_env")
+    BUNDLE_KEYS = (
+        "max_concurrent_envs",
+        "deploy_timeout",
+        "bash_timeout",
+        "max_env_reply",
+        "status_interval",
+        "warm",
+        "warm_env",
+    )
     # eval's own settings: how it plays a model, not how a bundle is served
     EVAL_KEYS = ("request_timeout", "model_retries", "eval_concurrency", "max_steps")
 
     # The settings counted in whole numbers (of which some may be 0: no retries, no step limit);
     # every other number is seconds.
-    WHOLE_KEYS = ("max_concurrent_envs", "max_env_reply", "model_retries", "eval_concurrency",
-                  "max_steps")
+    WHOLE_KEYS = (
+        "max_concurrent_envs",
+        "max_env_reply",
+        "model_retries",
+        "eval_concurrency",
+        "max_steps",
+    )
     ZERO_KEYS = ("model_retries", "max_steps")
 
     def __getattr__(self, name: str) -> Any:
@@ -359,14 +393,18 @@ class Settings:
     @classmethod
     def names(cls) -> tuple[str, ...]:
         """Every setting's name: Settings' own, then the declared ones."""
-        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "declared") + \
-            tuple(cls.DECLARED)
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "declared") + tuple(
+            cls.DECLARED
+        )
 
     @classmethod
     def served(cls) -> tuple[str, ...]:
         """The settings of a served bundle: every one but eval's own and those Gym alone gives."""
-        return tuple(key for key in cls.names() if key not in cls.EVAL_KEYS and
-                     not getattr(cls.DECLARED.get(key), "gym_global", False))
+        return tuple(
+            key
+            for key in cls.names()
+            if key not in cls.EVAL_KEYS and not getattr(cls.DECLARED.get(key), "gym_global", False)
+        )
 
     @classmethod
     def checked(cls, given: dict[str, Any], said: Callable[[str, Any], str]) -> Settings:
@@ -378,40 +416,54 @@ class Settings:
         declared: dict[str, Any] = {}
         for key, value in given.items():
             if key not in cls.names():
-                raise AgentEnvError(f"{said(key, None)} is not a setting; the settings are "
-                                    f"{', '.join(cls.names())}")
+                raise AgentEnvError(
+                    f"{said(key, None)} is not a setting; the settings are {', '.join(cls.names())}"
+                )
             if value is None:
                 continue
             if key in cls.DECLARED:
                 declared[key] = cls.DECLARED[key].check(value, said(key, value))
             elif key == "warm":
                 values[key] = AUTO if value == AUTO else warm_count(value, said(key, value))
-            elif key == "warm_env":                     # its messages quote the value
+            elif key == "warm_env":  # its messages quote the value
                 values[key] = warm_envs(value, said(key, None))
             elif key == "allow_host":
                 values[key] = host_names(value, said(key, value))
             else:
                 whole, least = key in cls.WHOLE_KEYS, 0 if key in cls.ZERO_KEYS else 1
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                        not math.isfinite(value) or (value < least if whole else value <= 0) or \
-                        (whole and not float(value).is_integer()):
-                    what = f"a whole number of at least {least}" if whole else \
-                        "a positive number of seconds"
-                    raise AgentEnvError(f"{said(key, value)}: it must be {what}, such as "
-                                        f"{_plain(getattr(cls, key))}")
+                if (
+                    isinstance(value, bool)
+                    or not isinstance(value, (int, float))
+                    or not math.isfinite(value)
+                    or (value < least if whole else value <= 0)
+                    or (whole and not float(value).is_integer())
+                ):
+                    what = (
+                        f"a whole number of at least {least}"
+                        if whole
+                        else "a positive number of seconds"
+                    )
+                    raise AgentEnvError(
+                        f"{said(key, value)}: it must be {what}, such as "
+                        f"{_plain(getattr(cls, key))}"
+                    )
                 values[key] = int(value) if whole else float(value)
-        return cls(**values, declared=tuple((k, declared[k]) for k in cls.DECLARED if k in declared))
+        return cls(
+            **values, declared=tuple((k, declared[k]) for k in cls.DECLARED if k in declared)
+        )
 
     @classmethod
-    def keywords(cls, given: dict[str, Any], who: str, allowed: tuple[str, ...] | None = None
-                 ) -> Settings:
+    def keywords(
+        cls, given: dict[str, Any], who: str, allowed: tuple[str, ...] | None = None
+    ) -> Settings:
         """Settings given as keywords by their names (build_app's, trl_environment's), checked; a
         name that is no setting of ``who``'s (``allowed``: those it takes, else all) refused by
         name."""
         takes = cls.names() if allowed is None else allowed
         if unknown := [key for key in given if key not in takes]:
-            raise AgentEnvError(f"{who} takes no setting {unknown[0]!r}; it takes "
-                                f"{', '.join(takes)}")
+            raise AgentEnvError(
+                f"{who} takes no setting {unknown[0]!r}; it takes {', '.join(takes)}"
+            )
         return cls.checked(given, lambda key, value: key if value is None else f"{key}={value!r}")
 
     @classmethod
@@ -420,8 +472,9 @@ class Settings:
         return cls.keywords(given, "Settings.of")
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], where: str,
-                    gym: dict[str, Any] | None = None) -> Settings:
+    def from_config(
+        cls, config: dict[str, Any], where: str, gym: dict[str, Any] | None = None
+    ) -> Settings:
         """The settings a Gym config gives (its server's block ``config``; the keys Gym itself
         sets at the top of ``gym``), the others at their defaults; a bad value says so."""
         served = [key for key in cls.names() if key not in cls.EVAL_KEYS]
@@ -429,8 +482,12 @@ class Settings:
         for key, declared in cls.DECLARED.items():
             if declared.gym_global and gym is not None:
                 given[key] = gym.get(key)
-        return cls.checked(given, lambda key, value: f"{key} in {where}" if value is None else
-                           f"{key}: {value!r} in {where}")
+        return cls.checked(
+            given,
+            lambda key, value: (
+                f"{key} in {where}" if value is None else f"{key}: {value!r} in {where}"
+            ),
+        )
 
     def gym_config(self, bundle: bool) -> dict[str, Any]:
         """The settings as a Gym config writes them (the warm pool only where it was given, so
@@ -447,16 +504,23 @@ class Settings:
         return config
 
 
-AUTO = "auto"         # a setting the server works out for itself (the warm pool: warm_default)
+AUTO = "auto"  # a setting the server works out for itself (the warm pool: warm_default)
 
 
 def warm_count(value: Any, what: str) -> int:
     """A warm pool's size as a user gave it: a whole number, 0 (no pool) or more (``--warm``'s
     text is read as a number by warm_flag)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not math.isfinite(value) or value < 0 or not float(value).is_integer():
-        raise AgentEnvError(f"{what} is not a whole number of warm envs (0 or more) nor auto; set "
-                            "it to one, such as 4, to 0 for no warm pool, or leave it out (auto)")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+        or not float(value).is_integer()
+    ):
+        raise AgentEnvError(
+            f"{what} is not a whole number of warm envs (0 or more) nor auto; set "
+            "it to one, such as 4, to 0 for no warm pool, or leave it out (auto)"
+        )
     return int(value)
 
 
@@ -475,22 +539,27 @@ def warm_envs(value: Any, what: str) -> tuple[tuple[str, int], ...]:
     elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         pairs = [v.partition("=")[::2] for v in value]
     else:
-        raise AgentEnvError(f"{what}: {value!r} is not a mapping of env names to counts; write it "
-                            "as {NAME: N}")
+        raise AgentEnvError(
+            f"{what}: {value!r} is not a mapping of env names to counts; write it as {{NAME: N}}"
+        )
     named: dict[str, int] = {}
     for name, count in pairs:
         if isinstance(count, str):
             count = int(count) if count.strip().isdigit() else count
         if not isinstance(name, str) or not name or name in named:
-            raise AgentEnvError(f"{what}: {name!r} is not an env name given once; name each env of "
-                                "the bundle's envs/ folder once, as NAME=N")
+            raise AgentEnvError(
+                f"{what}: {name!r} is not an env name given once; name each env of "
+                "the bundle's envs/ folder once, as NAME=N"
+            )
         named[name] = warm_count(count, f"{what}: {name}={count!r}")
     return tuple(named.items())
 
 
 # A host name as a Host header or a URL names it: labels of letters, digits and hyphens.
-HOST_NAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)"
-                       r"(\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+HOST_NAME = re.compile(
+    r"(?=.{1,253}$)([A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)"
+    r"(\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
+)
 
 
 def host_names(value: Any, what: str) -> tuple[str, ...]:
@@ -498,13 +567,16 @@ def host_names(value: Any, what: str) -> tuple[str, ...]:
     build_app keyword (a name, or names): each a bare host name, in lower case."""
     names = [value] if isinstance(value, str) else value
     if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-        raise AgentEnvError(f"{what} is not a list of host names; give names such as "
-                            "['rl.example.com']")
+        raise AgentEnvError(
+            f"{what} is not a list of host names; give names such as ['rl.example.com']"
+        )
     for name in names:
         if not HOST_NAME.fullmatch(name.rstrip(".")):
-            raise AgentEnvError(f"{what}: {name!r} is not a host name; give the name a browser or "
-                                "proxy reaches this server by, without a scheme, port or path, "
-                                "such as rl.example.com")
+            raise AgentEnvError(
+                f"{what}: {name!r} is not a host name; give the name a browser or "
+                "proxy reaches this server by, without a scheme, port or path, "
+                "such as rl.example.com"
+            )
     return tuple(dict.fromkeys(n.rstrip(".").lower() for n in names))
 
 
@@ -515,7 +587,7 @@ def _plain(value: float) -> float | int:
 
 def at_its_limit(who: str, limit: int, what: str, then: str, knob: str) -> str:
     """The one sentence every part says the first time it is full."""
-    return (f"{who} is at its limit of {limit} {what} at once, so {then}: {knob} to run more at once")
+    return f"{who} is at its limit of {limit} {what} at once, so {then}: {knob} to run more at once"
 
 
 def short(text: str, limit: int = 2000) -> str:
@@ -529,10 +601,27 @@ def short(text: str, limit: int = 2000) -> str:
 PROBE = "(probe)"
 
 # Prometheus' histogram buckets: durations from a fast tool call to a slow deploy, and rewards.
-DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-                    30.0, 60.0, 180.0, 600.0)
+DURATION_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    180.0,
+    600.0,
+)
 REWARD_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-UNKNOWN_TOOL_LABEL = "(unknown)"     # a name the model made up: never a label of its own
+UNKNOWN_TOOL_LABEL = "(unknown)"  # a name the model made up: never a label of its own
 # A tool call's status in the metrics, beside a ToolResult's: its env failed it, or its episode
 # was ended under it.
 ENV_FAILED_CALL = "env_failed"
@@ -540,8 +629,9 @@ CANCELLED_CALL = "cancelled"
 
 
 class Recent:
-    """Durations since the status line last took them, for its p50 and p95: a uniform sample of at most
-    ``size`` of them (reservoir sampling), so a busy minute costs no more memory than a quiet one."""
+    """Durations since the status line last took them, for its p50 and p95: a uniform sample of
+    at most ``size`` of them (reservoir sampling), so a busy minute costs no more memory than a
+    quiet one."""
 
     def __init__(self, size: int = 1024):
         self.size = size
@@ -561,7 +651,11 @@ class Recent:
         self.count, self.values = 0, []
         if not values:
             return None
-        return count, values[round(0.5 * (len(values) - 1))], values[round(0.95 * (len(values) - 1))]
+        return (
+            count,
+            values[round(0.5 * (len(values) - 1))],
+            values[round(0.95 * (len(values) - 1))],
+        )
 
 
 def _seconds(value: float) -> str:
@@ -585,58 +679,105 @@ class Metrics:
         try:
             import prometheus_client as prom
         except ImportError:
-            raise AgentEnvError("agentenv.py counts what it serves with prometheus-client, which is "
-                                "not installed: pip install prometheus-client") from None
+            raise AgentEnvError(
+                "agentenv.py counts what it serves with prometheus-client, which is "
+                "not installed: pip install prometheus-client"
+            ) from None
         self.registry = registry = prom.CollectorRegistry(auto_describe=True)
         prom.ProcessCollector(registry=registry)
         prom.Info("agentenv", "The version of agentenv.py serving", registry=registry).info(
-            {"version": __version__})
+            {"version": __version__}
+        )
         self.episodes = prom.Counter(
-            "agentenv_episodes", "Episodes ended, by outcome: scored, failed (the environment "
-            "failed it, and a trainer masks it) or abandoned (its caller ended it)", ["outcome"],
-            registry=registry)
+            "agentenv_episodes",
+            "Episodes ended, by outcome: scored, failed (the environment "
+            "failed it, and a trainer masks it) or abandoned (its caller ended it)",
+            ["outcome"],
+            registry=registry,
+        )
         self.deploys = prom.Counter(
-            "agentenv_deploys", "Envs deployed and answering, by env, sandbox and node (a Ray "
-            "node's address; empty for this machine)", ["env", "sandbox", "node"], registry=registry)
+            "agentenv_deploys",
+            "Envs deployed and answering, by env, sandbox and node (a Ray "
+            "node's address; empty for this machine)",
+            ["env", "sandbox", "node"],
+            registry=registry,
+        )
         self.deploy_seconds = prom.Histogram(
-            "agentenv_deploy_duration_seconds", "From an env's launch until it answers, by env, "
-            "sandbox and node", ["env", "sandbox", "node"], buckets=DURATION_BUCKETS,
-            registry=registry)
+            "agentenv_deploy_duration_seconds",
+            "From an env's launch until it answers, by env, sandbox and node",
+            ["env", "sandbox", "node"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
         self.deploy_failures = prom.Counter(
-            "agentenv_deploy_failures", "Deploys that failed, by env, sandbox and failure kind",
-            ["env", "sandbox", "kind"], registry=registry)
+            "agentenv_deploy_failures",
+            "Deploys that failed, by env, sandbox and failure kind",
+            ["env", "sandbox", "kind"],
+            registry=registry,
+        )
         self.tool_calls = prom.Counter(
-            "agentenv_tool_calls", "Tool calls, by tool and status: ok; tool_error (the tool "
+            "agentenv_tool_calls",
+            "Tool calls, by tool and status: ok; tool_error (the tool "
             "answered with an error); the model's own mistakes unknown_tool and bad_arguments; "
             "the env's failures timeout and env_failed; cancelled (its episode was ended under it)",
-            ["tool", "status"], registry=registry)
+            ["tool", "status"],
+            registry=registry,
+        )
         self.tool_seconds = prom.Histogram(
-            "agentenv_tool_call_duration_seconds", "How long a tool call took, by tool",
-            ["tool"], buckets=DURATION_BUCKETS, registry=registry)
+            "agentenv_tool_call_duration_seconds",
+            "How long a tool call took, by tool",
+            ["tool"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
         self.verifier_seconds = prom.Histogram(
-            "agentenv_verifier_duration_seconds", "How long a verifier's run took, by verifier "
-            "artifact", ["verifier"], buckets=DURATION_BUCKETS, registry=registry)
+            "agentenv_verifier_duration_seconds",
+            "How long a verifier's run took, by verifier artifact",
+            ["verifier"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
         self.verifier_failures = prom.Counter(
-            "agentenv_verifier_failures", "Verifier runs that raised, hung or gave no rows, by "
-            "verifier artifact", ["verifier"], registry=registry)
+            "agentenv_verifier_failures",
+            "Verifier runs that raised, hung or gave no rows, by verifier artifact",
+            ["verifier"],
+            registry=registry,
+        )
         self.rewards = prom.Histogram(
-            "agentenv_reward", "The rewards of scored episodes, by split", ["split"],
-            buckets=REWARD_BUCKETS, registry=registry)
+            "agentenv_reward",
+            "The rewards of scored episodes, by split",
+            ["split"],
+            buckets=REWARD_BUCKETS,
+            registry=registry,
+        )
         self.forfeits = prom.Counter(
-            "agentenv_forfeits", "Episodes scored 0, not masked, because the model's own doing "
+            "agentenv_forfeits",
+            "Episodes scored 0, not masked, because the model's own doing "
             "ended them before a verifier scored them (its box broken, filled or made unreadable; "
-            "its tests failing with fail_task_on_error set)", registry=registry)
+            "its tests failing with fail_task_on_error set)",
+            registry=registry,
+        )
         self.masked = prom.Counter(
-            "agentenv_masked_rollouts", "Rollouts answered as failed by the environment (Gym: a "
+            "agentenv_masked_rollouts",
+            "Rollouts answered as failed by the environment (Gym: a "
             "masked verify; OpenEnv: an error observation with its failure_kind), by wire and "
-            "failure kind", ["wire", "kind"], registry=registry)
+            "failure kind",
+            ["wire", "kind"],
+            registry=registry,
+        )
         self.idle_reaps = prom.Counter(
-            "agentenv_idle_reaps", "Sessions ended for having no request past idle_timeout, by "
-            "wire", ["wire"], registry=registry)
+            "agentenv_idle_reaps",
+            "Sessions ended for having no request past idle_timeout, by wire",
+            ["wire"],
+            registry=registry,
+        )
         self.teardown_failures = prom.Counter(
-            "agentenv_teardown_failures", "Envs and boxes whose removal failed when their episode "
+            "agentenv_teardown_failures",
+            "Envs and boxes whose removal failed when their episode "
             "ended (after its reply: the outcome stands, and is never masked for it); each is "
-            "tried again until it is gone, its episode's slot held meanwhile", registry=registry)
+            "tried again until it is gone, its episode's slot held meanwhile",
+            registry=registry,
+        )
         self.recent_deploys, self.recent_tool_calls = Recent(), Recent()
         self._readings: dict[str, Any] = {}
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
@@ -671,7 +812,7 @@ class Metrics:
             self._of(self.verifier_failures, verifier).inc()
 
     def ended(self, outcome: str, split: str, reward: float | None) -> None:
-        if split == PROBE:          # no one's episode: a deploy to list a toolset's tools
+        if split == PROBE:  # no one's episode: a deploy to list a toolset's tools
             return
         self._of(self.episodes, outcome).inc()
         if isinstance(reward, (int, float)) and math.isfinite(reward):
@@ -689,8 +830,13 @@ class Metrics:
     def teardown_failed(self, parts: int) -> None:
         self.teardown_failures.inc(parts)
 
-    def watch(self, name: str, doc: str, read: Callable[[], float | dict[str, float]],
-              label: str | None = None) -> None:
+    def watch(
+        self,
+        name: str,
+        doc: str,
+        read: Callable[[], float | dict[str, float]],
+        label: str | None = None,
+    ) -> None:
         """A gauge read at scrape time: ``read()`` gives the value, or (with ``label``) the value
         of each label. Watching a name again replaces the reading."""
         if name in self._readings:
@@ -703,19 +849,25 @@ class Metrics:
     def page(self, accept: str | None) -> tuple[bytes, str]:
         """The metrics in the format the scraper asks for (Accept), and its content type."""
         from prometheus_client.exposition import choose_encoder
+
         encoder, content_type = choose_encoder(accept or "")
         return encoder(self.registry), content_type
 
     def totals(self, counter: Any) -> dict[tuple[str, ...], float]:
         """A counter's values by label values (from the library's public collect())."""
-        return {tuple(s.labels.values()): s.value for family in counter.collect()
-                for s in family.samples if s.name.endswith("_total")}
+        return {
+            tuple(s.labels.values()): s.value
+            for family in counter.collect()
+            for s in family.samples
+            if s.name.endswith("_total")
+        }
 
     def numbers(self) -> dict[str, Any]:
         """What the registry holds, read as a scrape reads it (so the same numbers as /metrics),
         in the shape the web page and scripts read from ``GET /web/status``: episodes by outcome
-        (and the scored ones forfeited) and the levels of the pool, sessions by wire, masked rollouts by kind, rewards by split
-        (count, mean, and each bucket's count), deploys and tool calls with their p50/p95 over
+        (and the scored ones forfeited) and the levels of the pool, sessions by wire, masked
+        rollouts by kind, rewards by split (count, mean, and each bucket's count), deploys and tool
+        calls with their p50/p95 over
         the run (estimated from the histograms as Prometheus' histogram_quantile does), warm
         envs, and by node the envs up and deployed. A level nobody watches (a Gym server in url:
         mode has no pool) is None."""
@@ -740,33 +892,60 @@ class Metrics:
         played = by("agentenv_episodes_total", "outcome")
         rewards = {}
         for split, count in by("agentenv_reward_count", "split").items():
-            total = sum(v for labels, v in samples["agentenv_reward_sum"] if labels["split"] == split)
-            cumulative = _buckets([(labels, v) for labels, v in samples["agentenv_reward_bucket"]
-                                   if labels["split"] == split])
-            rewards[split] = {"count": count, "mean": total / count, "buckets": [
-                [upper, int(n - below)] for (upper, n), (_, below)
-                in zip(cumulative, [(0.0, 0.0), *cumulative]) if math.isfinite(upper)]}
+            total = sum(
+                v for labels, v in samples["agentenv_reward_sum"] if labels["split"] == split
+            )
+            cumulative = _buckets(
+                [
+                    (labels, v)
+                    for labels, v in samples["agentenv_reward_bucket"]
+                    if labels["split"] == split
+                ]
+            )
+            rewards[split] = {
+                "count": count,
+                "mean": total / count,
+                "buckets": [
+                    [upper, int(n - below)]
+                    for (_, below), (upper, n) in itertools.pairwise([(0.0, 0.0), *cumulative])
+                    if math.isfinite(upper)
+                ],
+            }
         deployed, up = by("agentenv_deploys_total", "node"), by("agentenv_envs_live", "node")
-        warm = by("agentenv_warm_envs", "state", zeros=True) if "agentenv_warm_envs" in samples else None
+        warm = (
+            by("agentenv_warm_envs", "state", zeros=True)
+            if "agentenv_warm_envs" in samples
+            else None
+        )
         return {
-            "episodes": {"played": sum(played.values()), "scored": played.get("scored", 0),
-                         "forfeited": level("agentenv_forfeits_total") or 0,
-                         "failed": played.get("failed", 0), "abandoned": played.get("abandoned", 0),
-                         "live": level("agentenv_episodes_live"),
-                         "waiting": level("agentenv_episodes_waiting"),
-                         "limit": level("agentenv_episodes_limit")},
+            "episodes": {
+                "played": sum(played.values()),
+                "scored": played.get("scored", 0),
+                "forfeited": level("agentenv_forfeits_total") or 0,
+                "failed": played.get("failed", 0),
+                "abandoned": played.get("abandoned", 0),
+                "live": level("agentenv_episodes_live"),
+                "waiting": level("agentenv_episodes_waiting"),
+                "limit": level("agentenv_episodes_limit"),
+            },
             "sessions": by("agentenv_sessions", "wire", zeros=True),
             "masked": by("agentenv_masked_rollouts_total", "kind"),
             "rewards": rewards,
-            "deploys": {"count": sum(deployed.values()),
-                        "failed": sum(by("agentenv_deploy_failures_total", "kind").values()),
-                        **timed("agentenv_deploy_duration_seconds")},
-            "tool_calls": {"count": sum(by("agentenv_tool_calls_total", "status").values()),
-                           "by_status": by("agentenv_tool_calls_total", "status"),
-                           **timed("agentenv_tool_call_duration_seconds")},
+            "deploys": {
+                "count": sum(deployed.values()),
+                "failed": sum(by("agentenv_deploy_failures_total", "kind").values()),
+                **timed("agentenv_deploy_duration_seconds"),
+            },
+            "tool_calls": {
+                "count": sum(by("agentenv_tool_calls_total", "status").values()),
+                "by_status": by("agentenv_tool_calls_total", "status"),
+                **timed("agentenv_tool_call_duration_seconds"),
+            },
             "warm": warm,
-            "nodes": [{"node": node, "envs": up.get(node, 0), "deploys": deployed.get(node, 0)}
-                      for node in sorted(set(deployed) | set(up))],
+            "nodes": [
+                {"node": node, "envs": up.get(node, 0), "deploys": deployed.get(node, 0)}
+                for node in sorted(set(deployed) | set(up))
+            ],
         }
 
     def status(self, live: int, waiting: int, limit: int, interval: float) -> str:
@@ -774,18 +953,28 @@ class Metrics:
         tool-call p50/p95 of the last ``interval`` seconds (whose durations it then forgets)."""
         numbers = self.numbers()
         played = numbers["episodes"]
-        outcomes = ", ".join(f"{played[o]:,} {o}" for o in ("scored", "failed", "abandoned")
-                             if played.get(o))
+        outcomes = ", ".join(
+            f"{played[o]:,} {o}" for o in ("scored", "failed", "abandoned") if played.get(o)
+        )
         masks = ", ".join(f"{n:,} {kind}" for kind, n in numbers["masked"].items()) or "none"
-        line = (f"Status: {_many(played['played'], 'episode')} played"
-                + (f" ({outcomes})" if outcomes else "")
-                + f"; {live} live of {limit}, {waiting} waiting; masked: {masks}")
+        line = (
+            f"Status: {_many(played['played'], 'episode')} played"
+            + (f" ({outcomes})" if outcomes else "")
+            + f"; {live} live of {limit}, {waiting} waiting; masked: {masks}"
+        )
         timings = []
-        for what, recent in (("deploy", self.recent_deploys), ("tool call", self.recent_tool_calls)):
+        for what, recent in (
+            ("deploy", self.recent_deploys),
+            ("tool call", self.recent_tool_calls),
+        ):
             if taken := recent.take():
                 count, p50, p95 = taken
                 timings.append(f"{_many(count, what)} p50 {_seconds(p50)}, p95 {_seconds(p95)}")
-        return line + (f"; over the last {interval:g}s: " + "; ".join(timings) if timings else "") + "."
+        return (
+            line
+            + (f"; over the last {interval:g}s: " + "; ".join(timings) if timings else "")
+            + "."
+        )
 
 
 def _buckets(samples: list[tuple[dict[str, str], float]]) -> list[tuple[float, float]]:
@@ -807,7 +996,11 @@ def bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float | Non
         if count >= rank:
             if math.isinf(upper):
                 return lower
-            return lower + (upper - lower) * (rank - below) / (count - below) if count > below else upper
+            return (
+                lower + (upper - lower) * (rank - below) / (count - below)
+                if count > below
+                else upper
+            )
         lower, below = upper, count
     return lower
 
@@ -816,18 +1009,20 @@ class Reading:
     """A gauge whose value is read from its holder at scrape time (a collector, in
     prometheus-client's terms), so a level such as the live episodes is never kept twice."""
 
-    def __init__(self, name: str, doc: str, read: Callable[[], float | dict[str, float]],
-                 label: str | None):
+    def __init__(
+        self, name: str, doc: str, read: Callable[[], float | dict[str, float]], label: str | None
+    ):
         self.name, self.doc, self.read, self.label = name, doc, read, label
 
     def describe(self) -> list[Any]:
         from prometheus_client.core import GaugeMetricFamily
+
         return [GaugeMetricFamily(self.name, self.doc, labels=[self.label] if self.label else None)]
 
     def collect(self) -> list[Any]:
         (family,) = self.describe()
         value = self.read()
-        for key, each in (value.items() if isinstance(value, dict) else [(None, value)]):
+        for key, each in value.items() if isinstance(value, dict) else [(None, value)]:
             family.add_metric([key] if key is not None else [], each)
         return [family]
 
@@ -840,8 +1035,9 @@ class Progress:
 
     BAR = 24
 
-    def __init__(self, what: str, total: int, out: Callable[[str], None] | None = None,
-                 every: float = 10.0):
+    def __init__(
+        self, what: str, total: int, out: Callable[[str], None] | None = None, every: float = 10.0
+    ):
         self.what, self.total, self.every = what, total, every
         self.out = out or (lambda line: print(line, file=sys.stderr, flush=True))
         self.tty = out is None and sys.stderr.isatty()
@@ -855,8 +1051,10 @@ class Progress:
         line = f"{self.what}: {self.done}/{self.total}" + (f" ({detail})" if detail else "")
         if self.tty:
             filled = self.BAR * self.done // max(self.total, 1)
-            sys.stderr.write(f"\r\033[K{self.what}: [{'#' * filled}{'.' * (self.BAR - filled)}] "
-                             f"{self.done}/{self.total} {detail}"[:200])
+            sys.stderr.write(
+                f"\r\033[K{self.what}: [{'#' * filled}{'.' * (self.BAR - filled)}] "
+                f"{self.done}/{self.total} {detail}"[:200]
+            )
             if self.done >= self.total:
                 sys.stderr.write("\n")
             sys.stderr.flush()
@@ -875,70 +1073,198 @@ STEP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     # type: (required fields, optional fields)
     "deploy_env": ({"env_id"}, {"cpu", "memory_mb"}),
     "apply_server_config": ({"env_id", "directives"}, {"timeout_seconds", "tolerate_unadvertised"}),
-    "deploy_agent": (set(), {"agent_name", "env_ids", "role", "system_prompt", "skills",
-                             "sandbox_name", "cpu", "memory_mb"}),
+    "deploy_agent": (
+        set(),
+        {
+            "agent_name",
+            "env_ids",
+            "role",
+            "system_prompt",
+            "skills",
+            "sandbox_name",
+            "cpu",
+            "memory_mb",
+        },
+    ),
     "prompt_agent": ({"prompt"}, {"agent_name", "prompt_id", "system_prompt", "timeout_seconds"}),
-    "env_outcome_verifier": ({"env_id", "file_artifact_id"},
-                             {"verifier_id", "prompt_id", "score_aggregator"}),
-    "agent_prompt_response_verifier": ({"prompt_id", "criteria"},
-                                       {"verifier_id", "score_aggregator"}),
+    "env_outcome_verifier": (
+        {"env_id", "file_artifact_id"},
+        {"verifier_id", "prompt_id", "score_aggregator"},
+    ),
+    "agent_prompt_response_verifier": (
+        {"prompt_id", "criteria"},
+        {"verifier_id", "score_aggregator"},
+    ),
     # the agent's sandbox: a box of its own where it works with bash (section 3)
     "deploy_sandbox": ({"sandbox_name", "sandbox_mode"}, {"image", "cpu", "memory_mb", "env_vars"}),
     "add_skills": ({"skills"}, {"agent_name"}),
-    "load_artifact": (set(), {"artifacts", "artifact_id", "artifact_version", "destination_path",
-                              "agent_name", "sandbox_name", "container_name", "env_id", "urls"}),
-    "run_code": ({"script_artifact_id"}, {"script_artifact_version", "script_file", "entrypoint",
-                                          "args", "result_id", "timeout_seconds", "agent_name",
-                                          "sandbox_name", "env_id"}),
-    "verify_sandbox": (set(), {"criteria", "agent_name", "sandbox_name", "base_dir",
-                               "shell_timeout_seconds", "score_aggregator", "verifier_id"}),
+    "load_artifact": (
+        set(),
+        {
+            "artifacts",
+            "artifact_id",
+            "artifact_version",
+            "destination_path",
+            "agent_name",
+            "sandbox_name",
+            "container_name",
+            "env_id",
+            "urls",
+        },
+    ),
+    "run_code": (
+        {"script_artifact_id"},
+        {
+            "script_artifact_version",
+            "script_file",
+            "entrypoint",
+            "args",
+            "result_id",
+            "timeout_seconds",
+            "agent_name",
+            "sandbox_name",
+            "env_id",
+        },
+    ),
+    "verify_sandbox": (
+        set(),
+        {
+            "criteria",
+            "agent_name",
+            "sandbox_name",
+            "base_dir",
+            "shell_timeout_seconds",
+            "score_aggregator",
+            "verifier_id",
+        },
+    ),
     "aggregate_verifiers": (set(), {"verifier_ids", "score_aggregator", "verifier_id"}),
-    "run_docker_container": ({"sandbox_name"}, {"docker_context_artifact_id", "dockerfile_path",
-                                                "container_name", "env_vars", "command_override",
-                                                "ready_command", "docker_context_url", "network",
-                                                "extra_networks"}),
-    "run_container_unit_tests_verifier": ({"command"}, {
-        "sandbox_name", "container_name", "agent_name", "verifier_id", "setup_commands", "user",
-        "timeout_sec", "env_vars", "result_paths", "reward_path"}),
+    "run_docker_container": (
+        {"sandbox_name"},
+        {
+            "docker_context_artifact_id",
+            "dockerfile_path",
+            "container_name",
+            "env_vars",
+            "command_override",
+            "ready_command",
+            "docker_context_url",
+            "network",
+            "extra_networks",
+        },
+    ),
+    "run_container_unit_tests_verifier": (
+        {"command"},
+        {
+            "sandbox_name",
+            "container_name",
+            "agent_name",
+            "verifier_id",
+            "setup_commands",
+            "user",
+            "timeout_sec",
+            "env_vars",
+            "result_paths",
+            "reward_path",
+        },
+    ),
     "reset_env": ({"env_id"}, set()),
 }
 IGNORED_FIELDS = {
-    "deploy_env": {"env_version", "ttl_seconds", "disk_size_gb", "gateway_mode", "sandbox_type",
-                   "env_state_type", "metadata"},
+    "deploy_env": {
+        "env_version",
+        "ttl_seconds",
+        "disk_size_gb",
+        "gateway_mode",
+        "sandbox_type",
+        "env_state_type",
+        "metadata",
+    },
     # a box has no way out (no network, or an internal one of its episode), so a network policy
     # has nothing left to allow
-    "deploy_agent": {"a2a_agent_id", "a2a_agent_version", "agent_description", "ttl_seconds",
-                     "sandbox_type", "env_vars", "disk_size_gb", "network_policy", "metadata",
-                     "litellm_base_url"},
+    "deploy_agent": {
+        "a2a_agent_id",
+        "a2a_agent_version",
+        "agent_description",
+        "ttl_seconds",
+        "sandbox_type",
+        "env_vars",
+        "disk_size_gb",
+        "network_policy",
+        "metadata",
+        "litellm_base_url",
+    },
     "prompt_agent": {"poll_interval_seconds", "model", "model_params", "max_turns"},
     # (and a box publishes no port: nothing outside reaches it)
-    "deploy_sandbox": {"disk_size_gb", "ttl_seconds", "boot_mode", "sandbox_type",
-                       "network_policy", "metadata", "port", "exposed_ports"},
+    "deploy_sandbox": {
+        "disk_size_gb",
+        "ttl_seconds",
+        "boot_mode",
+        "sandbox_type",
+        "network_policy",
+        "metadata",
+        "port",
+        "exposed_ports",
+    },
     "load_artifact": {"snapshot_after_load"},
 }
 # Step types AgentEnv has that an episode here can't run, with why and what to write instead.
 REFUSED_TYPES = {
     "install_agent": "install_agent installs the agent from the network (its install fetches uv "
-                     "from GitHub), and boxes here have no network; deploy the agent with "
-                     "deploy_agent, whose box agentenv.py builds offline",
+    "from GitHub), and boxes here have no network; deploy the agent with "
+    "deploy_agent, whose box agentenv.py builds offline",
 }
 SCORE_AGGREGATORS = ("all_pass", "any_pass", "weighted_average")
 CRITERION_TYPES = ("response_contains", "response_regex_present")
-SANDBOX_CRITERIA = ("probe_file_exists", "probe_dir_exists", "probe_file_contains",
-                    "bash_cmd_succeeds")
+SANDBOX_CRITERIA = (
+    "probe_file_exists",
+    "probe_dir_exists",
+    "probe_file_contains",
+    "bash_cmd_succeeds",
+)
 # The steps that record a score (as AgentEnv's verifications).
-SCORING_TYPES = {"env_outcome_verifier", "agent_prompt_response_verifier", "verify_sandbox",
-                 "aggregate_verifiers", "run_container_unit_tests_verifier"}
+SCORING_TYPES = {
+    "env_outcome_verifier",
+    "agent_prompt_response_verifier",
+    "verify_sandbox",
+    "aggregate_verifiers",
+    "run_container_unit_tests_verifier",
+}
 # The steps that act in a box (its commands and copies).
-BOX_STEPS = {"load_artifact", "run_code", "verify_sandbox", "add_skills",
-             "run_container_unit_tests_verifier"}
+BOX_STEPS = {
+    "load_artifact",
+    "run_code",
+    "verify_sandbox",
+    "add_skills",
+    "run_container_unit_tests_verifier",
+}
 POSIX_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SKILL_NAME = re.compile(r"(?!-)(?!.*--)[a-z0-9-]{1,64}(?<!-)")
 DEFAULT_AGENT = "default-agent"
 # Environment variables a seed never sets for a unit-test verifier: those its shell relies on.
-RESERVED_ENV = {"PATH", "HOME", "USER", "LOGNAME", "SHELL", "PWD", "OLDPWD", "HOSTNAME", "TERM",
-                "LANG", "LC_ALL", "SHLVL", "IFS", "PS4", "BASH_ENV", "ENV", "LD_PRELOAD",
-                "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHOME", "AGENTENV_CALL"}
+RESERVED_ENV = {
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "PWD",
+    "OLDPWD",
+    "HOSTNAME",
+    "TERM",
+    "LANG",
+    "LC_ALL",
+    "SHLVL",
+    "IFS",
+    "PS4",
+    "BASH_ENV",
+    "ENV",
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "AGENTENV_CALL",
+}
 PLACEHOLDER = re.compile(r"<([A-Za-z_][A-Za-z0-9_.-]*)>")
 
 
@@ -969,10 +1295,10 @@ class EnvSpec:
     folder: Path
     dockerfile: Path
     environment_name: str
-    command: tuple[str, ...]          # the image's ENTRYPOINT + CMD, as a local process runs it
-    image_env: dict[str, str]         # the image's ENV lines
-    digest: str                       # a hash of the build context: one image per content
-    network: str = "isolated"         # "isolated" (no egress, no other env) or "bridge" (env.toml)
+    command: tuple[str, ...]  # the image's ENTRYPOINT + CMD, as a local process runs it
+    image_env: dict[str, str]  # the image's ENV lines
+    digest: str  # a hash of the build context: one image per content
+    network: str = "isolated"  # "isolated" (no egress, no other env) or "bridge" (env.toml)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -980,7 +1306,7 @@ class Toolset:
     """The envs whose tools a task's turns offer. Tasks that deploy the same envs share one."""
 
     envs: tuple[str, ...]
-    bash: bool = False                # the turns offer bash first, in the agent's box
+    bash: bool = False  # the turns offer bash first, in the agent's box
 
     @property
     def name(self) -> str:
@@ -995,10 +1321,10 @@ class Task:
     id: str
     name: str
     steps: tuple[Step, ...]
-    agent: str                        # the played agent's name
+    agent: str  # the played agent's name
     toolset: Toolset
-    reward_step: str                  # the scoring step whose score is the reward
-    sandboxed: bool = False           # the agent works in a box of its own, with bash
+    reward_step: str  # the scoring step whose score is the reward
+    sandboxed: bool = False  # the agent works in a box of its own, with bash
 
     @property
     def file(self) -> str:
@@ -1038,7 +1364,9 @@ class Task:
                 return {k: fill(v) for k, v in value.items()}
             return value
 
-        steps = tuple(dataclasses.replace(s, fields=fill(copy.deepcopy(s.fields))) for s in self.steps)
+        steps = tuple(
+            dataclasses.replace(s, fields=fill(copy.deepcopy(s.fields))) for s in self.steps
+        )
         return dataclasses.replace(self, steps=steps)
 
 
@@ -1049,19 +1377,30 @@ class Bundle:
     file and the step and saying what to do, so that a bundle that loads is one that will play.
     """
 
-    def __init__(self, root: Path, name: str, description: str, envs: dict[str, EnvSpec],
-                 verifiers: dict[str, Path], tasks: dict[str, Task], splits: dict[str, list[Task]],
-                 artifacts: dict[str, Path] | None = None, skills: dict[str, Path] | None = None):
+    def __init__(
+        self,
+        root: Path,
+        name: str,
+        description: str,
+        envs: dict[str, EnvSpec],
+        verifiers: dict[str, Path],
+        tasks: dict[str, Task],
+        splits: dict[str, list[Task]],
+        artifacts: dict[str, Path] | None = None,
+        skills: dict[str, Path] | None = None,
+    ):
         self.root, self.name, self.description = root, name, description
         self.envs, self.verifiers, self.tasks, self.splits = envs, verifiers, tasks, splits
-        self.artifacts = artifacts or {}     # every artifact's folder, by name (load_artifact ...)
-        self.skills = skills or {}           # skills/<name>/, each holding a SKILL.md
+        self.artifacts = artifacts or {}  # every artifact's folder, by name (load_artifact ...)
+        self.skills = skills or {}  # skills/<name>/, each holding a SKILL.md
 
     @property
     def boxed(self) -> bool:
         """Whether some task runs a box (the agent's sandbox, or a deploy_sandbox)."""
-        return any(t.sandboxed or any(s.type == "deploy_sandbox" for s in t.steps)
-                   for t in self.tasks.values())
+        return any(
+            t.sandboxed or any(s.type == "deploy_sandbox" for s in t.steps)
+            for t in self.tasks.values()
+        )
 
     @property
     def toolsets(self) -> dict[Toolset, list[Task]]:
@@ -1073,14 +1412,20 @@ class Bundle:
     def task(self, split: str, index: int) -> Task:
         """The task at ``index`` of ``split``; a LookupError that lists what exists otherwise."""
         if not isinstance(split, str) or split not in self.splits:
-            raise LookupError(f"there is no split {split!r}; the splits are {', '.join(self.splits)}")
+            raise LookupError(
+                f"there is no split {split!r}; the splits are {', '.join(self.splits)}"
+            )
         tasks = self.splits[split]
         if not isinstance(index, int) or isinstance(index, bool):
-            raise LookupError(f"index {index!r} is not a whole number; give the task's place in its "
-                              f"split as one, from 0 to {len(tasks) - 1}")
+            raise LookupError(
+                f"index {index!r} is not a whole number; give the task's place in its "
+                f"split as one, from 0 to {len(tasks) - 1}"
+            )
         if not 0 <= index < len(tasks):
-            raise LookupError(f"split {split!r} has {len(tasks)} tasks, so it has no task {index!r}; "
-                              f"give an index from 0 to {len(tasks) - 1}")
+            raise LookupError(
+                f"split {split!r} has {len(tasks)} tasks, so it has no task {index!r}; "
+                f"give an index from 0 to {len(tasks) - 1}"
+            )
         return tasks[index]
 
     @classmethod
@@ -1095,14 +1440,21 @@ class Bundle:
         splits: dict[str, list[Task]] = {}
         for split, bundle in bundles.items():
             for kind, mine, theirs, same in (
-                    ("envs", bundle.envs, envs, lambda a, b: a.digest == b.digest),
-                    ("artifacts", bundle.verifiers, verifiers,
-                     lambda a, b: _digest(a.parent) == _digest(b.parent))):
+                ("envs", bundle.envs, envs, lambda a, b: a.digest == b.digest),
+                (
+                    "artifacts",
+                    bundle.verifiers,
+                    verifiers,
+                    lambda a, b: _digest(a.parent) == _digest(b.parent),
+                ),
+            ):
                 for name, part in mine.items():
                     if name in theirs and not same(theirs[name], part):
-                        problems.append(f"{kind}/{name}: the bundles of the splits {owners[kind + name]!r} "
-                                        f"and {split!r} both have one of that name, with other "
-                                        "contents; rename it in one of them")
+                        problems.append(
+                            f"{kind}/{name}: the bundles of the splits {owners[kind + name]!r} "
+                            f"and {split!r} both have one of that name, with other "
+                            "contents; rename it in one of them"
+                        )
                     theirs.setdefault(name, part)
                     owners.setdefault(kind + name, split)
             splits[split] = bundle.splits["all"]
@@ -1111,8 +1463,15 @@ class Bundle:
         every = list({t.id: t for tasks in splits.values() for t in tasks}.values())
         first = next(iter(bundles.values()))
         name = "+".join(dict.fromkeys(b.name for b in bundles.values()))
-        return cls(first.root, name, first.description, envs, verifiers, {t.id: t for t in every},
-                   {"all": every, **splits})
+        return cls(
+            first.root,
+            name,
+            first.description,
+            envs,
+            verifiers,
+            {t.id: t for t in every},
+            {"all": every, **splits},
+        )
 
     @classmethod
     def load(cls, folder: str | Path, reward: str | None = None) -> Bundle:
@@ -1126,17 +1485,25 @@ class Bundle:
     def _load(cls, folder: str | Path, reward: str | None) -> Bundle:
         root = Path(folder).expanduser()
         if not root.is_dir():
-            raise BundleError([f"{folder}: there is no bundle folder here; pass the folder that holds "
-                               "envs/, tasks/ and evals/"])
+            raise BundleError(
+                [
+                    f"{folder}: there is no bundle folder here; pass the folder that holds "
+                    "envs/, tasks/ and evals/"
+                ]
+            )
         root = root.resolve()
         problems: list[str] = []
         for stray in ("bundle.toml",):
             if (root / stray).exists():
-                problems.append(f"{stray}: reserved: a bundle takes its name from the folder and its "
-                                "description from README.md; remove it")
+                problems.append(
+                    f"{stray}: reserved: a bundle takes its name from the folder and its "
+                    "description from README.md; remove it"
+                )
         if (root / "agents").is_dir():
-            problems.append("agents/: agentenv.py plays the agent from outside and runs no "
-                            "agents; remove the folder, or run this bundle with agent-env itself")
+            problems.append(
+                "agents/: agentenv.py plays the agent from outside and runs no "
+                "agents; remove the folder, or run this bundle with agent-env itself"
+            )
         envs = _load_envs(root, problems)
         broken: dict[str, str] = {}
         verifiers = _load_verifiers(root, broken)
@@ -1149,22 +1516,27 @@ class Bundle:
         if not task_dir.is_dir():
             problems.append("tasks/: the bundle has no tasks folder; add tasks/<name>.json")
         else:
-            with os.scandir(task_dir) as listing:      # one pass, types included: 2,000+ tasks
+            with os.scandir(task_dir) as listing:  # one pass, types included: 2,000+ tasks
                 entries = sorted(listing, key=lambda e: e.name)
-            texts: dict[str, str] = {}                 # the tasks' strings, each kept once
+            texts: dict[str, str] = {}  # the tasks' strings, each kept once
             for entry in entries:
                 if entry.name.startswith(".") or entry.name == "__pycache__":
                     continue
                 if entry.is_dir():
-                    problems.append(f"tasks/{entry.name}/: task folders are not supported; "
-                                    f"write tasks/{entry.name}.json")
+                    problems.append(
+                        f"tasks/{entry.name}/: task folders are not supported; "
+                        f"write tasks/{entry.name}.json"
+                    )
                 elif not entry.name.endswith(".json"):
-                    problems.append(f"tasks/{entry.name}: a task is a .json file; rename or remove it")
+                    problems.append(
+                        f"tasks/{entry.name}: a task is a .json file; rename or remove it"
+                    )
                 else:
                     # strings, not a Path per file: a Path, its name and its stem cost ~3 us
                     name = entry.name.removesuffix(".json")
-                    task = _load_task(entry.path, name, f"{id_root}/{name}", shelf, reward,
-                                      problems, texts)
+                    task = _load_task(
+                        entry.path, name, f"{id_root}/{name}", shelf, reward, problems, texts
+                    )
                     if task:
                         tasks[task.name] = task
             if not any(e.name.endswith(".json") for e in entries):
@@ -1207,7 +1579,8 @@ def read_bytes(path: str) -> bytes:
 
 
 def task_id_root(root: Path) -> str:
-    """AgentEnv's id root for a folder bundle: ``@local/<absolute path>``, ``~`` for the home folder."""
+    """AgentEnv's id root for a folder bundle: ``@local/<absolute path>``, ``~`` for the home
+    folder."""
     with contextlib.suppress(ValueError, RuntimeError):
         return "@local/~/" + root.relative_to(Path.home().resolve()).as_posix()
     return "@local/" + "/".join(root.parts[1:])
@@ -1217,14 +1590,19 @@ def _toml(path: Path, problems: list[str]) -> dict[str, Any] | None:
     try:
         return tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        problems.append(f"{path.parent.name}/{path.name}: is not valid TOML ({exc}); fix the syntax")
+        problems.append(
+            f"{path.parent.name}/{path.name}: is not valid TOML ({exc}); fix the syntax"
+        )
         return None
 
 
 def plain_name(name: Any) -> bool:
     """Whether ``name`` can name a file in a folder without reaching out of it."""
-    return isinstance(name, str) and name not in ("", ".", "..") and not any(
-        c in name for c in "/\\\0")
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(c in name for c in "/\\\0")
+    )
 
 
 # An env's network in the Docker sandbox, as its env.toml's ``network`` names it.
@@ -1245,27 +1623,40 @@ def _load_envs(root: Path, problems: list[str]) -> dict[str, EnvSpec]:
             config = _toml(folder / "env.toml", problems) or {}
         known = {"type", "id", "image", "environment_name", "env_provider_type", "network"}
         for key in sorted(set(config) - known):
-            problems.append(f"{where}/env.toml: key {key!r} is not one agentenv.py knows; "
-                            f"it knows {', '.join(sorted(known))}")
+            problems.append(
+                f"{where}/env.toml: key {key!r} is not one agentenv.py knows; "
+                f"it knows {', '.join(sorted(known))}"
+            )
         if config.get("type", "mcp_server") != "mcp_server":
-            problems.append(f"{where}/env.toml: type {config['type']!r} is not run here; agentenv.py "
-                            "runs mcp_server envs (an MCP server in a Docker build context)")
+            problems.append(
+                f"{where}/env.toml: type {config['type']!r} is not run here; agentenv.py "
+                "runs mcp_server envs (an MCP server in a Docker build context)"
+            )
         image = config.get("image", {})
         dockerfile = folder / "Dockerfile"
         if isinstance(image, dict) and set(image) <= {"dockerfile"}:
             given = image.get("dockerfile", "Dockerfile")
             dockerfile = folder / str(given)
-            if not isinstance(given, str) or Path(given).is_absolute() or \
-                    not dockerfile.resolve().is_relative_to(folder.resolve()):
-                problems.append(f"{where}/env.toml: dockerfile = {given!r} is not a file of the env's "
-                                "folder, its Docker build context; name one inside it")
+            if (
+                not isinstance(given, str)
+                or Path(given).is_absolute()
+                or not dockerfile.resolve().is_relative_to(folder.resolve())
+            ):
+                problems.append(
+                    f"{where}/env.toml: dockerfile = {given!r} is not a file of the env's "
+                    "folder, its Docker build context; name one inside it"
+                )
                 continue
         else:
-            problems.append(f"{where}/env.toml: image = {image!r} is not supported; agentenv.py builds "
-                            "each env from a Dockerfile in its folder (image = {dockerfile = \"...\"})")
+            problems.append(
+                f"{where}/env.toml: image = {image!r} is not supported; agentenv.py builds "
+                'each env from a Dockerfile in its folder (image = {dockerfile = "..."})'
+            )
         if not dockerfile.is_file():
-            problems.append(f"{where}: has no {dockerfile.name}; an env is a Docker build context, so "
-                            f"add {where}/{dockerfile.name} with the command that starts the MCP server")
+            problems.append(
+                f"{where}: has no {dockerfile.name}; an env is a Docker build context, so "
+                f"add {where}/{dockerfile.name} with the command that starts the MCP server"
+            )
             continue
         try:
             command, image_env = parse_dockerfile(dockerfile.read_text())
@@ -1274,17 +1665,22 @@ def _load_envs(root: Path, problems: list[str]) -> dict[str, EnvSpec]:
             continue
         name = config.get("environment_name") or folder.name
         if not plain_name(name):
-            problems.append(f"{where}/env.toml: environment_name = {name!r} is not a plain name (it "
-                            "names the env's database file, so no '/' or '\\'); give a plain name")
+            problems.append(
+                f"{where}/env.toml: environment_name = {name!r} is not a plain name (it "
+                "names the env's database file, so no '/' or '\\'); give a plain name"
+            )
             continue
         network = config.get("network", "isolated")
         if network not in ENV_NETWORKS:
-            problems.append(f"{where}/env.toml: network = {network!r} is not a network mode; use "
-                            "\"isolated\" (the default: no egress, no other episode's containers) or "
-                            "\"bridge\" (Docker's ordinary bridge, for a task that needs the network)")
+            problems.append(
+                f"{where}/env.toml: network = {network!r} is not a network mode; use "
+                '"isolated" (the default: no egress, no other episode\'s containers) or '
+                '"bridge" (Docker\'s ordinary bridge, for a task that needs the network)'
+            )
             continue
-        envs[folder.name] = EnvSpec(folder.name, folder, dockerfile, str(name), command, image_env,
-                                    _digest(folder), network)
+        envs[folder.name] = EnvSpec(
+            folder.name, folder, dockerfile, str(name), command, image_env, _digest(folder), network
+        )
     return envs
 
 
@@ -1293,7 +1689,7 @@ def parse_dockerfile(text: str) -> tuple[tuple[str, ...], dict[str, str]]:
     text = re.sub(r"\\\r?\n", " ", text)
     entrypoint: list[str] = []
     cmd: list[str] = []
-    cmd_set = False                      # whether this stage wrote its own CMD
+    cmd_set = False  # whether this stage wrote its own CMD
     env: dict[str, str] = {}
     for line in text.splitlines():
         line = line.strip()
@@ -1301,20 +1697,22 @@ def parse_dockerfile(text: str) -> tuple[tuple[str, ...], dict[str, str]]:
             continue
         word, _, rest = line.partition(" ")
         word, rest = word.upper(), rest.strip()
-        if word == "FROM":               # a new stage: only the last one's settings count
+        if word == "FROM":  # a new stage: only the last one's settings count
             entrypoint, cmd, cmd_set, env = [], [], False, {}
         elif word in ("CMD", "ENTRYPOINT"):
             if rest.startswith("["):
                 try:
                     argv = json.loads(rest)
                 except json.JSONDecodeError:
-                    raise ValueError(f"{word} {rest} is not valid JSON; write {word} [\"prog\", \"arg\"]")
+                    raise ValueError(
+                        f'{word} {rest} is not valid JSON; write {word} ["prog", "arg"]'
+                    ) from None
             else:
                 argv = ["/bin/sh", "-c", rest]
             if word == "CMD":
                 cmd, cmd_set = argv, True
             else:
-                entrypoint = argv        # Docker drops an inherited CMD here, not the stage's own
+                entrypoint = argv  # Docker drops an inherited CMD here, not the stage's own
                 cmd = cmd if cmd_set else []
         elif word == "ENV":
             if "=" in rest.split(" ")[0]:
@@ -1326,8 +1724,10 @@ def parse_dockerfile(text: str) -> tuple[tuple[str, ...], dict[str, str]]:
                 env[key] = value.strip()
     command = tuple(entrypoint + cmd)
     if not command:
-        raise ValueError("has no CMD or ENTRYPOINT; add CMD [\"python\", \"server.py\"] (the command "
-                         "that starts the env's MCP server)")
+        raise ValueError(
+            'has no CMD or ENTRYPOINT; add CMD ["python", "server.py"] (the command '
+            "that starts the env's MCP server)"
+        )
     return command, env
 
 
@@ -1353,7 +1753,11 @@ def _load_verifiers(root: Path, problems: dict[str, str]) -> dict[str, Path]:
         if folder.name.startswith(".") or not folder.is_dir():
             continue
         py = [p for p in folder.glob("*.py")]
-        path = folder / "verify.py" if (folder / "verify.py").is_file() else (py[0] if len(py) == 1 else None)
+        path = (
+            folder / "verify.py"
+            if (folder / "verify.py").is_file()
+            else (py[0] if len(py) == 1 else None)
+        )
         if path is None:
             continue  # an artifact of data files; only a verifier step naming it needs Python
         where = f"artifacts/{folder.name}/{path.name}"
@@ -1362,36 +1766,59 @@ def _load_verifiers(root: Path, problems: dict[str, str]) -> dict[str, Path]:
         except (SyntaxError, UnicodeDecodeError) as exc:
             problems[folder.name] = f"{where}: does not parse ({exc}); fix it"
             continue
-        verify = next((n for n in tree.body if isinstance(n, (ast.AsyncFunctionDef, ast.FunctionDef))
-                       and n.name == "verify"), None)
+        verify = next(
+            (
+                n
+                for n in tree.body
+                if isinstance(n, (ast.AsyncFunctionDef, ast.FunctionDef)) and n.name == "verify"
+            ),
+            None,
+        )
         if not isinstance(verify, ast.AsyncFunctionDef):
-            problems[folder.name] = (f"{where}: has no `async def verify(mcp_url)`; an "
-                                     "env_outcome_verifier's artifact defines it and returns a "
-                                     "list of {id, result, description} rows")
+            problems[folder.name] = (
+                f"{where}: has no `async def verify(mcp_url)`; an "
+                "env_outcome_verifier's artifact defines it and returns a "
+                "list of {id, result, description} rows"
+            )
             continue
         args = verify.args
         positional = args.posonlyargs + args.args
         if len(positional) - len(args.defaults) != 1 or any(d is None for d in args.kw_defaults):
-            problems[folder.name] = (f"{where}: verify must take exactly one argument without a "
-                                     "default (the env's MCP URL); agentenv.py calls verify(mcp_url)")
+            problems[folder.name] = (
+                f"{where}: verify must take exactly one argument without a "
+                "default (the env's MCP URL); agentenv.py calls verify(mcp_url)"
+            )
             continue
         found[folder.name] = path
     return found
 
 
 def _load_artifacts(root: Path) -> dict[str, Path]:
-    """Every artifact's folder by name: what load_artifact, run_code and run_docker_container use."""
+    """Every artifact's folder by name: what load_artifact, run_code and run_docker_container
+    use."""
     art_dir = root / "artifacts"
-    return {f.name: f for f in sorted(art_dir.iterdir()) if f.is_dir() and not f.name.startswith(".")
-            and f.name != "__pycache__"} if art_dir.is_dir() else {}
+    return (
+        {
+            f.name: f
+            for f in sorted(art_dir.iterdir())
+            if f.is_dir() and not f.name.startswith(".") and f.name != "__pycache__"
+        }
+        if art_dir.is_dir()
+        else {}
+    )
 
 
 def artifact_files(folder: Path) -> dict[str, Path]:
     """An artifact's files by their path inside it (its artifact.toml and hidden files left out)."""
-    return {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != "artifact.toml"
-            and not any(part.startswith(".") or part == "__pycache__"
-                        for part in p.relative_to(folder).parts)}
+    return {
+        p.relative_to(folder).as_posix(): p
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+        and p.name != "artifact.toml"
+        and not any(
+            part.startswith(".") or part == "__pycache__" for part in p.relative_to(folder).parts
+        )
+    }
 
 
 def _load_skills(root: Path, problems: list[str]) -> dict[str, Path]:
@@ -1402,8 +1829,10 @@ def _load_skills(root: Path, problems: list[str]) -> dict[str, Path]:
         if folder.name.startswith(".") or not folder.is_dir():
             continue
         if not (folder / "SKILL.md").is_file():
-            problems.append(f"skills/{folder.name}/: has no SKILL.md; a skill is a folder with its "
-                            "SKILL.md (a --- name/description --- header, then its text)")
+            problems.append(
+                f"skills/{folder.name}/: has no SKILL.md; a skill is a folder with its "
+                "SKILL.md (a --- name/description --- header, then its text)"
+            )
         else:
             found[folder.name] = folder
     return found
@@ -1435,15 +1864,24 @@ def shared(value: Any, texts: dict[str, str]) -> Any:
     return value
 
 
-def _load_task(path: str, name: str, task_id: str, shelf: Shelf, reward: str | None,
-               problems: list[str], texts: dict[str, str]) -> Task | None:
+def _load_task(
+    path: str,
+    name: str,
+    task_id: str,
+    shelf: Shelf,
+    reward: str | None,
+    problems: list[str],
+    texts: dict[str, str],
+) -> Task | None:
     """Load and check the task ``name``, the file ``path`` (tasks/<name>.json), its strings
     shared with the bundle's other tasks through ``texts``."""
     where = f"tasks/{name}.json"
     try:
         raw = shared(json.loads(read_bytes(path)), texts)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        problems.append(f"{where}: is not valid JSON ({exc}); a task is a JSON array of step objects")
+        problems.append(
+            f"{where}: is not valid JSON ({exc}); a task is a JSON array of step objects"
+        )
         return None
     if not isinstance(raw, list) or not raw:
         problems.append(f"{where}: a task is a non-empty JSON array of step objects")
@@ -1464,16 +1902,42 @@ def _load_task(path: str, name: str, task_id: str, shelf: Shelf, reward: str | N
 # What a step of each type may hold, worked out once rather than for each of a bundle's thousands
 # of steps. type: (required fields, every field it accepts, its fields as a message lists them)
 STEP_RULES: dict[str, tuple[set[str], set[str], str]] = {
-    stype: (required, required | optional | IGNORED_FIELDS.get(stype, set()) | COMMON_FIELDS,
-            ", ".join(sorted(required | optional)))
-    for stype, (required, optional) in STEP_FIELDS.items()}
+    stype: (
+        required,
+        required | optional | IGNORED_FIELDS.get(stype, set()) | COMMON_FIELDS,
+        ", ".join(sorted(required | optional)),
+    )
+    for stype, (required, optional) in STEP_FIELDS.items()
+}
 # The fields of a step that must be text, and those that must be positive numbers.
-TEXT_FIELDS = {"prompt", "system_prompt", "prompt_id", "agent_name", "role", "env_id",
-               "file_artifact_id", "verifier_id", "sandbox_name", "sandbox_mode", "image",
-               "container_name", "destination_path", "artifact_id", "script_artifact_id",
-               "script_file", "entrypoint", "result_id", "base_dir", "command", "user",
-               "reward_path", "docker_context_artifact_id", "dockerfile_path", "ready_command",
-               "network"}
+TEXT_FIELDS = {
+    "prompt",
+    "system_prompt",
+    "prompt_id",
+    "agent_name",
+    "role",
+    "env_id",
+    "file_artifact_id",
+    "verifier_id",
+    "sandbox_name",
+    "sandbox_mode",
+    "image",
+    "container_name",
+    "destination_path",
+    "artifact_id",
+    "script_artifact_id",
+    "script_file",
+    "entrypoint",
+    "result_id",
+    "base_dir",
+    "command",
+    "user",
+    "reward_path",
+    "docker_context_artifact_id",
+    "dockerfile_path",
+    "ready_command",
+    "network",
+}
 POSITIVE_FIELDS = {"timeout_seconds", "cpu", "memory_mb", "shell_timeout_seconds", "timeout_sec"}
 TEXT_LISTS = {"setup_commands", "result_paths", "verifier_ids", "extra_networks"}
 
@@ -1487,14 +1951,15 @@ def _shell_words(text: str) -> list[str] | None:
         return None
 
 
-def _load_step(item: Any, n: int, where: str, task: str, seen: set[str],
-               problems: list[str]) -> Step | None:
+def _load_step(
+    item: Any, n: int, where: str, task: str, seen: set[str], problems: list[str]
+) -> Step | None:
     if not isinstance(item, dict):
         problems.append(f"{where}: step #{n} is not a JSON object")
         return None
     sid, stype = item.get("id"), item.get("type")
     if not isinstance(sid, str) or not sid:
-        problems.append(f"{where}: step #{n} has no id; give every step a unique \"id\"")
+        problems.append(f'{where}: step #{n} has no id; give every step a unique "id"')
         return None
     at = f"{where}: task {task!r} step {sid!r}"
     if sid in seen:
@@ -1504,29 +1969,35 @@ def _load_step(item: Any, n: int, where: str, task: str, seen: set[str],
         problems.append(f"{at} ({stype}): {REFUSED_TYPES[stype]}")
         return None
     if not isinstance(stype, str) or stype not in STEP_RULES:
-        problems.append(f"{at} has type {stype!r}, which agentenv.py does not run; it runs: "
-                        f"{', '.join(STEP_FIELDS)}. Rewrite the step with those, or run this task "
-                        "with agent-env itself")
+        problems.append(
+            f"{at} has type {stype!r}, which agentenv.py does not run; it runs: "
+            f"{', '.join(STEP_FIELDS)}. Rewrite the step with those, or run this task "
+            "with agent-env itself"
+        )
         return None
     required, accepted, takes = STEP_RULES[stype]
     for key in sorted(required.difference(item)):
         problems.append(f"{at} ({stype}) lacks the field {key!r}; add it")
-    if not accepted.issuperset(item):       # asked first: the set of the rest costs more to make
+    if not accepted.issuperset(item):  # asked first: the set of the rest costs more to make
         for key in sorted(set(item) - accepted):
-            problems.append(f"{at} ({stype}) has the field {key!r}, which agentenv.py does not "
-                            f"support; a {stype} step takes {takes}")
+            problems.append(
+                f"{at} ({stype}) has the field {key!r}, which agentenv.py does not "
+                f"support; a {stype} step takes {takes}"
+            )
     if "retry_config" in item:
         problems.append(f"{at}: retry_config can replay a turn played from outside; remove it")
     deps = item.get("depends_on")
     if deps is None:
-        deps = sorted(seen)      # AgentEnv's rule: no depends_on means every step before this one
+        deps = sorted(seen)  # AgentEnv's rule: no depends_on means every step before this one
     elif not (isinstance(deps, list) and all(isinstance(d, str) for d in deps)):
         problems.append(f"{at}: depends_on must be a list of earlier step ids")
         deps = []
     for dep in deps:
         if dep not in seen:
-            problems.append(f"{at}: depends_on names {dep!r}, which is not an earlier step of the task")
-    fail = item.get("fail_task_on_error", stype != "reset_env")     # AgentEnv's defaults
+            problems.append(
+                f"{at}: depends_on names {dep!r}, which is not an earlier step of the task"
+            )
+    fail = item.get("fail_task_on_error", stype != "reset_env")  # AgentEnv's defaults
     if not isinstance(fail, bool):
         problems.append(f"{at}: fail_task_on_error must be true or false")
     # One pass over the step's own fields, typing those that have a type (a step holds a few of
@@ -1538,19 +2009,31 @@ def _load_step(item: Any, n: int, where: str, task: str, seen: set[str],
         fields[key] = value
         if key in TEXT_FIELDS and not isinstance(value, str):
             problems.append(f"{at}: {key} must be a string")
-        elif key in TEXT_LISTS and not (isinstance(value, list)
-                                        and all(isinstance(v, str) for v in value)):
+        elif key in TEXT_LISTS and not (
+            isinstance(value, list) and all(isinstance(v, str) for v in value)
+        ):
             problems.append(f"{at}: {key} must be a list of strings")
-        elif key == "command_override" and not (isinstance(value, str) and _shell_words(value)
-                                                or isinstance(value, list) and value
-                                                and all(isinstance(v, str) for v in value)):
-            problems.append(f"{at}: command_override must be the command as text (AgentEnv's: "
-                            "'sleep infinity', split as a shell splits it) or a list of strings")
-        elif key in ("env_vars", "args") and not (isinstance(value, dict) and all(
-                isinstance(v, (str, int, float, bool)) or key == "args" for v in value.values())):
-            problems.append(f"{at}: {key} must be an object" + (" of strings" * (key == "env_vars")))
-        elif key in POSITIVE_FIELDS and (not isinstance(value, (int, float))
-                                         or isinstance(value, bool) or value <= 0):
+        elif key == "command_override" and not (
+            isinstance(value, str)
+            and _shell_words(value)
+            or isinstance(value, list)
+            and value
+            and all(isinstance(v, str) for v in value)
+        ):
+            problems.append(
+                f"{at}: command_override must be the command as text (AgentEnv's: "
+                "'sleep infinity', split as a shell splits it) or a list of strings"
+            )
+        elif key in ("env_vars", "args") and not (
+            isinstance(value, dict)
+            and all(isinstance(v, (str, int, float, bool)) or key == "args" for v in value.values())
+        ):
+            problems.append(
+                f"{at}: {key} must be an object" + (" of strings" * (key == "env_vars"))
+            )
+        elif key in POSITIVE_FIELDS and (
+            not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0
+        ):
             problems.append(f"{at}: {key} must be a positive number")
     return Step(sid, stype, tuple(deps), fail is not False, fields)
 
@@ -1564,13 +2047,19 @@ def works_in_sandbox(steps: list[Step], agent: str) -> bool:
     bash): some step puts something in its box, checks it, or gives it skills."""
     for step in steps:
         named = step.get("agent_name")
-        if step.type in ("run_code", "add_skills", "verify_sandbox") and not step.get("sandbox_name"):
+        if step.type in ("run_code", "add_skills", "verify_sandbox") and not step.get(
+            "sandbox_name"
+        ):
             named = named or DEFAULT_AGENT
         if named != agent:
             continue
-        if step.type in ("load_artifact", "run_code", "add_skills", "verify_sandbox",
-                         "run_container_unit_tests_verifier") or \
-                (step.type == "deploy_agent" and step.get("skills")):
+        if step.type in (
+            "load_artifact",
+            "run_code",
+            "add_skills",
+            "verify_sandbox",
+            "run_container_unit_tests_verifier",
+        ) or (step.type == "deploy_agent" and step.get("skills")):
             return True
     return False
 
@@ -1582,13 +2071,15 @@ class TaskCheck:
     def __init__(self, name: str, task_id: str, shelf: Shelf, problems: list[str]):
         self.name, self.task_id, self.shelf, self.problems = name, task_id, shelf, problems
         self.at = f"tasks/{name}.json: task {name!r}"
-        self.deployed: dict[str, str] = {}        # env_id as written -> env folder name
+        self.deployed: dict[str, str] = {}  # env_id as written -> env folder name
         self.agents: dict[str, Step] = {}
-        self.sandboxes: dict[str, Step] = {}      # deploy_sandbox steps by sandbox_name
-        self.containers: set[tuple[str, str]] = set()   # (sandbox, container) run_docker_container runs
+        self.sandboxes: dict[str, Step] = {}  # deploy_sandbox steps by sandbox_name
+        self.containers: set[tuple[str, str]] = (
+            set()
+        )  # (sandbox, container) run_docker_container runs
         self.prompt_ids: set[str] = set()
         self.verifier_ids: set[str] = set()
-        self.made_by: dict[tuple[str, str], str] = {}    # (kind, name) -> the step that makes it
+        self.made_by: dict[tuple[str, str], str] = {}  # (kind, name) -> the step that makes it
         self.last_turn: str | None = None
         self.ancestors: dict[str, set[str]] = {}
 
@@ -1600,21 +2091,28 @@ class TaskCheck:
         # words made only for a problem: a bundle has 10,000+ steps.)
         maker = self.made_by.get((kind, thing))
         if maker is not None and maker not in self.ancestors[step.id]:
-            self.problem(step, f"uses {USED[kind]} {thing!r}, made by step {maker!r}, without "
-                               f"waiting for it; add {maker!r} to its depends_on")
+            self.problem(
+                step,
+                f"uses {USED[kind]} {thing!r}, made by step {maker!r}, without "
+                f"waiting for it; add {maker!r} to its depends_on",
+            )
 
     def check(self, steps: list[Step]) -> None:
         for step in steps:
-            self.ancestors[step.id] = waits_for = set(step.depends_on)     # directly or not
+            self.ancestors[step.id] = waits_for = set(step.depends_on)  # directly or not
             for dep in step.depends_on:
                 waits_for |= self.ancestors[dep]
             self.CHECKS[step.type](self, step)
             if step.type in SCORING_TYPES:
-                agg = step.get("score_aggregator", "weighted_average" if step.type ==
-                               "aggregate_verifiers" else "all_pass")
+                agg = step.get(
+                    "score_aggregator",
+                    "weighted_average" if step.type == "aggregate_verifiers" else "all_pass",
+                )
                 if agg not in SCORE_AGGREGATORS:
-                    self.problem(step, f"score_aggregator {agg!r} is not one of "
-                                       f"{', '.join(SCORE_AGGREGATORS)}")
+                    self.problem(
+                        step,
+                        f"score_aggregator {agg!r} is not one of {', '.join(SCORE_AGGREGATORS)}",
+                    )
                 default = step.id if step.type != "verify_sandbox" else None
                 if step.get("verifier_id", default):
                     self.verifier_ids.add(step.get("verifier_id", default))
@@ -1623,8 +2121,11 @@ class TaskCheck:
 
     def env(self, step: Step) -> None:
         if step.get("env_id") not in self.deployed:
-            self.problem(step, f"env_id {step.get('env_id')!r} is not deployed by an earlier "
-                               "deploy_env step of the task")
+            self.problem(
+                step,
+                f"env_id {step.get('env_id')!r} is not deployed by an earlier "
+                "deploy_env step of the task",
+            )
         self.needs(step, "env", step.get("env_id"))
 
     def agent(self, step: Step, default: str | None = DEFAULT_AGENT) -> None:
@@ -1637,11 +2138,17 @@ class TaskCheck:
         name = step.get("sandbox_name")
         made = self.sandboxes.get(name)
         if made is None:
-            self.problem(step, f"sandbox_name {name!r} is not deployed by an earlier deploy_sandbox "
-                               "step of the task")
+            self.problem(
+                step,
+                f"sandbox_name {name!r} is not deployed by an earlier deploy_sandbox "
+                "step of the task",
+            )
         elif mode and made.get("sandbox_mode") != mode:
-            self.problem(step, f"sandbox {name!r} is in {made.get('sandbox_mode')} mode; this step "
-                               f"needs one in {mode} mode")
+            self.problem(
+                step,
+                f"sandbox {name!r} is in {made.get('sandbox_mode')} mode; this step "
+                f"needs one in {mode} mode",
+            )
         self.needs(step, "sandbox", name)
 
     def box(self, step: Step, default_agent: str | None = DEFAULT_AGENT) -> None:
@@ -1649,8 +2156,11 @@ class TaskCheck:
         deployed env runs (env_id); one of them."""
         named = [k for k in ("env_id", "sandbox_name", "agent_name") if step.get(k)]
         if len(named) > 1:
-            self.problem(step, f"{step.type}: set at most one of `env_id`, `sandbox_name` and "
-                               f"`agent_name`; got {named}")
+            self.problem(
+                step,
+                f"{step.type}: set at most one of `env_id`, `sandbox_name` and "
+                f"`agent_name`; got {named}",
+            )
         elif step.get("env_id"):
             self.env(step)
         elif step.get("sandbox_name"):
@@ -1661,8 +2171,11 @@ class TaskCheck:
     def artifact(self, step: Step, key: str, name: Any) -> Path | None:
         folder = self.shelf.artifacts.get(name) if isinstance(name, str) else None
         if folder is None:
-            self.problem(step, f"{key} {name!r} names no artifact of the bundle; add "
-                               f"artifacts/{name}/ with its files")
+            self.problem(
+                step,
+                f"{key} {name!r} names no artifact of the bundle; add "
+                f"artifacts/{name}/ with its files",
+            )
         return folder
 
     def skills(self, step: Step, skills: Any) -> None:
@@ -1675,28 +2188,50 @@ class TaskCheck:
                 self.problem(step, f"{where} must be an object")
                 continue
             if skill.get("object_url") or skill.get("s3_url") or skill.get("skill_s3_url"):
-                self.problem(step, f"{where} is fetched from a URL, and boxes here have no network; "
-                                   "put it in skills/<name>/SKILL.md and name it with "
-                                   "skill_artifact_id")
+                self.problem(
+                    step,
+                    f"{where} is fetched from a URL, and boxes here have no network; "
+                    "put it in skills/<name>/SKILL.md and name it with "
+                    "skill_artifact_id",
+                )
             elif "skill_artifact_id" in skill:
                 if skill["skill_artifact_id"] not in self.shelf.skills:
-                    self.problem(step, f"{where}: skill_artifact_id {skill['skill_artifact_id']!r} "
-                                       "names no skill of the bundle; add skills/<name>/SKILL.md")
-                if extra := sorted(set(skill) & {"body", "license", "compatibility", "metadata",
-                                                 "allowed_tools", "skill_md", "content"}):
-                    self.problem(step, f"{where}: a skill with skill_artifact_id must not have "
-                                       f"{'/'.join(extra)}")
+                    self.problem(
+                        step,
+                        f"{where}: skill_artifact_id {skill['skill_artifact_id']!r} "
+                        "names no skill of the bundle; add skills/<name>/SKILL.md",
+                    )
+                if extra := sorted(
+                    set(skill)
+                    & {
+                        "body",
+                        "license",
+                        "compatibility",
+                        "metadata",
+                        "allowed_tools",
+                        "skill_md",
+                        "content",
+                    }
+                ):
+                    self.problem(
+                        step,
+                        f"{where}: a skill with skill_artifact_id must not have {'/'.join(extra)}",
+                    )
             else:
                 body = skill.get("body", skill.get("skill_md", skill.get("content")))
                 name = skill.get("name")
                 if not isinstance(body, str):
-                    self.problem(step, f"{where} names no source; set body (its text) or "
-                                       "skill_artifact_id")
+                    self.problem(
+                        step, f"{where} names no source; set body (its text) or skill_artifact_id"
+                    )
                 elif not isinstance(name, str) or not SKILL_NAME.fullmatch(name):
-                    self.problem(step, f"{where}: name {name!r} must be 1-64 of a-z, 0-9 and "
-                                       "single hyphens")
-                elif not isinstance(skill.get("description"), str) or \
-                        not 0 < len(skill["description"]) <= 1024:
+                    self.problem(
+                        step, f"{where}: name {name!r} must be 1-64 of a-z, 0-9 and single hyphens"
+                    )
+                elif (
+                    not isinstance(skill.get("description"), str)
+                    or not 0 < len(skill["description"]) <= 1024
+                ):
                     self.problem(step, f"{where}: description must be text of 1 to 1024 characters")
 
     # -- the checks, one per step type
@@ -1705,8 +2240,11 @@ class TaskCheck:
         env_id = step.get("env_id")
         env = _resolve_env(env_id, self.shelf.envs, self.task_id)
         if env is None:
-            self.problem(step, f"env_id {env_id!r} names no env of the bundle; it has "
-                               f"{', '.join(self.shelf.envs) or 'none'} (add envs/{env_id}/)")
+            self.problem(
+                step,
+                f"env_id {env_id!r} names no env of the bundle; it has "
+                f"{', '.join(self.shelf.envs) or 'none'} (add envs/{env_id}/)",
+            )
         elif env_id in self.deployed:
             self.problem(step, f"deploys {env_id!r} a second time; deploy each env once")
         else:
@@ -1729,13 +2267,16 @@ class TaskCheck:
         else:
             for env_id in env_ids:
                 if env_id not in self.deployed:
-                    self.problem(step, f"env_ids names {env_id!r}, which no earlier deploy_env step "
-                                       "of the task deploys")
+                    self.problem(
+                        step,
+                        f"env_ids names {env_id!r}, which no earlier deploy_env step "
+                        "of the task deploys",
+                    )
                 self.needs(step, "env", env_id)
         if "skills" in step.fields:
             self.skills(step, step.get("skills"))
         if step.get("sandbox_name"):
-            self.sandbox(step)      # its mode matters only where the agent works there (below)
+            self.sandbox(step)  # its mode matters only where the agent works there (below)
 
     def placed(self, agent: Step) -> None:
         """An agent that works in a box, placed on a sandbox (deploy_agent's sandbox_name): as
@@ -1745,19 +2286,27 @@ class TaskCheck:
         if made is None:
             return
         if made.get("sandbox_mode") != "vm":
-            self.problem(agent, f"Cannot link agent to sandbox {name!r} "
-                                f"(mode={made.get('sandbox_mode')!r}); only VM-mode sandboxes can "
-                                "host an additional agent container")
+            self.problem(
+                agent,
+                f"Cannot link agent to sandbox {name!r} "
+                f"(mode={made.get('sandbox_mode')!r}); only VM-mode sandboxes can "
+                "host an additional agent container",
+            )
         elif 8000 not in (ports if isinstance(ports := made.get("exposed_ports"), list) else []):
-            self.problem(agent, f"Sandbox {name!r} does not expose port 8000; re-deploy it with "
-                                "exposed_ports=[8000] (AgentEnv reaches an agent placed on a "
-                                "sandbox there; agentenv.py publishes nothing, but keeps the task "
-                                "as AgentEnv runs it)")
+            self.problem(
+                agent,
+                f"Sandbox {name!r} does not expose port 8000; re-deploy it with "
+                "exposed_ports=[8000] (AgentEnv reaches an agent placed on a "
+                "sandbox there; agentenv.py publishes nothing, but keeps the task "
+                "as AgentEnv runs it)",
+            )
 
     def _prompt_agent(self, step: Step) -> None:
         agent = step.get("agent_name", DEFAULT_AGENT)
         if agent not in self.agents:
-            self.problem(step, f"prompts agent {agent!r}, which no earlier deploy_agent step deploys")
+            self.problem(
+                step, f"prompts agent {agent!r}, which no earlier deploy_agent step deploys"
+            )
         self.needs(step, "agent", agent)
         if not isinstance(step.get("prompt"), str) or not step.get("prompt").strip():
             self.problem(step, "prompt must be non-empty text")
@@ -1765,8 +2314,11 @@ class TaskCheck:
             self.prompt_ids.add(step.get("prompt_id"))
             self.made_by[("prompt", step.get("prompt_id"))] = step.id
         if self.last_turn is not None and self.last_turn not in self.ancestors[step.id]:
-            self.problem(step, f"may open while turn {self.last_turn!r} is still open; the agent "
-                               f"plays one turn at a time, so add {self.last_turn!r} to its depends_on")
+            self.problem(
+                step,
+                f"may open while turn {self.last_turn!r} is still open; the agent "
+                f"plays one turn at a time, so add {self.last_turn!r} to its depends_on",
+            )
         self.last_turn = step.id
 
     def _env_outcome_verifier(self, step: Step) -> None:
@@ -1775,13 +2327,19 @@ class TaskCheck:
         if artifact in self.shelf.broken:
             self.problems.append(self.shelf.broken[artifact])
         if artifact not in self.shelf.verifiers:
-            self.problem(step, f"file_artifact_id {artifact!r} names no verifier artifact; add "
-                               f"artifacts/{artifact}/verify.py with `async def verify(mcp_url)`")
+            self.problem(
+                step,
+                f"file_artifact_id {artifact!r} names no verifier artifact; add "
+                f"artifacts/{artifact}/verify.py with `async def verify(mcp_url)`",
+            )
 
     def _agent_prompt_response_verifier(self, step: Step) -> None:
         if step.get("prompt_id") not in self.prompt_ids:
-            self.problem(step, f"prompt_id {step.get('prompt_id')!r} names no earlier prompt_agent "
-                               "step; give that step the same prompt_id")
+            self.problem(
+                step,
+                f"prompt_id {step.get('prompt_id')!r} names no earlier prompt_agent "
+                "step; give that step the same prompt_id",
+            )
         self.needs(step, "prompt", step.get("prompt_id"))
         _check_criteria(step, f"{self.at} step {step.id!r}", self.problems)
 
@@ -1790,11 +2348,17 @@ class TaskCheck:
         if mode not in ("container", "vm"):
             self.problem(step, f"sandbox_mode must be one of ['container', 'vm'], got {mode!r}")
         elif mode == "container" and not step.get("image"):
-            self.problem(step, "a container-mode sandbox runs an image: set image (one this "
-                               "machine's Docker holds; nothing is pulled)")
+            self.problem(
+                step,
+                "a container-mode sandbox runs an image: set image (one this "
+                "machine's Docker holds; nothing is pulled)",
+            )
         if name in self.sandboxes:
-            self.problem(step, f"sandbox {name!r} is already deployed by step "
-                               f"{self.made_by[('sandbox', name)]!r}; give each sandbox its own name")
+            self.problem(
+                step,
+                f"sandbox {name!r} is already deployed by step "
+                f"{self.made_by[('sandbox', name)]!r}; give each sandbox its own name",
+            )
         self.sandboxes[name] = step
         self.made_by[("sandbox", name)] = step.id
 
@@ -1804,26 +2368,41 @@ class TaskCheck:
 
     def _load_artifact(self, step: Step) -> None:
         if step.get("urls"):
-            self.problem(step, "urls are downloads, and agentenv.py runs without network; put the "
-                               "files in artifacts/<name>/ and load them with artifact_id")
+            self.problem(
+                step,
+                "urls are downloads, and agentenv.py runs without network; put the "
+                "files in artifacts/<name>/ and load them with artifact_id",
+            )
         targets = [k for k in ("agent_name", "sandbox_name", "env_id") if step.get(k)]
         if len(targets) != 1:
-            self.problem(step, "names where to load: set agent_name (the agent's box), "
-                               "sandbox_name (a deploy_sandbox box, and container_name for a "
-                               "container it runs) or env_id (a deployed env), one of them")
+            self.problem(
+                step,
+                "names where to load: set agent_name (the agent's box), "
+                "sandbox_name (a deploy_sandbox box, and container_name for a "
+                "container it runs) or env_id (a deployed env), one of them",
+            )
         elif step.get("container_name") and not step.get("sandbox_name"):
-            self.problem(step, "`container_name` requires `sandbox_name`: the sandbox whose "
-                               "run_docker_container step runs it")
+            self.problem(
+                step,
+                "`container_name` requires `sandbox_name`: the sandbox whose "
+                "run_docker_container step runs it",
+            )
         else:
             self.box(step, None)
         if step.get("container_name"):
             where = (step.get("sandbox_name"), step.get("container_name"))
             if where not in self.containers:
-                self.problem(step, f"Container {where[1]!r} not found on sandbox {where[0]!r}: no "
-                                   "earlier run_docker_container step runs it")
+                self.problem(
+                    step,
+                    f"Container {where[1]!r} not found on sandbox {where[0]!r}: no "
+                    "earlier run_docker_container step runs it",
+                )
         listed = step.get("artifacts")
-        names = [a.get("id") if isinstance(a, dict) else None for a in listed] \
-            if isinstance(listed, list) else None
+        names = (
+            [a.get("id") if isinstance(a, dict) else None for a in listed]
+            if isinstance(listed, list)
+            else None
+        )
         if listed is not None and names is None:
             self.problem(step, "artifacts must be a list of {id, version}")
         elif not names and not step.get("artifact_id") and not step.get("urls"):
@@ -1839,16 +2418,20 @@ class TaskCheck:
         scripts = [n for n in artifact_files(folder) if n.endswith(".py") and "/" not in n]
         entry = step.get("script_file") or (scripts[0] if len(scripts) == 1 else "run.py")
         if entry not in scripts:
-            self.problem(step, f"script {entry!r} is not a .py file at the top of "
-                               f"artifacts/{folder.name}/ (it has {scripts}); set script_file")
+            self.problem(
+                step,
+                f"script {entry!r} is not a .py file at the top of "
+                f"artifacts/{folder.name}/ (it has {scripts}); set script_file",
+            )
         if not isinstance(step.get("entrypoint", "run"), str):
             self.problem(step, "entrypoint must be the name of the function to call")
 
     def _verify_sandbox(self, step: Step) -> None:
         if step.get("sandbox_name"):
             if step.get("agent_name") not in (None, DEFAULT_AGENT):
-                self.problem(step, "verify_sandbox: set either `agent_name` or `sandbox_name`, not "
-                                   "both")
+                self.problem(
+                    step, "verify_sandbox: set either `agent_name` or `sandbox_name`, not both"
+                )
             self.sandbox(step)
         else:
             self.agent(step)
@@ -1858,88 +2441,136 @@ class TaskCheck:
             return
         for n, c in enumerate(criteria):
             kind = c.get("type")
-            if kind in ("probe_file_exists", "probe_dir_exists", "probe_file_contains") and \
-                    not (isinstance(c.get("paths", []), list)
-                         and all(isinstance(x, str) for x in c.get("paths", []))):
+            if kind in ("probe_file_exists", "probe_dir_exists", "probe_file_contains") and not (
+                isinstance(c.get("paths", []), list)
+                and all(isinstance(x, str) for x in c.get("paths", []))
+            ):
                 self.problem(step, f"criterion #{n} ({kind}): paths must be a list of paths")
             elif kind == "bash_cmd_succeeds" and not isinstance(c.get("bash_cmd", ""), str):
-                self.problem(step, f"criterion #{n} (bash_cmd_succeeds): bash_cmd must be a command")
-            if not isinstance(c.get("weight", 1.0), (int, float)) or isinstance(c.get("weight"), bool):
+                self.problem(
+                    step, f"criterion #{n} (bash_cmd_succeeds): bash_cmd must be a command"
+                )
+            if not isinstance(c.get("weight", 1.0), (int, float)) or isinstance(
+                c.get("weight"), bool
+            ):
                 self.problem(step, f"criterion #{n}: weight must be a number")
 
     def _aggregate_verifiers(self, step: Step) -> None:
         for vid in step.get("verifier_ids", []):
             if vid not in self.verifier_ids:
-                self.problem(step, f"verifier_ids names {vid!r}, which no earlier scoring step "
-                                   f"records; they record {sorted(self.verifier_ids)} (a step's "
-                                   "verifier_id, or its id)")
+                self.problem(
+                    step,
+                    f"verifier_ids names {vid!r}, which no earlier scoring step "
+                    f"records; they record {sorted(self.verifier_ids)} (a step's "
+                    "verifier_id, or its id)",
+                )
 
     def _run_docker_container(self, step: Step) -> None:
         self.sandbox(step, "vm")
         if step.get("docker_context_url"):
-            self.problem(step, "docker_context_url is a download, and agentenv.py runs without "
-                               "network; put the build context in artifacts/<name>/ and name it "
-                               "with docker_context_artifact_id")
+            self.problem(
+                step,
+                "docker_context_url is a download, and agentenv.py runs without "
+                "network; put the build context in artifacts/<name>/ and name it "
+                "with docker_context_artifact_id",
+            )
         elif not step.get("docker_context_artifact_id"):
-            self.problem(step, "names no build context; set docker_context_artifact_id to an "
-                               "artifact holding a Dockerfile")
+            self.problem(
+                step,
+                "names no build context; set docker_context_artifact_id to an "
+                "artifact holding a Dockerfile",
+            )
         else:
-            folder = self.artifact(step, "docker_context_artifact_id",
-                                   step.get("docker_context_artifact_id"))
+            folder = self.artifact(
+                step, "docker_context_artifact_id", step.get("docker_context_artifact_id")
+            )
             dockerfile = step.get("dockerfile_path", "Dockerfile")
             if folder is not None and not (folder / dockerfile).is_file():
-                self.problem(step, f"artifacts/{folder.name}/ has no {dockerfile}; add it, or set "
-                                   "dockerfile_path")
+                self.problem(
+                    step,
+                    f"artifacts/{folder.name}/ has no {dockerfile}; add it, or set dockerfile_path",
+                )
         for extra in step.get("extra_networks") or []:
             if extra in ("host", "none"):
-                self.problem(step, f"extra_networks names {extra!r}, which is a network mode, not a "
-                                   "network to join besides; set it as network")
+                self.problem(
+                    step,
+                    f"extra_networks names {extra!r}, which is a network mode, not a "
+                    "network to join besides; set it as network",
+                )
         where = (step.get("sandbox_name"), step.get("container_name", "task-container"))
         if where in self.containers:
-            self.problem(step, f"container {where[1]!r} already runs on sandbox {where[0]!r}; give "
-                               "each container of a sandbox its own container_name")
+            self.problem(
+                step,
+                f"container {where[1]!r} already runs on sandbox {where[0]!r}; give "
+                "each container of a sandbox its own container_name",
+            )
         self.containers.add(where)
 
     def _run_container_unit_tests_verifier(self, step: Step) -> None:
         if step.get("agent_name"):
             if step.get("sandbox_name") or step.get("container_name"):
-                self.problem(step, "runs in the agent's box (agent_name) or in a container of a "
-                                   "sandbox (sandbox_name, container_name), not both")
+                self.problem(
+                    step,
+                    "runs in the agent's box (agent_name) or in a container of a "
+                    "sandbox (sandbox_name, container_name), not both",
+                )
             self.agent(step)
         elif not step.get("sandbox_name") or not step.get("container_name"):
-            self.problem(step, "names where the tests run: agent_name (the agent's box), or "
-                               "sandbox_name and container_name (a run_docker_container container)")
+            self.problem(
+                step,
+                "names where the tests run: agent_name (the agent's box), or "
+                "sandbox_name and container_name (a run_docker_container container)",
+            )
         else:
             self.sandbox(step)
             where = (step.get("sandbox_name"), step.get("container_name"))
             if where not in self.containers:
-                self.problem(step, f"Container {where[1]!r} not found on sandbox {where[0]!r}: no "
-                                   "earlier run_docker_container step runs it")
+                self.problem(
+                    step,
+                    f"Container {where[1]!r} not found on sandbox {where[0]!r}: no "
+                    "earlier run_docker_container step runs it",
+                )
         for key in step.get("env_vars", {}) if isinstance(step.get("env_vars"), dict) else []:
             if not POSIX_NAME.fullmatch(key):
-                self.problem(step, f"env_vars key {key!r} is not a POSIX name "
-                                   "([A-Za-z_][A-Za-z0-9_]*)")
+                self.problem(
+                    step, f"env_vars key {key!r} is not a POSIX name ([A-Za-z_][A-Za-z0-9_]*)"
+                )
 
     def _reset_env(self, step: Step) -> None:
         if _resolve_env(step.get("env_id"), self.shelf.envs, self.task_id) is None:
-            self.problem(step, f"env_id: there is no env {step.get('env_id')!r} in the bundle; add "
-                               f"envs/{step.get('env_id')}/")
+            self.problem(
+                step,
+                f"env_id: there is no env {step.get('env_id')!r} in the bundle; add "
+                f"envs/{step.get('env_id')}/",
+            )
 
     CHECKS: dict[str, Callable[[TaskCheck, Step], None]] = {
-        "deploy_env": _deploy_env, "apply_server_config": _apply_server_config,
-        "deploy_agent": _deploy_agent, "prompt_agent": _prompt_agent,
+        "deploy_env": _deploy_env,
+        "apply_server_config": _apply_server_config,
+        "deploy_agent": _deploy_agent,
+        "prompt_agent": _prompt_agent,
         "env_outcome_verifier": _env_outcome_verifier,
         "agent_prompt_response_verifier": _agent_prompt_response_verifier,
-        "deploy_sandbox": _deploy_sandbox, "add_skills": _add_skills,
-        "load_artifact": _load_artifact, "run_code": _run_code, "verify_sandbox": _verify_sandbox,
-        "aggregate_verifiers": _aggregate_verifiers, "run_docker_container": _run_docker_container,
+        "deploy_sandbox": _deploy_sandbox,
+        "add_skills": _add_skills,
+        "load_artifact": _load_artifact,
+        "run_code": _run_code,
+        "verify_sandbox": _verify_sandbox,
+        "aggregate_verifiers": _aggregate_verifiers,
+        "run_docker_container": _run_docker_container,
         "run_container_unit_tests_verifier": _run_container_unit_tests_verifier,
         "reset_env": _reset_env,
     }
 
 
-def _check_task(name: str, task_id: str, steps: list[Step], shelf: Shelf, reward: str | None,
-                problems: list[str]) -> Task | None:
+def _check_task(
+    name: str,
+    task_id: str,
+    steps: list[Step],
+    shelf: Shelf,
+    reward: str | None,
+    problems: list[str],
+) -> Task | None:
     """Check how a task's steps refer to each other, its envs and its artifacts."""
     before = len(problems)
     checked = TaskCheck(name, task_id, shelf, problems)
@@ -1947,11 +2578,15 @@ def _check_task(name: str, task_id: str, steps: list[Step], shelf: Shelf, reward
     at = checked.at
     agents = checked.agents
     if len(agents) > 1:
-        problems.append(f"{at}: deploys agents {', '.join(sorted(agents))}; agentenv.py plays one "
-                        "agent from outside, so a task deploys exactly one")
+        problems.append(
+            f"{at}: deploys agents {', '.join(sorted(agents))}; agentenv.py plays one "
+            "agent from outside, so a task deploys exactly one"
+        )
     turns = [s for s in steps if s.type == "prompt_agent"]
     if not turns:
-        problems.append(f"{at}: prompts no agent, so there is no turn to play; add a prompt_agent step")
+        problems.append(
+            f"{at}: prompts no agent, so there is no turn to play; add a prompt_agent step"
+        )
     scoring = tuple(s.id for s in steps if s.type in SCORING_TYPES)
     reward_step = _choose_reward(at, scoring, reward, problems)
     if len(problems) > before:
@@ -1962,8 +2597,9 @@ def _check_task(name: str, task_id: str, steps: list[Step], shelf: Shelf, reward
         checked.placed(agent_step)
         if len(problems) > before:
             return None
-    toolset = Toolset(tuple(sorted({checked.deployed[e] for e in agent_step.get("env_ids", [])})),
-                      sandboxed)
+    toolset = Toolset(
+        tuple(sorted({checked.deployed[e] for e in agent_step.get("env_ids", [])})), sandboxed
+    )
     return Task(task_id, name, tuple(steps), agent_name, toolset, reward_step, sandboxed)
 
 
@@ -1974,8 +2610,8 @@ def _resolve_env(env_id: Any, envs: dict[str, EnvSpec], task_id: str) -> str | N
     if env_id in envs:
         return env_id
     root = task_id.rsplit("/", 1)[0]
-    if env_id.startswith(root + "/") and env_id[len(root) + 1:] in envs:
-        return env_id[len(root) + 1:]
+    if env_id.startswith(root + "/") and env_id[len(root) + 1 :] in envs:
+        return env_id[len(root) + 1 :]
     return None
 
 
@@ -1985,11 +2621,16 @@ def _check_directives(step: Step, at: str, problems: list[str]) -> None:
         problems.append(f"{at}: directives must be a non-empty list of {{service, uri, args}}")
         return
     for n, d in enumerate(directives):
-        if not isinstance(d, dict) or not isinstance(d.get("uri"), str) or \
-                not isinstance(d.get("service", d.get("environment", "*")), str) or \
-                not isinstance(d.get("args", {}), dict):
-            problems.append(f"{at}: directive #{n} must be {{\"service\": <card name or \"*\">, "
-                            "\"uri\": <extension URI>, \"args\": {...}}")
+        if (
+            not isinstance(d, dict)
+            or not isinstance(d.get("uri"), str)
+            or not isinstance(d.get("service", d.get("environment", "*")), str)
+            or not isinstance(d.get("args", {}), dict)
+        ):
+            problems.append(
+                f'{at}: directive #{n} must be {{"service": <card name or "*">, '
+                '"uri": <extension URI>, "args": {...}}'
+            )
 
 
 def _check_criteria(step: Step, at: str, problems: list[str]) -> None:
@@ -2000,13 +2641,19 @@ def _check_criteria(step: Step, at: str, problems: list[str]) -> None:
     for n, c in enumerate(criteria):
         kind = c.get("type") if isinstance(c, dict) else None
         if kind not in CRITERION_TYPES:
-            problems.append(f"{at}: criterion #{n} has type {kind!r}; the types are "
-                            f"{', '.join(CRITERION_TYPES)}")
+            problems.append(
+                f"{at}: criterion #{n} has type {kind!r}; the types are "
+                f"{', '.join(CRITERION_TYPES)}"
+            )
         elif kind == "response_contains" and not (
-                isinstance(c.get("needles"), list) and c["needles"]
-                and all(isinstance(x, str) for x in c["needles"])):
-            problems.append(f"{at}: criterion #{n} (response_contains) needs a non-empty list of "
-                            "strings as needles")
+            isinstance(c.get("needles"), list)
+            and c["needles"]
+            and all(isinstance(x, str) for x in c["needles"])
+        ):
+            problems.append(
+                f"{at}: criterion #{n} (response_contains) needs a non-empty list of "
+                "strings as needles"
+            )
         elif kind == "response_regex_present":
             pattern, flags = c.get("pattern"), c.get("flags")
             try:
@@ -2014,8 +2661,10 @@ def _check_criteria(step: Step, at: str, problems: list[str]) -> None:
                     raise re.error("the pattern is empty")
                 re.compile(pattern, _regex_flags(flags))
             except (re.error, AttributeError, TypeError) as exc:
-                problems.append(f"{at}: criterion #{n} (response_regex_present) has a pattern or "
-                                f"flags that don't compile ({exc})")
+                problems.append(
+                    f"{at}: criterion #{n} (response_regex_present) has a pattern or "
+                    f"flags that don't compile ({exc})"
+                )
 
 
 def _regex_flags(names: list[str] | None) -> int:
@@ -2033,26 +2682,33 @@ def _bad_flag(name: Any) -> int:
     raise AttributeError(f"{name!r} is not a re flag name such as IGNORECASE")
 
 
-def _choose_reward(at: str, scoring: tuple[str, ...], reward: str | None,
-                   problems: list[str]) -> str:
+def _choose_reward(
+    at: str, scoring: tuple[str, ...], reward: str | None, problems: list[str]
+) -> str:
     if reward is not None:
         if reward not in scoring:
-            problems.append(f"{at}: records no score at step {reward!r}; it records them at "
-                            f"{list(scoring)}")
+            problems.append(
+                f"{at}: records no score at step {reward!r}; it records them at {list(scoring)}"
+            )
         return reward
     if len(scoring) == 1:
         return scoring[0]
     if not scoring:
-        problems.append(f"{at}: records no score, so it has no reward; add an env_outcome_verifier "
-                        "or agent_prompt_response_verifier step")
+        problems.append(
+            f"{at}: records no score, so it has no reward; add an env_outcome_verifier "
+            "or agent_prompt_response_verifier step"
+        )
     else:
-        problems.append(f"{at}: records a score at each of {', '.join(scoring)}; name the one that "
-                        "is its reward with --reward <step id>")
+        problems.append(
+            f"{at}: records a score at each of {', '.join(scoring)}; name the one that "
+            "is its reward with --reward <step id>"
+        )
     return ""
 
 
-def _load_evals(root: Path, tasks: dict[str, Task], id_root: str,
-                problems: list[str]) -> dict[str, list[Task]]:
+def _load_evals(
+    root: Path, tasks: dict[str, Task], id_root: str, problems: list[str]
+) -> dict[str, list[Task]]:
     splits: dict[str, list[Task]] = {}
     eval_dir = root / "evals"
     if not eval_dir.is_dir():
@@ -2062,11 +2718,14 @@ def _load_evals(root: Path, tasks: dict[str, Task], id_root: str,
             continue
         where = f"evals/{path.name}"
         if path.is_dir() or path.suffix != ".toml":
-            problems.append(f"{where}: an eval is a .toml file with tasks = [...]; rename or remove it")
+            problems.append(
+                f"{where}: an eval is a .toml file with tasks = [...]; rename or remove it"
+            )
             continue
         if path.stem == "all":
-            problems.append(f"{where}: eval 'all' has the name of the split that holds every task; "
-                            "rename it")
+            problems.append(
+                f"{where}: eval 'all' has the name of the split that holds every task; rename it"
+            )
             continue
         config = _toml(path, problems)
         if config is None:
@@ -2080,13 +2739,19 @@ def _load_evals(root: Path, tasks: dict[str, Task], id_root: str,
         split: list[Task] = []
         listed: set[str] = set()
         for name in names:
-            stem = name[len(id_root) + 1:] if name.startswith(id_root + "/") else name
+            stem = name[len(id_root) + 1 :] if name.startswith(id_root + "/") else name
             if stem not in tasks:
-                if "/" not in stem and "\\" not in stem and not stem.startswith(".") and \
-                        (root / "tasks" / f"{stem}.json").is_file():
-                    continue   # the task itself has problems, reported where it is loaded
-                problems.append(f"{where}: lists {name!r}, which is not a task of the bundle; list "
-                                "tasks by name (the file name under tasks/ without .json) or by id")
+                if (
+                    "/" not in stem
+                    and "\\" not in stem
+                    and not stem.startswith(".")
+                    and (root / "tasks" / f"{stem}.json").is_file()
+                ):
+                    continue  # the task itself has problems, reported where it is loaded
+                problems.append(
+                    f"{where}: lists {name!r}, which is not a task of the bundle; list "
+                    "tasks by name (the file name under tasks/ without .json) or by id"
+                )
             elif stem in listed:
                 problems.append(f"{where}: lists {name!r} twice; an eval lists each task once")
             else:
@@ -2102,14 +2767,14 @@ def _load_evals(root: Path, tasks: dict[str, Task], id_root: str,
 # too, and otherwise log only trouble).
 build_log = logging.getLogger("agentenv.build")
 
-DOCKER_PIDS_LIMIT = 1024          # processes and threads in one env container (a fork bomb stops)
-BOX_MEMORY_MB = 2048              # a box's memory when its step sets no memory_mb
-ENV_PORT = 18765                  # the port an env's MCP server listens on in its container
-OUTPUT_LINES = 40                 # how much of an env's last output a failure quotes
+DOCKER_PIDS_LIMIT = 1024  # processes and threads in one env container (a fork bomb stops)
+BOX_MEMORY_MB = 2048  # a box's memory when its step sets no memory_mb
+ENV_PORT = 18765  # the port an env's MCP server listens on in its container
+OUTPUT_LINES = 40  # how much of an env's last output a failure quotes
 # An env's log on the host: two files of 1 MiB at most (its last output is what a failure quotes).
 ENV_LOG = {"type": "json-file", "config": {"max-size": "1m", "max-file": "2"}}
-URGENT_THREADS = 16               # threads for kills, removals and fault inspections (no slot)
-STREAM_THREADS = 1024             # threads reading commands' output (one per command running)
+URGENT_THREADS = 16  # threads for kills, removals and fault inspections (no slot)
+STREAM_THREADS = 1024  # threads reading commands' output (one per command running)
 
 
 def owner_id() -> str:
@@ -2125,7 +2790,7 @@ def _process_stat(pid: int) -> list[str]:
 
 def _process_start(pid: int) -> str:
     try:
-        return _process_stat(pid)[19]       # field 22: start time in clock ticks
+        return _process_stat(pid)[19]  # field 22: start time in clock ticks
     except (OSError, IndexError):
         return ""
 
@@ -2238,9 +2903,12 @@ class Instance(abc.ABC):
     def box(self, name: str) -> Box:
         """Where the env runs, as a box the bundle's steps act in (load_artifact and run_code
         with env_id): the env's own container, or its folder. It goes with the env."""
-        raise EpisodeFailed(f"env {name!r} runs where agentenv.py runs no bundle code, so a step "
-                            "can't load files into it or run code by it; serve with " + serve_with(
-                                providers_that(lambda able: able.env_boxes)), PROVIDER_UNAVAILABLE)
+        raise EpisodeFailed(
+            f"env {name!r} runs where agentenv.py runs no bundle code, so a step "
+            "can't load files into it or run code by it; serve with "
+            + serve_with(providers_that(lambda able: able.env_boxes)),
+            PROVIDER_UNAVAILABLE,
+        )
 
 
 class Sandbox(abc.ABC):
@@ -2258,19 +2926,19 @@ class Sandbox(abc.ABC):
     below (its warm pool, its boxes' memory, auto's order, Ray's nodes), each with the default
     a provider that says nothing gets; nothing outside the providers decides by one's name."""
 
-    kind = ""                   # its name: --sandbox KIND
-    summary = ""                # what --help says it is
-    place = ""                  # where it runs envs, in a phrase: "run {place}"
-    settings: tuple[Declared, ...] = ()     # the settings it declares, its options' names
-    gates_its_boots = False     # True where the sandbox bounds its own envs' boots (Ray: per node)
-    paced_teardown = False      # True where a removal costs this machine (Docker's): TeardownGate
+    kind = ""  # its name: --sandbox KIND
+    summary = ""  # what --help says it is
+    place = ""  # where it runs envs, in a phrase: "run {place}"
+    settings: tuple[Declared, ...] = ()  # the settings it declares, its options' names
+    gates_its_boots = False  # True where the sandbox bounds its own envs' boots (Ray: per node)
+    paced_teardown = False  # True where a removal costs this machine (Docker's): TeardownGate
     # auto tries the providers that have a rank, lowest first, and runs the first that connects
     # (None: auto never picks it); so does a Ray node's host, among those that serve Ray's nodes.
     auto_rank: int | None = None
-    serves_ray_nodes = False    # True where a Ray node's host can run its envs in it: on_ray_node
-    env_boxes = False           # True where its envs run where bundle code can act (Instance.box)
-    box_memory_mb = 0           # a box's memory when its step sets none (0: unbounded, or no box)
-    memory_of = "the machine"   # what ``memory`` measures, in the words a warning says it in
+    serves_ray_nodes = False  # True where a Ray node's host can run its envs in it: on_ray_node
+    env_boxes = False  # True where its envs run where bundle code can act (Instance.box)
+    box_memory_mb = 0  # a box's memory when its step sets none (0: unbounded, or no box)
+    memory_of = "the machine"  # what ``memory`` measures, in the words a warning says it in
 
     def __init__(self, owner: str):
         self.owner = owner
@@ -2291,8 +2959,10 @@ class Sandbox(abc.ABC):
         reached at the node's ``address``, each ending with the host's process however that
         ends. AgentEnvError, saying why, if it can't be had on that node: auto then tries the
         next."""
-        raise AgentEnvError(f"the {cls.kind} sandbox can't run a Ray node's envs; pass "
-                            + serve_with(ray_node_sandboxes()[1:], "--ray-node-sandbox"))
+        raise AgentEnvError(
+            f"the {cls.kind} sandbox can't run a Ray node's envs; pass "
+            + serve_with(ray_node_sandboxes()[1:], "--ray-node-sandbox")
+        )
 
     @classmethod
     async def connect(cls, owner: str, settings: Settings) -> Sandbox:
@@ -2302,8 +2972,11 @@ class Sandbox(abc.ABC):
 
     def describe(self, envs: list[EnvSpec]) -> list[str]:
         """What ``check`` prints of the sandbox: its name, and what each env can reach."""
-        return [f"sandbox: {self.kind}", "networks:",
-                *(f"  {env.name}: {self.network_mode(env)}" for env in envs)]
+        return [
+            f"sandbox: {self.kind}",
+            "networks:",
+            *(f"  {env.name}: {self.network_mode(env)}" for env in envs),
+        ]
 
     async def prepare(self, envs: list[EnvSpec]) -> None:
         """Remove what a crashed earlier run left, and make every env ready to launch."""
@@ -2331,17 +3004,26 @@ class Sandbox(abc.ABC):
 
     def unable(self, what: str, capability: str) -> EpisodeFailed:
         """The refusal of a capability this provider lacks: what was asked, and where it is had."""
-        able = providers_that(lambda able: getattr(able, capability) is not getattr(Sandbox,
-                                                                                 capability))
-        return EpisodeFailed(f"{what}, and the {self.kind} sandbox can't; serve with "
-                             + serve_with(able), PROVIDER_UNAVAILABLE)
+        able = providers_that(
+            lambda able: getattr(able, capability) is not getattr(Sandbox, capability)
+        )
+        return EpisodeFailed(
+            f"{what}, and the {self.kind} sandbox can't; serve with " + serve_with(able),
+            PROVIDER_UNAVAILABLE,
+        )
 
     async def prepare_box(self) -> None:
-        """Make the agent's box ready to open (its image built), for a bundle whose tasks use one."""
+        """Make the agent's box ready to open (its image built), for a bundle whose tasks use
+        one."""
 
-    async def open_box(self, episode: str, name: str, limits: dict[str, Any],
-                       network: dict[str, tuple[str, ...]] | None = None,
-                       agents: bool = False) -> Box:
+    async def open_box(
+        self,
+        episode: str,
+        name: str,
+        limits: dict[str, Any],
+        network: dict[str, tuple[str, ...]] | None = None,
+        agents: bool = False,
+    ) -> Box:
         """Open a box of our own for an episode: the agent's (``agents``), or a VM-mode
         deploy_sandbox's. With no ``network`` it is on none; else on those segments of its
         episode's network ("" the first), by those names."""
@@ -2352,9 +3034,15 @@ class Sandbox(abc.ABC):
         network."""
         raise self.unable(f"box {name!r} runs the image {image!r}", "open_image")
 
-    async def run_sibling(self, episode: str, name: str, limits: dict[str, Any], image: str,
-                          network: dict[str, tuple[str, ...]] | None = None,
-                          share: Box | None = None) -> Box:
+    async def run_sibling(
+        self,
+        episode: str,
+        name: str,
+        limits: dict[str, Any],
+        image: str,
+        network: dict[str, tuple[str, ...]] | None = None,
+        share: Box | None = None,
+    ) -> Box:
         """Run a container beside an episode's box (run_docker_container): on those segments of
         the episode's network, or in the network of box ``share``, or on none."""
         raise self.unable(f"container {name!r} runs beside its sandbox's box", "run_sibling")
@@ -2367,8 +3055,7 @@ class Sandbox(abc.ABC):
         """The name of a network of this episode alone, for containers of one episode that talk to
         each other (made on first ask, removed by ``end_episode``); ``segment`` names another of
         its networks, for containers that a task puts on a network of their own."""
-        raise self.unable("the episode's containers need a network of their own",
-                          "episode_network")
+        raise self.unable("the episode's containers need a network of their own", "episode_network")
 
 
 # The sandbox providers by name: the one registry that the commands' --sandbox, build_app's
@@ -2391,21 +3078,29 @@ def provider(cls: Any) -> Any:
 def providers_that(has: Callable[[Any], bool]) -> list[str]:
     """The names of the providers (auto aside) that have something, in the order the commands
     offer them: what a refusal names as able."""
-    return [kind for kind in sorted(PROVIDERS) if issubclass(PROVIDERS[kind], Sandbox) and
-            has(PROVIDERS[kind])]
+    return [
+        kind
+        for kind in sorted(PROVIDERS)
+        if issubclass(PROVIDERS[kind], Sandbox) and has(PROVIDERS[kind])
+    ]
 
 
 def serve_with(kinds: list[str] | tuple[str, ...], flag: str = "--sandbox") -> str:
     """The fix a refusal says: the providers that can, else that none registered can."""
-    return f"{flag} {' or '.join(kinds)}" if kinds else \
-        "a sandbox provider that can (none of those agentenv.py has can)"
+    return (
+        f"{flag} {' or '.join(kinds)}"
+        if kinds
+        else "a sandbox provider that can (none of those agentenv.py has can)"
+    )
 
 
 def auto_order(has: Callable[[Any], bool] = lambda able: True) -> list[str]:
     """The providers auto may pick (those with an ``auto_rank``, and ``has``), in the order it
     tries them."""
-    return sorted(providers_that(lambda able: able.auto_rank is not None and has(able)),
-                  key=lambda kind: PROVIDERS[kind].auto_rank)
+    return sorted(
+        providers_that(lambda able: able.auto_rank is not None and has(able)),
+        key=lambda kind: PROVIDERS[kind].auto_rank,
+    )
 
 
 async def guarded(awaitable: Any, undo: Callable[[Any], None]) -> Any:
@@ -2415,9 +3110,11 @@ async def guarded(awaitable: Any, undo: Callable[[Any], None]) -> Any:
     try:
         return await asyncio.shield(future)
     except BaseException:
+
         def later(done: asyncio.Future) -> None:
             if not done.cancelled() and done.exception() is None:
                 undo(done.result())
+
         if future.done():
             later(future)
         else:
@@ -2427,8 +3124,10 @@ async def guarded(awaitable: Any, undo: Callable[[Any], None]) -> Any:
 
 def state_dir() -> Path:
     """Where agentenv.py records the local processes it starts, so a restart can clean them up."""
-    base = os.environ.get("AGENTENV_STATE_DIR") or Path(
-        os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "agentenv"
+    base = (
+        os.environ.get("AGENTENV_STATE_DIR")
+        or Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "agentenv"
+    )
     return Path(base)
 
 
@@ -2436,9 +3135,16 @@ class LocalInstance(Instance):
     """An env run as a host process in its own process group, with a scratch folder of its own
     (its TMPDIR and database); its output kept in a ring."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, port: int, record: Path, scratch: Path,
-                 release: Callable[[], None] = lambda: None, host: str = "127.0.0.1",
-                 owner: str = ""):
+    def __init__(
+        self,
+        proc: asyncio.subprocess.Process,
+        port: int,
+        record: Path,
+        scratch: Path,
+        release: Callable[[], None] = lambda: None,
+        host: str = "127.0.0.1",
+        owner: str = "",
+    ):
         self.proc, self.port, self.record, self.scratch = proc, port, record, scratch
         self.release, self.owner = release, owner
         self._box: LocalBox | None = None
@@ -2466,7 +3172,7 @@ class LocalInstance(Instance):
         return None if code is None else f"its process exited with code {code}"
 
     async def output(self) -> str:
-        if self.proc.returncode is not None:       # its last words may still be in the pipe
+        if self.proc.returncode is not None:  # its last words may still be in the pipe
             await asyncio.wait([self.reader], timeout=1)
         return "\n".join(self.lines)
 
@@ -2495,9 +3201,9 @@ class LocalInstance(Instance):
     async def lost_its_port(self) -> bool:
         if self.proc.returncode is None:
             return False
-        if listens(self.proc.pid, self.port) is False:      # the other holds it still
+        if listens(self.proc.pid, self.port) is False:  # the other holds it still
             return True
-        return says_port_taken(await self.output())          # or held it, and has gone since
+        return says_port_taken(await self.output())  # or held it, and has gone since
 
     async def remove(self) -> None:
         try:
@@ -2535,15 +3241,15 @@ class LocalSandbox(Sandbox):
     kind = "local"
     summary = "local processes, isolated from nothing"
     place = "as local processes"
-    auto_rank = 2               # auto's last resort: it always connects
+    auto_rank = 2  # auto's last resort: it always connects
     serves_ray_nodes = env_boxes = True
-    KILL_WAIT = 10.0        # seconds the start-up sweep waits for what it killed to have ended
+    KILL_WAIT = 10.0  # seconds the start-up sweep waits for what it killed to have ended
 
     def __init__(self, owner: str, host: str = "127.0.0.1", die_with_parent: bool = False):
         super().__init__(owner)
         self.host, self.die_with_parent = host, die_with_parent
         self.records = state_dir() / "local" / owner
-        self.ports: set[int] = set()        # handed to envs still running: never handed twice
+        self.ports: set[int] = set()  # handed to envs still running: never handed twice
 
     @classmethod
     def warm_by_default(cls) -> tuple[bool, str]:
@@ -2559,8 +3265,11 @@ class LocalSandbox(Sandbox):
     async def prepare(self, envs: list[EnvSpec]) -> None:
         killed = await asyncio.to_thread(self.kill_leftovers)
         if killed:
-            log.warning("Killed %d env process group(s) that an earlier run of agentenv.py left "
-                        "behind when it stopped without tearing down.", killed)
+            log.warning(
+                "Killed %d env process group(s) that an earlier run of agentenv.py left "
+                "behind when it stopped without tearing down.",
+                killed,
+            )
 
     async def close(self) -> None:
         # Its envs and boxes are gone with their records: a clean stop leaves no folder for the
@@ -2580,7 +3289,7 @@ class LocalSandbox(Sandbox):
             # Servers sharing a state folder (Gym starts several at once) sweep the same dead
             # run's leftovers together: a folder or record another removed first is just gone.
             with contextlib.suppress(OSError):
-                for record in folder.iterdir():     # a pid file per env process; scratch
+                for record in folder.iterdir():  # a pid file per env process; scratch
                     if record.name.isdigit():
                         with contextlib.suppress(OSError):
                             started = record.read_text().strip()
@@ -2592,12 +3301,12 @@ class LocalSandbox(Sandbox):
                 continue
             try:
                 environ = Path(f"/proc/{entry}/environ").read_bytes()
-            except OSError:                     # gone, or another user's
+            except OSError:  # gone, or another user's
                 continue
             marker = environ.find(b"AGENTENV_OWNER=")
             if marker < 0 or (marker and environ[marker - 1] != 0):
                 continue
-            owner = environ[marker + 15:].split(b"\0", 1)[0].decode(errors="replace")
+            owner = environ[marker + 15 :].split(b"\0", 1)[0].decode(errors="replace")
             if owner_alive(owner) is False:
                 with contextlib.suppress(OSError):
                     groups.add(os.getpgid(int(entry)))
@@ -2615,11 +3324,14 @@ class LocalSandbox(Sandbox):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(group, signal.SIGKILL)
                     killed += 1
-                    ending += opened.get(group, [])     # a group not killed is not waited on
+                    ending += opened.get(group, [])  # a group not killed is not waited on
             if running := still_running(ending, self.KILL_WAIT):
-                log.warning("%d process(es) that an earlier run of agentenv.py left, killed, had "
-                            "not ended %gs later; they may hold a port or a file a while longer.",
-                            running, self.KILL_WAIT)
+                log.warning(
+                    "%d process(es) that an earlier run of agentenv.py left, killed, had "
+                    "not ended %gs later; they may hold a port or a file a while longer.",
+                    running,
+                    self.KILL_WAIT,
+                )
         finally:
             for fd in (fd for fds in opened.values() for fd in fds):
                 os.close(fd)
@@ -2636,56 +3348,87 @@ class LocalSandbox(Sandbox):
     async def _launch(self, env: EnvSpec, port: int) -> Instance:
         command = list(env.command)
         if Path(command[0]).name in ("python", "python3"):
-            command[0] = sys.executable      # "python" in an image's command means this interpreter
+            command[0] = sys.executable  # "python" in an image's command means this interpreter
         if self.die_with_parent:
             # Not a preexec_fn: with one, Python forks without vfork and this process's event loop
             # waits until the child has run Python code and exec'd. In a process of a Ray worker's
             # size (200 MB, 20 threads) on a loaded machine that took ~190 ms a spawn against
             # under 1 ms, and envs booting at once on a node waited on each other. A launcher
             # exec'd at once asks for the signal instead.
-            command = [sys.executable, "-I", "-S", "-c", DIE_WITH_PARENT, str(os.getpid()), *command]
+            command = [
+                sys.executable,
+                "-I",
+                "-S",
+                "-c",
+                DIE_WITH_PARENT,
+                str(os.getpid()),
+                *command,
+            ]
         # The env's scratch folder lives beside its record, so a crashed run's are swept with them.
         self.records.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f"scratch-{env.name}-", dir=self.records))
         # The owner marks the process and all it starts, so a sweep finds even one whose record
         # a crash kept from being written; the server's own token stays with the server.
-        environ = {**{k: v for k, v in os.environ.items() if k != "AGENTENV_TOKEN"}, **env.image_env,
-                   "AGENTENV_OWNER": self.owner,
-                   "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-                   "ENVIRONMENT_NAME": env.environment_name, "MCP_HOST": self.host,
-                   "MCP_PORT": str(port), "PYTHONUNBUFFERED": "1", "TMPDIR": str(scratch),
-                   "DATABASE_URL": f"sqlite:///{scratch}/{env.environment_name}.sqlite"}
+        environ = {
+            **{k: v for k, v in os.environ.items() if k != "AGENTENV_TOKEN"},
+            **env.image_env,
+            "AGENTENV_OWNER": self.owner,
+            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+            "ENVIRONMENT_NAME": env.environment_name,
+            "MCP_HOST": self.host,
+            "MCP_PORT": str(port),
+            "PYTHONUNBUFFERED": "1",
+            "TMPDIR": str(scratch),
+            "DATABASE_URL": f"sqlite:///{scratch}/{env.environment_name}.sqlite",
+        }
         spawn = asyncio.create_subprocess_exec(
-            *command, cwd=env.folder, env=environ, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+            *command,
+            cwd=env.folder,
+            env=environ,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
 
         def kill(proc: asyncio.subprocess.Process) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+
         try:
             proc = await guarded(spawn, kill)
         except OSError as exc:
             shutil.rmtree(scratch, ignore_errors=True)
-            raise EpisodeFailed(f"env {env.name!r} could not start: running {shlex.join(command)} in "
-                                f"{env.folder} failed ({exc}); fix the Dockerfile's CMD",
-                                PROVIDER_UNAVAILABLE) from None
+            raise EpisodeFailed(
+                f"env {env.name!r} could not start: running {shlex.join(command)} in "
+                f"{env.folder} failed ({exc}); fix the Dockerfile's CMD",
+                PROVIDER_UNAVAILABLE,
+            ) from None
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
         record = self.records / str(proc.pid)
         record.write_text(_process_start(proc.pid))
-        return LocalInstance(proc, port, record, scratch, lambda: self.ports.discard(port), self.host,
-                             self.owner)
+        return LocalInstance(
+            proc, port, record, scratch, lambda: self.ports.discard(port), self.host, self.owner
+        )
 
     async def prepare_box(self) -> None:
-        log.warning("The agent's boxes are work folders on this machine (--sandbox local): its "
-                    "bash commands and the bundle's code run here, as this user, isolated from "
-                    "nothing, and a model can forge its reward. Serve only bundles and models you "
-                    "trust so (a scripted baseline), or use --sandbox docker to train.")
+        log.warning(
+            "The agent's boxes are work folders on this machine (--sandbox local): its "
+            "bash commands and the bundle's code run here, as this user, isolated from "
+            "nothing, and a model can forge its reward. Serve only bundles and models you "
+            "trust so (a scripted baseline), or use --sandbox docker to train."
+        )
 
-    async def open_box(self, episode: str, name: str, limits: dict[str, Any],
-                       network: dict[str, tuple[str, ...]] | None = None,
-                       agents: bool = False) -> Box:
+    async def open_box(
+        self,
+        episode: str,
+        name: str,
+        limits: dict[str, Any],
+        network: dict[str, tuple[str, ...]] | None = None,
+        agents: bool = False,
+    ) -> Box:
         # (a folder on this machine: on its network, as everything here)
         # beside the records, so a crashed run's folders are swept with them
         self.records.mkdir(parents=True, exist_ok=True)
@@ -2700,9 +3443,11 @@ class LocalSandbox(Sandbox):
 # SIGKILL it when the thread that started it ends: an env in a session of its own escapes its
 # parent's process group, so this is what ties it to its parent's life. The signal outlives the
 # exec; a parent gone before it was asked for means the env must not start at all.
-DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL); "
-                   "os.getppid() == int(sys.argv[1]) or os._exit(1); "
-                   "os.execvp(sys.argv[2], sys.argv[2:])")
+DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL); "
+    "os.getppid() == int(sys.argv[1]) or os._exit(1); "
+    "os.execvp(sys.argv[2], sys.argv[2:])"
+)
 
 
 def plain_slug(name: str) -> str:
@@ -2718,13 +3463,13 @@ def wait_for_children_by_pidfd() -> None:
         return
     try:
         os.close(os.pidfd_open(os.getpid()))
-    except OSError:                      # a kernel or seccomp profile without pidfds
+    except OSError:  # a kernel or seccomp profile without pidfds
         return
     asyncio.get_event_loop_policy().set_child_watcher(asyncio.PidfdChildWatcher())
 
 
-LOCAL_PORTS_FROM = 20000          # local envs listen from here up to the ephemeral range
-PORT_TRIES = 3                    # launches of an env whose port another process took first
+LOCAL_PORTS_FROM = 20000  # local envs listen from here up to the ephemeral range
+PORT_TRIES = 3  # launches of an env whose port another process took first
 
 
 def reserve_port(host: str, reserved: set[int]) -> int:
@@ -2756,7 +3501,7 @@ def free_port(host: str = "127.0.0.1") -> int:
             with socket.socket() as sock, contextlib.suppress(OSError):
                 sock.bind((host, port))
                 return port
-    with socket.socket() as sock:                 # no such range here: the kernel's choice
+    with socket.socket() as sock:  # no such range here: the kernel's choice
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
@@ -2796,9 +3541,12 @@ def listening_sockets(port: int) -> set[str]:
     """The sockets (as /proc's fd links name them) listening on TCP ``port`` of this namespace."""
     try:
         with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as link:
-            return {f"socket:[{inode}]" for family in (socket.AF_INET, socket.AF_INET6)
-                    for inode in _listeners(link, family, port)}
-    except (OSError, AttributeError):        # no netlink here (not Linux, or a seccomp profile)
+            return {
+                f"socket:[{inode}]"
+                for family in (socket.AF_INET, socket.AF_INET6)
+                for inode in _listeners(link, family, port)
+            }
+    except (OSError, AttributeError):  # no netlink here (not Linux, or a seccomp profile)
         return _listening_sockets_from_proc(port)
 
 
@@ -2836,7 +3584,7 @@ def _listening_sockets_from_proc(port: int) -> set[str]:
         for needle in needles:
             at = data.find(needle)
             while at >= 0:
-                line = data[data.rfind(b"\n", 0, at) + 1:data.find(b"\n", at)].split()
+                line = data[data.rfind(b"\n", 0, at) + 1 : data.find(b"\n", at)].split()
                 inodes.add(f"socket:[{line[9].decode()}]")
                 at = data.find(needle, at + 1)
     return inodes
@@ -2852,10 +3600,14 @@ def _listening_sockets_from_proc(port: int) -> set[str]:
 # containers reach each other by name and nothing else, and nothing else reaches them (the host
 # has no route in; it works in them by docker exec). The bridge of each is named ae-..., so one
 # DOCKER-USER rule can drop what they send.
-ENVS_NETWORK_OPTIONS = {"com.docker.network.bridge.enable_icc": "false",
-                        "com.docker.network.bridge.enable_ip_masquerade": "false"}
-EPISODE_NETWORK_OPTIONS = {"com.docker.network.bridge.enable_ip_masquerade": "false",
-                           "com.docker.network.bridge.inhibit_ipv4": "true"}
+ENVS_NETWORK_OPTIONS = {
+    "com.docker.network.bridge.enable_icc": "false",
+    "com.docker.network.bridge.enable_ip_masquerade": "false",
+}
+EPISODE_NETWORK_OPTIONS = {
+    "com.docker.network.bridge.enable_ip_masquerade": "false",
+    "com.docker.network.bridge.inhibit_ipv4": "true",
+}
 BRIDGE_PREFIX = "ae-"
 
 
@@ -2869,21 +3621,24 @@ class DockerDaemon:
 
     def __init__(self, client: Any, ops: int = 8, bridged: bool = True):
         from concurrent.futures import ThreadPoolExecutor
+
         self.client = client
-        self.bridged = bridged          # False: it runs with --bridge=none (no networks of its own)
+        self.bridged = bridged  # False: it runs with --bridge=none (no networks of its own)
         self.limit = asyncio.Semaphore(ops)
         self.threads = ThreadPoolExecutor(max_workers=ops + 4, thread_name_prefix="docker")
         # Three lanes, so no episode waits behind another's long work: ``call`` takes one of the
         # ``ops`` slots (creations, builds, execs' starts); ``urgent`` (kills, removals, the
         # inspections that decide a rollout's fate) and the reading of a command's output for as
         # long as it runs take none, each on threads of their own.
-        self.urgent_threads = ThreadPoolExecutor(max_workers=URGENT_THREADS,
-                                                 thread_name_prefix="docker-urgent")
-        self.stream_threads = ThreadPoolExecutor(max_workers=STREAM_THREADS,
-                                                 thread_name_prefix="docker-stream")
+        self.urgent_threads = ThreadPoolExecutor(
+            max_workers=URGENT_THREADS, thread_name_prefix="docker-urgent"
+        )
+        self.stream_threads = ThreadPoolExecutor(
+            max_workers=STREAM_THREADS, thread_name_prefix="docker-stream"
+        )
         self.removals: set[asyncio.Task] = set()
         self.creating: set[asyncio.Future] = set()
-        self.unremoved: dict[str, Any] = {}      # containers a removal left standing, by id
+        self.unremoved: dict[str, Any] = {}  # containers a removal left standing, by id
 
     @classmethod
     async def reach(cls) -> DockerDaemon:
@@ -2891,16 +3646,22 @@ class DockerDaemon:
         try:
             import docker
         except ImportError:
-            raise AgentEnvError("the docker sandbox needs the docker package: pip install docker") from None
+            raise AgentEnvError(
+                "the docker sandbox needs the docker package: pip install docker"
+            ) from None
         try:
-            client = await asyncio.wait_for(asyncio.to_thread(
-                lambda: docker.from_env(timeout=120)), 10)
+            client = await asyncio.wait_for(
+                asyncio.to_thread(lambda: docker.from_env(timeout=120)), 10
+            )
             await asyncio.wait_for(asyncio.to_thread(client.ping), 10)
-            bridged = await asyncio.wait_for(asyncio.to_thread(
-                client.networks.list, names=["bridge"]), 10)
-        except Exception as exc:                        # noqa: BLE001 - docker raises many kinds
-            raise AgentEnvError(f"no Docker daemon answered ({short(str(exc), 300)}); start Docker, "
-                                "set DOCKER_HOST, or pass --sandbox local") from None
+            bridged = await asyncio.wait_for(
+                asyncio.to_thread(client.networks.list, names=["bridge"]), 10
+            )
+        except Exception as exc:  # noqa: BLE001 - docker raises many kinds
+            raise AgentEnvError(
+                f"no Docker daemon answered ({short(str(exc), 300)}); start Docker, "
+                "set DOCKER_HOST, or pass --sandbox local"
+            ) from None
         return cls(client, bridged=bool(bridged))
 
     # -- calls, in three lanes
@@ -2914,8 +3675,9 @@ class DockerDaemon:
         loop = asyncio.get_running_loop()
 
         def give_back(_: Any) -> None:
-            with contextlib.suppress(RuntimeError):        # the loop has closed: nothing waits
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nothing waits
                 loop.call_soon_threadsafe(self.limit.release)
+
         try:
             job = self.threads.submit(fn, *args, **kwargs)
         except BaseException:
@@ -2936,7 +3698,8 @@ class DockerDaemon:
         deadline all the same."""
         loop = asyncio.get_running_loop()
         return await asyncio.wait_for(
-            loop.run_in_executor(self.urgent_threads, lambda: fn(*args, **kwargs)), timeout)
+            loop.run_in_executor(self.urgent_threads, lambda: fn(*args, **kwargs)), timeout
+        )
 
     def streamed(self, fn: Callable, *args: Any) -> asyncio.Future:
         """A blocking read of a command's output, on a thread of its own for as long as the
@@ -2945,8 +3708,14 @@ class DockerDaemon:
 
     # -- containers
 
-    async def created(self, create_and_start: Callable[[], Any], container_of: Callable[[Any], Any],
-                      what: str, failed: str, gone: Callable[[], None] = lambda: None) -> Any:
+    async def created(
+        self,
+        create_and_start: Callable[[], Any],
+        container_of: Callable[[Any], Any],
+        what: str,
+        failed: str,
+        gone: Callable[[], None] = lambda: None,
+    ) -> Any:
         """Create and start a container in a thread, within 120 s: what ``create_and_start``
         gives, or EpisodeFailed saying what the daemon did (``what`` names the env or box).
 
@@ -2956,12 +3725,14 @@ class DockerDaemon:
         holds its slot until it ends, capping those in flight. ``gone`` is called once no
         container of this creation can stand: it never started, it failed (``create_and_start``
         removes what it made), or the one that came too late was removed."""
+
         async def undone(made: Any) -> None:
-            await self.remove(container_of(made))       # RemovalFailed: it may stand, kept
+            await self.remove(container_of(made))  # RemovalFailed: it may stand, kept
             gone()
 
         def undo(made: Any) -> None:
             self.removing(asyncio.get_running_loop().create_task(undone(made)))
+
         try:
             job = await self.start(create_and_start)
         except BaseException:
@@ -2973,16 +3744,20 @@ class DockerDaemon:
         try:
             return await asyncio.wait_for(guarded(job, undo), 120)
         except asyncio.TimeoutError:
-            raise EpisodeFailed(f"{what}: the Docker daemon did not create and start its container "
-                                "within 120s; it may be overloaded (lower --max-concurrent-envs)",
-                                PROVIDER_UNAVAILABLE) from None
-        except Exception as exc:                    # noqa: BLE001 - docker raises many kinds
-            raise EpisodeFailed(f"{what} {failed}: {short(str(exc), 2500)}",
-                                PROVIDER_UNAVAILABLE) from None
+            raise EpisodeFailed(
+                f"{what}: the Docker daemon did not create and start its container "
+                "within 120s; it may be overloaded (lower --max-concurrent-envs)",
+                PROVIDER_UNAVAILABLE,
+            ) from None
+        except Exception as exc:  # noqa: BLE001 - docker raises many kinds
+            raise EpisodeFailed(
+                f"{what} {failed}: {short(str(exc), 2500)}", PROVIDER_UNAVAILABLE
+            ) from None
 
     def removing(self, task: asyncio.Future) -> None:
         """Keep a removal (or a kill) under way until it ends: ``settle`` waits for it. Nobody
-        reads its result: a removal that failed has said so, and left its container to ``settle``."""
+        reads its result: a removal that failed has said so, and left its container to
+        ``settle``."""
         self.removals.add(task)
         task.add_done_callback(self.removals.discard)
         task.add_done_callback(lambda done: done.cancelled() or done.exception())
@@ -2991,24 +3766,30 @@ class DockerDaemon:
         """None while a container runs (or the daemon is too busy to say); once it has stopped,
         a sentence saying how: an env's or a box's, read the same way."""
         import docker.errors
+
         try:
             await self.urgent(container.reload, timeout=10)
         except docker.errors.NotFound:
             return "its container is gone (removed from outside)"
-        except Exception as exc:                    # noqa: BLE001 - a busy daemon is not a dead env
-            log.info("Could not inspect container %s (%s); taking it to be still up.",
-                     container.short_id, exc)
+        except Exception as exc:  # noqa: BLE001 - a busy daemon is not a dead env
+            log.info(
+                "Could not inspect container %s (%s); taking it to be still up.",
+                container.short_id,
+                exc,
+            )
             return None
         state = container.attrs.get("State", {})
         if state.get("Status") in ("exited", "dead"):
-            return (f"its container exited with code {state.get('ExitCode')}"
-                    + (" (killed for running out of memory)" if state.get("OOMKilled") else ""))
+            return f"its container exited with code {state.get('ExitCode')}" + (
+                " (killed for running out of memory)" if state.get("OOMKilled") else ""
+            )
         return None
 
     async def remove(self, container: Any) -> None:
         """Force-remove a container, three tries; RemovalFailed if it may still stand, which
         keeps it among the ``unremoved`` that ``settle`` tries again at the end."""
         import docker.errors
+
         error: Exception | None = None
         for _ in range(3):
             try:
@@ -3024,35 +3805,39 @@ class DockerDaemon:
                 if in_progress and await self.gone(container):
                     error = None
                     break
-            except Exception as exc:                    # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001
                 error = exc
         if error is None:
             self.unremoved.pop(container.id, None)
             return
         self.unremoved[container.id] = container
-        raise RemovalFailed(f"the Docker daemon did not remove container {container.short_id} "
-                            f"({type(error).__name__}: {short(str(error), 300)})")
+        raise RemovalFailed(
+            f"the Docker daemon did not remove container {container.short_id} "
+            f"({type(error).__name__}: {short(str(error), 300)})"
+        )
 
     async def gone(self, container: Any) -> bool:
         """Whether a container another removal is taking down (another server's sweep: Gym
         starts several servers at once) is gone once that removal ends, within 30 s."""
         import docker.errors
+
         try:
             await self.urgent(lambda: container.wait(condition="removed", timeout=30), timeout=35)
-        except docker.errors.NotFound:          # gone before the wait began
+        except docker.errors.NotFound:  # gone before the wait began
             return True
-        except Exception:                       # noqa: BLE001 - the other removal failed, or hangs
+        except Exception:  # noqa: BLE001 - the other removal failed, or hangs
             return False
         return True
 
     async def remove_network(self, network: Any) -> Any:
         """Remove a network; the network back if it still stands (a container still on it)."""
         import docker.errors
+
         try:
             await self.call(network.remove, timeout=30)
         except docker.errors.NotFound:
             pass
-        except Exception as exc:                        # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
             log.info("Could not remove network %s yet (%s).", network.name, short(str(exc), 200))
             return network
         return None
@@ -3061,90 +3846,144 @@ class DockerDaemon:
         """Remove the containers and networks of servers that are gone (by their owner label)."""
         # sparse: the list as the daemon gave it, with no inspect of each container, which fails
         # for one removed meanwhile (by another server's sweep, say)
-        containers = await self.call(self.client.containers.list, all=True, sparse=True,
-                                     filters={"label": "agentenv.owner"})
-        stale = [c for c in containers
-                 if owner_alive((c.attrs.get("Labels") or {}).get("agentenv.owner", "")) is False]
-        removed = [c for c, failed in zip(stale, await asyncio.gather(
-            *(self.remove(c) for c in stale), return_exceptions=True)) if failed is None]
+        containers = await self.call(
+            self.client.containers.list, all=True, sparse=True, filters={"label": "agentenv.owner"}
+        )
+        stale = [
+            c
+            for c in containers
+            if owner_alive((c.attrs.get("Labels") or {}).get("agentenv.owner", "")) is False
+        ]
+        removed = [
+            c
+            for c, failed in zip(
+                stale,
+                await asyncio.gather(*(self.remove(c) for c in stale), return_exceptions=True),
+                strict=True,
+            )
+            if failed is None
+        ]
         if removed:
-            log.warning("Removed %d container(s) that an earlier run of agentenv.py left behind when "
-                        "it stopped without tearing down.", len(removed))
+            log.warning(
+                "Removed %d container(s) that an earlier run of agentenv.py left behind when "
+                "it stopped without tearing down.",
+                len(removed),
+            )
         for container in stale:
             if container.id in self.unremoved:
-                log.error("Could not remove container %s, which an earlier run of agentenv.py left "
-                          "behind; remove it with docker rm -f %s (the next start tries again).",
-                          container.short_id, container.short_id)
+                log.error(
+                    "Could not remove container %s, which an earlier run of agentenv.py left "
+                    "behind; remove it with docker rm -f %s (the next start tries again).",
+                    container.short_id,
+                    container.short_id,
+                )
         # networks after containers: a network with a container on it can't be removed
         networks = await self.call(self.client.networks.list, filters={"label": "agentenv.owner"})
-        stale = [n for n in networks
-                 if owner_alive((n.attrs.get("Labels") or {}).get("agentenv.owner", "")) is False]
+        stale = [
+            n
+            for n in networks
+            if owner_alive((n.attrs.get("Labels") or {}).get("agentenv.owner", "")) is False
+        ]
         left = [n for n in await asyncio.gather(*(self.remove_network(n) for n in stale)) if n]
         if len(stale) > len(left):
-            log.warning("Removed %d network(s) that an earlier run of agentenv.py left behind when "
-                        "it stopped without tearing down.", len(stale) - len(left))
+            log.warning(
+                "Removed %d network(s) that an earlier run of agentenv.py left behind when "
+                "it stopped without tearing down.",
+                len(stale) - len(left),
+            )
         for network in left:
             # with its containers gone, what holds it is an endpoint Docker kept of a container
             # killed while it was being removed; the next start tries again
-            log.warning("Network %s, which an earlier run of agentenv.py left behind, could not be "
-                        "removed: Docker still counts an endpoint on it, of a container that is "
-                        "gone. Restarting the Docker daemon lets go of it; then remove it with "
-                        "docker network rm %s (the next start also tries).", network.name,
-                        network.name)
+            log.warning(
+                "Network %s, which an earlier run of agentenv.py left behind, could not be "
+                "removed: Docker still counts an endpoint on it, of a container that is "
+                "gone. Restarting the Docker daemon lets go of it; then remove it with "
+                "docker network rm %s (the next start also tries).",
+                network.name,
+                network.name,
+            )
 
     # -- images
 
-    BUILD_NEWS = 30.0            # seconds between the lines that say a build is still going
+    BUILD_NEWS = 30.0  # seconds between the lines that say a build is still going
 
     async def build_env(self, env: EnvSpec, which: str = "") -> tuple[str, bool]:
         """The env's image tag, built first if no image of its content exists; and whether it was
         built now."""
         tag = f"agentenv/{re.sub(r'[^a-z0-9_.-]', '-', env.name.lower())}:{env.digest}"
         import docker.errors
+
         try:
             await self.call(self.client.images.get, tag, timeout=30)
             return tag, False
         except docker.errors.ImageNotFound:
             pass
-        build_log.info("Building the image of env %r as %s%s (once per content of envs/%s).",
-                       env.name, tag, f", image {which}" if which else "", env.name)
+        build_log.info(
+            "Building the image of env %r as %s%s (once per content of envs/%s).",
+            env.name,
+            tag,
+            f", image {which}" if which else "",
+            env.name,
+        )
         started = time.monotonic()
-        building = asyncio.ensure_future(self.call(
-            self.client.images.build, path=str(env.folder), dockerfile=env.dockerfile.name, tag=tag,
-            rm=True, forcerm=True, labels={"agentenv.env": env.name}, timeout=1800))
+        building = asyncio.ensure_future(
+            self.call(
+                self.client.images.build,
+                path=str(env.folder),
+                dockerfile=env.dockerfile.name,
+                tag=tag,
+                rm=True,
+                forcerm=True,
+                labels={"agentenv.env": env.name},
+                timeout=1800,
+            )
+        )
         try:
             while not (await asyncio.wait({building}, timeout=self.BUILD_NEWS))[0]:
                 build_log.info("Still building %s: %.0fs so far.", tag, time.monotonic() - started)
-        except BaseException:                   # cancelled: the build's thread runs on, unwaited
+        except BaseException:  # cancelled: the build's thread runs on, unwaited
             building.cancel()
             raise
         try:
             building.result()
         except docker.errors.BuildError as exc:
             lines = "".join(str(c.get("stream", c.get("error", ""))) for c in exc.build_log)
-            raise AgentEnvError(f"the image of env {env.name!r} did not build: {exc.msg}\n"
-                                f"{short(lines, 1500)}\nFix envs/{env.name}/{env.dockerfile.name}; "
-                                "with no registry reachable, its FROM image must exist locally") from None
+            raise AgentEnvError(
+                f"the image of env {env.name!r} did not build: {exc.msg}\n"
+                f"{short(lines, 1500)}\nFix envs/{env.name}/{env.dockerfile.name}; "
+                "with no registry reachable, its FROM image must exist locally"
+            ) from None
         except docker.errors.APIError as exc:
             raise AgentEnvError(f"the image of env {env.name!r} did not build: {exc}") from None
         build_log.info("Built %s in %.1fs.", tag, time.monotonic() - started)
         return tag, True
 
     async def build_context(self, folder: Path, dockerfile: str, name: str) -> str:
-        """An image of a bundle artifact's build context (run_docker_container), once per content."""
+        """An image of a bundle artifact's build context (run_docker_container), once per
+        content."""
         tag = f"agentenv-box/{plain_slug(name)}:{_digest(folder)}"
         import docker.errors
+
         with contextlib.suppress(docker.errors.ImageNotFound):
             await self.call(self.client.images.get, tag, timeout=30)
             return tag
         try:
-            await self.call(self.client.images.build, path=str(folder), dockerfile=dockerfile,
-                            tag=tag, rm=True, forcerm=True, labels={"agentenv.box": name},
-                            timeout=1800)
+            await self.call(
+                self.client.images.build,
+                path=str(folder),
+                dockerfile=dockerfile,
+                tag=tag,
+                rm=True,
+                forcerm=True,
+                labels={"agentenv.box": name},
+                timeout=1800,
+            )
         except (docker.errors.BuildError, docker.errors.APIError) as exc:
-            raise EpisodeFailed(f"the image of artifacts/{name} did not build: {exc}; with no "
-                                "registry reachable, its FROM image must exist locally",
-                                PROVIDER_UNAVAILABLE) from None
+            raise EpisodeFailed(
+                f"the image of artifacts/{name} did not build: {exc}; with no "
+                "registry reachable, its FROM image must exist locally",
+                PROVIDER_UNAVAILABLE,
+            ) from None
         return tag
 
     async def box_image(self) -> str:
@@ -3152,7 +3991,9 @@ class DockerDaemon:
         ``agent`` and /app. Its tag is agentenv-box/, never an env's agentenv/<env>."""
         tag = f"agentenv-box/agent:{hashlib.sha256(BOX_DOCKERFILE.encode()).hexdigest()[:16]}"
         import io
+
         import docker.errors
+
         try:
             await self.call(self.client.images.get, tag, timeout=30)
             return tag
@@ -3160,13 +4001,21 @@ class DockerDaemon:
             pass
         log.info("Building the agent's box image as %s, FROM %s.", tag, BOX_BASE)
         try:
-            await self.call(self.client.images.build, fileobj=io.BytesIO(BOX_DOCKERFILE.encode()),
-                            tag=tag, rm=True, forcerm=True, labels={"agentenv.box": "agent"},
-                            timeout=600)
+            await self.call(
+                self.client.images.build,
+                fileobj=io.BytesIO(BOX_DOCKERFILE.encode()),
+                tag=tag,
+                rm=True,
+                forcerm=True,
+                labels={"agentenv.box": "agent"},
+                timeout=600,
+            )
         except (docker.errors.BuildError, docker.errors.APIError) as exc:
-            raise AgentEnvError(f"the agent's box image did not build FROM {BOX_BASE}: {exc}; with "
-                                f"no registry reachable, {BOX_BASE} must exist on this machine's "
-                                "Docker (the bundles' envs build FROM it too)") from None
+            raise AgentEnvError(
+                f"the agent's box image did not build FROM {BOX_BASE}: {exc}; with "
+                f"no registry reachable, {BOX_BASE} must exist on this machine's "
+                "Docker (the bundles' envs build FROM it too)"
+            ) from None
         return tag
 
     async def memory(self) -> int | None:
@@ -3183,15 +4032,19 @@ class DockerDaemon:
         standing, and say which still stand."""
         if self.creating:
             await asyncio.wait(set(self.creating), timeout=150)
-            await asyncio.sleep(0)          # let their done-callbacks schedule the removals
+            await asyncio.sleep(0)  # let their done-callbacks schedule the removals
         if self.removals:
             await asyncio.gather(*set(self.removals), return_exceptions=True)
-        await asyncio.gather(*(self.remove(c) for c in list(self.unremoved.values())),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(self.remove(c) for c in list(self.unremoved.values())), return_exceptions=True
+        )
         for container in self.unremoved.values():
-            log.error("Could not remove container %s as the server stopped; remove it with docker "
-                      "rm -f %s (the next start's sweep removes it too).", container.short_id,
-                      container.short_id)
+            log.error(
+                "Could not remove container %s as the server stopped; remove it with docker "
+                "rm -f %s (the next start's sweep removes it too).",
+                container.short_id,
+                container.short_id,
+            )
 
     def close(self) -> None:
         for threads in (self.threads, self.urgent_threads, self.stream_threads):
@@ -3211,6 +4064,7 @@ class EnvAddresses:
 
     def __init__(self, subnet: str):
         import ipaddress
+
         network = ipaddress.ip_network(subnet)
         self.gateway = str(network.network_address + 1)
         self.first = int(network.network_address) + 2
@@ -3220,17 +4074,24 @@ class EnvAddresses:
 
     def take(self) -> str:
         import ipaddress
+
         for _ in range(self.last - self.first + 1):
-            address, self.cursor = self.cursor, (self.first if self.cursor >= self.last
-                                                 else self.cursor + 1)
+            address, self.cursor = (
+                self.cursor,
+                (self.first if self.cursor >= self.last else self.cursor + 1),
+            )
             if address not in self.held:
                 self.held.add(address)
                 return str(ipaddress.ip_address(address))
-        raise EpisodeFailed(f"every one of the {len(self.held)} addresses of the envs' network is "
-                            "held by an env; lower --max-concurrent-envs", PROVIDER_UNAVAILABLE)
+        raise EpisodeFailed(
+            f"every one of the {len(self.held)} addresses of the envs' network is "
+            "held by an env; lower --max-concurrent-envs",
+            PROVIDER_UNAVAILABLE,
+        )
 
     def give_back(self, address: str) -> None:
         import ipaddress
+
         self.held.discard(int(ipaddress.ip_address(address)))
 
 
@@ -3261,8 +4122,9 @@ class DeathWatch:
         after this returns has its death told)."""
         loop = asyncio.get_running_loop()
         listening = loop.create_future()
-        threading.Thread(target=self._read, args=(loop, listening), name="docker-deaths",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._read, args=(loop, listening), name="docker-deaths", daemon=True
+        ).start()
         await asyncio.wait_for(listening, 30)
 
     def watch(self, container_id: str) -> asyncio.Future[str]:
@@ -3283,14 +4145,22 @@ class DeathWatch:
 
     def _read(self, loop: asyncio.AbstractEventLoop, listening: asyncio.Future) -> None:
         def tell(call: Callable, *args: Any) -> None:
-            with contextlib.suppress(RuntimeError):         # the server's loop has closed
+            with contextlib.suppress(RuntimeError):  # the server's loop has closed
                 loop.call_soon_threadsafe(call, *args)
+
         since, read_before = None, False
         while not self.closed.is_set():
             try:
-                self.stream = self.daemon.client.events(decode=True, since=since, filters={
-                    "type": "container", "event": "die", "label": f"agentenv.owner={self.owner}"})
-                if self.closed.is_set():            # closed while it was opened
+                self.stream = self.daemon.client.events(
+                    decode=True,
+                    since=since,
+                    filters={
+                        "type": "container",
+                        "event": "die",
+                        "label": f"agentenv.owner={self.owner}",
+                    },
+                )
+                if self.closed.is_set():  # closed while it was opened
                     self.stream.close()
                     return
                 since = since or int(time.time())
@@ -3303,7 +4173,7 @@ class DeathWatch:
                     since = event.get("time", since)
                     code = ((event.get("Actor") or {}).get("Attributes") or {}).get("exitCode", "?")
                     tell(self._died, event.get("id", ""), f"its container exited with code {code}")
-            except Exception as exc:                    # noqa: BLE001 - docker raises many kinds
+            except Exception as exc:  # noqa: BLE001 - docker raises many kinds
                 if self.closed.is_set():
                     return
                 if not read_before:
@@ -3311,27 +4181,34 @@ class DeathWatch:
                     refusal = AgentEnvError(
                         f"the Docker daemon sends no events ({short(str(exc), 200)}); serve "
                         "needs them to tell a dead env at once, or pass --docker-publish "
-                        "127.0.0.1 to reach envs through published ports")
-                    tell(lambda: listening.done() or listening.set_exception(refusal))
+                        "127.0.0.1 to reach envs through published ports"
+                    )
+                    tell(lambda said=refusal: listening.done() or listening.set_exception(said))
                     return
-                log.warning("Docker's event stream broke (%s); reading it again from where it "
-                            "stopped.", short(str(exc), 200))
-            self.closed.wait(1)     # a stream that ended or broke is opened again, not spun on
+                log.warning(
+                    "Docker's event stream broke (%s); reading it again from where it stopped.",
+                    short(str(exc), 200),
+                )
+            self.closed.wait(1)  # a stream that ended or broke is opened again, not spun on
 
     def _inspect_watched(self, tell: Callable) -> None:
         """After the stream was down: every watched container that is no longer running."""
         import docker.errors
+
         for container_id in list(self.watched):
             try:
                 state = self.daemon.client.api.inspect_container(container_id).get("State") or {}
             except docker.errors.NotFound:
                 tell(self._died, container_id, "its container is gone (removed from outside)")
                 continue
-            except Exception:                           # noqa: BLE001 - the stream says the rest
+            except Exception:  # noqa: BLE001 - the stream says the rest
                 continue
             if state.get("Status") in ("exited", "dead"):
-                tell(self._died, container_id,
-                     f"its container exited with code {state.get('ExitCode')}")
+                tell(
+                    self._died,
+                    container_id,
+                    f"its container exited with code {state.get('ExitCode')}",
+                )
 
     def close(self) -> None:
         self.closed.set()
@@ -3342,8 +4219,14 @@ class DeathWatch:
 
 def ipv4_subnet(attrs: dict[str, Any]) -> str:
     """A network's IPv4 subnet (its inspection's IPAM), or "" if it has none."""
-    return next((c["Subnet"] for c in (attrs.get("IPAM") or {}).get("Config") or []
-                 if c.get("Subnet") and ":" not in c["Subnet"]), "")
+    return next(
+        (
+            c["Subnet"]
+            for c in (attrs.get("IPAM") or {}).get("Config") or []
+            if c.get("Subnet") and ":" not in c["Subnet"]
+        ),
+        "",
+    )
 
 
 def own_subnet_network(client: Any, name: str, **create: Any) -> Any:
@@ -3351,14 +4234,21 @@ def own_subnet_network(client: Any, name: str, **create: Any) -> Any:
     container its address (the daemon takes one only on a subnet its user gave): the subnet the
     daemon chooses, read off a network made and removed first. Another network taking it in
     between is tried again."""
-    import docker
     import ipaddress
+
+    import docker
+
     tries = 8
     for attempt in range(tries):
         # the probe has a name and a bridge of its own, so one left standing blocks nothing (it
         # carries the owner's label: a sweep removes it)
-        probe = {**create, "options": {**create["options"], "com.docker.network.bridge.name":
-                                       BRIDGE_PREFIX + secrets.token_hex(6)}}
+        probe = {
+            **create,
+            "options": {
+                **create["options"],
+                "com.docker.network.bridge.name": BRIDGE_PREFIX + secrets.token_hex(6),
+            },
+        }
         chosen = client.networks.create(f"{name}-probe-{secrets.token_hex(3)}", **probe)
         try:
             subnet = ipv4_subnet(chosen.attrs)
@@ -3366,11 +4256,13 @@ def own_subnet_network(client: Any, name: str, **create: Any) -> Any:
             chosen.remove()
         if not subnet:
             raise RuntimeError(f"the daemon gave the network {name} no IPv4 subnet")
-        pool = docker.types.IPAMPool(subnet=subnet,
-                                     gateway=str(ipaddress.ip_network(subnet).network_address + 1))
+        pool = docker.types.IPAMPool(
+            subnet=subnet, gateway=str(ipaddress.ip_network(subnet).network_address + 1)
+        )
         try:
-            return client.networks.create(name, ipam=docker.types.IPAMConfig(pool_configs=[pool]),
-                                          **create)
+            return client.networks.create(
+                name, ipam=docker.types.IPAMConfig(pool_configs=[pool]), **create
+            )
         except docker.errors.APIError as exc:
             if attempt == tries - 1 or "overlap" not in str(exc).lower():
                 raise
@@ -3381,12 +4273,15 @@ def own_subnet_network(client: Any, name: str, **create: Any) -> Any:
 
 def network_address(settings: dict[str, Any]) -> str:
     """A container's IPv4 address on its network (its NetworkSettings); "" before it has one."""
-    return next((n["IPAddress"] for n in (settings.get("Networks") or {}).values()
-                 if n.get("IPAddress")), "")
+    return next(
+        (n["IPAddress"] for n in (settings.get("Networks") or {}).values() if n.get("IPAddress")),
+        "",
+    )
 
 
-def started_env(client: Any, options: dict[str, Any], publish: str,
-                own_port: int = 0) -> tuple[Any, str, int]:
+def started_env(
+    client: Any, options: dict[str, Any], publish: str, own_port: int = 0
+) -> tuple[Any, str, int]:
     """Create and start a container that listens on ENV_PORT (in a thread): it, and the address
     and port it is reached at. That is the port the daemon publishes on ``publish``, once bound;
     or ``own_port`` of ``publish``, on the daemon's network (no bridge); or, with nothing to
@@ -3397,7 +4292,7 @@ def started_env(client: Any, options: dict[str, Any], publish: str,
         container.start()
         if own_port:
             return container, publish, own_port
-        for _ in range(100):    # a published port shows once the daemon has bound it
+        for _ in range(100):  # a published port shows once the daemon has bound it
             container.reload()
             settings = container.attrs.get("NetworkSettings") or {}
             if publish and (bound := (settings.get("Ports") or {}).get(f"{ENV_PORT}/tcp")):
@@ -3407,11 +4302,14 @@ def started_env(client: Any, options: dict[str, Any], publish: str,
             state = container.attrs.get("State") or {}
             if state.get("Status") in ("exited", "dead"):
                 output = container.logs(tail=OUTPUT_LINES).decode(errors="replace")
-                raise RuntimeError(f"its container exited with code {state.get('ExitCode')} "
-                                   f"as it started. Its last output:\n{short(output)}")
+                raise RuntimeError(
+                    f"its container exited with code {state.get('ExitCode')} "
+                    f"as it started. Its last output:\n{short(output)}"
+                )
             time.sleep(0.02)
-        raise RuntimeError(f"the daemon gave its container no {'port' if publish else 'address'} "
-                           "within 2s")
+        raise RuntimeError(
+            f"the daemon gave its container no {'port' if publish else 'address'} within 2s"
+        )
     except BaseException:
         container.remove(force=True)
         raise
@@ -3424,9 +4322,16 @@ class DockerInstance(Instance):
     sandbox's address (a Ray node's own, say); or, on a daemon with no bridge, listening on a
     port of that address itself."""
 
-    def __init__(self, daemon: DockerDaemon, container: Any, base_url: str, own_port: int = 0,
-                 release: Callable[[], None] = lambda: None, deaths: DeathWatch | None = None,
-                 vacate: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        daemon: DockerDaemon,
+        container: Any,
+        base_url: str,
+        own_port: int = 0,
+        release: Callable[[], None] = lambda: None,
+        deaths: DeathWatch | None = None,
+        vacate: Callable[[], None] = lambda: None,
+    ):
         self.daemon, self.container, self.own_port = daemon, container, own_port
         self.base_url, self.release, self.deaths, self.vacate = base_url, release, deaths, vacate
         if deaths is not None:
@@ -3448,7 +4353,7 @@ class DockerInstance(Instance):
         return self._box
 
     async def exited(self, settle: float = 0.0) -> str | None:
-        if not settle and time.monotonic() - self._checked < 0.5:   # a daemon call twice a second
+        if not settle and time.monotonic() - self._checked < 0.5:  # a daemon call twice a second
             return None
         if settle and self.stopped is not None:
             # dialled at its own address, its dying process reset the connection before the
@@ -3464,7 +4369,7 @@ class DockerInstance(Instance):
         try:
             raw = await self.daemon.call(self.container.logs, tail=OUTPUT_LINES, timeout=10)
             return raw.decode(errors="replace")
-        except Exception as exc:                        # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
             return f"(its logs could not be read: {exc})"
 
     async def up(self) -> bool | None:
@@ -3525,26 +4430,28 @@ def daemon_shares_network() -> bool:
     if not url.startswith("unix://"):
         return False
     try:
-        pid = int(Path(url[len("unix://"):]).with_suffix(".pid").read_text().strip())
+        pid = int(Path(url[len("unix://") :]).with_suffix(".pid").read_text().strip())
         return os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net")
     except (OSError, ValueError):
         return False
 
 
-PROBE_DEADLINE = 10.0             # seconds for a probe container's port to answer from here
+PROBE_DEADLINE = 10.0  # seconds for a probe container's port to answer from here
 PROBE_REPLY = b"agentenv-probe"
 # A probe container's listener (run by BOX_BASE's python): it answers each connection with
 # PROBE_REPLY, so what answers is known to be the probe, not a port proxy nor another's server.
-PROBE_SERVER = ("import socket, sys\n"
-                "host, port = sys.argv[1], int(sys.argv[2])\n"
-                "s = socket.socket(socket.AF_INET6 if ':' in host else socket.AF_INET)\n"
-                "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-                "s.bind((host, port))\n"
-                "s.listen()\n"
-                "while True:\n"
-                "    c, _ = s.accept()\n"
-                "    c.sendall(b'agentenv-probe')\n"
-                "    c.close()\n")
+PROBE_SERVER = (
+    "import socket, sys\n"
+    "host, port = sys.argv[1], int(sys.argv[2])\n"
+    "s = socket.socket(socket.AF_INET6 if ':' in host else socket.AF_INET)\n"
+    "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "s.bind((host, port))\n"
+    "s.listen()\n"
+    "while True:\n"
+    "    c, _ = s.accept()\n"
+    "    c.sendall(b'agentenv-probe')\n"
+    "    c.close()\n"
+)
 
 
 async def probe_answers(host: str, port: int, within: float) -> str | None:
@@ -3554,10 +4461,14 @@ async def probe_answers(host: str, port: int, within: float) -> str | None:
     while time.monotonic() < deadline:
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port), max(0.1, min(2.0, deadline - time.monotonic())))
+                asyncio.open_connection(host, port), max(0.1, min(2.0, deadline - time.monotonic()))
+            )
         except (OSError, asyncio.TimeoutError) as exc:
-            said = "no answer" if isinstance(exc, asyncio.TimeoutError) else \
-                (os.strerror(exc.errno) if exc.errno else str(exc)).lower()
+            said = (
+                "no answer"
+                if isinstance(exc, asyncio.TimeoutError)
+                else (os.strerror(exc.errno) if exc.errno else str(exc)).lower()
+            )
         else:
             try:
                 if await asyncio.wait_for(reader.read(len(PROBE_REPLY)), 2) == PROBE_REPLY:
@@ -3567,18 +4478,21 @@ async def probe_answers(host: str, port: int, within: float) -> str | None:
                 said = "a connection that the probe did not answer"
             finally:
                 writer.close()
-        await asyncio.sleep(0.1)      # polling: a port that starts to answer sends no event
+        await asyncio.sleep(0.1)  # polling: a port that starts to answer sends no event
     return said
 
 
 def publish_address(value: Any, what: str) -> str:
     """``--docker-publish`` as a user gave it: an IP address (v4 or v6)."""
     import ipaddress
+
     try:
         return str(ipaddress.ip_address(str(value).strip().strip("[]")))
     except ValueError:
-        raise AgentEnvError(f"{what}: it must be an IP address of the Docker daemon's machine that "
-                            "this server reaches, such as 127.0.0.1 (the default) or 10.0.0.5") from None
+        raise AgentEnvError(
+            f"{what}: it must be an IP address of the Docker daemon's machine that "
+            "this server reaches, such as 127.0.0.1 (the default) or 10.0.0.5"
+        ) from None
 
 
 # Run by a node's Docker host, it forks at once into a session of its own and its first process
@@ -3608,10 +4522,14 @@ def start_reaper(owner: str) -> int:
     read, write = os.pipe()
     try:
         first = subprocess.Popen(
-            [sys.executable, "-c", DOCKER_REAPER, owner], stdin=read, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, close_fds=True,
-            env={k: v for k, v in os.environ.items() if not k.startswith("AGENTENV_")})
-        first.wait(30)                          # it exits as soon as it has forked the reaper
+            [sys.executable, "-c", DOCKER_REAPER, owner],
+            stdin=read,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            close_fds=True,
+            env={k: v for k, v in os.environ.items() if not k.startswith("AGENTENV_")},
+        )
+        first.wait(30)  # it exits as soon as it has forked the reaper
     except BaseException:
         os.close(write)
         raise
@@ -3634,19 +4552,27 @@ class DockerSandbox(Sandbox):
     summary = "containers of the Docker daemon DOCKER_HOST names (else the default socket)"
     place = "in Docker containers"
     paced_teardown = True
-    auto_rank = 1               # auto's first choice: isolation, where a daemon answers
+    auto_rank = 1  # auto's first choice: isolation, where a daemon answers
     serves_ray_nodes = env_boxes = True
     box_memory_mb = BOX_MEMORY_MB
     memory_of = "the Docker host"
-    settings = (Declared("docker_publish", None, publish_address,
-                         "with --sandbox docker: the address of the daemon's machine the envs' ports "
-                         "are published on and dialled at (default: none for a daemon in this "
-                         "network namespace, each env dialled at its own address on its network; "
-                         "DOCKER_HOST's host for a daemon elsewhere, else 127.0.0.1); checked at "
-                         "start", metavar="ADDRESS"),)
+    settings = (
+        Declared(
+            "docker_publish",
+            None,
+            publish_address,
+            "with --sandbox docker: the address of the daemon's machine the envs' ports "
+            "are published on and dialled at (default: none for a daemon in this "
+            "network namespace, each env dialled at its own address on its network; "
+            "DOCKER_HOST's host for a daemon elsewhere, else 127.0.0.1); checked at "
+            "start",
+            metavar="ADDRESS",
+        ),
+    )
 
-    def __init__(self, owner: str, daemon: DockerDaemon, publish: str = "127.0.0.1",
-                 direct: bool = False):
+    def __init__(
+        self, owner: str, daemon: DockerDaemon, publish: str = "127.0.0.1", direct: bool = False
+    ):
         super().__init__(owner)
         self.daemon = daemon
         # Where envs are reached: their ports published on this address; or, where the daemon
@@ -3658,7 +4584,7 @@ class DockerSandbox(Sandbox):
         self.publish, self.node_network = publish, not daemon.bridged
         self.direct = direct and daemon.bridged
         self.deaths = DeathWatch(daemon, owner) if self.direct else None
-        self.addresses: EnvAddresses | None = None      # once the envs' network is made (direct)
+        self.addresses: EnvAddresses | None = None  # once the envs' network is made (direct)
         self.ports: set[int] = set()
         # in this sandbox's network names: its own, since two sandboxes of one process (two
         # runtimes, or the hosts of nodes in one test) would otherwise make networks of one name
@@ -3666,8 +4592,8 @@ class DockerSandbox(Sandbox):
         self.images: dict[str, str] = {}
         # the networks made, by episode ("" for the envs' shared one), each as its creation
         self.networks: dict[str, asyncio.Future] = {}
-        self.unremoved: list[Any] = []      # networks a removal left standing: retried at close
-        self.reaper: int | None = None      # on a Ray node: the pipe whose closing starts it
+        self.unremoved: list[Any] = []  # networks a removal left standing: retried at close
+        self.reaper: int | None = None  # on a Ray node: the pipe whose closing starts it
 
     @classmethod
     def warm_by_default(cls) -> tuple[bool, str]:
@@ -3699,10 +4625,14 @@ class DockerSandbox(Sandbox):
         direct = not publish and await asyncio.to_thread(daemon_shares_network)
         publish = publish or await asyncio.to_thread(remote_daemon_address) or "127.0.0.1"
         if not daemon.bridged:
-            log.warning("The Docker daemon at %s has no bridge network (it runs with "
-                        "--bridge=none), so env containers share its host's network, each env "
-                        "bound to a port of %s: isolated in files, processes and users, not in "
-                        "network.", os.environ.get("DOCKER_HOST") or "the default socket", publish)
+            log.warning(
+                "The Docker daemon at %s has no bridge network (it runs with "
+                "--bridge=none), so env containers share its host's network, each env "
+                "bound to a port of %s: isolated in files, processes and users, not in "
+                "network.",
+                os.environ.get("DOCKER_HOST") or "the default socket",
+                publish,
+            )
         sandbox = cls(owner, daemon, publish, direct)
         try:
             if sandbox.deaths is not None:
@@ -3722,32 +4652,55 @@ class DockerSandbox(Sandbox):
         daemon = os.environ.get("DOCKER_HOST") or "the default socket"
         try:
             await self.daemon.call(self.daemon.client.images.get, BOX_BASE, timeout=30)
-        except Exception as exc:                        # noqa: BLE001 - docker raises many kinds
-            log.warning("Could not check that the Docker daemon's envs can be reached from here: "
-                        "the probe runs %s, which the daemon at %s lacks (%s); an env that can't "
-                        "be reached fails at the deploy deadline.", BOX_BASE, daemon,
-                        short(str(exc), 200))
+        except Exception as exc:  # noqa: BLE001 - docker raises many kinds
+            log.warning(
+                "Could not check that the Docker daemon's envs can be reached from here: "
+                "the probe runs %s, which the daemon at %s lacks (%s); an env that can't "
+                "be reached fails at the deploy deadline.",
+                BOX_BASE,
+                daemon,
+                short(str(exc), 200),
+            )
             return
         own_port = reserve_port(self.publish, self.ports) if self.node_network else 0
         options: dict[str, Any] = dict(
-            image=BOX_BASE, detach=True, labels={"agentenv.owner": self.owner,
-                                                "agentenv.episode": "(probe)"},
-            command=["python3", "-c", PROBE_SERVER, self.publish if own_port else "0.0.0.0",
-                     str(own_port or ENV_PORT)],
-            security_opt=["no-new-privileges"], cap_drop=["ALL"], log_config={"type": "none"},
-            **({"network_mode": "host"} if own_port else
-               {"ports": {f"{ENV_PORT}/tcp": (self.publish, None)}}))
-        fix = ("pass --docker-publish with an address of the daemon's machine that this server "
-               "reaches (for a daemon elsewhere, DOCKER_HOST's host is the default), or "
-               "--sandbox local")
+            image=BOX_BASE,
+            detach=True,
+            labels={"agentenv.owner": self.owner, "agentenv.episode": "(probe)"},
+            command=[
+                "python3",
+                "-c",
+                PROBE_SERVER,
+                self.publish if own_port else "0.0.0.0",
+                str(own_port or ENV_PORT),
+            ],
+            security_opt=["no-new-privileges"],
+            cap_drop=["ALL"],
+            log_config={"type": "none"},
+            **(
+                {"network_mode": "host"}
+                if own_port
+                else {"ports": {f"{ENV_PORT}/tcp": (self.publish, None)}}
+            ),
+        )
+        fix = (
+            "pass --docker-publish with an address of the daemon's machine that this server "
+            "reaches (for a daemon elsewhere, DOCKER_HOST's host is the default), or "
+            "--sandbox local"
+        )
         try:
             container, _, port = await self.daemon.created(
                 lambda: started_env(self.daemon.client, options, self.publish, own_port),
-                lambda made: made[0], "the probe of whether envs can be reached", "did not start")
+                lambda made: made[0],
+                "the probe of whether envs can be reached",
+                "did not start",
+            )
         except EpisodeFailed as exc:
             self.ports.discard(own_port)
-            raise AgentEnvError(f"the Docker daemon at {daemon} could not publish a port on "
-                                f"{self.publish} ({exc}); {fix}") from None
+            raise AgentEnvError(
+                f"the Docker daemon at {daemon} could not publish a port on "
+                f"{self.publish} ({exc}); {fix}"
+            ) from None
         try:
             said = await probe_answers(self.publish, port, PROBE_DEADLINE)
         finally:
@@ -3759,7 +4712,8 @@ class DockerSandbox(Sandbox):
                 f"it published a probe container's port on {self.publish}:{port} of its own "
                 f"machine, and dialling {self.publish}:{port} from here gave {said} within "
                 f"{PROBE_DEADLINE:g}s (the daemon runs in another network namespace, or on another "
-                f"machine); {fix}")
+                f"machine); {fix}"
+            )
 
     async def prepare(self, envs: list[EnvSpec]) -> None:
         await self.daemon.sweep()
@@ -3768,8 +4722,13 @@ class DockerSandbox(Sandbox):
             self.images[env.name], fresh = await self.daemon.build_env(env, f"{n} of {len(envs)}")
             built += fresh
         if built:
-            build_log.info("The images of %d env(s) are ready (%d built, %d already there) after "
-                           "%.1fs.", len(envs), built, len(envs) - built, time.monotonic() - started)
+            build_log.info(
+                "The images of %d env(s) are ready (%d built, %d already there) after %.1fs.",
+                len(envs),
+                built,
+                len(envs) - built,
+                time.monotonic() - started,
+            )
         if any(env.network == "isolated" for env in envs) and not self.node_network:
             try:
                 await self._network("")
@@ -3784,20 +4743,35 @@ class DockerSandbox(Sandbox):
     def network_name(self, episode: str = "", segment: str = "") -> str:
         """The name of this server's network for its envs (or for one episode's containers, or
         for a segment of them)."""
-        return f"agentenv-{self.tag}-" + (episode[:16] if episode else "envs") + \
-            (f"-{plain_slug(segment)[:24]}-{hashlib.sha1(segment.encode()).hexdigest()[:6]}"
-             if segment else "")
+        return (
+            f"agentenv-{self.tag}-"
+            + (episode[:16] if episode else "envs")
+            + (
+                f"-{plain_slug(segment)[:24]}-{hashlib.sha1(segment.encode()).hexdigest()[:6]}"
+                if segment
+                else ""
+            )
+        )
 
     def network_mode(self, env: EnvSpec) -> str:
         if self.node_network:
-            return (f"the host's: its daemon has no bridge, so its container shares the host's "
-                    f"network, its env bound to {self.publish}")
+            return (
+                f"the host's: its daemon has no bridge, so its container shares the host's "
+                f"network, its env bound to {self.publish}"
+            )
         if env.network == "bridge":
-            return ("bridge: Docker's default bridge, with egress and other bridge containers in "
-                    "reach (network = \"bridge\" in its env.toml)")
-        return (f"isolated: on {self.network_name()}, no egress, no other env's container in reach, "
-                + ("dialled at its address there, no port published" if self.direct else
-                   f"its port published on {self.publish} only"))
+            return (
+                "bridge: Docker's default bridge, with egress and other bridge containers in "
+                'reach (network = "bridge" in its env.toml)'
+            )
+        return (
+            f"isolated: on {self.network_name()}, no egress, no other env's container in reach, "
+            + (
+                "dialled at its address there, no port published"
+                if self.direct
+                else f"its port published on {self.publish} only"
+            )
+        )
 
     async def episode_network(self, episode: str, segment: str = "") -> str:
         return await self._network(episode, segment)
@@ -3806,39 +4780,49 @@ class DockerSandbox(Sandbox):
         """Make (once) the envs' network or an episode's, labelled so a sweep finds it."""
         name = self.network_name(episode, segment)
         if self.node_network:
-            raise EpisodeFailed("this episode's containers need a network of their own, and the "
-                                "Docker daemon has no bridge to make one on (it runs with "
-                                "--bridge=none); run it with bridging on", PROVIDER_UNAVAILABLE)
+            raise EpisodeFailed(
+                "this episode's containers need a network of their own, and the "
+                "Docker daemon has no bridge to make one on (it runs with "
+                "--bridge=none); run it with bridging on",
+                PROVIDER_UNAVAILABLE,
+            )
         key = f"{episode}/{segment}" if segment else episode
         if key not in self.networks:
             labels = {"agentenv.owner": self.owner, "agentenv.episode": episode or "(envs)"}
             options = EPISODE_NETWORK_OPTIONS if episode else ENVS_NETWORK_OPTIONS
-            bridge = BRIDGE_PREFIX + secrets.token_hex(6)          # at most 15 characters
-            create = dict(driver="bridge", labels=labels, internal=bool(episode),
-                          options={**options, "com.docker.network.bridge.name": bridge})
+            bridge = BRIDGE_PREFIX + secrets.token_hex(6)  # at most 15 characters
+            create = dict(
+                driver="bridge",
+                labels=labels,
+                internal=bool(episode),
+                options={**options, "com.docker.network.bridge.name": bridge},
+            )
             client = self.daemon.client
             self.networks[key] = asyncio.ensure_future(
                 self.daemon.call(own_subnet_network, client, name, timeout=60, **create)
-                if self.direct and not episode else
-                self.daemon.call(client.networks.create, name, timeout=60, **create))
+                if self.direct and not episode
+                else self.daemon.call(client.networks.create, name, timeout=60, **create)
+            )
         try:
             network = await asyncio.shield(self.networks[key])
             if self.direct and not episode and self.addresses is None:
                 self.addresses = EnvAddresses(ipv4_subnet(network.attrs))
         except asyncio.CancelledError:
             raise
-        except Exception as exc:                        # noqa: BLE001 - docker raises many kinds
+        except Exception as exc:  # noqa: BLE001 - docker raises many kinds
             self.networks.pop(key, None)
             raise EpisodeFailed(
                 f"the Docker network {name} could not be made ({short(str(exc), 300)}); if the "
                 "daemon has run out of address pools, remove unused networks (docker network "
                 "prune) or give it more (default-address-pools in daemon.json)",
-                PROVIDER_UNAVAILABLE) from None
+                PROVIDER_UNAVAILABLE,
+            ) from None
         return name
 
     async def end_episode(self, episode: str) -> None:
-        keys = [k for k in self.networks if episode and (k == episode or
-                                                         k.startswith(episode + "/"))]
+        keys = [
+            k for k in self.networks if episode and (k == episode or k.startswith(episode + "/"))
+        ]
         for made in [self.networks.pop(k) for k in keys]:
             with contextlib.suppress(Exception):
                 if network := await made:
@@ -3849,29 +4833,46 @@ class DockerSandbox(Sandbox):
 
     async def launch(self, env: EnvSpec, episode: str, limits: dict[str, Any]) -> Instance:
         options: dict[str, Any] = dict(
-            image=self.images.get(env.name) or (await self.daemon.build_env(env))[0], detach=True,
+            image=self.images.get(env.name) or (await self.daemon.build_env(env))[0],
+            detach=True,
             ports={f"{ENV_PORT}/tcp": (self.publish, None)},
-            environment={"ENVIRONMENT_NAME": env.environment_name, "MCP_HOST": "0.0.0.0",
-                         "DATABASE_URL": f"sqlite:////tmp/{env.environment_name}.sqlite"},
-            labels={"agentenv.owner": self.owner, "agentenv.episode": episode,
-                    "agentenv.env": env.name},
+            environment={
+                "ENVIRONMENT_NAME": env.environment_name,
+                "MCP_HOST": "0.0.0.0",
+                "DATABASE_URL": f"sqlite:////tmp/{env.environment_name}.sqlite",
+            },
+            labels={
+                "agentenv.owner": self.owner,
+                "agentenv.episode": episode,
+                "agentenv.env": env.name,
+            },
             # unprivileged: no capabilities, no privilege gain, no host mounts, bounded processes,
             # and a log on the host of a few MiB at most, whatever a tool call makes the env print
-            security_opt=["no-new-privileges"], cap_drop=["ALL"], pids_limit=DOCKER_PIDS_LIMIT,
-            log_config=ENV_LOG)
+            security_opt=["no-new-privileges"],
+            cap_drop=["ALL"],
+            pids_limit=DOCKER_PIDS_LIMIT,
+            log_config=ENV_LOG,
+        )
         own_port, address = 0, ""
-        if self.node_network:       # no bridge: on the daemon's network, on a port of its own
+        if self.node_network:  # no bridge: on the daemon's network, on a port of its own
             own_port = reserve_port(self.publish, self.ports)
             del options["ports"]
-            options.update(network_mode="host", environment={
-                **options["environment"], "MCP_HOST": self.publish, "MCP_PORT": str(own_port)})
+            options.update(
+                network_mode="host",
+                environment={
+                    **options["environment"],
+                    "MCP_HOST": self.publish,
+                    "MCP_PORT": str(own_port),
+                },
+            )
         elif env.network == "isolated":
             options["network"] = network = await self._network("")
-            if self.addresses is not None:   # dialled at an address this server gives it
+            if self.addresses is not None:  # dialled at an address this server gives it
                 address = self.addresses.take()
                 del options["ports"]
                 options["networking_config"] = {
-                    network: self.daemon.client.api.create_endpoint_config(ipv4_address=address)}
+                    network: self.daemon.client.api.create_endpoint_config(ipv4_address=address)
+                }
         # (an env on Docker's default bridge, which takes no address given, is published)
         if limits.get("cpu"):
             options["nano_cpus"] = int(float(limits["cpu"]) * 1e9)
@@ -3883,21 +4884,35 @@ class DockerSandbox(Sandbox):
         vacate = (lambda: addresses.give_back(address)) if address else lambda: None
         try:
             container, reached, port = await self.daemon.created(
-                lambda: started_env(self.daemon.client, options,
-                                    "" if address else self.publish, own_port),
-                lambda made: made[0], f"env {env.name!r}", "did not come up", vacate)
+                lambda: started_env(
+                    self.daemon.client, options, "" if address else self.publish, own_port
+                ),
+                lambda made: made[0],
+                f"env {env.name!r}",
+                "did not come up",
+                vacate,
+            )
         except BaseException:
             self.ports.discard(own_port)
             raise
         if not address:
-            return DockerInstance(self.daemon, container, f"http://{reached}:{port}", own_port,
-                                  lambda: self.ports.discard(own_port))
-        instance = DockerInstance(self.daemon, container, f"http://{address}:{port}",
-                                  deaths=self.deaths, vacate=vacate)
-        if reached != address:      # never dial an address the daemon gave another container
+            return DockerInstance(
+                self.daemon,
+                container,
+                f"http://{reached}:{port}",
+                own_port,
+                lambda: self.ports.discard(own_port),
+            )
+        instance = DockerInstance(
+            self.daemon, container, f"http://{address}:{port}", deaths=self.deaths, vacate=vacate
+        )
+        if reached != address:  # never dial an address the daemon gave another container
             await instance.remove()
-            raise EpisodeFailed(f"env {env.name!r}: the Docker daemon gave its container the "
-                                f"address {reached}, not {address} as asked", PROVIDER_UNAVAILABLE)
+            raise EpisodeFailed(
+                f"env {env.name!r}: the Docker daemon gave its container the "
+                f"address {reached}, not {address} as asked",
+                PROVIDER_UNAVAILABLE,
+            )
         return instance
 
     # -- boxes
@@ -3908,75 +4923,137 @@ class DockerSandbox(Sandbox):
     async def build_image(self, folder: Path, dockerfile: str, name: str) -> str:
         return await self.daemon.build_context(folder, dockerfile, name)
 
-    async def open_box(self, episode: str, name: str, limits: dict[str, Any],
-                       network: dict[str, tuple[str, ...]] | None = None,
-                       agents: bool = False) -> Box:
+    async def open_box(
+        self,
+        episode: str,
+        name: str,
+        limits: dict[str, Any],
+        network: dict[str, tuple[str, ...]] | None = None,
+        agents: bool = False,
+    ) -> Box:
         image = self.images[""] = self.images.get("") or await self.daemon.box_image()
         return await self._box(episode, name, limits, image, network, None, agents, own=True)
 
     async def open_image(self, episode: str, name: str, limits: dict[str, Any], image: str) -> Box:
         return await self._box(episode, name, limits, image)
 
-    async def run_sibling(self, episode: str, name: str, limits: dict[str, Any], image: str,
-                          network: dict[str, tuple[str, ...]] | None = None,
-                          share: Box | None = None) -> Box:
+    async def run_sibling(
+        self,
+        episode: str,
+        name: str,
+        limits: dict[str, Any],
+        image: str,
+        network: dict[str, tuple[str, ...]] | None = None,
+        share: Box | None = None,
+    ) -> Box:
         if share is not None and not isinstance(share, DockerBox):
-            raise EpisodeFailed(f"container {name!r} is to share the network of box {share.name!r}, "
-                                "which is no container", PROVIDER_UNAVAILABLE)
+            raise EpisodeFailed(
+                f"container {name!r} is to share the network of box {share.name!r}, "
+                "which is no container",
+                PROVIDER_UNAVAILABLE,
+            )
         return await self._box(episode, name, limits, image, network, share)
 
-    def box_options(self, episode: str, name: str, limits: dict[str, Any], image: str,
-                    network: str | None = None, aliases: tuple[str, ...] = (),
-                    share: DockerBox | None = None) -> dict[str, Any]:
+    def box_options(
+        self,
+        episode: str,
+        name: str,
+        limits: dict[str, Any],
+        image: str,
+        network: str | None = None,
+        aliases: tuple[str, ...] = (),
+        share: DockerBox | None = None,
+    ) -> dict[str, Any]:
         """How a box's container is made: the one place its isolation is chosen. No network, or
         one of its episode's internal networks (reached there by ``aliases``), or the network
         namespace of box ``share``."""
         memory = int(limits.get("memory_mb") or self.box_memory_mb)
         # Our own box: a read-only root, and its writable places tmpfs mounts of bounded sizes
         # (within its memory), so a command that fills the disk fills only its box's share.
-        own = {} if image != self.images.get("") else dict(read_only=True, tmpfs={
-            "/app": f"size={memory // 2}m,uid=1000,gid=1000,mode=0755",
-            "/home/agent": f"size={max(16, memory // 16)}m,uid=1000,gid=1000,mode=0755",
-            "/tmp": f"size={max(16, memory // 8)}m,mode=1777",
-            "/var/tmp": f"size={max(16, memory // 32)}m,mode=1777"})
+        own = (
+            {}
+            if image != self.images.get("")
+            else dict(
+                read_only=True,
+                tmpfs={
+                    "/app": f"size={memory // 2}m,uid=1000,gid=1000,mode=0755",
+                    "/home/agent": f"size={max(16, memory // 16)}m,uid=1000,gid=1000,mode=0755",
+                    "/tmp": f"size={max(16, memory // 8)}m,mode=1777",
+                    "/var/tmp": f"size={max(16, memory // 32)}m,mode=1777",
+                },
+            )
+        )
         # Our own box's first process is its keeper, root's and the box's init (so nothing in the
         # box can kill it, not even root, nor write to its output), with the one capability it
         # needs to stop the agent's; it reaps the orphans, as an init does.
         if own:
-            own.update(user="0", command=["bash", "-c", BOX_KEEPER, KEEPER_NAME], stdin_open=True,
-                       cap_add=["KILL"], init=False)
+            own.update(
+                user="0",
+                command=["bash", "-c", BOX_KEEPER, KEEPER_NAME],
+                stdin_open=True,
+                cap_add=["KILL"],
+                init=False,
+            )
         if share is not None:
             where: dict[str, Any] = {"network_mode": f"container:{share.container.id}"}
         elif network:
             # Names not of the network resolve nowhere: Docker's DNS asks loopback for them, so
             # even a Docker that forwards an internal network's lookups from the host's
             # namespace (before 26) sends no query off this machine.
-            where = {"network": network, "hostname": "box", "dns": ["127.0.0.1"],
-                     "networking_config": {network: self.daemon.client.api.create_endpoint_config(
-                         aliases=list(aliases))}}
+            where = {
+                "network": network,
+                "hostname": "box",
+                "dns": ["127.0.0.1"],
+                "networking_config": {
+                    network: self.daemon.client.api.create_endpoint_config(aliases=list(aliases))
+                },
+            }
         else:
             where = {"network_mode": "none", "hostname": "box"}
-        return dict(**{"init": True, **own}, **where,
-            image=image, detach=True,
-            labels={"agentenv.owner": self.owner, "agentenv.episode": episode,
-                    "agentenv.box": name},
+        return dict(
+            **{"init": True, **own},
+            **where,
+            image=image,
+            detach=True,
+            labels={
+                "agentenv.owner": self.owner,
+                "agentenv.episode": episode,
+                "agentenv.box": name,
+            },
             # no log on the host: nothing a box prints can fill its disk
             log_config={"type": "none"},
-            security_opt=["no-new-privileges"], cap_drop=["ALL"], pids_limit=BOX_PIDS_LIMIT,
-            mem_limit=f"{memory}m", memswap_limit=f"{memory}m",
+            security_opt=["no-new-privileges"],
+            cap_drop=["ALL"],
+            pids_limit=BOX_PIDS_LIMIT,
+            mem_limit=f"{memory}m",
+            memswap_limit=f"{memory}m",
             nano_cpus=int(float(limits.get("cpu") or 1.0) * 1e9),
             environment=dict(limits.get("env_vars") or {}),
-            **({"command": _shell_words(command) if isinstance(command, str) else list(command)}
-               if (command := limits.get("command_override")) and not own else {}))
+            **(
+                {"command": _shell_words(command) if isinstance(command, str) else list(command)}
+                if (command := limits.get("command_override")) and not own
+                else {}
+            ),
+        )
 
-    async def _box(self, episode: str, name: str, limits: dict[str, Any], image: str,
-                   network: dict[str, tuple[str, ...]] | None = None, share: DockerBox | None = None,
-                   agents: bool = False, own: bool = False) -> Box:
+    async def _box(
+        self,
+        episode: str,
+        name: str,
+        limits: dict[str, Any],
+        image: str,
+        network: dict[str, tuple[str, ...]] | None = None,
+        share: DockerBox | None = None,
+        agents: bool = False,
+        own: bool = False,
+    ) -> Box:
         """A box's container, created and started: our own box (``own``: its user the agent),
         or one of a bundle's image (its image's user)."""
         # its networks, by name, with the names it is reached by on each (the first at creation)
-        joins = [(await self.episode_network(episode, segment), aliases)
-                 for segment, aliases in (network or {}).items()]
+        joins = [
+            (await self.episode_network(episode, segment), aliases)
+            for segment, aliases in (network or {}).items()
+        ]
         first, aliases = joins[0] if joins else (None, ())
         options = self.box_options(episode, name, limits, image, first, aliases, share)
         api = self.daemon.client.api
@@ -3987,14 +5064,15 @@ class DockerSandbox(Sandbox):
                 for more, named in joins[1:]:
                     api.connect_container_to_network(container.id, more, aliases=list(named))
                 container.start()
-                container.reload()          # its State.Pid: its first process, as the host sees it
+                container.reload()  # its State.Pid: its first process, as the host sees it
                 return container
             except BaseException:
                 container.remove(force=True)
                 raise
 
-        container = await self.daemon.created(create_and_start, lambda made: made, f"box {name!r}",
-                                              "did not start")
+        container = await self.daemon.created(
+            create_and_start, lambda made: made, f"box {name!r}", "did not start"
+        )
         return DockerBox(self.daemon, container, name, "agent" if own else None, agents)
 
     async def close(self) -> None:
@@ -4007,18 +5085,20 @@ class DockerSandbox(Sandbox):
         self.unremoved = []
         for network in await asyncio.gather(*(self.daemon.remove_network(n) for n in networks)):
             if network is not None:
-                log.error("Could not remove network %s; remove it with docker network rm %s.",
-                          network.name, network.name)
+                log.error(
+                    "Could not remove network %s; remove it with docker network rm %s.",
+                    network.name,
+                    network.name,
+                )
         if self.deaths is not None:
             self.deaths.close()
         self.daemon.close()
 
 
-
 # -- boxes: where the played agent works with bash, and where bundle code runs
 
-BOX_BASE = "python:3.11-slim"     # the image the bundles' envs build FROM: a box is built on it too
-BOX_PIDS_LIMIT = 256              # processes and threads in one box (a fork bomb stops there)
+BOX_BASE = "python:3.11-slim"  # the image the bundles' envs build FROM: a box is built on it too
+BOX_PIDS_LIMIT = 256  # processes and threads in one box (a fork bomb stops there)
 BOX_DOCKERFILE = f"""FROM {BOX_BASE}
 RUN useradd --create-home --uid 1000 --user-group --shell /bin/bash agent \\
  && mkdir -p /app /home/agent/skills && chown agent:agent /app /home/agent/skills
@@ -4035,8 +5115,8 @@ KEEPER_NAME = "agentenv-keeper"
 BOX_KEEPER = r"""trap 'kill -KILL -1' USR1
 trap '' TERM INT HUP QUIT PIPE
 while :; do read -r _ || { sleep 3600 & wait $!; }; done"""
-STOP_DEADLINE = 10.0              # seconds for the agent's processes in a box to be stopped
-KILL_GRACE = 5.0                  # seconds for a stopped command's output to end, before it is cut
+STOP_DEADLINE = 10.0  # seconds for the agent's processes in a box to be stopped
+KILL_GRACE = 5.0  # seconds for a stopped command's output to end, before it is cut
 # A command run with nothing the agent planted on the way in: a fresh, empty HOME (and, by the
 # environment, no user site), so no startup file or hook of the agent's is read.
 CLEAN_START = 'HOME=$(mktemp -d /tmp/.home.XXXXXXXX) && export HOME && exec "$@"'
@@ -4142,16 +5222,26 @@ class Box(abc.ABC):
         self.name = name
 
     @abc.abstractmethod
-    async def run(self, argv: list[str], timeout: float, *, root: bool = False,
-                  cwd: str | None = None, env: dict[str, str] | None = None,
-                  cap: int = 1 << 20, stdin: bytes | None = None, clean: bool = False) -> Ran:
+    async def run(
+        self,
+        argv: list[str],
+        timeout: float,
+        *,
+        root: bool = False,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        cap: int = 1 << 20,
+        stdin: bytes | None = None,
+        clean: bool = False,
+    ) -> Ran:
         """Run a command to its end or its deadline; BoxGone if the box is gone. ``stdin`` is
         what it reads (else nothing); ``clean`` runs it with nothing the agent planted on the way
         in: a fresh, empty HOME and no Python user site."""
 
     @abc.abstractmethod
-    async def put(self, files: dict[str, bytes], dest: str, agent_owns: bool = True,
-                  replace: bool = False) -> None:
+    async def put(
+        self, files: dict[str, bytes], dest: str, agent_owns: bool = True, replace: bool = False
+    ) -> None:
         """Write files (path inside ``dest`` -> bytes), making folders as needed; with
         ``replace``, whatever stood at ``dest`` is removed first (loaded again, not merged)."""
 
@@ -4164,8 +5254,9 @@ class Box(abc.ABC):
     async def replace_at(self, dest: str) -> None:
         """Clear ``dest`` before a step loads files there again (``put``'s ``replace``)."""
         if why := await self.clear([dest]):
-            raise BoxFailed(f"{dest} in box {self.name!r} could not be cleared to load it "
-                            f"again: {why}")
+            raise BoxFailed(
+                f"{dest} in box {self.name!r} could not be cleared to load it again: {why}"
+            )
 
     @abc.abstractmethod
     async def read_result(self, path: str, cap: int) -> ResultFile:
@@ -4202,6 +5293,7 @@ def box_tar(files: dict[str, bytes], dest: str, uid: int) -> bytes:
     set its mode, and the agent could no longer write there."""
     import io
     import tarfile
+
     buffer = io.BytesIO()
     made: set[str] = set()
     base = dest.strip("/").count("/") + 1 if dest.strip("/") else 0
@@ -4234,8 +5326,11 @@ class ExecSocket:
 
     def __init__(self, stream: Any):
         self.stream = stream
-        self.raw = socket.socket(fileno=os.dup(stream.fileno())) \
-            if isinstance(stream, socket.SocketIO) else stream
+        self.raw = (
+            socket.socket(fileno=os.dup(stream.fileno()))
+            if isinstance(stream, socket.SocketIO)
+            else stream
+        )
         # No timeout of the SDK's (its 120 s a call, which as the descriptor's non-blocking mode
         # the copy shares): a command that prints nothing for minutes is still running, and its
         # own deadline ends it (shut_stream), not a read given up as if it had ended.
@@ -4271,13 +5366,15 @@ def read_exec(raw: Any, stdin: bytes | None, cap: int) -> tuple[bytes, bytes, in
             raw.shutdown(socket.SHUT_WR)
         while chunk := raw.recv(65536):
             buffer += chunk
-            while len(buffer) >= 8 and len(buffer) >= 8 + (size := int.from_bytes(buffer[4:8], "big")):
+            while len(buffer) >= 8 and len(buffer) >= 8 + (
+                size := int.from_bytes(buffer[4:8], "big")
+            ):
                 out = kept.get(buffer[0], kept[1])
                 printed += size
                 if len(out) < cap:
-                    out += buffer[8:8 + min(size, cap - len(out))]
-                del buffer[:8 + size]
-    except OSError:                 # cut by a caller that stopped waiting (shut_stream)
+                    out += buffer[8 : 8 + min(size, cap - len(out))]
+                del buffer[: 8 + size]
+    except OSError:  # cut by a caller that stopped waiting (shut_stream)
         pass
     finally:
         with contextlib.suppress(OSError):
@@ -4300,23 +5397,39 @@ class DockerBox(Box):
 
     kind = "docker"
 
-    def __init__(self, daemon: DockerDaemon, container: Any, name: str, user: str | None = "agent",
-                 agents: bool = False):
+    def __init__(
+        self,
+        daemon: DockerDaemon,
+        container: Any,
+        name: str,
+        user: str | None = "agent",
+        agents: bool = False,
+    ):
         super().__init__(name)
         self.daemon, self.container = daemon, container
         self.user = user or "root"
-        self.exec_user = user          # None: the image's own user, in its own working folder
+        self.exec_user = user  # None: the image's own user, in its own working folder
         # the played agent's box (our own image, with its keeper): a deadline of its user's
         # commands stops every process of the agent's, and so does the end of a turn
         self.agents = agents and user is not None
-        self.opening: set[asyncio.Future] = set()   # commands the daemon is starting
+        self.opening: set[asyncio.Future] = set()  # commands the daemon is starting
         if user is None:
             self.workdir = ((container.attrs or {}).get("Config") or {}).get("WorkingDir") or "/"
 
-    async def run(self, argv: list[str], timeout: float, *, root: bool = False,
-                  cwd: str | None = None, env: dict[str, str] | None = None,
-                  cap: int = 1 << 20, stdin: bytes | None = None, clean: bool = False) -> Ran:
+    async def run(
+        self,
+        argv: list[str],
+        timeout: float,
+        *,
+        root: bool = False,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        cap: int = 1 << 20,
+        stdin: bytes | None = None,
+        clean: bool = False,
+    ) -> Ran:
         import docker.errors
+
         marker = uuid.uuid4().hex
         user = "0" if root else self.exec_user
         environment = {**(env or {}), "AGENTENV_CALL": marker}
@@ -4324,9 +5437,17 @@ class DockerBox(Box):
             argv, environment["PYTHONNOUSERSITE"] = ["sh", "-c", CLEAN_START, "sh", *argv], "1"
         workdir = cwd or (self.workdir if self.exec_user else None)
         # (docker runs each exec as a session leader of its own: its group is the call's)
-        opened = asyncio.ensure_future(self.daemon.call(
-            self._open, argv, user or "", workdir, environment, stdin is not None,
-            timeout=timeout + 5))
+        opened = asyncio.ensure_future(
+            self.daemon.call(
+                self._open,
+                argv,
+                user or "",
+                workdir,
+                environment,
+                stdin is not None,
+                timeout=timeout + 5,
+            )
+        )
         self.opening.add(opened)
         opened.add_done_callback(self.opening.discard)
         reading: asyncio.Future | None = None
@@ -4338,16 +5459,19 @@ class DockerBox(Box):
                 out, err, printed = await asyncio.shield(reading)
             return Ran(await self._exit_code(exec_id), out, err, False, printed)
         except asyncio.TimeoutError:
-            if reading is None:          # the daemon never started it: the machine's fault
+            if reading is None:  # the daemon never started it: the machine's fault
                 self._abandon(opened, marker)
                 if why := await self.stopped():
                     raise BoxGone(f"box {self.name!r} stopped: {why}") from None
-                raise EpisodeFailed(f"the Docker daemon did not start a command in box "
-                                    f"{self.name!r} within {timeout:g}s; it may be overloaded "
-                                    "(lower --max-concurrent-envs)", PROVIDER_UNAVAILABLE) from None
+                raise EpisodeFailed(
+                    f"the Docker daemon did not start a command in box "
+                    f"{self.name!r} within {timeout:g}s; it may be overloaded "
+                    "(lower --max-concurrent-envs)",
+                    PROVIDER_UNAVAILABLE,
+                ) from None
             stopped = await self._stop(marker, root, reading, stream)
             return Ran(None, b"", b"", True, 0, stopped)
-        except asyncio.CancelledError:        # its caller gave up (the turn closed, the client left)
+        except asyncio.CancelledError:  # its caller gave up (the turn closed, the client left)
             if reading is not None:
                 await asyncio.shield(self._stop(marker, root, reading, stream))
             else:
@@ -4356,20 +5480,35 @@ class DockerBox(Box):
         except docker.errors.APIError as exc:
             if gone := await self._gone(exc):
                 raise gone from None
-            return Ran(126, b"", f"error: the command couldn't start: {short(str(exc), 300)}\n"
-                       .encode())
-        except (AgentEnvError, asyncio.CancelledError):
+            return Ran(
+                126, b"", f"error: the command couldn't start: {short(str(exc), 300)}\n".encode()
+            )
+        except AgentEnvError:
             raise
-        except Exception as exc:                        # noqa: BLE001 - the daemon's stream broke
+        except Exception as exc:  # noqa: BLE001 - the daemon's stream broke
             why = await self.stopped() or f"{type(exc).__name__}: {short(str(exc), 300)}"
             raise BoxGone(f"box {self.name!r} failed under a command: {why}") from None
 
-    def _open(self, argv: list[str], user: str, workdir: str | None, environment: dict[str, str],
-              stdin: bool) -> tuple[str, Any]:
+    def _open(
+        self,
+        argv: list[str],
+        user: str,
+        workdir: str | None,
+        environment: dict[str, str],
+        stdin: bool,
+    ) -> tuple[str, Any]:
         """Create an exec and start it, attached: its id and its socket (ExecSocket)."""
         api = self.daemon.client.api
-        made = api.exec_create(self.container.id, argv, stdout=True, stderr=True, stdin=stdin,
-                               user=user, workdir=workdir, environment=environment)
+        made = api.exec_create(
+            self.container.id,
+            argv,
+            stdout=True,
+            stderr=True,
+            stdin=stdin,
+            user=user,
+            workdir=workdir,
+            environment=environment,
+        )
         return made["Id"], ExecSocket(api.exec_start(made["Id"], socket=True))
 
     async def _exit_code(self, exec_id: str) -> int | None:
@@ -4378,8 +5517,9 @@ class DockerBox(Box):
         little later each time, for a second at most."""
         pause = 0.005
         for _ in range(8):
-            inspected = await self.daemon.urgent(self.daemon.client.api.exec_inspect, exec_id,
-                                                  timeout=10)
+            inspected = await self.daemon.urgent(
+                self.daemon.client.api.exec_inspect, exec_id, timeout=10
+            )
             if inspected.get("ExitCode") is not None or not inspected.get("Running"):
                 return inspected.get("ExitCode")
             await asyncio.sleep(pause)
@@ -4389,10 +5529,12 @@ class DockerBox(Box):
     def _abandon(self, opened: asyncio.Future, marker: str) -> None:
         """A command whose caller stopped waiting before it started: once the daemon has started
         it (if ever), it is killed and its output cut."""
+
         def undo(done: asyncio.Future) -> None:
             if not done.cancelled() and done.exception() is None:
                 shut_stream(done.result()[1])
                 self.daemon.removing(asyncio.ensure_future(self._kill(marker)))
+
         opened.add_done_callback(undo)
 
     async def _stop(self, marker: str, root: bool, reading: asyncio.Future, stream: Any) -> str:
@@ -4402,11 +5544,16 @@ class DockerBox(Box):
         let its output end, or cut it. What was stopped, in a phrase the model reads."""
         if self.agents and not root:
             await self.stop_all()
-            said = ("every process of yours in the box was stopped: the command, all it started, "
-                    "and anything left running in the background")
+            said = (
+                "every process of yours in the box was stopped: the command, all it started, "
+                "and anything left running in the background"
+            )
         else:
-            said = ("it was killed, with every process it started" if await self._kill(marker)
-                    else "it could not be killed, and runs on until the episode ends")
+            said = (
+                "it was killed, with every process it started"
+                if await self._kill(marker)
+                else "it could not be killed, and runs on until the episode ends"
+            )
         if not (await asyncio.wait({reading}, timeout=KILL_GRACE))[0]:
             shut_stream(stream)
         return said
@@ -4417,17 +5564,18 @@ class DockerBox(Box):
         signalled again, and this returns, only once it has done as it was told (the signal no
         longer pending, the keeper waiting again): a kill of its that came later would land on
         the next command, a verifier's reading what it found."""
-        if not self.agents:             # no box of the agent's: it has no processes there
+        if not self.agents:  # no box of the agent's: it has no processes there
             return
         import docker.errors
+
         left: list[str] = []
         try:
             async with asyncio.timeout(STOP_DEADLINE):
-                if self.opening:        # a command the daemon is starting now is stopped too
+                if self.opening:  # a command the daemon is starting now is stopped too
                     await asyncio.wait(set(self.opening))
                 while True:
                     await self.daemon.urgent(self.container.kill, signal="SIGUSR1", timeout=10)
-                    pause = 0.002           # (the host tells nothing when the keeper is done)
+                    pause = 0.002  # (the host tells nothing when the keeper is done)
                     while not (seen := await self._top())[0]:
                         await asyncio.sleep(pause)
                         pause = min(2 * pause, 0.1)
@@ -4436,17 +5584,23 @@ class DockerBox(Box):
         except docker.errors.APIError as exc:
             if gone := await self._gone(exc):
                 raise gone from None
-            raise EpisodeFailed(f"the agent's processes in box {self.name!r} could not be stopped: "
-                                f"the Docker daemon said {short(str(exc), 300)}",
-                                PROVIDER_UNAVAILABLE) from None
+            raise EpisodeFailed(
+                f"the agent's processes in box {self.name!r} could not be stopped: "
+                f"the Docker daemon said {short(str(exc), 300)}",
+                PROVIDER_UNAVAILABLE,
+            ) from None
         except asyncio.TimeoutError:
-            raise EpisodeFailed(f"{len(left) or 'some'} process(es) of the agent's in box "
-                                f"{self.name!r} still ran after {STOP_DEADLINE:g}s of stopping "
-                                "them (or the daemon did not answer)", ENV_FAILED) from None
+            raise EpisodeFailed(
+                f"{len(left) or 'some'} process(es) of the agent's in box "
+                f"{self.name!r} still ran after {STOP_DEADLINE:g}s of stopping "
+                "them (or the daemon did not answer)",
+                ENV_FAILED,
+            ) from None
 
     async def _gone(self, exc: Exception) -> BoxGone | None:
         """The daemon's error as the box's end, when it came of the box being gone or stopped."""
         import docker.errors
+
         if isinstance(exc, docker.errors.NotFound):
             return BoxGone(f"box {self.name!r} is gone: its container was removed")
         if why := await self.stopped():
@@ -4461,14 +5615,16 @@ class DockerBox(Box):
     async def _top(self) -> tuple[bool, list[str]]:
         """The box as the host sees it: whether its first process, the keeper, waits with no
         SIGUSR1 pending (done with every one it was sent), and _agents_processes."""
-        top = await self.daemon.urgent(self.container.top, ps_args="-eo pid,uid,stat,pending",
-                                       timeout=10)
+        top = await self.daemon.urgent(
+            self.container.top, ps_args="-eo pid,uid,stat,pending", timeout=10
+        )
         rows = top.get("Processes") or []
         first = str(((self.container.attrs or {}).get("State") or {}).get("Pid", ""))
         keeper = next((row for row in rows if row[0] == first), None)
         pending = int(keeper[3], 16) if keeper and re.fullmatch(r"[0-9a-fA-F]+", keeper[3]) else 0
-        idle = keeper is None or (not keeper[2].startswith("R") and
-                                  not pending >> (signal.SIGUSR1 - 1) & 1)
+        idle = keeper is None or (
+            not keeper[2].startswith("R") and not pending >> (signal.SIGUSR1 - 1) & 1
+        )
         root = keeper[1] if keeper else "0"
         return idle, [pid for pid, uid, stat, _ in rows if uid != root and not stat.startswith("Z")]
 
@@ -4481,11 +5637,18 @@ class DockerBox(Box):
             if await self.daemon.urgent(self._kill_from_host, marker, timeout=10):
                 return True
         with contextlib.suppress(Exception):
-            await self.daemon.urgent(self.container.exec_run, ["sh", "-c", BOX_KILLER, marker],
-                                      user=self.exec_user or "", timeout=10)
+            await self.daemon.urgent(
+                self.container.exec_run,
+                ["sh", "-c", BOX_KILLER, marker],
+                user=self.exec_user or "",
+                timeout=10,
+            )
             return True
-        log.warning("Could not kill a command in box %r past its deadline (the box may be out of "
-                    "processes); it runs on until its episode ends.", self.name)
+        log.warning(
+            "Could not kill a command in box %r past its deadline (the box may be out of "
+            "processes); it runs on until its episode ends.",
+            self.name,
+        )
         return False
 
     def _kill_from_host(self, marker: str) -> bool:
@@ -4496,21 +5659,21 @@ class DockerBox(Box):
         another process meanwhile (a box's processes come and go by the thousand) is never
         signalled."""
         needle = f"AGENTENV_CALL={marker}".encode()
-        for _ in range(10):                       # rounds, for a tree that forks meanwhile
+        for _ in range(10):  # rounds, for a tree that forks meanwhile
             found = 0
             for row in self.container.top(ps_args="-eo pid").get("Processes") or []:
                 pid = int(row[0])
                 if (held := pidfd(pid)) is None:
-                    if os.path.exists(f"/proc/{pid}"):    # no pidfds on this system
+                    if os.path.exists(f"/proc/{pid}"):  # no pidfds on this system
                         return False
-                    continue                              # gone already
+                    continue  # gone already
                 try:
                     try:
                         environ = Path(f"/proc/{pid}/environ").read_bytes()
                         group = int(_process_stat(pid)[2])
                     except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
                         continue
-                    except OSError:               # not ours to read: another user's daemon
+                    except OSError:  # not ours to read: another user's daemon
                         return False
                     if needle in environ.split(b"\0") and not has_ended(held):
                         found += 1
@@ -4524,65 +5687,85 @@ class DockerBox(Box):
                 return True
         return True
 
-    async def put(self, files: dict[str, bytes], dest: str, agent_owns: bool = True,
-                  replace: bool = False) -> None:
+    async def put(
+        self, files: dict[str, bytes], dest: str, agent_owns: bool = True, replace: bool = False
+    ) -> None:
         if replace:
             await self.replace_at(dest)
         data = box_tar(files, dest, 1000 if agent_owns and self.exec_user else 0)
-        if self.exec_user is None:           # an image of the bundle's: its disk, as it is
+        if self.exec_user is None:  # an image of the bundle's: its disk, as it is
             try:
                 await self.daemon.call(self.container.put_archive, "/", data, timeout=120)
-            except Exception as exc:                    # noqa: BLE001 - docker raises many kinds
+            except Exception as exc:  # noqa: BLE001 - docker raises many kinds
                 if gone := await self._gone(exc):
                     raise gone from None
-                raise BoxFailed(f"files could not be put in box {self.name!r} at {dest}: "
-                                f"{short(str(exc), 300)}") from None
+                raise BoxFailed(
+                    f"files could not be put in box {self.name!r} at {dest}: {short(str(exc), 300)}"
+                ) from None
             return
         # Our own box's root is read-only, its writable places bounded tmpfs mounts, where
         # Docker's archive API can't reach: tar reads the files from its stdin. Root (with no
         # capability but KILL) may write only in /tmp; elsewhere the agent owns the files.
         root = not agent_owns and (dest == "/tmp" or dest.startswith("/tmp/"))
-        ran = await self.run(["tar", "-x", "-m", "--no-same-owner", "-C", "/"], 120, root=root,
-                             stdin=data)
+        ran = await self.run(
+            ["tar", "-x", "-m", "--no-same-owner", "-C", "/"], 120, root=root, stdin=data
+        )
         if ran.timed_out or ran.exit_code != 0:
-            said = "it did not finish within 120s" if ran.timed_out else \
-                short(ran.output.strip() or f"tar exited {ran.exit_code}", 500)
+            said = (
+                "it did not finish within 120s"
+                if ran.timed_out
+                else short(ran.output.strip() or f"tar exited {ran.exit_code}", 500)
+            )
             raise BoxFailed(f"the files could not be put in box {self.name!r} at {dest}: {said}")
 
     async def clear(self, paths: list[str]) -> str | None:
         said, left = [], list(paths)
-        for root in ((False, True) if self.exec_user else (True,)):
+        for root in (False, True) if self.exec_user else (True,):
             ran = await self.run(["sh", "-c", CLEAR_PATHS, "sh", *left], 60, root=root)
             if ran.exit_code == 0:
                 return None
             if ran.exit_code == 1:
                 left = [p for p in ran.stdout.decode(errors="replace").split("\0") if p] or left
-            said.append(f"as {'root' if root else self.user}: " + (
-                "it did not finish within 60s" if ran.timed_out else
-                short(ran.stderr.decode(errors="replace") or f"exit code {ran.exit_code}", 300)))
+            said.append(
+                f"as {'root' if root else self.user}: "
+                + (
+                    "it did not finish within 60s"
+                    if ran.timed_out
+                    else short(
+                        ran.stderr.decode(errors="replace") or f"exit code {ran.exit_code}", 300
+                    )
+                )
+            )
         return f"{', '.join(left)} still there ({'; '.join(said)})"
 
     async def read_result(self, path: str, cap: int) -> ResultFile:
-        ran = await self.run(["sh", "-c", READ_RESULT, "sh", path, str(cap)], 60, root=True,
-                             cap=cap + 32)
+        ran = await self.run(
+            ["sh", "-c", READ_RESULT, "sh", path, str(cap)], 60, root=True, cap=cap + 32
+        )
         if ran.timed_out:
             return ResultFile(None, why="could not be read within 60s")
         if ran.exit_code == 3:
             return ResultFile(None, why=ran.stdout.decode(errors="replace").strip())
         size, _, head = ran.stdout.partition(b"\n")
         if ran.exit_code != 0 or not size.isdigit():
-            return ResultFile(None, why="could not be read: " + short(
-                ran.stderr.decode(errors="replace") or f"exit code {ran.exit_code}", 300))
+            return ResultFile(
+                None,
+                why="could not be read: "
+                + short(ran.stderr.decode(errors="replace") or f"exit code {ran.exit_code}", 300),
+            )
         return ResultFile(head, int(size))
 
     async def fault(self) -> str | None:
         import docker.errors
+
         try:
             await self.daemon.urgent(self.container.reload, timeout=10)
         except docker.errors.NotFound:
             return f"box {self.name!r} is gone: its container was removed from outside"
-        except Exception as exc:                        # noqa: BLE001 - docker raises many kinds
-            return f"the Docker daemon did not answer about box {self.name!r} ({short(str(exc), 200)})"
+        except Exception as exc:  # noqa: BLE001 - docker raises many kinds
+            return (
+                f"the Docker daemon did not answer about box {self.name!r} ({short(str(exc), 200)})"
+            )
         state = self.container.attrs.get("State") or {}
         if state.get("Status") == "running" or state.get("OOMKilled"):
             return None
@@ -4602,17 +5785,17 @@ async def process_exit(proc: asyncio.subprocess.Process) -> int:
         loop = asyncio.get_running_loop()
         try:
             fd: int | None = os.pidfd_open(proc.pid)
-        except ProcessLookupError:      # it exited and the watcher's thread reaped it already
+        except ProcessLookupError:  # it exited and the watcher's thread reaped it already
             fd = None
-        except (AttributeError, OSError):        # no pidfds: the pipes' closing must do
+        except (AttributeError, OSError):  # no pidfds: the pipes' closing must do
             return await proc.wait()
         if fd is not None:
-            try:        # reaped, its pid may be another's already: only a child of ours answers
+            try:  # reaped, its pid may be another's already: only a child of ours answers
                 os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:
                 os.close(fd)
                 fd = None
-            except (AttributeError, OSError):       # a kernel without P_PIDFD: the pidfd as is
+            except (AttributeError, OSError):  # a kernel without P_PIDFD: the pidfd as is
                 pass
         if fd is not None:
             try:
@@ -4631,7 +5814,7 @@ async def process_exit(proc: asyncio.subprocess.Process) -> int:
                         return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
             finally:
                 os.close(fd)
-        for _ in range(500):                    # reaped already: the watcher records it soon
+        for _ in range(500):  # reaped already: the watcher records it soon
             if proc.returncode is not None:
                 break
             await asyncio.sleep(0.002)
@@ -4655,36 +5838,57 @@ class LocalBox(Box):
 
     def here(self, path: str) -> str:
         """A box path on this machine: /app and /home/agent are the work folder's."""
-        for box, local in (("/app", self.workdir), ("/home/agent", self.home),
-                           ("/tmp", str(self.folder / "tmp"))):
+        for box, local in (
+            ("/app", self.workdir),
+            ("/home/agent", self.home),
+            ("/tmp", str(self.folder / "tmp")),
+        ):
             if path == box or path.startswith(box + "/"):
-                return local + path[len(box):]
+                return local + path[len(box) :]
         return path
 
     def _script(self, argv: list[str]) -> list[str]:
         # the script of a `bash -c`: its /app and /home/agent paths are the work folder's too
         if len(argv) >= 3 and argv[1] == "-c" and Path(argv[0]).name in ("bash", "sh"):
-            script = re.sub(r"(?<![\w.-])(/app|/home/agent|/tmp)(?=/|\b|$)",
-                            lambda m: self.here(m[1]), argv[2])
+            script = re.sub(
+                r"(?<![\w.-])(/app|/home/agent|/tmp)(?=/|\b|$)", lambda m: self.here(m[1]), argv[2]
+            )
             return [argv[0], "-c", script, *argv[3:]]
         return [self.here(a) if a.startswith("/") else a for a in argv]
 
-    async def run(self, argv: list[str], timeout: float, *, root: bool = False,
-                  cwd: str | None = None, env: dict[str, str] | None = None,
-                  cap: int = 1 << 20, stdin: bytes | None = None, clean: bool = False) -> Ran:
+    async def run(
+        self,
+        argv: list[str],
+        timeout: float,
+        *,
+        root: bool = False,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        cap: int = 1 << 20,
+        stdin: bytes | None = None,
+        clean: bool = False,
+    ) -> Ran:
         home = self.home
-        if clean:                   # a fresh, empty HOME in the box's tmp, and no user site
-            home = await asyncio.to_thread(tempfile.mkdtemp, prefix=".home.",
-                                           dir=self.here("/tmp"))
-        environ = {**{k: v for k, v in os.environ.items() if k != "AGENTENV_TOKEN"},
-                   "HOME": home, "PWD": self.here(cwd or "/app"), "AGENTENV_OWNER": self.owner,
-                   **({"PYTHONNOUSERSITE": "1"} if clean else {}), **(env or {})}
+        if clean:  # a fresh, empty HOME in the box's tmp, and no user site
+            home = await asyncio.to_thread(tempfile.mkdtemp, prefix=".home.", dir=self.here("/tmp"))
+        environ = {
+            **{k: v for k, v in os.environ.items() if k != "AGENTENV_TOKEN"},
+            "HOME": home,
+            "PWD": self.here(cwd or "/app"),
+            "AGENTENV_OWNER": self.owner,
+            **({"PYTHONNOUSERSITE": "1"} if clean else {}),
+            **(env or {}),
+        }
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self._script(argv), cwd=self.here(cwd or "/app"), env=environ,
+                *self._script(argv),
+                cwd=self.here(cwd or "/app"),
+                env=environ,
                 stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                start_new_session=True)
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+            )
         except OSError as exc:
             return Ran(126, b"", f"error: the command couldn't start: {exc}\n".encode())
         self.running[proc.pid] = proc
@@ -4701,9 +5905,11 @@ class LocalBox(Box):
             while chunk := await stream.read(65536):
                 printed += len(chunk)
                 if len(kept) < cap:
-                    kept += chunk[:cap - len(kept)]
-        readers = [asyncio.ensure_future(drain(s, k)) for s, k in ((proc.stdout, out),
-                                                                  (proc.stderr, err))]
+                    kept += chunk[: cap - len(kept)]
+
+        readers = [
+            asyncio.ensure_future(drain(s, k)) for s, k in ((proc.stdout, out), (proc.stderr, err))
+        ]
         try:
             try:
                 # its exit, not its pipes' closing (proc.wait() waits for both): a background
@@ -4713,9 +5919,15 @@ class LocalBox(Box):
                 self._kill(proc.pid)
                 await proc.wait()
                 await asyncio.wait(readers, timeout=1)
-                return Ran(None, b"", b"", True, printed,
-                           "it was killed, with every process of its group (what left the group, a "
-                           "local box can't reach)")
+                return Ran(
+                    None,
+                    b"",
+                    b"",
+                    True,
+                    printed,
+                    "it was killed, with every process of its group (what left the group, a "
+                    "local box can't reach)",
+                )
             # a background job that holds the pipes: read them a second longer, then let go
             await asyncio.wait(readers, timeout=1)
             return Ran(code, bytes(out), bytes(err), False, printed)
@@ -4723,7 +5935,7 @@ class LocalBox(Box):
             self._kill(proc.pid)
             raise
         finally:
-            if all(r.done() for r in readers):      # nothing of it holds its pipes: it is over
+            if all(r.done() for r in readers):  # nothing of it holds its pipes: it is over
                 self.running.pop(proc.pid, None)
             for reader in readers:
                 reader.cancel()
@@ -4733,8 +5945,9 @@ class LocalBox(Box):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(group, signal.SIGKILL)
 
-    async def put(self, files: dict[str, bytes], dest: str, agent_owns: bool = True,
-                  replace: bool = False) -> None:
+    async def put(
+        self, files: dict[str, bytes], dest: str, agent_owns: bool = True, replace: bool = False
+    ) -> None:
         if replace:
             await self.replace_at(dest)
 
@@ -4743,11 +5956,13 @@ class LocalBox(Box):
                 path = Path(self.here(dest.rstrip("/") + "/" + rel))
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(data)
+
         try:
             await asyncio.to_thread(write)
         except OSError as exc:
-            raise BoxFailed(f"the files could not be put in box {self.name!r} at {dest}: "
-                            f"{exc}") from None
+            raise BoxFailed(
+                f"the files could not be put in box {self.name!r} at {dest}: {exc}"
+            ) from None
 
     async def clear(self, paths: list[str]) -> str | None:
         def remove() -> str | None:
@@ -4758,6 +5973,7 @@ class LocalBox(Box):
                 except OSError as exc:
                     left.append(f"{path} ({exc.strerror or exc})")
             return f"{', '.join(left)} still there" if left else None
+
         return await asyncio.to_thread(remove)
 
     @classmethod
@@ -4777,7 +5993,7 @@ class LocalBox(Box):
         if where.is_symlink() or not where.is_dir():
             where.unlink()
             return
-        os.chmod(where, 0o700)                  # and each folder in it, before it is walked
+        os.chmod(where, 0o700)  # and each folder in it, before it is walked
         for folder, folders, _ in os.walk(where):
             for name in folders:
                 if not os.path.islink(inner := os.path.join(folder, name)):
@@ -4788,13 +6004,18 @@ class LocalBox(Box):
     async def read_result(self, path: str, cap: int) -> ResultFile:
         def read() -> ResultFile:
             import stat
-            try:        # (a FIFO opened without blocking, then refused)
+
+            try:  # (a FIFO opened without blocking, then refused)
                 fd = os.open(self.here(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
             except (FileNotFoundError, NotADirectoryError):
                 return ResultFile(None)
             except OSError as exc:
-                return ResultFile(None, why="is a link, not a regular file"
-                                  if exc.errno == errno.ELOOP else f"could not be read: {exc}")
+                return ResultFile(
+                    None,
+                    why="is a link, not a regular file"
+                    if exc.errno == errno.ELOOP
+                    else f"could not be read: {exc}",
+                )
             try:
                 found = os.fstat(fd)
                 if not stat.S_ISREG(found.st_mode):
@@ -4805,6 +6026,7 @@ class LocalBox(Box):
                 return ResultFile(head, found.st_size)
             finally:
                 os.close(fd)
+
         return await asyncio.to_thread(read)
 
     async def stop_all(self) -> None:
@@ -4814,7 +6036,7 @@ class LocalBox(Box):
             self._kill(group)
 
     async def fault(self) -> str | None:
-        return None                 # a work folder: nothing but the model's commands breaks it
+        return None  # a work folder: nothing but the model's commands breaks it
 
     async def stopped(self) -> str | None:
         return None if self.folder.is_dir() else "its work folder is gone"
@@ -4822,9 +6044,10 @@ class LocalBox(Box):
     async def remove(self) -> None:
         for group in self.running:
             self._kill(group)
-        if self.running:                         # their pipes close once their jobs are dead
-            await asyncio.wait([asyncio.ensure_future(p.wait()) for p in self.running.values()],
-                               timeout=5)
+        if self.running:  # their pipes close once their jobs are dead
+            await asyncio.wait(
+                [asyncio.ensure_future(p.wait()) for p in self.running.values()], timeout=5
+            )
         self.running.clear()
         await asyncio.to_thread(shutil.rmtree, self.folder, True)
 
@@ -4839,14 +6062,14 @@ class LocalBox(Box):
 # liveness and output go through the actor.
 
 RAY_INSTALL = "pip install 'agentenv-py[ray]' (or: pip install 'ray[default]>=2.50,<3')"
-RAY_ENV_CPU = 1.0                 # a deploy_env step's cpu when it names none: Ray's task default
-RAY_ENV_MEMORY_MB = 256           # its memory_mb when it names none (placement bookkeeping only)
-RAY_RESOURCE_SHARE = 0.001        # of --ray-resource each env asks, so declaring 1 marks a node
-RAY_CONNECT_TIMEOUT = 30.0        # joining the cluster at start-up
-RAY_CALL_TIMEOUT = 10.0           # a call to a host actor (output, a port's owner)
-RAY_PREPARE_TIMEOUT = 1800.0      # a node's host asking its daemon and building the env images
-RAY_LIVENESS_TIMEOUT = 2.0        # a host's answer whether an env still runs (else: taken as up)
-RAY_BOOT_HOLD = 10.0              # a boot stops counting against its node's gate after this
+RAY_ENV_CPU = 1.0  # a deploy_env step's cpu when it names none: Ray's task default
+RAY_ENV_MEMORY_MB = 256  # its memory_mb when it names none (placement bookkeeping only)
+RAY_RESOURCE_SHARE = 0.001  # of --ray-resource each env asks, so declaring 1 marks a node
+RAY_CONNECT_TIMEOUT = 30.0  # joining the cluster at start-up
+RAY_CALL_TIMEOUT = 10.0  # a call to a host actor (output, a port's owner)
+RAY_PREPARE_TIMEOUT = 1800.0  # a node's host asking its daemon and building the env images
+RAY_LIVENESS_TIMEOUT = 2.0  # a host's answer whether an env still runs (else: taken as up)
+RAY_BOOT_HOLD = 10.0  # a boot stops counting against its node's gate after this
 
 
 RAY_OWN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
@@ -4862,21 +6085,29 @@ def ray_address(value: Any, what: str) -> str:
     text = value.strip() if isinstance(value, str) else ""
     host, _, port = text.removeprefix("ray://").rpartition(":")
     if text != "auto" and not (host and port.isdigit() and 0 < int(port) < 65536):
-        raise AgentEnvError(f"{what}: it must be the Ray cluster's head as HOST:PORT (such as "
-                            "10.0.0.5:6379, the address ray start --head printed), "
-                            "ray://HOST:PORT, or auto (the cluster ray start made on this "
-                            "machine)")
+        raise AgentEnvError(
+            f"{what}: it must be the Ray cluster's head as HOST:PORT (such as "
+            "10.0.0.5:6379, the address ray start --head printed), "
+            "ray://HOST:PORT, or auto (the cluster ray start made on this "
+            "machine)"
+        )
     return text
 
 
 def ray_resource(value: Any, what: str) -> str:
     """The custom resource Ray's env nodes declare, as a user gave it."""
     text = value.strip() if isinstance(value, str) else ""
-    if not text or any(c.isspace() for c in text) or text in RAY_OWN_RESOURCES or \
-            text.startswith("node:"):
-        raise AgentEnvError(f"{what}: it must name a custom resource that the env nodes declare "
-                            "(ray start --resources='{\"env_node\": 1}'), such as env_node, not "
-                            "one of Ray's own (CPU, GPU, memory, node:...)")
+    if (
+        not text
+        or any(c.isspace() for c in text)
+        or text in RAY_OWN_RESOURCES
+        or text.startswith("node:")
+    ):
+        raise AgentEnvError(
+            f"{what}: it must name a custom resource that the env nodes declare "
+            "(ray start --resources='{\"env_node\": 1}'), such as env_node, not "
+            "one of Ray's own (CPU, GPU, memory, node:...)"
+        )
     return text
 
 
@@ -4885,9 +6116,16 @@ def ray_node_sandbox(value: Any, what: str) -> str:
     text = value.strip() if isinstance(value, str) else ""
     if text not in (offered := ray_node_sandboxes()):
         ranked = auto_order(lambda able: able.serves_ray_nodes)
-        raise AgentEnvError(f"{what}: it must be " + ", ".join(
-            [f"auto (on each node, the first of {', '.join(ranked)} that it can run)",
-             *offered[1:-1]]) + f" or {offered[-1]}")
+        raise AgentEnvError(
+            f"{what}: it must be "
+            + ", ".join(
+                [
+                    f"auto (on each node, the first of {', '.join(ranked)} that it can run)",
+                    *offered[1:-1],
+                ]
+            )
+            + f" or {offered[-1]}"
+        )
     return text
 
 
@@ -4901,14 +6139,17 @@ class RayOptions:
     address: str = "auto"
     resource: str | None = None
     deploy_timeout: float = Settings.deploy_timeout
-    node_sandbox: str = "auto"        # what runs envs on each node: auto, docker or local
+    node_sandbox: str = "auto"  # what runs envs on each node: auto, docker or local
 
     @classmethod
     def of(cls, settings: Settings) -> RayOptions:
         """The Ray sandbox's options, read from checked settings."""
-        return cls(cls.address_from(settings.ray_address, settings.ray_head_node_address),
-                   settings.ray_resource, settings.deploy_timeout,
-                   settings.ray_node_sandbox or "auto")
+        return cls(
+            cls.address_from(settings.ray_address, settings.ray_head_node_address),
+            settings.ray_resource,
+            settings.deploy_timeout,
+            settings.ray_node_sandbox or "auto",
+        )
 
     @staticmethod
     def address_from(given: str | None, gym: str | None = None) -> str:
@@ -4921,6 +6162,7 @@ def env_archive(env: EnvSpec) -> bytes:
     """An env's folder as a gzipped tar, for a node that may not share this machine's files."""
     import io
     import tarfile
+
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
         tar.add(env.folder, arcname=".", filter=lambda i: None if "__pycache__" in i.name else i)
@@ -4931,6 +6173,7 @@ def node_env(env: dict[str, Any], archive: bytes) -> EnvSpec:
     """On a node: an env's spec, its folder unpacked once per content under the state folder."""
     import io
     import tarfile
+
     folder = state_dir() / "ray-envs" / f"{env['name']}-{env['digest']}"
     if not folder.is_dir():
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -4939,7 +6182,7 @@ def node_env(env: dict[str, Any], archive: bytes) -> EnvSpec:
             tar.extractall(unpacking, filter="data")
         try:
             unpacking.rename(folder)
-        except OSError:                       # another host on this machine unpacked it first
+        except OSError:  # another host on this machine unpacked it first
             shutil.rmtree(unpacking, ignore_errors=True)
     return EnvSpec(**{**env, "folder": folder, "dockerfile": folder / env["dockerfile"]})
 
@@ -4955,14 +6198,20 @@ class EnvHost:
     cluster, and its envs die with it: local ones by Linux's parent-death signal, containers by a
     reaper process that removes them the moment the host's process is gone."""
 
-    def __init__(self, address: str, envs: dict[str, tuple[dict[str, Any], bytes]],
-                 state: str | None, cpus: float, sandbox: str = "auto"):
+    def __init__(
+        self,
+        address: str,
+        envs: dict[str, tuple[dict[str, Any], bytes]],
+        state: str | None,
+        cpus: float,
+        sandbox: str = "auto",
+    ):
         if state:
             os.environ["AGENTENV_STATE_DIR"] = state
         self.address, self.cores, self.cpus, self.mode = address, os.cpu_count() or 2, cpus, sandbox
         self.owner = owner_id()
-        self.sandbox: Sandbox | None = None     # once prepared
-        self.why = ""                # why the node's sandbox is not auto's first choice, if not
+        self.sandbox: Sandbox | None = None  # once prepared
+        self.why = ""  # why the node's sandbox is not auto's first choice, if not
         self.envs = {name: node_env(spec, archive) for name, (spec, archive) in envs.items()}
         self.instances: dict[str, Instance] = {}
         self._preparing: asyncio.Future | None = None
@@ -4988,43 +6237,58 @@ class EnvHost:
         ranked = auto_order(lambda able: able.serves_ray_nodes)
         told = self.mode != AUTO
         if told and self.mode not in ray_node_sandboxes():
-            raise AgentEnvError(f"--ray-node-sandbox {self.mode}, and Ray node {self.address} has "
-                                "no such sandbox; pass one of " + ", ".join(ray_node_sandboxes()))
+            raise AgentEnvError(
+                f"--ray-node-sandbox {self.mode}, and Ray node {self.address} has "
+                "no such sandbox; pass one of " + ", ".join(ray_node_sandboxes())
+            )
         tried: list[str] = []
         for kind in [self.mode] if told else ranked:
             try:
                 sandbox = await PROVIDERS[kind].on_ray_node(self.owner, self.address)
             except AgentEnvError as exc:
                 if told:
-                    raise AgentEnvError(f"--ray-node-sandbox {kind}, and on Ray node "
-                                        f"{self.address} {exc}") from None
-                tried.append(str(exc).split(";")[0])   # "no Docker daemon answered (...)"
+                    raise AgentEnvError(
+                        f"--ray-node-sandbox {kind}, and on Ray node {self.address} {exc}"
+                    ) from None
+                tried.append(str(exc).split(";")[0])  # "no Docker daemon answered (...)"
                 continue
             await sandbox.prepare(list(self.envs.values()))
             self.sandbox = sandbox
-            self.why = f"--ray-node-sandbox {kind}" if told and ranked[:1] != [kind] else \
-                ", and ".join(tried)
+            self.why = (
+                f"--ray-node-sandbox {kind}"
+                if told and ranked[:1] != [kind]
+                else ", and ".join(tried)
+            )
             return
-        raise AgentEnvError(f"on Ray node {self.address} no sandbox could run envs: "
-                            + "; ".join(tried))
+        raise AgentEnvError(
+            f"on Ray node {self.address} no sandbox could run envs: " + "; ".join(tried)
+        )
 
     async def node(self) -> dict[str, Any]:
         """What the node is: its address, the CPUs it declares and its cores, its boot gate, its
         sandbox once prepared (where it runs envs, and why when not auto's first choice), the
         envs it can start."""
         sandbox = self.sandbox
-        return {"address": self.address, "cpus": self.cpus, "cores": self.cores,
-                "boot_slots": self.boot_slots, "pid": os.getpid(), "envs": sorted(self.envs),
-                "sandbox": sandbox.kind if sandbox else "", "why": self.why,
-                "place": sandbox.place if sandbox else "",
-                "networks": {name: sandbox.network_mode(env) for name, env in self.envs.items()}
-                if sandbox else {}}
+        return {
+            "address": self.address,
+            "cpus": self.cpus,
+            "cores": self.cores,
+            "boot_slots": self.boot_slots,
+            "pid": os.getpid(),
+            "envs": sorted(self.envs),
+            "sandbox": sandbox.kind if sandbox else "",
+            "why": self.why,
+            "place": sandbox.place if sandbox else "",
+            "networks": {name: sandbox.network_mode(env) for name, env in self.envs.items()}
+            if sandbox
+            else {},
+        }
 
     async def launch(self, env: str, episode: str, limits: dict[str, Any]) -> tuple[str, str, bool]:
         """Start an env; its key, its base URL, and whether it is known to be the env itself
         that answers there, once it answers (or has had the gate's hold)."""
         await self.prepare()
-        assert self.sandbox is not None         # prepared
+        assert self.sandbox is not None  # prepared
         async with self.gate:
             instance = await self.sandbox.launch(self.envs[env], episode, limits)
             key = uuid.uuid4().hex
@@ -5036,7 +6300,7 @@ class EnvHost:
         """Hold the gate until the env answers, has exited, or has had RAY_BOOT_HOLD; whether
         it is known to be the env itself that answers."""
         deadline = time.monotonic() + RAY_BOOT_HOLD
-        while time.monotonic() < deadline:      # polling: a port being bound sends no event
+        while time.monotonic() < deadline:  # polling: a port being bound sends no event
             if (up := await instance.up()) is not None:
                 return up
             await asyncio.sleep(0.02)
@@ -5095,16 +6359,28 @@ def host_actor(ray: Any) -> Any:
     class NodeHost:
         def __init__(self, *args: Any) -> None:
             import types
+
             module = types.ModuleType("agentenv_node")
             module.__file__ = "agentenv.py"
-            sys.modules[module.__name__] = module      # dataclasses look their module up
+            sys.modules[module.__name__] = module  # dataclasses look their module up
             exec(compile(source, "agentenv.py", "exec"), module.__dict__)
             self.host = module.EnvHost(*args)
 
-    for name in ("prepare", "node", "launch", "exited", "output", "answers_itself",
-                 "lost_its_port", "remove", "live"):
+    for name in (
+        "prepare",
+        "node",
+        "launch",
+        "exited",
+        "output",
+        "answers_itself",
+        "lost_its_port",
+        "remove",
+        "live",
+    ):
+
         async def forward(self: Any, *args: Any, _name: str = name) -> Any:
             return await getattr(self.host, _name)(*args)
+
         forward.__name__ = name
         setattr(NodeHost, name, forward)
     NodeHost.__name__ = NodeHost.__qualname__ = "EnvHost"
@@ -5127,15 +6403,22 @@ class RayInstance(Instance):
     removal asked of the node's host actor, each within a deadline; its placement group freed
     with it."""
 
-    def __init__(self, sandbox: RaySandbox, node: RayNode, key: str, base_url: str, group: Any,
-                 its_own: bool = False):
+    def __init__(
+        self,
+        sandbox: RaySandbox,
+        node: RayNode,
+        key: str,
+        base_url: str,
+        group: Any,
+        its_own: bool = False,
+    ):
         self.sandbox, self.node, self.key, self.group = sandbox, node, key, group
         self.base_url = base_url
         # The host answered the launch having seen the env itself listen on its port: the env is
         # up and the port its own, and a deploy need not ask the host again (two round trips).
         self._its_own = its_own
         self._checked = time.monotonic() if its_own else 0.0
-        self._gone: str | None = None         # why the env's host is gone, once it is
+        self._gone: str | None = None  # why the env's host is gone, once it is
 
     @property
     def where(self) -> str:
@@ -5144,52 +6427,67 @@ class RayInstance(Instance):
     async def exited(self, settle: float = 0.0) -> str | None:
         if self._gone:
             return self._gone
-        if not settle and time.monotonic() - self._checked < 0.25:   # an actor call 4 times a second
+        if not settle and time.monotonic() - self._checked < 0.25:  # an actor call 4 times a second
             return None
         self._checked = time.monotonic()
         try:
-            return await self.sandbox.ask(self.node.host.exited.remote(self.key, settle),
-                                          settle + RAY_LIVENESS_TIMEOUT)
+            return await self.sandbox.ask(
+                self.node.host.exited.remote(self.key, settle), settle + RAY_LIVENESS_TIMEOUT
+            )
         except asyncio.TimeoutError:
-            log.info("The host actor of node %s did not answer within %gs; taking its env to be "
-                     "still up.", self.node.address, settle + RAY_LIVENESS_TIMEOUT)
+            log.info(
+                "The host actor of node %s did not answer within %gs; taking its env to be "
+                "still up.",
+                self.node.address,
+                settle + RAY_LIVENESS_TIMEOUT,
+            )
             return None
-        except Exception as exc:                        # noqa: BLE001 - Ray raises many kinds
-            self._gone = f"the host actor of node {self.node.address} is gone " \
-                         f"({type(exc).__name__}), and its envs with it"
+        except Exception as exc:  # noqa: BLE001 - Ray raises many kinds
+            self._gone = (
+                f"the host actor of node {self.node.address} is gone "
+                f"({type(exc).__name__}), and its envs with it"
+            )
             return self._gone
 
     async def output(self) -> str:
-        if self._gone:                   # its output went with it; a restarting host is slow to ask
+        if self._gone:  # its output went with it; a restarting host is slow to ask
             return "(its output went with its host actor)"
         try:
             return await self.sandbox.ask(self.node.host.output.remote(self.key), RAY_CALL_TIMEOUT)
-        except Exception as exc:                        # noqa: BLE001
-            return f"(its output could not be read from node {self.node.address}: " \
-                   f"{type(exc).__name__})"
+        except Exception as exc:  # noqa: BLE001
+            return (
+                f"(its output could not be read from node {self.node.address}: "
+                f"{type(exc).__name__})"
+            )
 
     async def answers_itself(self) -> bool:
         if self._its_own:
             return True
         try:
-            return await self.sandbox.ask(self.node.host.answers_itself.remote(self.key),
-                                          RAY_CALL_TIMEOUT)
-        except Exception:                               # noqa: BLE001 - a busy host is not a taken port
+            return await self.sandbox.ask(
+                self.node.host.answers_itself.remote(self.key), RAY_CALL_TIMEOUT
+            )
+        except Exception:  # noqa: BLE001 - a busy host is not a taken port
             return True
 
     async def lost_its_port(self) -> bool:
         try:
-            return await self.sandbox.ask(self.node.host.lost_its_port.remote(self.key),
-                                          RAY_CALL_TIMEOUT)
-        except Exception:                               # noqa: BLE001 - a gone host: not a port
+            return await self.sandbox.ask(
+                self.node.host.lost_its_port.remote(self.key), RAY_CALL_TIMEOUT
+            )
+        except Exception:  # noqa: BLE001 - a gone host: not a port
             return False
 
     async def remove(self) -> None:
         try:
             await self.sandbox.ask(self.node.host.remove.remote(self.key), 30)
-        except Exception as exc:                        # noqa: BLE001 - a dead host took its envs along
-            log.info("Node %s's host could not remove env %s (%s); its envs die with it.",
-                     self.node.address, self.key[:8], type(exc).__name__)
+        except Exception as exc:  # noqa: BLE001 - a dead host took its envs along
+            log.info(
+                "Node %s's host could not remove env %s (%s); its envs die with it.",
+                self.node.address,
+                self.key[:8],
+                type(exc).__name__,
+            )
         finally:
             # The group holds the node's CPU: the episode's slot is free only once it is gone, or
             # the next deploy would queue at Ray behind a slot the pool counts as free.
@@ -5208,20 +6506,34 @@ class RaySandbox(Sandbox):
     summary = "placed across a Ray cluster, in Docker or local processes on its nodes"
     place = "on a Ray cluster"
     settings = (
-        Declared("ray_address", None, ray_address,
-                 "with --sandbox ray: the cluster's address (default: RAY_ADDRESS, else the "
-                 "ray_head_node_address NeMo Gym passes, else auto, the cluster ray start made on "
-                 "this machine)", metavar="HOST:PORT"),
-        Declared("ray_resource", None, ray_resource,
-                 "with --sandbox ray: place envs only on nodes declaring this custom resource "
-                 f"(each env asks {RAY_RESOURCE_SHARE:g} of it), keeping them off trainer nodes; an "
-                 f"env asks a node for its deploy_env step's cpu ({RAY_ENV_CPU:g}) and memory_mb "
-                 f"({RAY_ENV_MEMORY_MB}) where the step names none"),
-        Declared("ray_node_sandbox", None, ray_node_sandbox,
-                 "with --sandbox ray: what runs envs on each node: docker (the node's own daemon, "
-                 "from DOCKER_HOST there; its ports published on the node's address), local "
-                 "processes, or auto (Docker on each node whose daemon answers, else local; said "
-                 "per node at start)", choices=ray_node_sandboxes),
+        Declared(
+            "ray_address",
+            None,
+            ray_address,
+            "with --sandbox ray: the cluster's address (default: RAY_ADDRESS, else the "
+            "ray_head_node_address NeMo Gym passes, else auto, the cluster ray start made on "
+            "this machine)",
+            metavar="HOST:PORT",
+        ),
+        Declared(
+            "ray_resource",
+            None,
+            ray_resource,
+            "with --sandbox ray: place envs only on nodes declaring this custom resource "
+            f"(each env asks {RAY_RESOURCE_SHARE:g} of it), keeping them off trainer nodes; an "
+            f"env asks a node for its deploy_env step's cpu ({RAY_ENV_CPU:g}) and memory_mb "
+            f"({RAY_ENV_MEMORY_MB}) where the step names none",
+        ),
+        Declared(
+            "ray_node_sandbox",
+            None,
+            ray_node_sandbox,
+            "with --sandbox ray: what runs envs on each node: docker (the node's own daemon, "
+            "from DOCKER_HOST there; its ports published on the node's address), local "
+            "processes, or auto (Docker on each node whose daemon answers, else local; said "
+            "per node at start)",
+            choices=ray_node_sandboxes,
+        ),
         # NeMo Gym's own key, at the top of its config: the cluster Gym started
         Declared("ray_head_node_address", None, ray_address, "", written=False, gym_global=True),
     )
@@ -5236,7 +6548,7 @@ class RaySandbox(Sandbox):
         super().__init__(owner)
         self.ray, self.options = ray, options
         self.nodes: dict[str, RayNode] = {}
-        self.envs: Any = None                 # the env folders, in the object store once
+        self.envs: Any = None  # the env folders, in the object store once
         self.Host = host_actor(ray)
         self._view: tuple[float, list[dict[str, Any]]] = (0.0, [])
         self._hosting: dict[str, asyncio.Future] = {}
@@ -5247,25 +6559,41 @@ class RaySandbox(Sandbox):
         try:
             import ray
         except ImportError:
-            raise AgentEnvError(f"--sandbox ray needs Ray installed in this Python: {RAY_INSTALL}"
-                                ) from None
+            raise AgentEnvError(
+                f"--sandbox ray needs Ray installed in this Python: {RAY_INSTALL}"
+            ) from None
         options = RayOptions.of(settings)
         address = options.address
-        fix = ("start the cluster (ray start --head on one machine, ray start --address=HEAD:PORT "
-               "on the others), or pass its address with --ray-address (or RAY_ADDRESS)")
+        fix = (
+            "start the cluster (ray start --head on one machine, ray start --address=HEAD:PORT "
+            "on the others), or pass its address with --ray-address (or RAY_ADDRESS)"
+        )
         if address != "auto" and not await _answers(address):
-            raise AgentEnvError(f"no Ray cluster answers at {address}: nothing listens there; {fix}")
+            raise AgentEnvError(
+                f"no Ray cluster answers at {address}: nothing listens there; {fix}"
+            )
         try:
-            await asyncio.wait_for(in_daemon_thread(lambda: ray.init(
-                address=address, log_to_driver=False, logging_level=logging.WARNING,
-                configure_logging=False)), RAY_CONNECT_TIMEOUT)
+            await asyncio.wait_for(
+                in_daemon_thread(
+                    lambda: ray.init(
+                        address=address,
+                        log_to_driver=False,
+                        logging_level=logging.WARNING,
+                        configure_logging=False,
+                    )
+                ),
+                RAY_CONNECT_TIMEOUT,
+            )
         except asyncio.TimeoutError:
-            raise AgentEnvError(f"the Ray cluster at {address} did not let this server join within "
-                                f"{RAY_CONNECT_TIMEOUT:g}s (with token auth on, RAY_AUTH_TOKEN or "
-                                f"~/.ray/auth_token must hold the cluster's token); {fix}") from None
-        except Exception as exc:                        # noqa: BLE001 - Ray raises many kinds
-            raise AgentEnvError(f"could not join the Ray cluster at {address} "
-                                f"({short(str(exc), 300)}); {fix}") from None
+            raise AgentEnvError(
+                f"the Ray cluster at {address} did not let this server join within "
+                f"{RAY_CONNECT_TIMEOUT:g}s (with token auth on, RAY_AUTH_TOKEN or "
+                f"~/.ray/auth_token must hold the cluster's token); {fix}"
+            ) from None
+        except Exception as exc:  # noqa: BLE001 - Ray raises many kinds
+            raise AgentEnvError(
+                f"could not join the Ray cluster at {address} ({short(str(exc), 300)}); {fix}"
+            ) from None
         return cls(owner, ray, options)
 
     async def ask(self, ref: Any, timeout: float) -> Any:
@@ -5296,11 +6624,18 @@ class RaySandbox(Sandbox):
         self.envs = await asyncio.to_thread(self.ray.put, archives)
         nodes = [n for n in await self.cluster(fresh=True) if self.env_node(n)]
         if not nodes:
-            wanted = f" that declares the resource {self.options.resource!r}" \
-                if self.options.resource else " with CPUs"
-            raise AgentEnvError(f"the Ray cluster at {self.options.address} has no live node"
-                                f"{wanted}; start one (ray start --address=HEAD:PORT"
-                                f"{' --resources=' + json.dumps({self.options.resource: 1}) if self.options.resource else ''})")
+            wanted = (
+                f" that declares the resource {self.options.resource!r}"
+                if self.options.resource
+                else " with CPUs"
+            )
+            resource = self.options.resource
+            resources = f" --resources={json.dumps({resource: 1})}" if resource else ""
+            raise AgentEnvError(
+                f"the Ray cluster at {self.options.address} has no live node"
+                f"{wanted}; start one (ray start --address=HEAD:PORT"
+                f"{resources})"
+            )
         await asyncio.gather(*(self.host(n) for n in nodes))
 
     async def host(self, node: dict[str, Any]) -> RayNode:
@@ -5311,78 +6646,119 @@ class RaySandbox(Sandbox):
         try:
             return await asyncio.shield(self._hosting[node_id])
         except Exception:
-            self._hosting.pop(node_id, None)           # the next episode there tries again
+            self._hosting.pop(node_id, None)  # the next episode there tries again
             raise
 
     async def _start_host(self, node: dict[str, Any]) -> RayNode:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         address = node["NodeManagerAddress"]
         state = os.environ.get("AGENTENV_STATE_DIR")
         actor = self.Host.options(
             name=f"agentenv-host-{node['NodeID'][:12]}-{os.getpid()}",
             scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
-        ).remote(address, self.envs, state, float((node.get("Resources") or {}).get("CPU", 0)),
-                  self.options.node_sandbox)
+        ).remote(
+            address,
+            self.envs,
+            state,
+            float((node.get("Resources") or {}).get("CPU", 0)),
+            self.options.node_sandbox,
+        )
         try:
             await self.ask(actor.node.remote(), 120)
-        except Exception as exc:                        # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
             self.ray.kill(actor)
-            raise EpisodeFailed(f"the host actor of Ray node {address} did not start within 120s "
-                                f"({type(exc).__name__}: {short(str(exc), 300)})",
-                                PROVIDER_UNAVAILABLE) from None
-        try:                                 # its daemon asked, its images built (once per content)
+            raise EpisodeFailed(
+                f"the host actor of Ray node {address} did not start within 120s "
+                f"({type(exc).__name__}: {short(str(exc), 300)})",
+                PROVIDER_UNAVAILABLE,
+            ) from None
+        try:  # its daemon asked, its images built (once per content)
             facts = await self.ask(actor.prepare.remote(), RAY_PREPARE_TIMEOUT)
-        except Exception as exc:                        # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
             self.ray.kill(actor)
-            said = getattr(exc, "cause", None) or exc   # a RayTaskError carries the host's own
-            raise EpisodeFailed(f"Ray node {address} could not make its envs ready: "
-                                f"{short(str(said), 1500)}", PROVIDER_UNAVAILABLE) from None
+            said = getattr(exc, "cause", None) or exc  # a RayTaskError carries the host's own
+            raise EpisodeFailed(
+                f"Ray node {address} could not make its envs ready: {short(str(said), 1500)}",
+                PROVIDER_UNAVAILABLE,
+            ) from None
         found = RayNode(node["NodeID"], address, dict(node.get("Resources") or {}), actor, facts)
         self.nodes[found.id] = found
         where = facts["place"] + (f" ({facts['why']})" if facts["why"] else "")
-        log.info("Ray node %s (%g CPUs, %d cores): envs run there %s, reached at %s, up to %d "
-                 "booting at once.", address, found.resources.get("CPU", 0), facts["cores"],
-                 where, address, facts["boot_slots"])
+        log.info(
+            "Ray node %s (%g CPUs, %d cores): envs run there %s, reached at %s, up to %d "
+            "booting at once.",
+            address,
+            found.resources.get("CPU", 0),
+            facts["cores"],
+            where,
+            address,
+            facts["boot_slots"],
+        )
         return found
 
     def describe(self, envs: list[EnvSpec]) -> list[str]:
-        return [*super().describe(envs), f"nodes of the Ray cluster at {self.options.address}:",
-                *(f"  {node.address}  " + ", ".join(
-                    f"{k} {_amount(k, v)}" for k, v in sorted(node.resources.items())
-                    if not k.startswith(("node:", "object_store"))) for node in self.nodes.values())]
+        return [
+            *super().describe(envs),
+            f"nodes of the Ray cluster at {self.options.address}:",
+            *(
+                f"  {node.address}  "
+                + ", ".join(
+                    f"{k} {_amount(k, v)}"
+                    for k, v in sorted(node.resources.items())
+                    if not k.startswith(("node:", "object_store"))
+                )
+                for node in self.nodes.values()
+            ),
+        ]
 
     def network_mode(self, env: EnvSpec) -> str:
-        said = {node.address: node.facts.get("networks", {}).get(env.name, "?")
-                for node in self.nodes.values()}
+        said = {
+            node.address: node.facts.get("networks", {}).get(env.name, "?")
+            for node in self.nodes.values()
+        }
         if len(set(said.values())) == 1:
             return f"on every node, {next(iter(said.values()))}"
         return "; ".join(f"on node {address}, {mode}" for address, mode in sorted(said.items()))
 
     def demand(self, limits: dict[str, Any]) -> dict[str, float]:
         """What one env's placement asks of a node."""
-        want = {"CPU": float(limits.get("cpu") or RAY_ENV_CPU),
-                "memory": float(limits.get("memory_mb") or RAY_ENV_MEMORY_MB) * 2**20}
+        want = {
+            "CPU": float(limits.get("cpu") or RAY_ENV_CPU),
+            "memory": float(limits.get("memory_mb") or RAY_ENV_MEMORY_MB) * 2**20,
+        }
         if self.options.resource:
             want[self.options.resource] = RAY_RESOURCE_SHARE
         return want
 
     async def launch(self, env: EnvSpec, episode: str, limits: dict[str, Any]) -> Instance:
         from ray.util.placement_group import placement_group
+
         want = self.demand(limits)
-        group = await asyncio.to_thread(placement_group, [want], strategy="STRICT_PACK",
-                                        name=f"agentenv-{episode[:12]}-{env.name}")
+        group = await asyncio.to_thread(
+            placement_group,
+            [want],
+            strategy="STRICT_PACK",
+            name=f"agentenv-{episode[:12]}-{env.name}",
+        )
         try:
             node = await self._placed(env, group, want)
             key, url, its_own = await self._start_env(node, env, episode, limits)
         except BaseException:
             self.let_go(group)
             raise
-        log.info("Episode %s: env %r placed on Ray node %s at %s.", episode[:8], env.name,
-                 node.address, url)
+        log.info(
+            "Episode %s: env %r placed on Ray node %s at %s.",
+            episode[:8],
+            env.name,
+            node.address,
+            url,
+        )
         return RayInstance(self, node, key, url, group, its_own)
 
-    async def _start_env(self, node: RayNode, env: EnvSpec, episode: str,
-                         limits: dict[str, Any]) -> tuple[str, str, bool]:
+    async def _start_env(
+        self, node: RayNode, env: EnvSpec, episode: str, limits: dict[str, Any]
+    ) -> tuple[str, str, bool]:
         """The node's host starts the env. A host that Ray is restarting (its process died) is
         waited for, within the deploy deadline; what the host raised is said as the node's."""
         deadline = time.monotonic() + self.options.deploy_timeout
@@ -5390,23 +6766,33 @@ class RaySandbox(Sandbox):
             try:
                 return await self.ask(node.host.launch.remote(env.name, episode, limits), 120)
             except asyncio.TimeoutError:
-                raise EpisodeFailed(f"the host actor of Ray node {node.address} did not start env "
-                                    f"{env.name!r} within 120s", PROVIDER_UNAVAILABLE) from None
-            except Exception as exc:                    # noqa: BLE001 - Ray raises many kinds
+                raise EpisodeFailed(
+                    f"the host actor of Ray node {node.address} did not start env "
+                    f"{env.name!r} within 120s",
+                    PROVIDER_UNAVAILABLE,
+                ) from None
+            except Exception as exc:  # noqa: BLE001 - Ray raises many kinds
                 if type(exc).__name__ == "ActorUnavailableError" and time.monotonic() < deadline:
                     await asyncio.sleep(0.25)  # polling: Ray says nothing when a host is back
                     continue
-                said = getattr(exc, "cause", None) or exc       # a RayTaskError: the host's own
+                said = getattr(exc, "cause", None) or exc  # a RayTaskError: the host's own
                 failure = getattr(said, "failure", None)
-                raise EpisodeFailed(f"on Ray node {node.address}: " + (
-                    failure.reason if failure else f"its host actor could not start env "
-                    f"{env.name!r} ({type(said).__name__}: {short(str(said), 1500)})"),
-                    failure.kind if failure else PROVIDER_UNAVAILABLE) from None
+                raise EpisodeFailed(
+                    f"on Ray node {node.address}: "
+                    + (
+                        failure.reason
+                        if failure
+                        else f"its host actor could not start env "
+                        f"{env.name!r} ({type(said).__name__}: {short(str(said), 1500)})"
+                    ),
+                    failure.kind if failure else PROVIDER_UNAVAILABLE,
+                ) from None
 
     async def _placed(self, env: EnvSpec, group: Any, want: dict[str, float]) -> RayNode:
         """Wait for Ray to place the group (as long as the cluster could ever meet it) and
         answer the node it chose."""
         from ray.util.placement_group import placement_group_table
+
         ready = asyncio.wrap_future(group.ready().future())
         hopeless_since: float | None = None
         while not ready.done():
@@ -5414,21 +6800,34 @@ class RaySandbox(Sandbox):
             if ready.done():
                 break
             nodes = await self.cluster()
-            if any(all((n.get("Resources") or {}).get(k, 0) >= v for k, v in want.items())
-                   for n in nodes):
+            if any(
+                all((n.get("Resources") or {}).get(k, 0) >= v for k, v in want.items())
+                for n in nodes
+            ):
                 hopeless_since = None
                 continue
             hopeless_since = hopeless_since or time.monotonic()
             if time.monotonic() - hopeless_since >= self.options.deploy_timeout:
-                offered = "; ".join(f"{n['NodeManagerAddress']}: " + ", ".join(
-                    f"{k} {_amount(k, v)}" for k, v in sorted((n.get("Resources") or {}).items())
-                    if k in want) for n in nodes) or "no live node"
+                offered = (
+                    "; ".join(
+                        f"{n['NodeManagerAddress']}: "
+                        + ", ".join(
+                            f"{k} {_amount(k, v)}"
+                            for k, v in sorted((n.get("Resources") or {}).items())
+                            if k in want
+                        )
+                        for n in nodes
+                    )
+                    or "no live node"
+                )
                 asked = ", ".join(f"{k} {_amount(k, v)}" for k, v in want.items())
                 raise EpisodeFailed(
                     f"env {env.name!r} asks a Ray node for {asked}, which no live node of the "
                     f"cluster has ({offered}), so it could not be placed within "
                     f"{self.options.deploy_timeout:g}s (the deploy deadline); lower the deploy_env "
-                    "step's cpu or memory_mb, or add a node that has them", PROVIDER_UNAVAILABLE)
+                    "step's cpu or memory_mb, or add a node that has them",
+                    PROVIDER_UNAVAILABLE,
+                )
         ready.result()
         table = await asyncio.to_thread(placement_group_table, group)
         node_id = table["bundles_to_node_id"][0]
@@ -5436,21 +6835,29 @@ class RaySandbox(Sandbox):
             return self.nodes[node_id]
         node = next((n for n in await self.cluster(fresh=True) if n["NodeID"] == node_id), None)
         if node is None:
-            raise EpisodeFailed(f"Ray placed env {env.name!r} on node {node_id[:12]}, which is gone",
-                                PROVIDER_UNAVAILABLE)
-        return await self.host(node)              # a node that joined after start-up
+            raise EpisodeFailed(
+                f"Ray placed env {env.name!r} on node {node_id[:12]}, which is gone",
+                PROVIDER_UNAVAILABLE,
+            )
+        return await self.host(node)  # a node that joined after start-up
 
     async def release(self, group: Any) -> None:
         """Remove a placement group: on a thread of its own, so a release never queues behind
         other blocking calls (a deadline that ran out in the queue would drop it unsaid)."""
         from ray.util.placement_group import remove_placement_group
+
         try:
-            await asyncio.wait_for(in_daemon_thread(lambda: remove_placement_group(group),
-                                                    "ray-release"), 30)
-        except Exception as exc:                        # noqa: BLE001 - Ray raises many kinds
+            await asyncio.wait_for(
+                in_daemon_thread(lambda: remove_placement_group(group), "ray-release"), 30
+            )
+        except Exception as exc:  # noqa: BLE001 - Ray raises many kinds
             # a cluster going away takes its groups along; one that stays keeps the CPU held
-            log.warning("A Ray placement group could not be removed (%s: %s); the cluster frees "
-                        "it when this server leaves.", type(exc).__name__, short(str(exc), 300))
+            log.warning(
+                "A Ray placement group could not be removed (%s: %s); the cluster frees "
+                "it when this server leaves.",
+                type(exc).__name__,
+                short(str(exc), 300),
+            )
 
     def let_go(self, group: Any) -> None:
         """Free the placement group of an env that never started, without the failed deploy
@@ -5479,7 +6886,7 @@ async def _answers(address: str) -> bool:
     """Whether anything listens at HOST:PORT."""
     host, _, port = address.rpartition(":")
     if not port.isdigit():
-        return True                            # not HOST:PORT (ray://...): let Ray say
+        return True  # not HOST:PORT (ray://...): let Ray say
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), 5)
     except (OSError, asyncio.TimeoutError):
@@ -5497,14 +6904,16 @@ def in_daemon_thread(fn: Callable[[], Any], name: str = "ray-connect") -> asynci
     def run() -> None:
         try:
             result: Any = (True, fn())
-        except BaseException as exc:                    # noqa: BLE001 - handed to the waiter
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
             result = (False, exc)
 
         def settle() -> None:
             if not future.done():
                 future.set_result(result[1]) if result[0] else future.set_exception(result[1])
-        with contextlib.suppress(RuntimeError):         # the loop has closed: nothing waits
+
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nothing waits
             loop.call_soon_threadsafe(settle)
+
     threading.Thread(target=run, name=name, daemon=True).start()
     return future
 
@@ -5515,8 +6924,10 @@ class AutoSandbox:
     here, else local processes); a fall past the first is said in one log line, with why."""
 
     kind = "auto"
-    summary = ("docker when a daemon answers and its envs can be reached from here, else local "
-               "(the default)")
+    summary = (
+        "docker when a daemon answers and its envs can be reached from here, else local "
+        "(the default)"
+    )
     settings: tuple[Declared, ...] = ()
 
     @staticmethod
@@ -5536,11 +6947,17 @@ class AutoSandbox:
                 tried.append(str(exc).split(";")[0])
                 continue
             if tried:
-                log.warning("Envs run in the %s sandbox (%s), since %s.", kind,
-                            PROVIDERS[kind].summary, ", and ".join(tried))
+                log.warning(
+                    "Envs run in the %s sandbox (%s), since %s.",
+                    kind,
+                    PROVIDERS[kind].summary,
+                    ", and ".join(tried),
+                )
             return sandbox
-        raise AgentEnvError("no sandbox provider may be picked by auto; pass --sandbox "
-                            + " or ".join(sandbox_names()[1:]))
+        raise AgentEnvError(
+            "no sandbox provider may be picked by auto; pass --sandbox "
+            + " or ".join(sandbox_names()[1:])
+        )
 
 
 provider(AutoSandbox)
@@ -5549,10 +6966,13 @@ provider(AutoSandbox)
 def sandbox_named(value: Any, what: str) -> str:
     """The sandbox a user named, one of the providers'."""
     if value not in PROVIDERS:
-        raise AgentEnvError(f"{what} is not a sandbox agentenv.py runs envs in; pass "
-                            + ", ".join(repr(k) for k in sandbox_names() if k != "auto")
-                            + ", or None or 'auto' (the first of " + ", ".join(auto_order())
-                            + " that can be reached)")
+        raise AgentEnvError(
+            f"{what} is not a sandbox agentenv.py runs envs in; pass "
+            + ", ".join(repr(k) for k in sandbox_names() if k != "auto")
+            + ", or None or 'auto' (the first of "
+            + ", ".join(auto_order())
+            + " that can be reached)"
+        )
     return value
 
 
@@ -5563,9 +6983,15 @@ def sandbox_names() -> tuple[str, ...]:
 
 def sandbox_setting() -> Declared:
     """The setting ``sandbox``: which provider, one of the registry's (each with its summary)."""
-    return Declared("sandbox", "auto", sandbox_named, "where envs run: " + "; ".join(
-        f"{kind}, {PROVIDERS[kind].summary}" for kind in sandbox_names()),
-        choices=sandbox_names, written=False)
+    return Declared(
+        "sandbox",
+        "auto",
+        sandbox_named,
+        "where envs run: "
+        + "; ".join(f"{kind}, {PROVIDERS[kind].summary}" for kind in sandbox_names()),
+        choices=sandbox_names,
+        written=False,
+    )
 
 
 Settings.DECLARED["sandbox"] = sandbox_setting()
@@ -5578,25 +7004,34 @@ def options_apart(settings: Settings, remote: bool) -> None:
     chosen = picked.chooses() if hasattr(picked, "chooses") else (settings.sandbox,)
     for kind, cls in PROVIDERS.items():
         names = [d.name for d in cls.settings if not d.gym_global]
-        if any(name in dict(settings.declared) for name in names) and \
-                (remote or kind not in chosen):
+        if any(name in dict(settings.declared) for name in names) and (
+            remote or kind not in chosen
+        ):
             flags = [f"--{name.replace('_', '-')}" for name in names]
             one = len(flags) == 1
             raise AgentEnvError(
                 (flags[0] if one else ", ".join(flags[:-1]) + " and " + flags[-1])
                 + f" say{'s' if one else ''} where a bundle's envs run {cls.place}, and this "
-                "server's envs " + ("run where the served URL runs them" if remote else
-                                    f"run in the {settings.sandbox} sandbox")
+                "server's envs "
+                + (
+                    "run where the served URL runs them"
+                    if remote
+                    else f"run in the {settings.sandbox} sandbox"
+                )
                 + f"; pass {'it' if one else 'them'} with a bundle folder and --sandbox {kind}, or "
-                f"leave {'it' if one else 'them'} out")
+                f"leave {'it' if one else 'them'} out"
+            )
 
 
 async def open_sandbox(owner: str, settings: Settings) -> Sandbox:
     """The sandbox the settings name, connected."""
     kind = settings.sandbox
     if kind not in PROVIDERS:
-        raise AgentEnvError(f"--sandbox {kind!r} is not a sandbox; use "
-                            + ", ".join(sandbox_names()[:-1]) + f" or {sandbox_names()[-1]}")
+        raise AgentEnvError(
+            f"--sandbox {kind!r} is not a sandbox; use "
+            + ", ".join(sandbox_names()[:-1])
+            + f" or {sandbox_names()[-1]}"
+        )
     return await PROVIDERS[kind].connect(owner, settings)
 
 
@@ -5605,12 +7040,12 @@ async def open_sandbox(owner: str, settings: Settings) -> Sandbox:
 MCP_PROTOCOL = "2025-06-18"
 HIDDEN_META = "agentenv.io/hiddenByDefault"
 ROLE_HEADER = "AgentEnv-Role"
-MAX_TOOL_OUTPUT = 100_000        # characters of a tool's answer passed on to the model
+MAX_TOOL_OUTPUT = 100_000  # characters of a tool's answer passed on to the model
 # An env's tool listing, every page of it, is read as one answer: within max_env_reply's bytes, one
 # deadline, and these counts. An env that pages forever fails its deploy, not the server's memory.
-LIST_TIMEOUT = 30.0              # seconds for the whole tools/list
+LIST_TIMEOUT = 30.0  # seconds for the whole tools/list
 MAX_LIST_PAGES = 100
-MAX_TOOLS = 1000                 # far past any model's use: each is in every prompt of its turn
+MAX_TOOLS = 1000  # far past any model's use: each is in every prompt of its turn
 # How deep an env's tool (or card) may nest, in JSON objects and arrays. Every wire writes a tool
 # out again, deeper in the stack than it was read, and Python's json writes no deeper than the
 # stack allows there; no schema a model can use comes near this.
@@ -5666,7 +7101,7 @@ FIELD_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 FIELD_NAMES_KEPT = 64
 DECIMAL = re.compile(r"[0-9]{1,18}")
 CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})(?:[ \t]*;[^\r\n]*)?\r\n")
-VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")   # what MCP's spec allows in a session id
+VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")  # what MCP's spec allows in a session id
 
 
 class EnvConnection(asyncio.Protocol):
@@ -5674,14 +7109,14 @@ class EnvConnection(asyncio.Protocol):
     ``readexactly``, ``read``, failing as it fails) and written through its transport, with the
     bytes that came and were not read yet its own to count (``unread``): a connection holding any
     once its reply was read whole is out of step with its env, and is never used again
-    (``usable``; StreamReader keeps them private). Past ``limit`` bytes unread, the env is read no more until
-    a read wants them."""
+    (``usable``; StreamReader keeps them private). Past ``limit`` bytes unread, the env is read no
+    more until a read wants them."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self.buffer = bytearray()
         self.transport: asyncio.Transport | None = None
-        self.ended = False                # the env closed its end, or the connection was lost
+        self.ended = False  # the env closed its end, or the connection was lost
         self.error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
@@ -5689,13 +7124,14 @@ class EnvConnection(asyncio.Protocol):
     @classmethod
     async def open(cls, host: str, port: int, limit: int) -> EnvConnection:
         _, connection = await asyncio.get_running_loop().create_connection(
-            lambda: cls(limit), host, port)
+            lambda: cls(limit), host, port
+        )
         return connection
 
     # -- what asyncio calls
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport                       # type: ignore[assignment]
+        self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -5707,7 +7143,7 @@ class EnvConnection(asyncio.Protocol):
     def eof_received(self) -> bool:
         self.ended = True
         self._wake()
-        return False                                     # and close: HTTP/1.1 writes no more
+        return False  # and close: HTTP/1.1 writes no more
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.ended, self.error = True, exc
@@ -5771,8 +7207,9 @@ class EnvConnection(asyncio.Protocol):
 
     def usable(self) -> bool:
         """Whether the connection can carry another request: open at both ends, nothing unread."""
-        return not (self.ended or self.buffer or self.transport is None
-                    or self.transport.is_closing())
+        return not (
+            self.ended or self.buffer or self.transport is None or self.transport.is_closing()
+        )
 
     def write(self, data: bytes) -> None:
         assert self.transport is not None
@@ -5809,20 +7246,24 @@ class EnvLine:
     the env is known dead, in flight or idle, and opens none after: the call fails as one whose
     env reset it would, instead of waiting for an answer nothing will send."""
 
-    MAX_HEAD = 64 * 1024                  # bytes of a reply's status line and headers
+    MAX_HEAD = 64 * 1024  # bytes of a reply's status line and headers
 
-    def __init__(self, url: yarl.URL, stopped: asyncio.Future[str] | None = None,
-                 max_body: int = Settings.max_env_reply):
+    def __init__(
+        self,
+        url: yarl.URL,
+        stopped: asyncio.Future[str] | None = None,
+        max_body: int = Settings.max_env_reply,
+    ):
         self.host, self.port = url.raw_host or "", url.port or 80
         self.max_body = max_body
-        self.field_names: dict[str, str] = {}     # header names checked, with their lower case
+        self.field_names: dict[str, str] = {}  # header names checked, with their lower case
         self.target = (url.raw_path_qs or "/").encode()
         authority = f"[{self.host}]" if ":" in self.host else self.host
         if url.explicit_port:
             authority += f":{url.explicit_port}"
         self._host = f"Host: {authority}\r\n".encode()
         self._idle: list[EnvConnection] = []
-        self._busy: set[EnvConnection] = set()      # connections a call holds
+        self._busy: set[EnvConnection] = set()  # connections a call holds
         self.closed = False
         self.stopped = stopped
         if stopped is not None:
@@ -5832,8 +7273,9 @@ class EnvLine:
     def handles(url: yarl.URL) -> bool:
         return url.scheme == "http" and bool(url.host)
 
-    def exchange(self, method: bytes, headers: dict[str, str], body: bytes = b"",
-                 cap: int | None = None) -> "EnvReply":
+    def exchange(
+        self, method: bytes, headers: dict[str, str], body: bytes = b"", cap: int | None = None
+    ) -> "EnvReply":
         """A request, and its reply read within ``cap`` bytes (``max_body`` when None)."""
         head = [method, b" ", self.target, b" HTTP/1.1\r\n", self._host]
         for name, value in headers.items():
@@ -5847,7 +7289,7 @@ class EnvLine:
     async def connection(self) -> EnvConnection:
         if self.stopped is not None and self.stopped.done():
             raise self._refused()
-        while self._idle:                 # the newest first; one the env closed meanwhile goes
+        while self._idle:  # the newest first; one the env closed meanwhile goes
             kept = self._idle.pop()
             if kept.usable():
                 self._busy.add(kept)
@@ -5857,11 +7299,13 @@ class EnvLine:
         try:
             if self.stopped is None:
                 connection = await opening
-            else:       # a connect to an address nobody holds any more waits: not for long
+            else:  # a connect to an address nobody holds any more waits: not for long
                 connection = await while_running(opening, self.stopped, "")
         except OSError as exc:
-            raise aiohttp.ClientOSError(exc.errno, f"cannot connect to the env at "
-                                                   f"{self.host}:{self.port}: {exc.strerror or exc}")
+            raise aiohttp.ClientOSError(
+                exc.errno,
+                f"cannot connect to the env at {self.host}:{self.port}: {exc.strerror or exc}",
+            ) from exc
         except EpisodeFailed:
             raise self._refused() from None
         if self.stopped is not None and self.stopped.done():
@@ -5872,8 +7316,10 @@ class EnvLine:
 
     def _refused(self) -> aiohttp.ClientOSError:
         assert self.stopped is not None
-        return aiohttp.ClientOSError(errno.ECONNRESET, f"the env at {self.host}:{self.port} "
-                                                       f"stopped ({self.stopped.result()})")
+        return aiohttp.ClientOSError(
+            errno.ECONNRESET,
+            f"the env at {self.host}:{self.port} stopped ({self.stopped.result()})",
+        )
 
     def give_back(self, connection: EnvConnection, keep: bool = True) -> None:
         """A connection a call is done with: kept for the next, or (``keep`` False: its reply was
@@ -5889,7 +7335,7 @@ class EnvLine:
 
     def _cut(self, _: Any) -> None:
         for connection in [*self._busy, *self._idle]:
-            connection.abort()           # a read waiting on it ends as if the env reset it
+            connection.abort()  # a read waiting on it ends as if the env reset it
         self._idle.clear()
 
     def _unwatch(self) -> None:
@@ -5898,7 +7344,7 @@ class EnvLine:
 
     def close(self) -> None:
         self.closed = True
-        if not self._busy:          # a call still under way is cut too, if its env dies
+        if not self._busy:  # a call still under way is cut too, if its env dies
             self._unwatch()
         for connection in self._idle:
             connection.close()
@@ -5907,14 +7353,17 @@ class EnvLine:
 
 def _field_name(line: str, name: str, colon: str, known: dict[str, str]) -> str:
     """A header line's field name in lower case, checked the first time it comes on a line (then
-    it is remembered in ``known``, the line's); a line that is no field, a folded one (obs-fold, which HTTP/1.1 forbids in a
-    reply) included, is a malformed reply."""
+    it is remembered in ``known``, the line's); a line that is no field, a folded one (obs-fold,
+    which HTTP/1.1 forbids in a reply) included, is a malformed reply."""
     if line[:1] in (" ", "\t"):
-        raise aiohttp.ClientPayloadError(f"the env folded a header onto a second line, "
-                                         f"{short(repr(line), 80)}, which HTTP/1.1 forbids in a reply")
+        raise aiohttp.ClientPayloadError(
+            f"the env folded a header onto a second line, "
+            f"{short(repr(line), 80)}, which HTTP/1.1 forbids in a reply"
+        )
     if not colon or not FIELD_NAME.fullmatch(name):
-        raise aiohttp.ClientPayloadError(f"the env sent a header line that is no NAME: VALUE, "
-                                         f"{short(repr(line), 80)}")
+        raise aiohttp.ClientPayloadError(
+            f"the env sent a header line that is no NAME: VALUE, {short(repr(line), 80)}"
+        )
     key = name.lower()
     if len(known) < FIELD_NAMES_KEPT:
         known[name] = key
@@ -5942,19 +7391,22 @@ class EnvReply:
         self._connection = reader = await self.line.connection()
         try:
             reader.write(self.request)
-            interim = 0                   # bytes of 1xx replies (100 Continue), before the real one
+            interim = 0  # bytes of 1xx replies (100 Continue), before the real one
             while True:
                 head = await self._read(reader.readuntil(b"\r\n\r\n"), "its headers")
                 status_line, _, fields = head[:-4].partition(b"\r\n")
                 if not (status := STATUS_LINE.fullmatch(status_line)):
-                    raise McpError(f"the env answered {short(repr(status_line), 100)}, not HTTP/1.x")
+                    raise McpError(
+                        f"the env answered {short(repr(status_line), 100)}, not HTTP/1.x"
+                    )
                 self.status = int(status.group(2))
                 if self.status >= 200:
                     break
                 if (interim := interim + len(head)) > self.line.MAX_HEAD:
                     raise aiohttp.ClientPayloadError(
                         f"the env sent more than {self.line.MAX_HEAD // 1024} KiB of interim (1xx) "
-                        "replies, and no reply")
+                        "replies, and no reply"
+                    )
             headers, known = self.headers, self.line.field_names
             for line in fields.decode("latin-1").split("\r\n") if fields else ():
                 name, colon, value = line.partition(":")
@@ -5972,10 +7424,12 @@ class EnvReply:
                 if codings != ["chunked"]:
                     raise aiohttp.ClientPayloadError(
                         f"the env sent Transfer-Encoding {short(repr(coding), 80)}: agentenv.py "
-                        "reads chunked alone, and asks for no other coding")
+                        "reads chunked alone, and asks for no other coding"
+                    )
             connection = headers.get("connection", "").lower()
-            self._keep = "close" not in connection and (status.group(1) == b"1"
-                                                         or "keep-alive" in connection)
+            self._keep = "close" not in connection and (
+                status.group(1) == b"1" or "keep-alive" in connection
+            )
         except BaseException:
             self.line.give_back(reader, keep=False)
             raise
@@ -5983,11 +7437,12 @@ class EnvReply:
 
     async def __aexit__(self, *exc_info: Any) -> None:
         assert self._connection is not None
-        self.line.give_back(self._connection,
-                            keep=self._done and self._keep and exc_info[0] is None)
+        self.line.give_back(
+            self._connection, keep=self._done and self._keep and exc_info[0] is None
+        )
 
     async def read(self) -> bytes:
-        if (length := self._length()) is not None:      # the usual reply: at once, no generator
+        if (length := self._length()) is not None:  # the usual reply: at once, no generator
             return await self._whole(length)
         return b"".join([chunk async for chunk in self.chunks()])
 
@@ -5998,24 +7453,26 @@ class EnvReply:
         """The body as it arrives; its end read, ``_done`` is set."""
         reader, headers = self._connection, self.headers
         assert reader is not None
-        if self.status in (204, 304):     # no body; one sent anyway keeps the connection unused
+        if self.status in (204, 304):  # no body; one sent anyway keeps the connection unused
             self._done = True
             return
         if (length := self._length()) is not None:
             if body := await self._whole(length):
                 yield body
-        elif "transfer-encoding" in headers:    # chunked: __aenter__ refused any other coding
-            if "content-length" in headers:      # both: chunks count, and the line is not kept
+        elif "transfer-encoding" in headers:  # chunked: __aenter__ refused any other coding
+            if "content-length" in headers:  # both: chunks count, and the line is not kept
                 self._keep = False
             while True:
                 size_line = await self._read(reader.readuntil(b"\r\n"), "a chunk's size")
                 if not (size := CHUNK_SIZE.fullmatch(size_line)):
                     raise aiohttp.ClientPayloadError(
-                        f"the env sent a chunk size that is not one: {short(repr(size_line), 80)}")
-                if (length := int(size.group(1), 16)) == 0:   # the last; trailers to a blank line
-                    while (line := await self._read(reader.readuntil(b"\r\n"), "its trailers")) \
-                            != b"\r\n":
-                        self.left -= len(line)              # trailers count as the body does
+                        f"the env sent a chunk size that is not one: {short(repr(size_line), 80)}"
+                    )
+                if (length := int(size.group(1), 16)) == 0:  # the last; trailers to a blank line
+                    while (
+                        line := await self._read(reader.readuntil(b"\r\n"), "its trailers")
+                    ) != b"\r\n":
+                        self.left -= len(line)  # trailers count as the body does
                         if self.left < 0:
                             raise McpTooLong(self._too_long())
                     self._done = True
@@ -6027,7 +7484,7 @@ class EnvReply:
                 if chunk[-2:] != b"\r\n":
                     raise aiohttp.ClientPayloadError("the env sent a chunk longer than it said")
                 yield chunk[:-2]
-        else:                             # no length: the body ends with the connection
+        else:  # no length: the body ends with the connection
             self._keep = False
             while chunk := await self._read(reader.read(65536), "its body"):
                 self.left -= len(chunk)
@@ -6048,8 +7505,11 @@ class EnvReply:
         """The body's length, when its Content-Length says where it ends: not for a reply that has
         no body (204, 304), comes in chunks, or ends with the connection."""
         headers = self.headers
-        if self.status in (204, 304) or "transfer-encoding" in headers \
-                or (field := headers.get("content-length")) is None:
+        if (
+            self.status in (204, 304)
+            or "transfer-encoding" in headers
+            or (field := headers.get("content-length")) is None
+        ):
             return None
         if not DECIMAL.fullmatch(field):
             raise aiohttp.ClientPayloadError(f"the env sent Content-Length {field!r}")
@@ -6058,8 +7518,10 @@ class EnvReply:
         return length
 
     def _too_long(self) -> str:
-        return (f"the answer is longer than the {bytes_said(self.line.max_body)} agentenv.py reads "
-                "of an env's answer (max_env_reply)")
+        return (
+            f"the answer is longer than the {bytes_said(self.line.max_body)} agentenv.py reads "
+            "of an env's answer (max_env_reply)"
+        )
 
     async def _read(self, reading: Awaitable[bytes], what: str) -> bytes:
         try:
@@ -6067,14 +7529,19 @@ class EnvReply:
         except asyncio.IncompleteReadError as exc:
             if not exc.partial and what == "its headers":
                 raise aiohttp.ServerDisconnectedError(
-                    "the env closed the connection without answering") from None
+                    "the env closed the connection without answering"
+                ) from None
             raise aiohttp.ClientPayloadError(
-                f"the env closed the connection in the middle of {what}") from None
+                f"the env closed the connection in the middle of {what}"
+            ) from None
         except asyncio.LimitOverrunError:
             raise aiohttp.ClientPayloadError(
-                f"the env sent more than {self.line.MAX_HEAD // 1024} KiB of {what}") from None
+                f"the env sent more than {self.line.MAX_HEAD // 1024} KiB of {what}"
+            ) from None
         except OSError as exc:
-            raise aiohttp.ClientOSError(exc.errno, f"the connection to the env failed: {exc}") from None
+            raise aiohttp.ClientOSError(
+                exc.errno, f"the connection to the env failed: {exc}"
+            ) from None
 
 
 class McpSession:
@@ -6087,13 +7554,21 @@ class McpSession:
     ``max_body`` bytes (max_env_reply), a tool listing's pages together included.
     """
 
-    def __init__(self, url: str, headers: dict[str, str] | None = None,
-                 stopped: asyncio.Future[str] | None = None, max_body: int = Settings.max_env_reply):
+    def __init__(
+        self,
+        url: str,
+        headers: dict[str, str] | None = None,
+        stopped: asyncio.Future[str] | None = None,
+        max_body: int = Settings.max_env_reply,
+    ):
         self.url = url
-        self.headers = {"Content-Type": "application/json",
-                        "Accept": "application/json, text/event-stream", **(headers or {})}
+        self.headers = {
+            "Content-Type": "application/json",
+            "Accept": "application/json, text/event-stream",
+            **(headers or {}),
+        }
         self.next_id = 0
-        self.left = 0                       # of the last answer's cap, what its body left unread
+        self.left = 0  # of the last answer's cap, what its body left unread
         target = yarl.URL(url)
         if not EnvLine.handles(target):
             raise McpError(f"an env is reached at an http:// address, not {url!r}")
@@ -6101,18 +7576,28 @@ class McpSession:
 
     async def open(self, timeout: float = 30) -> dict[str, Any]:
         try:
-            result = await self.request("initialize", {
-                "protocolVersion": MCP_PROTOCOL, "capabilities": {},
-                "clientInfo": {"name": "agentenv.py", "version": __version__}}, timeout)
+            result = await self.request(
+                "initialize",
+                {
+                    "protocolVersion": MCP_PROTOCOL,
+                    "capabilities": {},
+                    "clientInfo": {"name": "agentenv.py", "version": __version__},
+                },
+                timeout,
+            )
         except McpTooLong:
-            raise McpBroken(f"its answer to initialize is longer than the "
-                            f"{bytes_said(self.line.max_body)} agentenv.py reads of an answer "
-                            "(max_env_reply); answer it in a few KiB") from None
+            raise McpBroken(
+                f"its answer to initialize is longer than the "
+                f"{bytes_said(self.line.max_body)} agentenv.py reads of an answer "
+                "(max_env_reply); answer it in a few KiB"
+            ) from None
         version = result.get("protocolVersion", MCP_PROTOCOL)
         if not isinstance(version, str) or not VISIBLE_ASCII.fullmatch(version):
-            raise McpBroken(f"it answered initialize with the protocolVersion "
-                            f"{reprlib.repr(version)}, which is no MCP version (such as "
-                            f"{MCP_PROTOCOL!r}); fix its initialize")
+            raise McpBroken(
+                f"it answered initialize with the protocolVersion "
+                f"{reprlib.repr(version)}, which is no MCP version (such as "
+                f"{MCP_PROTOCOL!r}); fix its initialize"
+            )
         self.headers["MCP-Protocol-Version"] = version
         await self.notify("notifications/initialized", timeout)
         return result
@@ -6131,74 +7616,103 @@ class McpSession:
                 while True:
                     try:
                         result = await self.request(
-                            "tools/list", {"cursor": cursor} if cursor else {}, None, left)
+                            "tools/list", {"cursor": cursor} if cursor else {}, None, left
+                        )
                     except McpTooLong:
                         raise McpBroken(
                             f"its tool listing, {pages + 1} page{'s' if pages else ''} of it, is "
                             f"longer than the {cap} agentenv.py reads of an answer (max_env_reply; "
                             "the pages of a listing count as one answer, since a model is shown "
-                            "every tool of its turn); list fewer tools, or shorter descriptions and "
+                            "every tool of its turn); list fewer tools, or shorter descriptions "
+                            "and "
                             "schemas, or raise --max-env-reply (max_env_reply in a Gym "
-                            "config)") from None
+                            "config)"
+                        ) from None
                     pages, left = pages + 1, self.left
                     listed = result.get("tools", [])
                     if not isinstance(listed, list):
-                        raise McpBroken(f"it answered tools/list with tools that are "
-                                        f"{type(listed).__name__}, not a list; fix its tools/list")
+                        raise McpBroken(
+                            f"it answered tools/list with tools that are "
+                            f"{type(listed).__name__}, not a list; fix its tools/list"
+                        )
                     for tool in listed:
-                        if not (isinstance(tool, dict) and isinstance(tool.get("name"), str)
-                                and tool["name"]):
+                        if not (
+                            isinstance(tool, dict)
+                            and isinstance(tool.get("name"), str)
+                            and tool["name"]
+                        ):
                             continue
                         if (depth := nesting(tool)) > MAX_NESTING:
                             raise McpBroken(
-                                f"its tool {short(tool['name'], 80)!r} nests {depth} levels of JSON "
-                                f"deep, past the {MAX_NESTING} agentenv.py takes (every wire writes "
+                                f"its tool {short(tool['name'], 80)!r} nests {depth} levels of "
+                                "JSON "
+                                f"deep, past the {MAX_NESTING} agentenv.py takes (every wire "
+                                "writes "
                                 "a tool out again, and so does TRL's environment class); flatten "
-                                "its schema, naming its parts in $defs and reaching them by $ref")
+                                "its schema, naming its parts in $defs and reaching them by $ref"
+                            )
                         tools.append(tool)
                     if len(tools) > MAX_TOOLS:
                         raise McpBroken(
                             f"it lists more than {MAX_TOOLS} tools ({len(tools)} in {pages} "
-                            f"page{'s' if pages > 1 else ''}), past what agentenv.py takes: a model "
+                            f"page{'s' if pages > 1 else ''}), past what agentenv.py takes: a "
+                            "model "
                             "is offered every tool of its turn, in every prompt; offer fewer, or "
-                            "split them among the task's envs or turns")
+                            "split them among the task's envs or turns"
+                        )
                     cursor = result.get("nextCursor")
                     if cursor is None or cursor == "":
                         return tools
                     if not isinstance(cursor, str):
-                        raise McpBroken(f"its tools/list gave the nextCursor {reprlib.repr(cursor)}, "
-                                        "which is no string (MCP's cursors are opaque strings); "
-                                        "fix its tools/list")
+                        raise McpBroken(
+                            f"its tools/list gave the nextCursor {reprlib.repr(cursor)}, "
+                            "which is no string (MCP's cursors are opaque strings); "
+                            "fix its tools/list"
+                        )
                     if cursor in cursors:
                         raise McpBroken(
                             f"its tools/list gave the cursor {short(cursor, 80)!r} a second time, "
                             f"on page {pages}, so its pages would never end; give each page a "
-                            "cursor of its own, and none after the last page")
+                            "cursor of its own, and none after the last page"
+                        )
                     if pages == MAX_LIST_PAGES:
                         raise McpBroken(
                             f"its tools/list gave a next cursor on page {pages}, the most "
-                            f"agentenv.py reads ({len(tools)} tools so far), so its pages may never "
-                            "end; give none after the last page, or list more tools a page")
+                            f"agentenv.py reads ({len(tools)} tools so far), so its pages may "
+                            "never "
+                            "end; give none after the last page, or list more tools a page"
+                        )
                     cursors.add(cursor)
         except TimeoutError:
-            if not pages:               # no answer at all: a timeout, as any other
+            if not pages:  # no answer at all: a timeout, as any other
                 raise
-            raise McpBroken(f"its tools/list took longer than {timeout:g}s, {pages} pages and "
-                            f"{len(tools)} tools of it, the most agentenv.py waits for a tool "
-                            "listing; answer each page at once, and give no cursor after the "
-                            "last page") from None
+            raise McpBroken(
+                f"its tools/list took longer than {timeout:g}s, {pages} pages and "
+                f"{len(tools)} tools of it, the most agentenv.py waits for a tool "
+                "listing; answer each page at once, and give no cursor after the "
+                "last page"
+            ) from None
 
-    async def call_tool(self, name: str, arguments: dict[str, Any], timeout: float | None = None,
-                        ) -> ToolResult:
+    async def call_tool(
+        self,
+        name: str,
+        arguments: dict[str, Any],
+        timeout: float | None = None,
+    ) -> ToolResult:
         try:
-            result = await self.request("tools/call", {"name": name, "arguments": arguments}, timeout)
-        except McpRefusal as exc:           # the call itself was refused: the model sees why
+            result = await self.request(
+                "tools/call", {"name": name, "arguments": arguments}, timeout
+            )
+        except McpRefusal as exc:  # the call itself was refused: the model sees why
             return ToolResult(clipped(str(exc)), TOOL_ERROR)
-        except McpTooLong as exc:           # the model asked for that much: it reads so
+        except McpTooLong as exc:  # the model asked for that much: it reads so
             return ToolResult(f"{exc}; ask the tool for less at a time", TOOL_ERROR)
-        except RecursionError:              # the model's arguments, nested past what json writes
-            return ToolResult(f"the arguments of {name} nest deeper than agentenv.py writes; send "
-                              "them nested less deep", BAD_ARGUMENTS)
+        except RecursionError:  # the model's arguments, nested past what json writes
+            return ToolResult(
+                f"the arguments of {name} nest deeper than agentenv.py writes; send "
+                "them nested less deep",
+                BAD_ARGUMENTS,
+            )
         return ToolResult(tool_text(result), TOOL_ERROR if result.get("isError") else OK)
 
     async def close(self) -> None:
@@ -6225,19 +7739,28 @@ class McpSession:
         if reply.status >= 400:
             raise McpError(f"{method} was answered HTTP {reply.status}: {short(text, 300)}")
 
-    async def request(self, method: str, params: dict[str, Any], timeout: float | None = 30,
-                      cap: int | None = None) -> dict:
+    async def request(
+        self,
+        method: str,
+        params: dict[str, Any],
+        timeout: float | None = 30,
+        cap: int | None = None,
+    ) -> dict:
         """A request's result, its answer read within ``cap`` bytes (max_env_reply when None)."""
         self.next_id += 1
-        rid = self.next_id                  # this request's id, whatever later requests take
-        body = json.dumps({"jsonrpc": "2.0", "id": rid, "method": method, "params": params}).encode()
-        if timeout is None:                 # a tool call: its turn keeps the deadline
+        rid = self.next_id  # this request's id, whatever later requests take
+        body = json.dumps(
+            {"jsonrpc": "2.0", "id": rid, "method": method, "params": params}
+        ).encode()
+        if timeout is None:  # a tool call: its turn keeps the deadline
             message = await self._exchange(method, rid, body, cap)
         else:
             async with asyncio.timeout(timeout):
                 message = await self._exchange(method, rid, body, cap)
         if not isinstance(message, dict):
-            raise McpError(f"{method} was answered with {type(message).__name__}, not a JSON-RPC reply")
+            raise McpError(
+                f"{method} was answered with {type(message).__name__}, not a JSON-RPC reply"
+            )
         if isinstance(error := message.get("error"), dict):
             said = error.get("message")
             raise McpRefusal(said if isinstance(said, str) else reprlib.repr(error))
@@ -6248,47 +7771,55 @@ class McpSession:
 
     async def _exchange(self, method: str, rid: int, body: bytes, cap: int | None) -> Any:
         async with self.line.exchange(b"POST", self.headers, body, cap) as reply:
-            if (session := reply.headers.get("mcp-session-id")) and \
-                    session != self.headers.get("Mcp-Session-Id"):
+            if (session := reply.headers.get("mcp-session-id")) and session != self.headers.get(
+                "Mcp-Session-Id"
+            ):
                 if not VISIBLE_ASCII.fullmatch(session):
-                    raise McpBroken(f"it gave the session id {short(repr(session), 80)}, which holds "
-                                    "characters MCP's spec does not allow in one (visible ASCII "
-                                    "alone, 0x21 to 0x7E), and agentenv.py would send it back in a "
-                                    "header; make its session ids of those characters")
+                    raise McpBroken(
+                        f"it gave the session id {short(repr(session), 80)}, which holds "
+                        "characters MCP's spec does not allow in one (visible ASCII "
+                        "alone, 0x21 to 0x7E), and agentenv.py would send it back in a "
+                        "header; make its session ids of those characters"
+                    )
                 self.headers["Mcp-Session-Id"] = session
             if reply.status >= 400:
-                raise McpError(f"{method} was answered HTTP {reply.status}: "
-                               f"{short(await reply.text(), 300)}")
+                raise McpError(
+                    f"{method} was answered HTTP {reply.status}: {short(await reply.text(), 300)}"
+                )
             if reply.content_type == "text/event-stream":
                 message = await self._from_stream(reply, rid)
             else:
                 try:
                     message = loads(await reply.read())
                 except ValueError as exc:
-                    raise McpError(f"{method} was answered with something that is not JSON "
-                                   f"({short(str(exc), 200)})") from None
+                    raise McpError(
+                        f"{method} was answered with something that is not JSON "
+                        f"({short(str(exc), 200)})"
+                    ) from None
             self.left = reply.left
         if isinstance(message, dict) and message.get("id") not in (None, rid):
-            raise McpError(f"{method} was answered for another request (id "
-                           f"{reprlib.repr(message['id'])}, not {rid}): the env's connection is "
-                           "out of step")
+            raise McpError(
+                f"{method} was answered for another request (id "
+                f"{reprlib.repr(message['id'])}, not {rid}): the env's connection is "
+                "out of step"
+            )
         return message
 
     @staticmethod
     async def _from_stream(reply: "EnvReply", wanted: int) -> Any:
-        pending: list[bytes] = []           # a line's pieces until its end comes
+        pending: list[bytes] = []  # a line's pieces until its end comes
         data: list[bytes] = []
         async for chunk in reply.chunks():
             if b"\n" not in chunk:
                 pending.append(chunk)
                 continue
-            *lines, rest = b"".join([*pending, chunk]).split(b"\n")   # each byte joined once
+            *lines, rest = b"".join([*pending, chunk]).split(b"\n")  # each byte joined once
             pending = [rest]
             for line in lines:
                 line = line.rstrip(b"\r")
                 if line.startswith(b"data:"):
                     data.append(line[5:].lstrip(b" "))
-                elif not line and data:       # a blank line ends an event
+                elif not line and data:  # a blank line ends an event
                     with contextlib.suppress(ValueError):
                         message = loads(b"\n".join(data))
                         if isinstance(message, dict) and message.get("id") == wanted:
@@ -6305,11 +7836,16 @@ def tool_text(result: dict[str, Any]) -> str:
             continue
         if item.get("type") == "text":
             parts.append(str(item.get("text", "")))
-        elif item.get("type") == "resource" and isinstance(item.get("resource"), dict) \
-                and "text" in item["resource"]:
+        elif (
+            item.get("type") == "resource"
+            and isinstance(item.get("resource"), dict)
+            and "text" in item["resource"]
+        ):
             parts.append(str(item["resource"]["text"]))
         else:
-            parts.append(f"[{item.get('type', 'unknown')} content: {item.get('mimeType', 'no type')}]")
+            parts.append(
+                f"[{item.get('type', 'unknown')} content: {item.get('mimeType', 'no type')}]"
+            )
     if not parts and result.get("structuredContent") is not None:
         parts.append(json.dumps(result["structuredContent"]))
     return clipped("\n".join(parts))
@@ -6318,25 +7854,35 @@ def tool_text(result: dict[str, Any]) -> str:
 def clipped(text: str) -> str:
     """A tool's text as the model reads it: at most MAX_TOOL_OUTPUT characters, and the cut said."""
     if len(text) > MAX_TOOL_OUTPUT:
-        text = (text[:MAX_TOOL_OUTPUT] + f"\n[output cut: the tool answered {len(text)} characters; "
-                f"agentenv.py passes on the first {MAX_TOOL_OUTPUT}]")
+        text = (
+            text[:MAX_TOOL_OUTPUT] + f"\n[output cut: the tool answered {len(text)} characters; "
+            f"agentenv.py passes on the first {MAX_TOOL_OUTPUT}]"
+        )
     return text
 
 
 # The agent's own tool when it works in a box: AgentEnv's descriptor, word for word.
-BASH_SCHEMA = {"type": "object", "properties": {"command": {"type": "string",
-                                                            "description": "The command."}},
-               "required": ["command"]}
-BASH_TOOL = {"name": "bash", "inputSchema": BASH_SCHEMA,
-             "description": "Run a bash command where the agent works, as its user, in its folder; "
-                            "returns its stdout, then its stderr."}
-SH_TOOL = {"name": "bash", "inputSchema": BASH_SCHEMA,
-           "description": "Run a command where the agent works, as its user, in its folder, with "
-                          "POSIX sh: this place has no bash, so bash-only syntax such as [[ ]], "
-                          "arrays or <(...) fails. Returns its stdout, then its stderr."}
+BASH_SCHEMA = {
+    "type": "object",
+    "properties": {"command": {"type": "string", "description": "The command."}},
+    "required": ["command"],
+}
+BASH_TOOL = {
+    "name": "bash",
+    "inputSchema": BASH_SCHEMA,
+    "description": "Run a bash command where the agent works, as its user, in its folder; "
+    "returns its stdout, then its stderr.",
+}
+SH_TOOL = {
+    "name": "bash",
+    "inputSchema": BASH_SCHEMA,
+    "description": "Run a command where the agent works, as its user, in its folder, with "
+    "POSIX sh: this place has no bash, so bash-only syntax such as [[ ]], "
+    "arrays or <(...) fails. Returns its stdout, then its stderr.",
+}
 
 
-LONG_COMMAND = 100_000        # bytes of a bash command past which it goes on stdin, not argv
+LONG_COMMAND = 100_000  # bytes of a bash command past which it goes on stdin, not argv
 # Reads the command from stdin (its trailing newlines kept), then runs it with stdin empty.
 FROM_STDIN = 'c=$(cat; echo .); c=${c%.}; exec </dev/null; eval "$c"'
 
@@ -6351,30 +7897,43 @@ async def run_bash(box: Box, arguments: dict[str, Any], timeout: float) -> ToolR
     shell = "bash" if box.has_bash else "sh"
     text = command.encode("utf-8", "replace")
     # A long command goes on stdin (an argument has at most 128 KiB), and runs as it would in -c.
-    ran = await (box.run([shell, "-c", command], timeout, cap=MAX_TOOL_OUTPUT)
-                 if len(text) <= LONG_COMMAND else
-                 box.run([shell, "-c", FROM_STDIN], timeout, cap=MAX_TOOL_OUTPUT, stdin=text))
+    ran = await (
+        box.run([shell, "-c", command], timeout, cap=MAX_TOOL_OUTPUT)
+        if len(text) <= LONG_COMMAND
+        else box.run([shell, "-c", FROM_STDIN], timeout, cap=MAX_TOOL_OUTPUT, stdin=text)
+    )
     if ran.timed_out:
-        return ToolResult(f"error: the command timed out after {timeout:g}s, so {ran.stopped}; "
-                          "the files are as it left them. Run long jobs in steps", TOOL_ERROR)
+        return ToolResult(
+            f"error: the command timed out after {timeout:g}s, so {ran.stopped}; "
+            "the files are as it left them. Run long jobs in steps",
+            TOOL_ERROR,
+        )
     out = ran.output
     if ran.printed > len(ran.stdout) + len(ran.stderr):
-        out = out[:MAX_TOOL_OUTPUT] + (f"\n[output cut: the command printed {ran.printed} bytes; "
-                                       f"agentenv.py passes on the first {MAX_TOOL_OUTPUT} "
-                                       "characters of its stdout, then of its stderr]\n")
+        out = out[:MAX_TOOL_OUTPUT] + (
+            f"\n[output cut: the command printed {ran.printed} bytes; "
+            f"agentenv.py passes on the first {MAX_TOOL_OUTPUT} "
+            "characters of its stdout, then of its stderr]\n"
+        )
     if ran.exit_code == 0:
         return ToolResult(out)
     out = out[:-1] if out.endswith("\n") else out
-    return ToolResult(f"{out}\nexit code {ran.exit_code}" if out else f"exit code {ran.exit_code}",
-                      TOOL_ERROR)
+    return ToolResult(
+        f"{out}\nexit code {ran.exit_code}" if out else f"exit code {ran.exit_code}", TOOL_ERROR
+    )
+
 
 JSON_TYPES: dict[str, Callable[[Any], bool]] = {
-    "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
-    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool) or
-    isinstance(v, float) and v.is_integer(),
+    "string": lambda v: isinstance(v, str),
+    "boolean": lambda v: isinstance(v, bool),
+    "integer": lambda v: (
+        isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and v.is_integer()
+    ),
     "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "array": lambda v: isinstance(v, list), "object": lambda v: isinstance(v, dict),
-    "null": lambda v: v is None}
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+    "null": lambda v: v is None,
+}
 
 
 def schema_misfit(arguments: dict[str, Any], schema: Any) -> str | None:
@@ -6391,7 +7950,9 @@ def schema_misfit(arguments: dict[str, Any], schema: Any) -> str | None:
         if extra := [k for k in arguments if k not in properties]:
             return f"it takes no {', '.join(extra)}"
     for key, value in arguments.items():
-        kinds = properties.get(key, {}).get("type") if isinstance(properties.get(key), dict) else None
+        kinds = (
+            properties.get(key, {}).get("type") if isinstance(properties.get(key), dict) else None
+        )
         kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
         known = [JSON_TYPES[k] for k in kinds if k in JSON_TYPES]
         if known and not any(fits(value) for fits in known):
@@ -6417,19 +7978,32 @@ class DeployedEnv:
     def card_name(self) -> str:
         return (self.card or {}).get("name", self.spec.environment_name)
 
-    async def apply(self, http: aiohttp.ClientSession, uri: str, args: dict[str, Any],
-                    timeout: float, tolerate: bool) -> None:
+    async def apply(
+        self,
+        http: aiohttp.ClientSession,
+        uri: str,
+        args: dict[str, Any],
+        timeout: float,
+        tolerate: bool,
+    ) -> None:
         """Post one apply_server_config directive to the extension the env's card advertises."""
         extensions = ((self.card or {}).get("capabilities") or {}).get("extensions") or []
-        extension = next((e for e in extensions if isinstance(e, dict) and e.get("uri") == uri), None)
+        extension = next(
+            (e for e in extensions if isinstance(e, dict) and e.get("uri") == uri), None
+        )
         if extension is None:
             if tolerate:
-                log.info("Env %r advertises no extension %s; skipped (tolerate_unadvertised).",
-                         self.spec.name, uri)
+                log.info(
+                    "Env %r advertises no extension %s; skipped (tolerate_unadvertised).",
+                    self.spec.name,
+                    uri,
+                )
                 return
             offered = [e.get("uri") for e in extensions if isinstance(e, dict)]
-            raise EpisodeFailed(f"env {self.spec.name!r} advertises no extension {uri!r} on its card "
-                                f"(it advertises {offered}); fix the directive's uri or the env's card")
+            raise EpisodeFailed(
+                f"env {self.spec.name!r} advertises no extension {uri!r} on its card "
+                f"(it advertises {offered}); fix the directive's uri or the env's card"
+            )
         params = extension.get("params") or {}
         methods = [m for m in (params.get("methods") or {}).values() if isinstance(m, dict)]
         endpoint = (methods[0].get("endpoint") if methods else None) or params.get("endpoint")
@@ -6437,22 +8011,30 @@ class DeployedEnv:
         if not endpoint:
             raise EpisodeFailed(f"env {self.spec.name!r} advertises {uri!r} with no endpoint")
         url = self.instance.base_url + "/" + str(endpoint).lstrip("/")
-        request = http.get(url, params={k: str(v) for k, v in args.items()}) if verb == "GET" else \
-            http.request(verb, url, json=args)
+        request = (
+            http.get(url, params={k: str(v) for k, v in args.items()})
+            if verb == "GET"
+            else http.request(verb, url, json=args)
+        )
         try:
             async with asyncio.timeout(timeout):
                 async with request as resp:
-                    if resp.status >= 300:     # what it says, not all it may send
+                    if resp.status >= 300:  # what it says, not all it may send
                         said = (await resp.content.read(4096)).decode("utf-8", "replace")
-                        raise EpisodeFailed(f"env {self.spec.name!r} refused {uri!r} with HTTP "
-                                            f"{resp.status}: {short(said, 300)}")
+                        raise EpisodeFailed(
+                            f"env {self.spec.name!r} refused {uri!r} with HTTP "
+                            f"{resp.status}: {short(said, 300)}"
+                        )
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise EpisodeFailed(f"env {self.spec.name!r} did not take {uri!r} within {timeout:g}s "
-                                f"({type(exc).__name__}: {exc})") from None
+            raise EpisodeFailed(
+                f"env {self.spec.name!r} did not take {uri!r} within {timeout:g}s "
+                f"({type(exc).__name__}: {exc})"
+            ) from None
 
 
-async def while_running(work: Awaitable[Any], stopped: asyncio.Future[str] | None,
-                        what: str) -> Any:
+async def while_running(
+    work: Awaitable[Any], stopped: asyncio.Future[str] | None, what: str
+) -> Any:
     """``work``'s result, unless the env's ``stopped`` comes first: ``work`` is then cancelled
     (a verifier's reads of a dead env would wait for answers nothing sends) and EpisodeFailed
     says ``what`` and how the env ended."""
@@ -6467,14 +8049,19 @@ async def while_running(work: Awaitable[Any], stopped: asyncio.Future[str] | Non
     finally:
         if not task.done():
             task.cancel()
-            await asyncio.wait((task,))     # its end, not its error: ours is raised
+            await asyncio.wait((task,))  # its end, not its error: ours is raised
         if not task.cancelled():
-            task.exception()                # read, so that none is logged as never read
+            task.exception()  # read, so that none is logged as never read
 
 
-async def wait_ready(http: aiohttp.ClientSession, instance: Instance, env: EnvSpec,
-                     timeout: float, deadline: float | None = None,
-                     max_body: int = Settings.max_env_reply) -> DeployedEnv:
+async def wait_ready(
+    http: aiohttp.ClientSession,
+    instance: Instance,
+    env: EnvSpec,
+    timeout: float,
+    deadline: float | None = None,
+    max_body: int = Settings.max_env_reply,
+) -> DeployedEnv:
     """Wait until a launched env answers: its card with its name (or, with no card, MCP
     ``initialize``), and a tools list with at least one tool and no name twice, each answer read
     within ``max_body`` bytes (max_env_reply).
@@ -6489,16 +8076,23 @@ async def wait_ready(http: aiohttp.ClientSession, instance: Instance, env: EnvSp
     delay, last = 0.01, "it did not answer"
     while True:
         if why := await instance.exited():
-            raise EpisodeFailed(f"env {env.name!r} did not come up: {why}. Its last output:\n"
-                                f"{short(await instance.output())}", PROVIDER_UNAVAILABLE)
+            raise EpisodeFailed(
+                f"env {env.name!r} did not come up: {why}. Its last output:\n"
+                f"{short(await instance.output())}",
+                PROVIDER_UNAVAILABLE,
+            )
         try:
             card = await _read_card(http, instance.base_url, max_body)
             if card is not None and card.get("name") != env.environment_name:
-                await _answers_itself(instance)     # another's env, with its card, holds the port
+                await _answers_itself(instance)  # another's env, with its card, holds the port
                 raise EpisodeFailed(
-                    f"env {env.name!r} answers with the card of {reprlib.repr(card.get('name'))}, not "
-                    f"{env.environment_name!r}; set environment_name in envs/{env.name}/env.toml, or "
-                    "make the server take its name from ENVIRONMENT_NAME", PROVIDER_UNAVAILABLE)
+                    f"env {env.name!r} answers with the card of {reprlib.repr(card.get('name'))}, "
+                    "not "
+                    f"{env.environment_name!r}; set environment_name in envs/{env.name}/env.toml, "
+                    "or "
+                    "make the server take its name from ENVIRONMENT_NAME",
+                    PROVIDER_UNAVAILABLE,
+                )
             mcp_url = instance.base_url + "/" + _mcp_path(card).lstrip("/")
             session = McpSession(mcp_url, stopped=instance.stopped, max_body=max_body)
             try:
@@ -6506,14 +8100,18 @@ async def wait_ready(http: aiohttp.ClientSession, instance: Instance, env: EnvSp
                 tools = await session.list_tools()
                 await session.close()
             finally:
-                session.drop()          # a session that failed is not ended on the server
+                session.drop()  # a session that failed is not ended on the server
             if not tools:
-                raise EpisodeFailed(f"env {env.name!r} lists no tools; an env offers at least one",
-                                    PROVIDER_UNAVAILABLE)
+                raise EpisodeFailed(
+                    f"env {env.name!r} lists no tools; an env offers at least one",
+                    PROVIDER_UNAVAILABLE,
+                )
             listed = collections.Counter(t["name"] for t in tools)
             if dupes := sorted(name for name, count in listed.items() if count > 1):
-                raise EpisodeFailed(f"env {env.name!r} lists the tools {dupes} twice; tool names are "
-                                    "unique", PROVIDER_UNAVAILABLE)
+                raise EpisodeFailed(
+                    f"env {env.name!r} lists the tools {dupes} twice; tool names are unique",
+                    PROVIDER_UNAVAILABLE,
+                )
             await _answers_itself(instance)
             return DeployedEnv(env, instance, mcp_url, card, tools)
         except McpBroken as exc:
@@ -6521,10 +8119,13 @@ async def wait_ready(http: aiohttp.ClientSession, instance: Instance, env: EnvSp
         except (aiohttp.ClientError, asyncio.TimeoutError, McpError, ValueError) as exc:
             last = f"{type(exc).__name__}: {exc}"
         if time.monotonic() >= deadline:
-            raise EpisodeFailed(f"env {env.name!r} was not ready within {timeout:g}s (last: {last}), "
-                                "the deploy deadline; if it is only slow, raise --deploy-timeout "
-                                "(deploy_timeout in a Gym config). Its last output:\n"
-                                f"{short(await instance.output())}", TRANSPORT_TIMEOUT)
+            raise EpisodeFailed(
+                f"env {env.name!r} was not ready within {timeout:g}s (last: {last}), "
+                "the deploy deadline; if it is only slow, raise --deploy-timeout "
+                "(deploy_timeout in a Gym config). Its last output:\n"
+                f"{short(await instance.output())}",
+                TRANSPORT_TIMEOUT,
+            )
         # polling: a server that isn't listening yet sends no event to wait for
         await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
         delay = min(delay * 2, 0.25)
@@ -6534,16 +8135,20 @@ async def _answers_itself(instance: Instance) -> None:
     """Raise McpError (keep waiting) while what answers on the env's port is not the env: its
     port was taken before it bound it, and it is expected to fail to bind it and exit."""
     if not await instance.answers_itself():
-        raise McpError(f"another process answers on {instance.base_url}, which the env was to "
-                       "listen on; the env is expected to fail to bind it")
+        raise McpError(
+            f"another process answers on {instance.base_url}, which the env was to "
+            "listen on; the env is expected to fail to bind it"
+        )
 
 
-async def _read_card(http: aiohttp.ClientSession, base_url: str,
-                     max_body: int = Settings.max_env_reply) -> dict[str, Any] | None:
+async def _read_card(
+    http: aiohttp.ClientSession, base_url: str, max_body: int = Settings.max_env_reply
+) -> dict[str, Any] | None:
     """The env's card, or None when the server has none (a plain MCP server); one longer than
     ``max_body`` or nested past MAX_NESTING is McpBroken."""
-    async with http.get(base_url + "/.well-known/agent-env.json",
-                        timeout=aiohttp.ClientTimeout(total=5)) as resp:
+    async with http.get(
+        base_url + "/.well-known/agent-env.json", timeout=aiohttp.ClientTimeout(total=5)
+    ) as resp:
         if resp.status == 404:
             return None
         if resp.status != 200:
@@ -6552,20 +8157,28 @@ async def _read_card(http: aiohttp.ClientSession, base_url: str,
         while chunk := await resp.content.read(max_body + 1 - len(raw)):
             raw += chunk
             if len(raw) > max_body:
-                raise McpBroken(f"its card is longer than the {bytes_said(max_body)} agentenv.py "
-                                "reads of an answer (max_env_reply); make it shorter")
+                raise McpBroken(
+                    f"its card is longer than the {bytes_said(max_body)} agentenv.py "
+                    "reads of an answer (max_env_reply); make it shorter"
+                )
     card = loads(raw)
     if not isinstance(card, dict) or not card.get("name"):
         raise McpError("its card has no name yet")
     if nesting(card) > MAX_NESTING:
-        raise McpBroken(f"its card nests more than {MAX_NESTING} levels of JSON deep, past what "
-                        "agentenv.py takes; flatten it")
+        raise McpBroken(
+            f"its card nests more than {MAX_NESTING} levels of JSON deep, past what "
+            "agentenv.py takes; flatten it"
+        )
     return card
 
 
 def _mcp_path(card: dict[str, Any] | None) -> str:
     for interface in (card or {}).get("additionalInterfaces") or []:
-        if isinstance(interface, dict) and interface.get("transport") == "mcp" and interface.get("url"):
+        if (
+            isinstance(interface, dict)
+            and interface.get("transport") == "mcp"
+            and interface.get("url")
+        ):
             return str(interface["url"])
     return "/mcp"
 
@@ -6582,6 +8195,7 @@ def _mcp_path(card: dict[str, Any] | None) -> str:
 #   is VERIFIER_ERROR, masked;
 # - the env or the box under it that died is the machine's (PEER_DROP), masked; what the model's
 #   commands did to its own box is its doing (the episode tells which).
+
 
 def aggregate_score(rows: list[dict[str, Any]], aggregator: str) -> float:
     """AgentEnv's score aggregators, formula for formula."""
@@ -6609,18 +8223,26 @@ def response_rows(criteria: list[dict[str, Any]], response: str) -> list[dict[st
         if criterion["type"] == "response_contains":
             missing = [x for x in criterion["needles"] if x not in response]
             passed = not missing
-            why = "all needles present" if passed else f"missing: {missing}"     # AgentEnv's words
+            why = "all needles present" if passed else f"missing: {missing}"  # AgentEnv's words
         else:
             pattern = criterion["pattern"]
             passed = re.search(pattern, response, _regex_flags(criterion.get("flags"))) is not None
             why = "pattern matched" if passed else f"no match for pattern {pattern!r}"
-        rows.append({**criterion, "criterion_index": n, "score": 1.0 if passed else 0.0,
-                     "result": passed, "justification": why})
+        rows.append(
+            {
+                **criterion,
+                "criterion_index": n,
+                "score": 1.0 if passed else 0.0,
+                "result": passed,
+                "justification": why,
+            }
+        )
     return rows
 
 
-async def sandbox_rows(box: Box, criteria: list[dict[str, Any]], base_dir: str,
-                       timeout: float, clean: bool = False) -> list[dict[str, Any]]:
+async def sandbox_rows(
+    box: Box, criteria: list[dict[str, Any]], base_dir: str, timeout: float, clean: bool = False
+) -> list[dict[str, Any]]:
     """Check a box against verify_sandbox criteria, one row per criterion, as AgentEnv does:
     probes of paths and reads as root, shell checks as the box's user in ``base_dir`` (``clean``:
     with nothing the agent planted on the way in)."""
@@ -6629,25 +8251,41 @@ async def sandbox_rows(box: Box, criteria: list[dict[str, Any]], base_dir: str,
         kind = criterion.get("type")
         row = {**criterion, "criterion_index": n}
         if kind not in SANDBOX_CRITERIA:
-            rows.append({**row, "skipped": True,
-                         "justification": f"type {kind!r} not handled by verify_sandbox"})
+            rows.append(
+                {
+                    **row,
+                    "skipped": True,
+                    "justification": f"type {kind!r} not handled by verify_sandbox",
+                }
+            )
             continue
         passed, why = await _criterion(box, criterion, base_dir, timeout, clean)
-        rows.append({**row, "score": 1.0 if passed else 0.0, "result": passed,
-                     "justification": why, "skipped": False})
+        rows.append(
+            {
+                **row,
+                "score": 1.0 if passed else 0.0,
+                "result": passed,
+                "justification": why,
+                "skipped": False,
+            }
+        )
     return rows
 
 
-async def _criterion(box: Box, criterion: dict[str, Any], base_dir: str,
-                     timeout: float, clean: bool) -> tuple[bool, str]:
+async def _criterion(
+    box: Box, criterion: dict[str, Any], base_dir: str, timeout: float, clean: bool
+) -> tuple[bool, str]:
     kind, paths = criterion["type"], criterion.get("paths") or []
     if kind in ("probe_file_exists", "probe_dir_exists"):
         if not paths:
             return False, "no paths specified"
         missing = []
         for path in paths:
-            ran = await box.run(["test", "-e" if kind == "probe_file_exists" else "-d",
-                                 box.path(path, base_dir)], timeout, root=True)
+            ran = await box.run(
+                ["test", "-e" if kind == "probe_file_exists" else "-d", box.path(path, base_dir)],
+                timeout,
+                root=True,
+            )
             if ran.timed_out:
                 return False, f"timed out checking {path} after {timeout:g}s"
             if ran.exit_code != 0:
@@ -6673,35 +8311,52 @@ async def _criterion(box: Box, criterion: dict[str, Any], base_dir: str,
     ran = await box.run(["bash", "-c", command], timeout, cwd=box.path(base_dir), clean=clean)
     if ran.timed_out:
         return False, f"timed out after {timeout:g}s"
-    return ran.exit_code == 0, f"exit={ran.exit_code}; stderr={ran.stderr.decode(errors='replace')[:200]}"
+    return (
+        ran.exit_code == 0,
+        f"exit={ran.exit_code}; stderr={ran.stderr.decode(errors='replace')[:200]}",
+    )
 
 
-TIMED_OUT_EXIT = 124     # the exit code of a unit-test command killed at its deadline, as timeout(1)'s
+TIMED_OUT_EXIT = 124  # the exit code of a unit-test command killed at its deadline, as timeout(1)'s
 # Bytes of a unit-test verifier's result file read, and kept in its record: the record goes to
 # clients, where a byte of a binary file may take six (a JSON escape), twice (OpenEnv's metadata).
 RESULT_FILE_CAP = 16 << 10
 
 
-def unit_test_rows(ran: Ran, reward_path: str | None, reward: Any,
-                   unread: str = "") -> tuple[list[dict[str, Any]], float]:
+def unit_test_rows(
+    ran: Ran, reward_path: str | None, reward: Any, unread: str = ""
+) -> tuple[list[dict[str, Any]], float]:
     """The row and score of a run_container_unit_tests_verifier: the exit code, or the reward file
     (``unread``: why it gave nothing to read, when it is there but was not read)."""
     status = f"exit_code={ran.exit_code} timed_out={ran.timed_out}"
     if not reward_path:
         passed = ran.exit_code == 0 and not ran.timed_out
-        return [{"id": "exit_code", "score": float(passed), "result": passed, "message": status}], \
-            float(passed)
+        return [
+            {"id": "exit_code", "score": float(passed), "result": passed, "message": status}
+        ], float(passed)
     value = None
     if not isinstance(reward, bool):
         with contextlib.suppress(TypeError, ValueError):
             value = float(reward)
     if value is None or not math.isfinite(value):
         said = unread or "missing or non-numeric"
-        return [{"id": "reward", "score": 0.0, "result": False,
-                 "message": f"reward file {reward_path!r} {said} ({status})"}], 0.0
+        return [
+            {
+                "id": "reward",
+                "score": 0.0,
+                "result": False,
+                "message": f"reward file {reward_path!r} {said} ({status})",
+            }
+        ], 0.0
     value = min(1.0, max(0.0, value))
-    return [{"id": "reward", "score": value, "result": value >= 1.0,
-             "message": f"reward={value} ({status})"}], value
+    return [
+        {
+            "id": "reward",
+            "score": value,
+            "result": value >= 1.0,
+            "message": f"reward={value} ({status})",
+        }
+    ], value
 
 
 # run_code's runner: stdlib only, run in the box with the step's folder, entry function and script.
@@ -6722,7 +8377,8 @@ RUN_CODE_RESULT_CAP = 50 * 2**20
 
 
 def load_verifier(path: Path) -> Callable:
-    """Import an artifact's verifier module and return its ``verify``. Bundle code is trusted code."""
+    """Import an artifact's verifier module and return its ``verify``. Bundle code is trusted
+    code."""
     name = "agentenv_verifier_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec and spec.loader
@@ -6746,6 +8402,7 @@ class VerifierLoops:
 
     def __init__(self, size: int = 4):
         from concurrent.futures import ThreadPoolExecutor
+
         self.size = size
         self.loops: list[asyncio.AbstractEventLoop] = []
         self.busy: list[int] = []
@@ -6770,9 +8427,10 @@ class VerifierLoops:
         self.busy[n] += 1
         job = asyncio.run_coroutine_threadsafe(run_verify(verify, mcp_url, timeout), self.loops[n])
 
-        def done(_: Any) -> None:       # when the run ends on its loop, not when its waiter stops
-            with contextlib.suppress(RuntimeError):          # the server's loop has closed
+        def done(_: Any) -> None:  # when the run ends on its loop, not when its waiter stops
+            with contextlib.suppress(RuntimeError):  # the server's loop has closed
                 here.call_soon_threadsafe(self._ended, n)
+
         job.add_done_callback(done)
         return await asyncio.wrap_future(job)
 
@@ -6782,7 +8440,7 @@ class VerifierLoops:
 
     def close(self) -> None:
         """Stop the loops; one a verifier still blocks is left to end with the process."""
-        for loop, thread in zip(self.loops, self.threads):
+        for loop, thread in zip(self.loops, self.threads, strict=True):
             loop.call_soon_threadsafe(loop.stop)
             thread.join(timeout=1)
             if not thread.is_alive():
@@ -6793,8 +8451,11 @@ class VerifierLoops:
 
 def check_rows(rows: Any, where: str) -> list[dict[str, Any]]:
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise EpisodeFailed(f"{where} returned {type(rows).__name__}; verify returns a list of "
-                            "{id, result, description} rows", VERIFIER_ERROR)
+        raise EpisodeFailed(
+            f"{where} returned {type(rows).__name__}; verify returns a list of "
+            "{id, result, description} rows",
+            VERIFIER_ERROR,
+        )
     return rows
 
 
@@ -6814,28 +8475,33 @@ class Verifiers:
         where = f"the verifier artifacts/{artifact}"
         loop = asyncio.get_running_loop()
         if artifact not in self._loaded:
-            self._loaded[artifact] = loop.run_in_executor(None, load_verifier,
-                                                          self.artifacts[artifact])
+            self._loaded[artifact] = loop.run_in_executor(
+                None, load_verifier, self.artifacts[artifact]
+            )
         try:
             verify = await asyncio.shield(self._loaded[artifact])
-        except Exception as exc:                        # noqa: BLE001 - bundle code may raise anything
-            raise EpisodeFailed(f"{where} did not import: {type(exc).__name__}: {exc}",
-                                VERIFIER_ERROR) from None
+        except Exception as exc:  # noqa: BLE001 - bundle code may raise anything
+            raise EpisodeFailed(
+                f"{where} did not import: {type(exc).__name__}: {exc}", VERIFIER_ERROR
+            ) from None
         job = self._loops.run(verify, mcp_url, self.timeout)
-        started, failed = time.monotonic(), True     # None: cancelled (its episode ended)
+        started, failed = time.monotonic(), True  # None: cancelled (its episode ended)
         try:
             # the loop's own deadline comes first; this one is for a verifier that blocks it
             rows = check_rows(await asyncio.wait_for(job, self.timeout + 5), where)
             failed = False
             return rows
         except asyncio.TimeoutError:
-            raise EpisodeFailed(f"{where} did not finish within {self.timeout:g}s",
-                                VERIFIER_ERROR) from None
+            raise EpisodeFailed(
+                f"{where} did not finish within {self.timeout:g}s", VERIFIER_ERROR
+            ) from None
         except (EpisodeFailed, asyncio.CancelledError) as exc:
             failed = None if isinstance(exc, asyncio.CancelledError) else True
             raise
-        except Exception as exc:                        # noqa: BLE001 - bundle code may raise anything
-            raise EpisodeFailed(f"{where} raised {type(exc).__name__}: {exc}", VERIFIER_ERROR) from None
+        except Exception as exc:  # noqa: BLE001 - bundle code may raise anything
+            raise EpisodeFailed(
+                f"{where} raised {type(exc).__name__}: {exc}", VERIFIER_ERROR
+            ) from None
         finally:
             if failed is not None:
                 self.metrics.verified(artifact, time.monotonic() - started, failed)
@@ -6855,9 +8521,19 @@ class UnitTestRun:
     failed: str | None = None
 
 
-async def unit_tests(box: Box, name: str, command: str, setup: list[str], *, user: str,
-                     env: dict[str, str], timeout: float, reward_path: str | None,
-                     result_paths: list[str], clean: bool) -> UnitTestRun:
+async def unit_tests(
+    box: Box,
+    name: str,
+    command: str,
+    setup: list[str],
+    *,
+    user: str,
+    env: dict[str, str],
+    timeout: float,
+    reward_path: str | None,
+    result_paths: list[str],
+    clean: bool,
+) -> UnitTestRun:
     """Run a run_container_unit_tests_verifier in a box as AgentEnv does: its setup commands (one
     that fails is the verifier's failure, BoxFailed as VERIFIER_ERROR, unless the box is the
     model's), its command, then the result files read (regular files only, each to a cap); its
@@ -6867,64 +8543,89 @@ async def unit_tests(box: Box, name: str, command: str, setup: list[str], *, use
     planted on the way in, and what the tested code started is stopped before the results are
     read."""
     if user not in ("root", box.user):
-        raise EpisodeFailed(f"user {user!r} is not one box {box.name!r} has; use root or "
-                            f"{box.user}", VERIFIER_ERROR)
+        raise EpisodeFailed(
+            f"user {user!r} is not one box {box.name!r} has; use root or {box.user}", VERIFIER_ERROR
+        )
     root = user == "root"
     # A relative result path is read from the container's root, not its working folder, as
     # AgentEnv's `docker cp` reads it, so a bundle's score is the one AgentEnv gives it.
-    outputs = {path: box.path(path, "/")
-               for path in [*result_paths, *([reward_path] if reward_path else [])]}
+    outputs = {
+        path: box.path(path, "/")
+        for path in [*result_paths, *([reward_path] if reward_path else [])]
+    }
     if clean and outputs and (standing := await box.clear(list(outputs.values()))):
         return not_cleared(name, reward_path, standing)
     for each in setup:
         ran = await box.run(["bash", "-c", each], timeout, root=root, env=env, clean=clean)
         if ran.timed_out or ran.exit_code != 0:
-            raise BoxFailed(f"Verifier {name!r}: setup command {each!r} "
-                            f"{'timed out' if ran.timed_out else f'exited {ran.exit_code}'}: "
-                            f"{short(ran.output, 1500)}", VERIFIER_ERROR)
-    if reward_path and (setup or not clean):    # AgentEnv's own removal, after the setup
+            raise BoxFailed(
+                f"Verifier {name!r}: setup command {each!r} "
+                f"{'timed out' if ran.timed_out else f'exited {ran.exit_code}'}: "
+                f"{short(ran.output, 1500)}",
+                VERIFIER_ERROR,
+            )
+    if reward_path and (setup or not clean):  # AgentEnv's own removal, after the setup
         await box.run(["rm", "-f", outputs[reward_path]], 30, root=root)
     ran = await box.run(["bash", "-c", command], timeout, root=root, env=env, clean=clean)
-    if ran.timed_out:       # recorded as AgentEnv's `timeout` reports it
+    if ran.timed_out:  # recorded as AgentEnv's `timeout` reports it
         ran = dataclasses.replace(ran, exit_code=TIMED_OUT_EXIT)
-    if clean:       # nothing the tested code started, as the agent or as root, writes on
+    if clean:  # nothing the tested code started, as the agent or as root, writes on
         await box.stop_all()
     extracted, unread = await read_results(box, outputs)
-    rows, score = unit_test_rows(ran, reward_path, extracted.get(reward_path),
-                                 unread.get(reward_path, ""))
-    record = {"exit_code": ran.exit_code, "timed_out": ran.timed_out,
-              "stdout_head": ran.stdout[:500].decode(errors="replace"),
-              "stderr_head": ran.stderr[:500].decode(errors="replace"), "extracted_files": extracted}
+    rows, score = unit_test_rows(
+        ran, reward_path, extracted.get(reward_path), unread.get(reward_path, "")
+    )
+    record = {
+        "exit_code": ran.exit_code,
+        "timed_out": ran.timed_out,
+        "stdout_head": ran.stdout[:500].decode(errors="replace"),
+        "stderr_head": ran.stderr[:500].decode(errors="replace"),
+        "extracted_files": extracted,
+    }
     # The tests that failed or hung are the model's doing wherever they ran: a 0, never a mask.
     failed = None
     if ran.timed_out:
         failed = f"Verifier {name!r} timed out after {timeout:g}s"
     elif ran.exit_code != 0 and not reward_path:
-        failed = (f"Verifier {name!r} exited {ran.exit_code}; stderr (last 1500 chars):\n"
-                  f"{ran.stderr.decode(errors='replace')[-1500:]}")
+        failed = (
+            f"Verifier {name!r} exited {ran.exit_code}; stderr (last 1500 chars):\n"
+            f"{ran.stderr.decode(errors='replace')[-1500:]}"
+        )
     return UnitTestRun(rows, score, record, failed)
 
 
 def not_cleared(name: str, reward_path: str | None, standing: str) -> UnitTestRun:
     """A unit-test verifier in the model's box whose output paths still held what the model left
     there after they were cleared: it is not run, and the step fails scored 0, saying so."""
-    why = (f"Verifier {name!r} did not run: what the model left at its output paths could not be "
-           f"cleared, so a result read there would be the model's, not the verifier's: {standing}")
-    row = {"id": "reward" if reward_path else "exit_code", "score": 0.0, "result": False,
-           "message": why}
-    record = {"exit_code": None, "timed_out": False, "stdout_head": "", "stderr_head": "",
-              "extracted_files": {}}
+    why = (
+        f"Verifier {name!r} did not run: what the model left at its output paths could not be "
+        f"cleared, so a result read there would be the model's, not the verifier's: {standing}"
+    )
+    row = {
+        "id": "reward" if reward_path else "exit_code",
+        "score": 0.0,
+        "result": False,
+        "message": why,
+    }
+    record = {
+        "exit_code": None,
+        "timed_out": False,
+        "stdout_head": "",
+        "stderr_head": "",
+        "extracted_files": {},
+    }
     return UnitTestRun([row], 0.0, record, why)
 
 
 async def read_results(box: Box, outputs: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
     """Each result file as the record keeps it (as JSON where it is JSON, else as text; None where
     nothing was read; cut at RESULT_FILE_CAP, and saying so), and why those there gave nothing."""
-    found = await asyncio.gather(*(box.read_result(where, RESULT_FILE_CAP)
-                                   for where in outputs.values()))
+    found = await asyncio.gather(
+        *(box.read_result(where, RESULT_FILE_CAP) for where in outputs.values())
+    )
     extracted: dict[str, Any] = {}
     unread: dict[str, str] = {}
-    for path, got in zip(outputs, found):
+    for path, got in zip(outputs, found, strict=True):
         if got.head is None:
             extracted[path] = None
             if got.why:
@@ -6932,7 +8633,8 @@ async def read_results(box: Box, outputs: dict[str, str]) -> tuple[dict[str, Any
         elif got.size > RESULT_FILE_CAP:
             extracted[path] = got.head.decode(errors="replace") + (
                 f"\n[cut: the file holds {got.size} bytes; the record keeps its first "
-                f"{RESULT_FILE_CAP}]")
+                f"{RESULT_FILE_CAP}]"
+            )
             unread[path] = f"holds {got.size} bytes, more than a result file may hold"
         else:
             text = got.head.decode(errors="replace")
@@ -6945,7 +8647,8 @@ async def read_results(box: Box, outputs: dict[str, str]) -> tuple[dict[str, Any
 
 # ================================================================ 6. Episode
 
-TEARDOWN_RETRY = (1.0, 30.0)      # seconds between a failed teardown's tries: first, and at most
+TEARDOWN_RETRY = (1.0, 30.0)  # seconds between a failed teardown's tries: first, and at most
+
 
 @dataclasses.dataclass(frozen=True)
 class EpisodeContext:
@@ -6961,41 +8664,52 @@ class EpisodeContext:
     verifiers: Verifiers
     deploy_timeout: float
     bash_timeout: float
-    max_env_reply: int                              # bytes of an env's answer read
-    enter: Callable[[], Awaitable[None]]            # a slot of the pool, once one is free
-    leave: Callable[[], None]                       # the slot given back
+    max_env_reply: int  # bytes of an env's answer read
+    enter: Callable[[], Awaitable[None]]  # a slot of the pool, once one is free
+    leave: Callable[[], None]  # the slot given back
     starting: Callable[[], contextlib.AbstractAsyncContextManager[None]]  # a start slot: a launch
     warm: Callable[[EnvSpec, dict[str, Any]], Awaitable[DeployedEnv | None]]  # a warm env, if ready
-    live: set[Episode]                              # the live episodes, which it joins and leaves
-    closing: asyncio.Event                          # set as the runtime closes: teardowns stop retrying
-    clearing: Callable[[asyncio.Event], contextlib.AbstractAsyncContextManager[None]]  # a teardown's turn
-    settled: Callable[[], None]                     # told as an episode ends: background work may go
+    live: set[Episode]  # the live episodes, which it joins and leaves
+    closing: asyncio.Event  # set as the runtime closes: teardowns stop retrying
+    clearing: Callable[
+        [asyncio.Event], contextlib.AbstractAsyncContextManager[None]
+    ]  # a teardown's turn
+    settled: Callable[[], None]  # told as an episode ends: background work may go
+
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     """How an episode ended: ``scored`` (its scores and reward), or ``failed`` (the environment
     failed it: a trainer masks the rollout) or ``abandoned`` (its caller ended it), with why."""
 
-    status: str                          # "scored", "failed" or "abandoned"
+    status: str  # "scored", "failed" or "abandoned"
     scores: dict[str, float]
     reward: float | None = None
     failure: Failure | None = None
-    forfeit: str | None = None           # scored 0 because the model's doing ended it: why
+    forfeit: str | None = None  # scored 0 because the model's doing ended it: why
     # what each verifier said, row by row (verifier_id -> {results, score}): why the scores are so
     verifications: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
 
 
 class Turn:
-    """One turn of the played agent: its prompt and tools, open until ``end`` hands its reply back."""
+    """One turn of the played agent: its prompt and tools, open until ``end`` hands its reply
+    back."""
 
-    def __init__(self, episode: Episode, step: Step, prompt: str, system_prompt: str | None,
-                 tools: list[dict[str, Any]], route: dict[str, McpSession | None],
-                 box: Box | None = None):
+    def __init__(
+        self,
+        episode: Episode,
+        step: Step,
+        prompt: str,
+        system_prompt: str | None,
+        tools: list[dict[str, Any]],
+        route: dict[str, McpSession | None],
+        box: Box | None = None,
+    ):
         self.episode, self.step = episode, step
         self.prompt, self.system_prompt = prompt, system_prompt
         self.tools, self.route = tools, route
-        self.box = box                       # the agent's box, where its bash runs (route None)
-        self.commands: set[asyncio.Task] = set()   # its bash commands under way
+        self.box = box  # the agent's box, where its bash runs (route None)
+        self.commands: set[asyncio.Task] = set()  # its bash commands under way
         self.ended: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     @property
@@ -7009,9 +8723,14 @@ class Turn:
     @property
     def tool_specs(self) -> list[dict[str, Any]]:
         """The turn's tools as a model is shown them: name, description, input schema."""
-        return [{"name": t["name"], "description": t.get("description") or "",
-                 "input_schema": t.get("inputSchema") or {"type": "object", "properties": {}}}
-                for t in self.tools]
+        return [
+            {
+                "name": t["name"],
+                "description": t.get("description") or "",
+                "input_schema": t.get("inputSchema") or {"type": "object", "properties": {}},
+            }
+            for t in self.tools
+        ]
 
     async def call(self, name: str, arguments: Any, timeout: float | None = None) -> ToolResult:
         """Call a tool of this turn. The model's mistakes and the tool's errors come back as results
@@ -7027,12 +8746,17 @@ class Turn:
             return ToolResult(f"there is no tool {name!r}; the tools are: {offered}", UNKNOWN_TOOL)
         if not isinstance(arguments, dict):
             metrics.tool_called(name, BAD_ARGUMENTS, None)
-            return ToolResult(f"the arguments of {name} must be a JSON object, not "
-                              f"{type(arguments).__name__}", BAD_ARGUMENTS)
+            return ToolResult(
+                f"the arguments of {name} must be a JSON object, not {type(arguments).__name__}",
+                BAD_ARGUMENTS,
+            )
         started, status = time.monotonic(), CANCELLED_CALL
         try:
-            result = await (self._bash(arguments, timeout) if session is None else
-                            self._call(session, name, arguments, timeout))
+            result = await (
+                self._bash(arguments, timeout)
+                if session is None
+                else self._call(session, name, arguments, timeout)
+            )
             status = result.status
             return result
         except EpisodeFailed as exc:
@@ -7046,24 +8770,30 @@ class Turn:
         finally:
             metrics.tool_called(name, status, time.monotonic() - started)
 
-    async def _call(self, session: McpSession, name: str, arguments: dict[str, Any],
-                    timeout: float | None) -> ToolResult:
+    async def _call(
+        self, session: McpSession, name: str, arguments: dict[str, Any], timeout: float | None
+    ) -> ToolResult:
         try:
             async with asyncio.timeout(timeout):
                 result = await session.call_tool(name, arguments)
             if result.status == TOOL_ERROR and schema_misfit(arguments, self._schema(name)):
-                return ToolResult(result.text, BAD_ARGUMENTS)     # the env's words, our status
+                return ToolResult(result.text, BAD_ARGUMENTS)  # the env's words, our status
             return result
         except asyncio.TimeoutError:
             result = ToolResult(missed(name, timeout or 0), TIMEOUT)
             self.episode.end(result.failure)
             return result
         except (aiohttp.ClientError, McpError) as exc:
-            if stopped := self.episode.stopped:      # ended from outside, its env torn down
-                raise EpisodeFailed(f"{name} was cut short: the episode was ended, since "
-                                    f"{stopped.reason}", SESSION_LOST) from None
-            failure = Failure(PEER_DROP, f"{name} failed because the env failed: "
-                                         f"{await self.episode.steps.env_trouble(exc)}")
+            if stopped := self.episode.stopped:  # ended from outside, its env torn down
+                raise EpisodeFailed(
+                    f"{name} was cut short: the episode was ended, since {stopped.reason}",
+                    SESSION_LOST,
+                ) from None
+            failure = Failure(
+                PEER_DROP,
+                f"{name} failed because the env failed: "
+                f"{await self.episode.steps.env_trouble(exc)}",
+            )
             self.episode.end(failure)
             raise EpisodeFailed(failure) from None
 
@@ -7073,8 +8803,10 @@ class Turn:
         doing, answered as a tool error, and the episode goes on. A box that fails fails it."""
         assert self.box is not None
         if not isinstance(arguments, dict):
-            return ToolResult("the arguments of bash must be a JSON object such as "
-                              '{"command": "ls"}', BAD_ARGUMENTS)
+            return ToolResult(
+                'the arguments of bash must be a JSON object such as {"command": "ls"}',
+                BAD_ARGUMENTS,
+            )
         limit = self.episode.context.bash_timeout
         if timeout:
             limit = min(limit, max(0.5, timeout - min(5.0, timeout / 5)))
@@ -7086,22 +8818,29 @@ class Turn:
             return await command
         except asyncio.CancelledError:
             if command.cancelled() and not asyncio.current_task().cancelling():
-                return ToolResult("error: the turn ended while this command ran, so it was stopped",
-                                  TOOL_ERROR)
+                return ToolResult(
+                    "error: the turn ended while this command ran, so it was stopped", TOOL_ERROR
+                )
             raise
         except BoxGone as exc:
             if stopped := self.episode.stopped:
-                raise EpisodeFailed(f"bash was cut short: the episode was ended, since "
-                                    f"{stopped.reason}", SESSION_LOST) from None
+                raise EpisodeFailed(
+                    f"bash was cut short: the episode was ended, since {stopped.reason}",
+                    SESSION_LOST,
+                ) from None
             if fault := await self.box.fault():
-                failure = Failure(PEER_DROP, f"bash failed because the agent's box failed: {exc}; "
-                                             f"{fault}")
+                failure = Failure(
+                    PEER_DROP, f"bash failed because the agent's box failed: {exc}; {fault}"
+                )
                 self.episode.end(failure)
                 raise EpisodeFailed(failure) from None
             # the box died of what the model's commands did (its memory): the model's 0
             self.episode.forfeit(f"the agent's box died under a bash command: {exc}")
-            return ToolResult(f"error: your box died under this command ({exc}), so the episode "
-                              "has ended, and scores 0", TOOL_ERROR)
+            return ToolResult(
+                f"error: your box died under this command ({exc}), so the episode "
+                "has ended, and scores 0",
+                TOOL_ERROR,
+            )
 
     def _schema(self, name: str) -> Any:
         return next((t.get("inputSchema") for t in self.tools if t.get("name") == name), None)
@@ -7131,21 +8870,23 @@ class Steps:
         self.episode, self.context, self.task = episode, episode.context, episode.task
         self.seed = dict(seed or {})
         self.unseeded = {step.id: step for step in task.steps} if seed else {}
-        self.envs: dict[str, DeployedEnv] = {}    # by env_id as the task writes it
-        self.instances: list[Instance] = []       # every env launched, ready or not
+        self.envs: dict[str, DeployedEnv] = {}  # by env_id as the task writes it
+        self.instances: list[Instance] = []  # every env launched, ready or not
         self.agent: Step | None = None
-        self.boxes: dict[str, Box] = {}           # deploy_sandbox boxes, by sandbox_name
-        self.agent_box: Box | None = None         # the played agent's, when it works in one
-        self.containers: dict[tuple[str, str], Box] = {}   # run_docker_container's, by (sandbox, name)
-        self.skills: set[str] = set()             # the names of the skills in the agent's box
+        self.boxes: dict[str, Box] = {}  # deploy_sandbox boxes, by sandbox_name
+        self.agent_box: Box | None = None  # the played agent's, when it works in one
+        self.containers: dict[
+            tuple[str, str], Box
+        ] = {}  # run_docker_container's, by (sandbox, name)
+        self.skills: set[str] = set()  # the names of the skills in the agent's box
         self.verifications: dict[str, dict[str, Any]] = {}  # verifier_id -> {results, score}
         self.script_results: dict[str, Any] = {}  # run_code's results, by result_id
-        self.replies: dict[str, str] = {}         # prompt_id -> reply
+        self.replies: dict[str, str] = {}  # prompt_id -> reply
         self.scores: dict[str, float] = {}
-        self.errors: dict[str, str] = {}          # step id -> why it failed (tolerated steps)
-        self.system_prompt: str | None = None     # the agent's, as its deploy or a prompt last set it
-        self.played = False                       # a turn has opened: the agent's box is the model's
-        self.forfeits: list[str] = []             # the model's doing that failed tolerated steps
+        self.errors: dict[str, str] = {}  # step id -> why it failed (tolerated steps)
+        self.system_prompt: str | None = None  # the agent's, as its deploy or a prompt last set it
+        self.played = False  # a turn has opened: the agent's box is the model's
+        self.forfeits: list[str] = []  # the model's doing that failed tolerated steps
 
     async def run(self) -> None:
         """Run the steps as a graph: each once the steps it depends on are done. A tolerated
@@ -7153,7 +8894,7 @@ class Steps:
         AgentEnv runs them (an aggregate over a failed verifier then fails itself, saying which
         is missing); any other failure ends the episode."""
         steps = self.task.steps
-        if all(before.id in step.depends_on for before, step in zip(steps, steps[1:])):
+        if all(before.id in step.depends_on for before, step in itertools.pairwise(steps)):
             # A chain (each step waits for the one before it, as steps do by default) runs in
             # order in the driver itself: no task per step to start, wake and gather.
             for step in steps:
@@ -7181,16 +8922,22 @@ class Steps:
         try:
             await self._run_step(step)
         except (EpisodeFailed, Forfeit) as exc:
-            if step.fail_task_on_error:     # its dependents never start: the episode ends
+            if step.fail_task_on_error:  # its dependents never start: the episode ends
                 if isinstance(exc, Forfeit):
                     raise Forfeit(f"step {step.id!r} ({step.type}) failed: {exc}") from None
-                raise EpisodeFailed(exc.failure.told(
-                    f"step {step.id!r} ({step.type}) failed: ")) from None
+                raise EpisodeFailed(
+                    exc.failure.told(f"step {step.id!r} ({step.type}) failed: ")
+                ) from None
             if isinstance(exc, Forfeit):
                 self.forfeits.append(f"step {step.id!r} ({step.type}) failed: {exc}")
             self.errors[step.id] = str(exc)
-            log.info("Episode %s: step %r (%s) failed: %s; going on (fail_task_on_error is "
-                     "false).", self.episode.id[:8], step.id, step.type, str(exc).rstrip())
+            log.info(
+                "Episode %s: step %r (%s) failed: %s; going on (fail_task_on_error is false).",
+                self.episode.id[:8],
+                step.id,
+                step.type,
+                str(exc).rstrip(),
+            )
 
     async def _run_step(self, step: Step) -> None:
         try:
@@ -7204,10 +8951,12 @@ class Steps:
                         raise EpisodeFailed(f"{exc}; {fault}", PEER_DROP) from None
                     raise Forfeit(f"{exc} (in the agent's box, as its commands left it)") from None
                 raise
-        except asyncio.TimeoutError:        # before OSError, of which it is a kind
-            raise EpisodeFailed("a call to its env got no answer within its deadline; the env may "
-                                "be stuck or overloaded (its output may say which)",
-                                TRANSPORT_TIMEOUT) from None
+        except asyncio.TimeoutError:  # before OSError, of which it is a kind
+            raise EpisodeFailed(
+                "a call to its env got no answer within its deadline; the env may "
+                "be stuck or overloaded (its output may say which)",
+                TRANSPORT_TIMEOUT,
+            ) from None
         except (aiohttp.ClientError, McpError, OSError) as exc:
             raise EpisodeFailed(await self.env_trouble(exc), PEER_DROP) from None
         except BoxGone as exc:
@@ -7218,13 +8967,22 @@ class Steps:
         env of the episode is asked at once, given its ``drop_settle`` to be seen stopped after a
         connection dropped (half a second at most after a reply that is no MCP: it answered)."""
         envs = list(self.envs.values())
-        whys = await asyncio.gather(*(env.instance.exited(
-            settle=min(0.5, env.instance.drop_settle) if isinstance(exc, McpError)
-            else env.instance.drop_settle) for env in envs))
-        for env, why in zip(envs, whys):
+        whys = await asyncio.gather(
+            *(
+                env.instance.exited(
+                    settle=min(0.5, env.instance.drop_settle)
+                    if isinstance(exc, McpError)
+                    else env.instance.drop_settle
+                )
+                for env in envs
+            )
+        )
+        for env, why in zip(envs, whys, strict=True):
             if why:
-                return f"env {env.spec.name!r} stopped: {why}. Its last output:\n" \
-                       f"{short(await env.instance.output(), 1000)}"
+                return (
+                    f"env {env.spec.name!r} stopped: {why}. Its last output:\n"
+                    f"{short(await env.instance.output(), 1000)}"
+                )
         return f"{type(exc).__name__}: {exc}"
 
     # -- the step handlers, one per step type (HANDLERS, below)
@@ -7237,7 +8995,8 @@ class Steps:
         started = time.monotonic()
         try:
             # A warm env of the same spec, when there is one: booted and ready, so the deploy is
-            # done; what the task sets up in it (apply_server_config) still follows, for this episode.
+            # done; what the task sets up in it (apply_server_config) still follows, for this
+            # episode.
             if warm := await self.context.warm(env, limits):
                 self.instances.append(warm.instance)
                 self.envs[step.get("env_id")] = warm
@@ -7247,12 +9006,19 @@ class Steps:
         except EpisodeFailed as exc:
             metrics.deploy_failed(env.name, sandbox.kind, exc.failure.kind)
             raise
-        except (aiohttp.ClientError, McpError, OSError) as exc:    # as _run_step tells them
-            metrics.deploy_failed(env.name, sandbox.kind, TRANSPORT_TIMEOUT
-                                  if isinstance(exc, asyncio.TimeoutError) else PEER_DROP)
+        except (aiohttp.ClientError, McpError, OSError) as exc:  # as _run_step tells them
+            metrics.deploy_failed(
+                env.name,
+                sandbox.kind,
+                TRANSPORT_TIMEOUT if isinstance(exc, asyncio.TimeoutError) else PEER_DROP,
+            )
             raise
-        metrics.deployed(env.name, sandbox.kind, time.monotonic() - started,
-                         self.envs[step.get("env_id")].instance.where)
+        metrics.deployed(
+            env.name,
+            sandbox.kind,
+            time.monotonic() - started,
+            self.envs[step.get("env_id")].instance.where,
+        )
 
     async def _launch(self, env: EnvSpec, limits: dict[str, Any]) -> DeployedEnv:
         """Launch an env and wait until it answers, within the deploy deadline. A port found
@@ -7263,15 +9029,24 @@ class Steps:
             instance = await self.context.sandbox.launch(env, self.episode.id, limits)
             self.instances.append(instance)
             try:
-                return await wait_ready(self.context.http, instance, env,
-                                        self.context.deploy_timeout, deadline,
-                                        self.context.max_env_reply)
+                return await wait_ready(
+                    self.context.http,
+                    instance,
+                    env,
+                    self.context.deploy_timeout,
+                    deadline,
+                    self.context.max_env_reply,
+                )
             except EpisodeFailed:
                 if tries == PORT_TRIES or not await instance.lost_its_port():
                     raise
-            log.info("Env %r of episode %s lost its port to another process before binding it; "
-                     "starting it again on another port.", env.name, self.episode.id[:8])
-            with contextlib.suppress(RemovalFailed):   # then it stays, for the teardown to remove
+            log.info(
+                "Env %r of episode %s lost its port to another process before binding it; "
+                "starting it again on another port.",
+                env.name,
+                self.episode.id[:8],
+            )
+            with contextlib.suppress(RemovalFailed):  # then it stays, for the teardown to remove
                 await instance.remove()
                 self.instances.remove(instance)
             tries += 1
@@ -7282,10 +9057,17 @@ class Steps:
         for directive in step.get("directives"):
             service = directive.get("service", directive.get("environment", "*"))
             if service not in ("*", env.card_name):
-                raise EpisodeFailed(f"a directive names service {service!r}, but env "
-                                    f"{step.get('env_id')!r} serves {env.card_name!r}; use that or \"*\"")
-            await env.apply(self.context.http, directive["uri"], directive.get("args", {}), timeout,
-                            bool(step.get("tolerate_unadvertised", False)))
+                raise EpisodeFailed(
+                    f"a directive names service {service!r}, but env "
+                    f'{step.get("env_id")!r} serves {env.card_name!r}; use that or "*"'
+                )
+            await env.apply(
+                self.context.http,
+                directive["uri"],
+                directive.get("args", {}),
+                timeout,
+                bool(step.get("tolerate_unadvertised", False)),
+            )
 
     async def _deploy_agent(self, step: Step) -> None:
         self.agent = step
@@ -7294,17 +9076,23 @@ class Steps:
             # Placed on a VM-mode sandbox, its box is a container there, beside the sandbox's
             # own: on the sandbox's network, where it reaches the sandbox and its containers.
             self.agent_box = await self._open_box(
-                step, lambda sandbox, limits: sandbox.open_box(
-                    self.episode.id, name, limits, {"": (name,)} if vm else None,
-                    agents=True))
+                step,
+                lambda sandbox, limits: sandbox.open_box(
+                    self.episode.id, name, limits, {"": (name,)} if vm else None, agents=True
+                ),
+            )
             for skill in step.get("skills") or []:
                 await self._add_skill(skill)
 
-    async def _open_box(self, step: Step,
-                        opening: Callable[[Sandbox, dict[str, Any]], Awaitable[Box]]) -> Box:
+    async def _open_box(
+        self, step: Step, opening: Callable[[Sandbox, dict[str, Any]], Awaitable[Box]]
+    ) -> Box:
         """A box the sandbox opens (``opening``, with the step's limits), under a start slot."""
-        limits = {k: step.get(k) for k in ("cpu", "memory_mb", "env_vars", "command_override")
-                  if step.get(k)}
+        limits = {
+            k: step.get(k)
+            for k in ("cpu", "memory_mb", "env_vars", "command_override")
+            if step.get(k)
+        }
         async with self.context.starting():
             return await opening(self.context.sandbox, limits)
 
@@ -7313,7 +9101,9 @@ class Steps:
         "" for the sandbox's own (Docker's default bridge on a VM: unset, "bridge", "default"),
         else one of the episode's by its name; none for network "none" or "host"."""
         chosen = step.get("network") or "bridge"
-        names = ([] if chosen in ("none", "host") else [chosen]) + list(step.get("extra_networks") or [])
+        names = ([] if chosen in ("none", "host") else [chosen]) + list(
+            step.get("extra_networks") or []
+        )
         return list(dict.fromkeys("" if n in ("bridge", "default") else n for n in names))
 
     def _vm_network(self, name: str) -> dict[str, tuple[str, ...]] | None:
@@ -7338,8 +9128,9 @@ class Steps:
             return self.agent_box
         if step.type not in BOX_STEPS:
             return None
-        if step.get("container_name") or (step.type == "run_container_unit_tests_verifier"
-                                          and not step.get("agent_name")):
+        if step.get("container_name") or (
+            step.type == "run_container_unit_tests_verifier" and not step.get("agent_name")
+        ):
             return self.containers.get((step.get("sandbox_name"), step.get("container_name")))
         if step.get("env_id"):
             env = self.envs.get(step.get("env_id"))
@@ -7384,17 +9175,26 @@ class Steps:
         if name in self.skills:
             raise EpisodeFailed(f"skill {name!r} is already added; give each skill its own name")
         self.skills.add(name)
-        await self.agent_box.put(files, f"{self.agent_box.home}/skills/{name}",
-                                 replace=self._the_models(self.agent_box))
+        await self.agent_box.put(
+            files, f"{self.agent_box.home}/skills/{name}", replace=self._the_models(self.agent_box)
+        )
 
     async def _deploy_sandbox(self, step: Step) -> None:
         mode, name = step.get("sandbox_mode"), step.get("sandbox_name")
-        if mode == "container":             # a container of its own, on no network
-            self.boxes[name] = await self._open_box(step, lambda sandbox, limits: sandbox.open_image(
-                self.episode.id, name, limits, step.get("image")))
+        if mode == "container":  # a container of its own, on no network
+            self.boxes[name] = await self._open_box(
+                step,
+                lambda sandbox, limits: sandbox.open_image(
+                    self.episode.id, name, limits, step.get("image")
+                ),
+            )
         else:
-            self.boxes[name] = await self._open_box(step, lambda sandbox, limits: sandbox.open_box(
-                self.episode.id, name, limits, self._vm_network(name)))
+            self.boxes[name] = await self._open_box(
+                step,
+                lambda sandbox, limits: sandbox.open_box(
+                    self.episode.id, name, limits, self._vm_network(name)
+                ),
+            )
 
     async def _add_skills(self, step: Step) -> None:
         self._box_of(step)
@@ -7404,14 +9204,16 @@ class Steps:
     async def _load_artifact(self, step: Step) -> None:
         box = self._box_of(step, None)
         to_agent = not step.get("sandbox_name") and not step.get("env_id")
-        dest = box.path(step.get("destination_path") or ("/tmp/file_artifacts" if to_agent
-                                                          else "/loaded"))
+        dest = box.path(
+            step.get("destination_path") or ("/tmp/file_artifacts" if to_agent else "/loaded")
+        )
         names = [a["id"] for a in step.get("artifacts") or []] or [step.get("artifact_id")]
-        replace = self._the_models(box)          # once, before the step's first artifact
+        replace = self._the_models(box)  # once, before the step's first artifact
         for name in names:
             folder = self.context.bundle.artifacts[name]
-            files = await asyncio.to_thread(lambda f=folder: {
-                rel: path.read_bytes() for rel, path in artifact_files(f).items()})
+            files = await asyncio.to_thread(
+                lambda f=folder: {rel: path.read_bytes() for rel, path in artifact_files(f).items()}
+            )
             # The agent owns what it is given, so it can edit the repository it is to repair.
             await box.put(files, dest, agent_owns=to_agent, replace=replace)
             replace = False
@@ -7420,36 +9222,55 @@ class Steps:
         box = self._box_of(step)
         folder = self.context.bundle.artifacts[step.get("script_artifact_id")]
         files = artifact_files(folder)
-        scripts = {rel: path.read_bytes() for rel, path in files.items()
-                   if rel.endswith(".py") and "/" not in rel}
+        scripts = {
+            rel: path.read_bytes()
+            for rel, path in files.items()
+            if rel.endswith(".py") and "/" not in rel
+        }
         script = step.get("script_file") or (next(iter(scripts)) if len(scripts) == 1 else "run.py")
         if len(files) == 1 and not step.get("script_file"):
             # a single-file artifact runs as script.py, as AgentEnv stages it (tracebacks say so)
             scripts, script = {"script.py": scripts[script]}, "script.py"
         run_dir = f"/tmp/agent_env_run_code/{step.id}"
         given = {"args": step.get("args") or {}, "results": self.script_results}
-        if env_id := step.get("env_id"):     # run where the env runs: its address as seen there
+        if env_id := step.get("env_id"):  # run where the env runs: its address as seen there
             env = self.envs[env_id]
             inner = env.instance.inner_url
-            given["env"] = {"id": env_id, "url": inner,
-                            "mcp_url": inner + env.mcp_url[len(env.instance.base_url):]}
+            given["env"] = {
+                "id": env_id,
+                "url": inner,
+                "mcp_url": inner + env.mcp_url[len(env.instance.base_url) :],
+            }
         models = self._the_models(box)
-        await box.put({**scripts, "runner.py": RUN_CODE_RUNNER.encode(),
-                       "input.json": json.dumps(given).encode()}, run_dir, agent_owns=False,
-                      replace=models)
+        await box.put(
+            {
+                **scripts,
+                "runner.py": RUN_CODE_RUNNER.encode(),
+                "input.json": json.dumps(given).encode(),
+            },
+            run_dir,
+            agent_owns=False,
+            replace=models,
+        )
         timeout = float(step.get("timeout_seconds", 600))
         where = f"run_code {step.id!r}"
-        ran = await box.run(["python3", f"{run_dir}/runner.py", run_dir,
-                             step.get("entrypoint", "run"), script], timeout, root=True,
-                            clean=models)
+        ran = await box.run(
+            ["python3", f"{run_dir}/runner.py", run_dir, step.get("entrypoint", "run"), script],
+            timeout,
+            root=True,
+            clean=models,
+        )
         if ran.timed_out:
             raise BoxFailed(f"{where}: timed out after {timeout:g}s")
         if ran.exit_code != 0:
-            said = ran.stderr.decode(errors="replace")      # its tail, as the script ended it
-            raise BoxFailed(f"{where}: exited {ran.exit_code}: "
-                            f"{said if len(said) <= 4000 else '…' + said[-4000:]}")
-        out = await box.run(["cat", f"{run_dir}/output.json"], 60, root=True,
-                            cap=RUN_CODE_RESULT_CAP + 1)
+            said = ran.stderr.decode(errors="replace")  # its tail, as the script ended it
+            raise BoxFailed(
+                f"{where}: exited {ran.exit_code}: "
+                f"{said if len(said) <= 4000 else '…' + said[-4000:]}"
+            )
+        out = await box.run(
+            ["cat", f"{run_dir}/output.json"], 60, root=True, cap=RUN_CODE_RESULT_CAP + 1
+        )
         if out.exit_code != 0:
             raise BoxFailed(f"{where}: wrote no result file: {out.stderr.decode(errors='replace')}")
         if len(out.stdout) > RUN_CODE_RESULT_CAP:
@@ -7461,41 +9282,64 @@ class Steps:
 
     async def _verify_sandbox(self, step: Step) -> None:
         box = self._box_of(step)
-        rows = await sandbox_rows(box, step.get("criteria", []), step.get("base_dir", "/app"),
-                                  float(step.get("shell_timeout_seconds", 120)),
-                                  self._the_models(box))
+        rows = await sandbox_rows(
+            box,
+            step.get("criteria", []),
+            step.get("base_dir", "/app"),
+            float(step.get("shell_timeout_seconds", 120)),
+            self._the_models(box),
+        )
         self._record(step, [r for r in rows if not r.get("skipped")], rows)
 
     async def _aggregate_verifiers(self, step: Step) -> None:
         wanted = step.get("verifier_ids", [])
         if missing := [v for v in wanted if v not in self.verifications]:
-            raise EpisodeFailed(f"AggregateVerifiers: verifier_id(s) not found in the verifications: "
-                                f"{missing}. Available: {sorted(self.verifications)}", VERIFIER_ERROR)
-        rows = [r for v in wanted for r in self.verifications[v].get("results", [])
-                if not r.get("skipped")]
+            raise EpisodeFailed(
+                f"AggregateVerifiers: verifier_id(s) not found in the verifications: "
+                f"{missing}. Available: {sorted(self.verifications)}",
+                VERIFIER_ERROR,
+            )
+        rows = [
+            r
+            for v in wanted
+            for r in self.verifications[v].get("results", [])
+            if not r.get("skipped")
+        ]
         self._record(step, rows, None, "weighted_average")
         # an aggregate adds no rows to an aggregate of it, only its score
         self.verifications[step.get("verifier_id") or step.id] = {
-            "score": self.scores[step.id], "source_verifier_ids": wanted}
+            "score": self.scores[step.id],
+            "source_verifier_ids": wanted,
+        }
 
     async def _run_docker_container(self, step: Step) -> None:
         name = step.get("container_name", "task-container")
         artifact = step.get("docker_context_artifact_id")
-        image = await self.context.sandbox.build_image(self.context.bundle.artifacts[artifact],
-                                          step.get("dockerfile_path", "Dockerfile"), artifact)
+        image = await self.context.sandbox.build_image(
+            self.context.bundle.artifacts[artifact],
+            step.get("dockerfile_path", "Dockerfile"),
+            artifact,
+        )
         # a container of the sandbox: on its networks, reached there by its name; with network
         # "host", in the sandbox box's own network (as on the VM's host); with "none", on none
         vm = step.get("sandbox_name")
-        box = await self._open_box(step, lambda sandbox, limits: sandbox.run_sibling(
-            self.episode.id, f"{vm}/{name}", limits, image,
-            {s: (name,) for s in self._segments(step)} or None,
-            self.boxes[vm] if step.get("network") == "host" else None))
+        box = await self._open_box(
+            step,
+            lambda sandbox, limits: sandbox.run_sibling(
+                self.episode.id,
+                f"{vm}/{name}",
+                limits,
+                image,
+                {s: (name,) for s in self._segments(step)} or None,
+                self.boxes[vm] if step.get("network") == "host" else None,
+            ),
+        )
         self.containers[(step.get("sandbox_name"), name)] = box
         if ready := step.get("ready_command"):
             for _ in range(60):
                 if (await box.run(["sh", "-c", ready], 30, root=True)).exit_code == 0:
                     return
-                await asyncio.sleep(2)       # polling, as AgentEnv does: a container sends no event
+                await asyncio.sleep(2)  # polling, as AgentEnv does: a container sends no event
             raise EpisodeFailed(f"container {name!r} was not ready: {ready!r} failed for 120s")
 
     async def _run_container_unit_tests_verifier(self, step: Step) -> None:
@@ -7503,13 +9347,24 @@ class Steps:
         name = step.get("verifier_id", step.id)
         env = {k: str(v) for k, v in (step.get("env_vars") or {}).items()}
         verdict = await unit_tests(
-            box, name, self._quoted(step, "command"), self._quoted(step, "setup_commands"),
-            user=step.get("user", "root"), env={**self._seed_env(env), **env},
-            timeout=float(step.get("timeout_sec", 300)), reward_path=step.get("reward_path"),
-            result_paths=step.get("result_paths", []), clean=self._the_models(box))
+            box,
+            name,
+            self._quoted(step, "command"),
+            self._quoted(step, "setup_commands"),
+            user=step.get("user", "root"),
+            env={**self._seed_env(env), **env},
+            timeout=float(step.get("timeout_sec", 300)),
+            reward_path=step.get("reward_path"),
+            result_paths=step.get("result_paths", []),
+            clean=self._the_models(box),
+        )
         self.scores[step.id] = verdict.score
-        self.verifications[name] = {"results": verdict.rows, "score": verdict.score,
-                                    "command": step.get("command"), **verdict.record}
+        self.verifications[name] = {
+            "results": verdict.rows,
+            "score": verdict.score,
+            "command": step.get("command"),
+            **verdict.record,
+        }
         # Its score is kept; the step fails as AgentEnv's does, scored, never masked.
         if verdict.failed:
             raise Forfeit(verdict.failed)
@@ -7533,9 +9388,19 @@ class Steps:
             return step.get(key, [] if key == "setup_commands" else None)
 
         def fill(text: str) -> str:
-            return PLACEHOLDER.sub(lambda m: shlex.quote(
-                self.seed[m[1]] if isinstance(self.seed[m[1]], str) else json.dumps(self.seed[m[1]]))
-                if m[1] in self.seed else m[0], text)
+            return PLACEHOLDER.sub(
+                lambda m: (
+                    shlex.quote(
+                        self.seed[m[1]]
+                        if isinstance(self.seed[m[1]], str)
+                        else json.dumps(self.seed[m[1]])
+                    )
+                    if m[1] in self.seed
+                    else m[0]
+                ),
+                text,
+            )
+
         plain = self.unseeded[step.id].get(key, [] if key == "setup_commands" else None)
         return [fill(c) for c in plain] if isinstance(plain, list) else fill(plain)
 
@@ -7557,10 +9422,11 @@ class Steps:
         tools: list[dict[str, Any]] = [BASH_TOOL if box.has_bash else SH_TOOL] if box else []
         route: dict[str, McpSession | None] = {"bash": None} if box else {}
         try:
-            for env_id in agent.get("env_ids", []):     # one MCP session per env per turn
+            for env_id in agent.get("env_ids", []):  # one MCP session per env per turn
                 env = self.envs[env_id]
-                session = McpSession(env.mcp_url, headers, env.instance.stopped,
-                                     self.context.max_env_reply)
+                session = McpSession(
+                    env.mcp_url, headers, env.instance.stopped, self.context.max_env_reply
+                )
                 sessions.append(session)
                 try:
                     await session.open()
@@ -7572,21 +9438,30 @@ class Steps:
                         continue
                     if tool["name"] == "end_turn":
                         raise EpisodeFailed(
-                            f"env {env.spec.name!r} offers a tool named 'end_turn', the name of the "
+                            f"env {env.spec.name!r} offers a tool named 'end_turn', the name of "
+                            "the "
                             "tool that every wire adds to a turn to end it, so a call to the env's "
-                            "would never reach it; rename that tool in the env")
+                            "would never reach it; rename that tool in the env"
+                        )
                     if tool["name"] in route:
-                        twice = "the agent's box and an env" if route[tool["name"]] is None \
+                        twice = (
+                            "the agent's box and an env"
+                            if route[tool["name"]] is None
                             else "two envs"
-                        raise EpisodeFailed(f"the tool {tool['name']!r} is offered by {twice} of "
-                                            "the turn; tool names are unique within a turn")
+                        )
+                        raise EpisodeFailed(
+                            f"the tool {tool['name']!r} is offered by {twice} of "
+                            "the turn; tool names are unique within a turn"
+                        )
                     route[tool["name"]] = session
                     tools.append(tool)
             # a prompt's own system prompt stays the agent's for the turns after it, as in AgentEnv
-            self.system_prompt = step.get("system_prompt") or self.system_prompt or \
-                agent.get("system_prompt")
-            turn = Turn(self.episode, step, step.get("prompt"), self.system_prompt, tools,
-                        route, box)
+            self.system_prompt = (
+                step.get("system_prompt") or self.system_prompt or agent.get("system_prompt")
+            )
+            turn = Turn(
+                self.episode, step, step.get("prompt"), self.system_prompt, tools, route, box
+            )
             self.played = True
             self.episode.open_turn(turn)
             timeout = float(step.get("timeout_seconds", 600))
@@ -7596,9 +9471,11 @@ class Steps:
                 async with asyncio.timeout(timeout):
                     reply = await turn.ended
             except asyncio.TimeoutError:
-                turn.end(None)       # over for the caller too, even if the task goes on
-                raise EpisodeFailed(f"turn {step.id!r} was not ended within {timeout:g}s (its "
-                                    "prompt_agent step's timeout_seconds)") from None
+                turn.end(None)  # over for the caller too, even if the task goes on
+                raise EpisodeFailed(
+                    f"turn {step.id!r} was not ended within {timeout:g}s (its "
+                    "prompt_agent step's timeout_seconds)"
+                ) from None
             # Once the turn ends, nothing of the agent's runs on: not a background job, nor one
             # that would rewrite what the steps after it load or check.
             if box is not None:
@@ -7613,13 +9490,17 @@ class Steps:
         try:
             rows = await while_running(
                 self.context.verifiers.run(step.get("file_artifact_id"), env.mcp_url),
-                env.instance.stopped, f"env {env.spec.name!r} stopped as its verifier read it")
+                env.instance.stopped,
+                f"env {env.spec.name!r} stopped as its verifier read it",
+            )
         except EpisodeFailed:
             # A verifier fails when the env it reads has died: the env's fault, not the verifier's.
             if why := await env.instance.exited(settle=env.instance.drop_settle):
-                raise EpisodeFailed(f"env {env.spec.name!r} stopped: {why}. "
-                                    f"Its last output:\n{short(await env.instance.output(), 1000)}",
-                                    PEER_DROP) from None
+                raise EpisodeFailed(
+                    f"env {env.spec.name!r} stopped: {why}. "
+                    f"Its last output:\n{short(await env.instance.output(), 1000)}",
+                    PEER_DROP,
+                ) from None
             raise
         self._record(step, rows)
 
@@ -7647,21 +9528,31 @@ class Steps:
 
     # -- scoring
 
-    def _record(self, step: Step, rows: list[dict[str, Any]], kept: list[dict[str, Any]] | None = None,
-                aggregator: str = "all_pass") -> None:
+    def _record(
+        self,
+        step: Step,
+        rows: list[dict[str, Any]],
+        kept: list[dict[str, Any]] | None = None,
+        aggregator: str = "all_pass",
+    ) -> None:
         """Score a verifier's rows; the score is recorded under the step's id, and the rows (or
         ``kept``, skipped rows too) under its verifier_id, for aggregate_verifiers to read."""
         try:
             score = aggregate_score(rows, step.get("score_aggregator", aggregator))
         except (TypeError, ValueError) as exc:
-            raise EpisodeFailed(f"its rows can't be scored ({exc}); a row's score and weight are "
-                                "numbers", VERIFIER_ERROR) from None
+            raise EpisodeFailed(
+                f"its rows can't be scored ({exc}); a row's score and weight are numbers",
+                VERIFIER_ERROR,
+            ) from None
         if score != score:
-            raise EpisodeFailed("its score is not a number (NaN); check the rows' scores",
-                                VERIFIER_ERROR)
+            raise EpisodeFailed(
+                "its score is not a number (NaN); check the rows' scores", VERIFIER_ERROR
+            )
         self.scores[step.id] = score
         self.verifications[step.get("verifier_id") or step.id] = {
-            "results": rows if kept is None else kept, "score": score}
+            "results": rows if kept is None else kept,
+            "score": score,
+        }
 
 
 class Teardown:
@@ -7690,32 +9581,44 @@ class Teardown:
             while not teardown.done():
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.shield(teardown)
-        else:                   # nothing launched: no task to start and wake for no removal
+        else:  # nothing launched: no task to start and wake for no removal
             await self._tear_down()
 
     async def _tear_down(self) -> None:
         """The boxes at once, then the envs at their turn, then the episode's network; what
         failed, tried again until it is gone or the runtime closes."""
         episode, made, context = self.episode, self.episode.steps, self.episode.context
-        failed = await self._removed([*made.boxes.values(), *made.containers.values(),
-                                      *([made.agent_box] if made.agent_box else [])])
+        failed = await self._removed(
+            [
+                *made.boxes.values(),
+                *made.containers.values(),
+                *([made.agent_box] if made.agent_box else []),
+            ]
+        )
         if made.instances:
             async with context.clearing(episode.awaited):
                 failed |= await self._removed(list(made.instances))
         if failed:
             context.metrics.teardown_failed(len(failed))
-            log.warning("Episode %s of task %r ended %s, but its teardown failed: %s. Its slot "
-                        "stays taken until what is left is gone, which is tried again every "
-                        "%g-%gs; the outcome stands.", episode.id[:8], episode.task.name,
-                        episode.outcome.status if episode.outcome else "", "; ".join(
-                            str(exc) for exc in failed.values()), *TEARDOWN_RETRY)
+            log.warning(
+                "Episode %s of task %r ended %s, but its teardown failed: %s. Its slot "
+                "stays taken until what is left is gone, which is tried again every "
+                "%g-%gs; the outcome stands.",
+                episode.id[:8],
+                episode.task.name,
+                episode.outcome.status if episode.outcome else "",
+                "; ".join(str(exc) for exc in failed.values()),
+                *TEARDOWN_RETRY,
+            )
         delay, closing = TEARDOWN_RETRY[0], context.closing
         while failed and not closing.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):     # a timer, cut short by the close
+            with contextlib.suppress(asyncio.TimeoutError):  # a timer, cut short by the close
                 await asyncio.wait_for(closing.wait(), delay)
             if not (failed := await self._removed(list(failed))):
-                log.info("Episode %s's teardown succeeded on a later try; its slot is free.",
-                         episode.id[:8])
+                log.info(
+                    "Episode %s's teardown succeeded on a later try; its slot is free.",
+                    episode.id[:8],
+                )
             delay = min(delay * 2, TEARDOWN_RETRY[1])
         with contextlib.suppress(Exception):
             await context.sandbox.end_episode(episode.id)
@@ -7724,7 +9627,11 @@ class Teardown:
     async def _removed(parts: list[Instance | Box]) -> dict[Instance | Box, Exception]:
         """Remove the parts at once: those whose removal failed, with why."""
         results = await asyncio.gather(*(part.remove() for part in parts), return_exceptions=True)
-        return {part: result for part, result in zip(parts, results) if isinstance(result, Exception)}
+        return {
+            part: result
+            for part, result in zip(parts, results, strict=True)
+            if isinstance(result, Exception)
+        }
 
 
 class Episode:
@@ -7742,18 +9649,23 @@ class Episode:
     they are gone (``closed``), so the pool's bound counts what really runs.
     """
 
-    HANDLERS = Steps.HANDLERS           # the step types it plays, each by its handler in Steps
+    HANDLERS = Steps.HANDLERS  # the step types it plays, each by its handler in Steps
 
-    def __init__(self, context: EpisodeContext, task: Task, seed: dict[str, Any] | None = None,
-                 split: str = "all"):
+    def __init__(
+        self,
+        context: EpisodeContext,
+        task: Task,
+        seed: dict[str, Any] | None = None,
+        split: str = "all",
+    ):
         self.context, self.task, self.split = context, task.seeded(seed), split
         self.id = uuid.uuid4().hex
         self.turn: Turn | None = None
         self.outcome: Outcome | None = None
         self.closed = asyncio.Event()
-        self.awaited = asyncio.Event()            # someone waits for the teardown (abandon)
+        self.awaited = asyncio.Event()  # someone waits for the teardown (abandon)
         self._changed = asyncio.Event()
-        self._ending: Outcome | None = None        # how it was ended from outside, if it was
+        self._ending: Outcome | None = None  # how it was ended from outside, if it was
         self._holds_slot = False
         self._driver: asyncio.Task | None = None
         self.steps = Steps(self, task, seed)
@@ -7830,8 +9742,10 @@ class Episode:
         """The outcome, once the steps after the last turn (the verifiers) have run."""
         while self.outcome is None:
             if self.turn is not None and self.turn.is_open:
-                raise AgentEnvError(f"turn {self.turn.id!r} isn't ended, so the episode can't be "
-                                    "scored yet; end it first")
+                raise AgentEnvError(
+                    f"turn {self.turn.id!r} isn't ended, so the episode can't be "
+                    "scored yet; end it first"
+                )
             await self._wait_change()
         return self.outcome
 
@@ -7882,12 +9796,18 @@ class Episode:
             self.outcome = outcome
             self.context.metrics.ended(outcome.status, self.split, outcome.reward)
             if outcome.status == "failed":
-                log.warning("Episode %s of task %r failed: %s", self.id[:8], self.task.name,
-                            outcome.failure)
+                log.warning(
+                    "Episode %s of task %r failed: %s", self.id[:8], self.task.name, outcome.failure
+                )
             if outcome.forfeit:
                 self.context.metrics.forfeited()
-                log.info("Episode %s of task %r scores 0, not masked, since the model's own doing "
-                         "ended it: %s", self.id[:8], self.task.name, outcome.forfeit)
+                log.info(
+                    "Episode %s of task %r scores 0, not masked, since the model's own doing "
+                    "ended it: %s",
+                    self.id[:8],
+                    self.task.name,
+                    outcome.forfeit,
+                )
             self._signal()
             self.context.settled()
 
@@ -7902,8 +9822,11 @@ class Episode:
 
     def _ended_outcome(self, reason: str) -> Outcome:
         ending = self._ending or Outcome("abandoned", {}, None, Failure(SESSION_LOST, reason))
-        return ending if ending.forfeit else dataclasses.replace(
-            ending, scores=dict(self.steps.scores))
+        return (
+            ending
+            if ending.forfeit
+            else dataclasses.replace(ending, scores=dict(self.steps.scores))
+        )
 
     def _forfeited(self, reason: str) -> Outcome:
         """The outcome of an episode the model's own doing ended: its reward 0, never masked."""
@@ -7913,14 +9836,21 @@ class Episode:
     def _score(self) -> Outcome:
         """The outcome of an episode whose steps all ran: the reward step's score."""
         step, made = self.task.reward_step, self.steps
-        if step not in made.scores and made.forfeits:   # the model's doing kept it from a score
+        if step not in made.scores and made.forfeits:  # the model's doing kept it from a score
             return self._forfeited(made.forfeits[0])
         if step not in made.scores:
             why = made.errors.get(step, "it did not run")
-            return Outcome("failed", dict(made.scores), None, Failure(
-                VERIFIER_ERROR, f"no reward: the run recorded no score at step {step!r} ({why})"))
-        return Outcome("scored", dict(made.scores), made.scores[step],
-                       verifications=dict(made.verifications))
+            return Outcome(
+                "failed",
+                dict(made.scores),
+                None,
+                Failure(
+                    VERIFIER_ERROR, f"no reward: the run recorded no score at step {step!r} ({why})"
+                ),
+            )
+        return Outcome(
+            "scored", dict(made.scores), made.scores[step], verifications=dict(made.verifications)
+        )
 
     # -- the driver
 
@@ -7936,10 +9866,18 @@ class Episode:
             self._settle(self._forfeited(str(exc)))
         except EpisodeFailed as exc:
             self._settle(Outcome("failed", dict(self.steps.scores), None, exc.failure))
-        except Exception as exc:                        # noqa: BLE001 - a bug must not leak an env
-            log.exception("Episode %s of task %r hit an unexpected error.", self.id[:8], self.task.name)
-            self._settle(Outcome("failed", dict(self.steps.scores), None, Failure(
-                INTERNAL_ERROR, f"agentenv.py failed: {type(exc).__name__}: {exc}")))
+        except Exception as exc:  # noqa: BLE001 - a bug must not leak an env
+            log.exception(
+                "Episode %s of task %r hit an unexpected error.", self.id[:8], self.task.name
+            )
+            self._settle(
+                Outcome(
+                    "failed",
+                    dict(self.steps.scores),
+                    None,
+                    Failure(INTERNAL_ERROR, f"agentenv.py failed: {type(exc).__name__}: {exc}"),
+                )
+            )
         finally:
             if self.turn is not None:
                 self.turn.end(None)
@@ -7971,25 +9909,34 @@ class Pool:
 
     def __init__(self, limit: int, knob: str = SERVE_KNOB, trim: HeapTrim | None = None):
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise AgentEnvError(f"{knob.split(' ')[0]} must be a whole number of at least 1, not "
-                                f"{limit!r}")
+            raise AgentEnvError(
+                f"{knob.split(' ')[0]} must be a whole number of at least 1, not {limit!r}"
+            )
         self.limit, self.knob = limit, knob
         self.in_use = self.waiting = 0
         self._free = asyncio.Semaphore(limit)
         self._warned = False
         self.trim = trim
-        self.on_wait: Callable[[], None] = lambda: None    # told when an episode must wait
+        self.on_wait: Callable[[], None] = lambda: None  # told when an episode must wait
 
     async def acquire(self) -> None:
         if self.trim is not None:
             self.trim.busy()
         if self._free.locked() and not self._warned:
             self._warned = True
-            log.warning(at_its_limit("The server", self.limit, "episodes",
-                                     "new episodes wait their turn", f"raise {self.knob}") + ".")
+            log.warning(
+                at_its_limit(
+                    "The server",
+                    self.limit,
+                    "episodes",
+                    "new episodes wait their turn",
+                    f"raise {self.knob}",
+                )
+                + "."
+            )
         self.waiting += 1
         if self._free.locked():
-            self.on_wait()                   # a teardown holding a slot should go now
+            self.on_wait()  # a teardown holding a slot should go now
         try:
             await self._free.acquire()
         finally:
@@ -8018,9 +9965,10 @@ class HeapTrim:
 
     def __init__(self) -> None:
         import ctypes
+
         try:
             self._malloc_trim = ctypes.CDLL(None).malloc_trim
-        except (AttributeError, OSError):               # musl, macOS: no such call
+        except (AttributeError, OSError):  # musl, macOS: no such call
             self._malloc_trim = None
         self._timer: asyncio.TimerHandle | None = None
         self._trimming: asyncio.Task | None = None
@@ -8045,10 +9993,16 @@ class HeapTrim:
         before, started = resident_mib(), time.monotonic()
         await asyncio.to_thread(self._malloc_trim, 0)
         took, returned = time.monotonic() - started, max(0.0, before - resident_mib())
-        self.trims, self.returned_mib, self.took_s = (self.trims + 1, self.returned_mib + returned,
-                                                      self.took_s + took)
-        log.debug("The pool drained, so the allocator gave %.1f MiB back to the OS in %.1f ms.",
-                  returned, took * 1000)
+        self.trims, self.returned_mib, self.took_s = (
+            self.trims + 1,
+            self.returned_mib + returned,
+            self.took_s + took,
+        )
+        log.debug(
+            "The pool drained, so the allocator gave %.1f MiB back to the OS in %.1f ms.",
+            returned,
+            took * 1000,
+        )
 
     async def close(self) -> None:
         self.busy()
@@ -8065,7 +10019,7 @@ def resident_mib() -> float:
         return 0.0
 
 
-BACKGROUND_PATIENCE = 5.0     # seconds a warm boot or a teardown waits for the episodes playing
+BACKGROUND_PATIENCE = 5.0  # seconds a warm boot or a teardown waits for the episodes playing
 
 
 class Deferred:
@@ -8092,7 +10046,7 @@ class Deferred:
 
     def _head(self) -> float | None:
         """When the oldest still waiting began (None: none waits)."""
-        while self._queue and self._queue[0][0].done():      # gave up waiting
+        while self._queue and self._queue[0][0].done():  # gave up waiting
             self._queue.popleft()
         return self._queue[0][1] if self._queue else None
 
@@ -8136,14 +10090,19 @@ class StartGate:
     plays, once it has waited ``patience`` seconds, one at a time. The runtime calls ``wake`` when
     an episode ends."""
 
-    def __init__(self, size: int = 2 * (os.cpu_count() or 2), hold: float = 10.0,
-                 patience: float | None = None, paced: bool = False):
+    def __init__(
+        self,
+        size: int = 2 * (os.cpu_count() or 2),
+        hold: float = 10.0,
+        patience: float | None = None,
+        paced: bool = False,
+    ):
         self.size, self.hold, self.paced = max(size, 2), hold, paced
         self.free = self.size
-        self.episodes = 0                  # slots episodes hold
+        self.episodes = 0  # slots episodes hold
         self._episodes: collections.deque[asyncio.Future] = collections.deque()
         self._background = Deferred(patience, self._hand_on)
-        self.playing: Callable[[], bool] = lambda: False     # whether episodes play: the runtime's
+        self.playing: Callable[[], bool] = lambda: False  # whether episodes play: the runtime's
 
     @property
     def waiting(self) -> int:
@@ -8171,6 +10130,7 @@ class StartGate:
                 self.free += 1
                 self.episodes -= not background
                 self._hand_on()
+
         timer = asyncio.get_running_loop().call_later(self.hold, release)
         try:
             yield
@@ -8179,7 +10139,7 @@ class StartGate:
             release()
 
     def _open_to(self, background: bool) -> bool:
-        if background:                  # (one arriving has not waited: not due)
+        if background:  # (one arriving has not waited: not due)
             return not (self.episodes or self.waiting or self.warming) and self._warm_room()
         return not self.waiting
 
@@ -8204,7 +10164,7 @@ class StartGate:
         try:
             await granted
         except asyncio.CancelledError:
-            if granted.done() and not granted.cancelled():     # handed a slot as it gave up
+            if granted.done() and not granted.cancelled():  # handed a slot as it gave up
                 self.free += 1
                 self.episodes -= not background
                 self._hand_on()
@@ -8217,7 +10177,7 @@ class StartGate:
             granted = self._episodes.popleft()
             if not granted.done():
                 self.free -= 1
-                self.episodes += 1         # counted at once: a warm start must not slip in
+                self.episodes += 1  # counted at once: a warm start must not slip in
                 granted.set_result(None)
         while self.free and not self.episodes and self._background and self._warm_room():
             if self._background.grant():
@@ -8243,14 +10203,25 @@ class TeardownGate:
     awaited before it came or while it waited, but goes one per core at a time as ever, ahead
     of the others. (An episode's boxes, where the model's commands ran, never wait.)"""
 
-    def __init__(self, paced: bool, playing: Callable[[], bool], slot_awaited: Callable[[], bool],
-                 closing: asyncio.Event, patience: float | None = None,
-                 width: int = os.cpu_count() or 2):
-        self.paced, self.playing, self.slot_awaited, self.closing = paced, playing, slot_awaited, closing
+    def __init__(
+        self,
+        paced: bool,
+        playing: Callable[[], bool],
+        slot_awaited: Callable[[], bool],
+        closing: asyncio.Event,
+        patience: float | None = None,
+        width: int = os.cpu_count() or 2,
+    ):
+        self.paced, self.playing, self.slot_awaited, self.closing = (
+            paced,
+            playing,
+            slot_awaited,
+            closing,
+        )
         self.width = max(width, 1)
         self.running = 0
         self._waiting = Deferred(patience, self._hand_on)
-        self._hurried: collections.deque[asyncio.Future] = collections.deque()   # awaited, waiting
+        self._hurried: collections.deque[asyncio.Future] = collections.deque()  # awaited, waiting
 
     @property
     def waiting(self) -> int:
@@ -8261,19 +10232,21 @@ class TeardownGate:
 
     def _may_go(self) -> bool:
         """Whether the oldest teardown waiting may go now."""
-        if not self.paced or self.closing.is_set():     # (a shutdown waits for every teardown)
+        if not self.paced or self.closing.is_set():  # (a shutdown waits for every teardown)
             return True
         if self.running >= self.width:
             return False
-        return (not self.playing() or self.slot_awaited()
-                or (not self.running and self._waiting.due()))
+        return (
+            not self.playing() or self.slot_awaited() or (not self.running and self._waiting.due())
+        )
 
     @contextlib.asynccontextmanager
     async def turn(self, awaited: asyncio.Event | None = None) -> AsyncIterator[None]:
         self._hand_on()
         if (not self._waiting and self._may_go()) or (
-                awaited is not None and awaited.is_set() and self._has_room()):
-            self.running += 1                         # (one arriving has not waited: not due)
+            awaited is not None and awaited.is_set() and self._has_room()
+        ):
+            self.running += 1  # (one arriving has not waited: not due)
         else:
             granted = self._waiting.add()
             hurry = None
@@ -8283,7 +10256,7 @@ class TeardownGate:
             try:
                 await granted
             except asyncio.CancelledError:
-                if granted.done() and not granted.cancelled():     # handed its turn as it gave up
+                if granted.done() and not granted.cancelled():  # handed its turn as it gave up
                     self.running -= 1
                     self._hand_on()
                 raise
@@ -8316,7 +10289,7 @@ class TeardownGate:
         self._waiting.arm()
 
 
-WarmKey = tuple[str, tuple[tuple[str, Any], ...]]     # an env and its deploy_env limits
+WarmKey = tuple[str, tuple[tuple[str, Any], ...]]  # an env and its deploy_env limits
 
 
 def env_specs(bundle: Bundle) -> collections.Counter[WarmKey]:
@@ -8338,9 +10311,11 @@ def warm_plan(bundle: Bundle, warm: int, named: tuple[tuple[str, int], ...]) -> 
     specs, each by how many deploys of the bundle's tasks use it (largest remainder)."""
     uses = env_specs(bundle)
     if unknown := [name for name, _ in named if name not in bundle.envs]:
-        raise AgentEnvError(f"--warm-env (warm_env) names {', '.join(map(repr, unknown))}, which the "
-                            "bundle has no env of; its envs are "
-                            f"{', '.join(sorted(bundle.envs)) or '(none)'}")
+        raise AgentEnvError(
+            f"--warm-env (warm_env) names {', '.join(map(repr, unknown))}, which the "
+            "bundle has no env of; its envs are "
+            f"{', '.join(sorted(bundle.envs)) or '(none)'}"
+        )
     plan: dict[WarmKey, int] = {}
     shares = [(warm, [k for k in uses if k[0] not in dict(named)])]
     shares += [(count, [k for k in uses if k[0] == name]) for name, count in named]
@@ -8351,7 +10326,8 @@ def warm_plan(bundle: Bundle, warm: int, named: tuple[tuple[str, int], ...]) -> 
         exact = {k: total * uses[k] / weight for k in keys}
         given = {k: int(exact[k]) for k in keys}
         for k in sorted(keys, key=lambda k: (given[k] - exact[k], -uses[k], k[0]))[
-                :total - sum(given.values())]:
+            : total - sum(given.values())
+        ]:
             given[k] += 1
         plan.update({k: n for k, n in given.items() if n})
     return plan
@@ -8371,12 +10347,13 @@ class WarmPool:
     the sandbox's sweep, like any env.
     """
 
-    RETRY = (1.0, 60.0)       # the wait after a failed warm boot, doubling up to the second
+    RETRY = (1.0, 60.0)  # the wait after a failed warm boot, doubling up to the second
 
     def __init__(self, runtime: Runtime, plan: dict[WarmKey, int]):
         self.runtime, self.target = runtime, plan
         self.ready: dict[WarmKey, collections.deque[DeployedEnv]] = {
-            key: collections.deque() for key in plan}
+            key: collections.deque() for key in plan
+        }
         self.booting = dict.fromkeys(plan, 0)
         self._wake = {key: asyncio.Event() for key in plan}
         self._retry = dict.fromkeys(plan, 0.0)
@@ -8385,12 +10362,16 @@ class WarmPool:
         self._removals: set[asyncio.Task] = set()
         # launched boots not yet ready, each as the future an episode may claim it by (FIFO)
         self._launched: dict[WarmKey, collections.deque[asyncio.Future]] = {
-            key: collections.deque() for key in plan}
+            key: collections.deque() for key in plan
+        }
 
     @property
     def counts(self) -> dict[str, int]:
-        return {"ready": sum(map(len, self.ready.values())),
-                "booting": sum(self.booting.values()), "target": sum(self.target.values())}
+        return {
+            "ready": sum(map(len, self.ready.values())),
+            "booting": sum(self.booting.values()),
+            "target": sum(self.target.values()),
+        }
 
     @property
     def live(self) -> int:
@@ -8405,8 +10386,9 @@ class WarmPool:
         return ", ".join(f"{env} {count}" for env, count in sorted(per.items()))
 
     def start(self) -> None:
-        self._keepers = [asyncio.create_task(self._keep(key), name=f"warm {key[0]}")
-                         for key in self.target]
+        self._keepers = [
+            asyncio.create_task(self._keep(key), name=f"warm {key[0]}") for key in self.target
+        ]
 
     async def take(self, env: EnvSpec, limits: dict[str, Any]) -> DeployedEnv | None:
         """A ready warm env of this spec, checked alive, or None (then the caller deploys cold)."""
@@ -8414,7 +10396,7 @@ class WarmPool:
         queue = self.ready.get(key)
         while queue:
             warm = queue.popleft()
-            self._wake[key].set()                 # boot its replacement
+            self._wake[key].set()  # boot its replacement
             try:
                 # settle > 0 asks the sandbox now, not a state it read a moment ago
                 why = await warm.instance.exited(settle=0.01)
@@ -8423,17 +10405,21 @@ class WarmPool:
                 raise
             if why is None:
                 return warm
-            log.warning("A warm env of %r died while it waited (%s); it is discarded, and another "
-                        "boots in its place.", env.name, why)
+            log.warning(
+                "A warm env of %r died while it waited (%s); it is discarded, and another "
+                "boots in its place.",
+                env.name,
+                why,
+            )
             self._remove(warm.instance)
         # None ready, but one launched and booting: it comes up sooner than a cold one would, so
         # the episode claims it (demand above the pool then costs no extra boot, and no time).
         if launched := self._launched.get(key):
             try:
-                return await launched.popleft()      # cancelled: the boot goes back to the pool
+                return await launched.popleft()  # cancelled: the boot goes back to the pool
             except asyncio.CancelledError:
                 raise
-            except Exception:                        # noqa: BLE001 - it failed (logged): go cold
+            except Exception:  # noqa: BLE001 - it failed (logged): go cold
                 return None
         return None
 
@@ -8441,8 +10427,9 @@ class WarmPool:
         """Keep the spec's ready and booting envs at its target; woken by a take or a boot's end.
         After a failed boot, one boot at a time tries again, until one comes up."""
         while True:
-            while len(self.ready[key]) + self.booting[key] < self.target[key] and \
-                    not (self._retry[key] and self.booting[key]):
+            while len(self.ready[key]) + self.booting[key] < self.target[key] and not (
+                self._retry[key] and self.booting[key]
+            ):
                 self.booting[key] += 1
                 boot = asyncio.create_task(self._boot(key))
                 self._boots.add(boot)
@@ -8454,37 +10441,47 @@ class WarmPool:
         runtime, env = self.runtime, self.runtime.bundle.envs[key[0]]
         instance: Instance | None = None
         claim: asyncio.Future = asyncio.get_running_loop().create_future()
-        offered = False                  # its claim offered to deploys: one may be waiting on it
+        offered = False  # its claim offered to deploys: one may be waiting on it
         try:
             if self._retry[key]:
-                await asyncio.sleep(self._retry[key])        # a failed boot: not again at once
+                await asyncio.sleep(self._retry[key])  # a failed boot: not again at once
             async with runtime.starting.slot(background=True):
-                instance = await runtime.sandbox.launch(env, f"warm-{uuid.uuid4().hex}",
-                                                        dict(key[1]))
+                instance = await runtime.sandbox.launch(
+                    env, f"warm-{uuid.uuid4().hex}", dict(key[1])
+                )
                 self._launched[key].append(claim)
                 offered = True
                 assert runtime.http is not None
-                warm = await wait_ready(runtime.http, instance, env, runtime.settings.deploy_timeout,
-                                        max_body=runtime.settings.max_env_reply)
+                warm = await wait_ready(
+                    runtime.http,
+                    instance,
+                    env,
+                    runtime.settings.deploy_timeout,
+                    max_body=runtime.settings.max_env_reply,
+                )
             self._retry[key] = 0.0
-            if claim in self._launched[key] or claim.cancelled():   # unclaimed, or its claimer left
+            if claim in self._launched[key] or claim.cancelled():  # unclaimed, or its claimer left
                 self.ready[key].append(warm)
             else:
                 claim.set_result(warm)
             instance = None
         except asyncio.CancelledError:
             raise
-        except Exception as exc:                        # noqa: BLE001 - a warm boot may fail any way
+        except Exception as exc:  # noqa: BLE001 - a warm boot may fail any way
             self._retry[key] = min(max(self._retry[key] * 2, self.RETRY[0]), self.RETRY[1])
-            log.warning("A warm env of %r did not come up (%s); the pool tries again in %gs, and "
-                        "its episodes deploy cold meanwhile.", env.name, short(str(exc), 500),
-                        self._retry[key])
+            log.warning(
+                "A warm env of %r did not come up (%s); the pool tries again in %gs, and "
+                "its episodes deploy cold meanwhile.",
+                env.name,
+                short(str(exc), 500),
+                self._retry[key],
+            )
             if claim not in self._launched[key] and not claim.done():
-                claim.set_exception(exc)                 # its claimer deploys cold
+                claim.set_exception(exc)  # its claimer deploys cold
         finally:
             if claim in self._launched[key]:
                 self._launched[key].remove(claim)
-            elif offered and not claim.done():           # claimed, and the pool is closing
+            elif offered and not claim.done():  # claimed, and the pool is closing
                 claim.set_exception(EpisodeFailed("the server shut down", SESSION_LOST))
             if instance is not None:
                 self._remove(instance)
@@ -8500,8 +10497,9 @@ class WarmPool:
     @staticmethod
     def _removed(removal: asyncio.Future) -> None:
         if not removal.cancelled() and (exc := removal.exception()) is not None:
-            log.warning("Removing a warm env failed: %s; the sandbox tries again as the server "
-                        "stops.", exc)
+            log.warning(
+                "Removing a warm env failed: %s; the sandbox tries again as the server stops.", exc
+            )
 
     def stop(self) -> None:
         """Stop warming: no refill begins and no boot goes on (``close`` removes what is up)."""
@@ -8519,12 +10517,18 @@ class WarmPool:
 
 
 MIB = 1 << 20
-WARM_ENV_MIB = 64      # what the default pool counts a warm env to hold when its step sets no limit
-WARM_PER_CORE = 16     # the most warm envs the default keeps per core: a refill's boots, in spare CPU
+WARM_ENV_MIB = 64  # what the default pool counts a warm env to hold when its step sets no limit
+WARM_PER_CORE = 16  # the most warm envs the default keeps per core: a refill's boots, in spare CPU
 
 
-def warm_default(sandbox: Sandbox | type[Sandbox], limit: int, machine: int | None,
-                 episode_mib: int, env_mib: int, cores: int = os.cpu_count() or 2) -> tuple[int, str]:
+def warm_default(
+    sandbox: Sandbox | type[Sandbox],
+    limit: int,
+    machine: int | None,
+    episode_mib: int,
+    env_mib: int,
+    cores: int = os.cpu_count() or 2,
+) -> tuple[int, str]:
     """How many warm envs a server keeps when ``warm`` is left "auto", and why, in a phrase.
 
     None where the sandbox's provider says a pool gains it too little (``warm_by_default``: a
@@ -8545,9 +10549,14 @@ def warm_default(sandbox: Sandbox | type[Sandbox], limit: int, machine: int | No
     if machine:
         spare = max(0, machine // MIB - episode_mib * limit) // 4
         if spare // env_mib < count:
-            count, why = spare // env_mib, (f"as many as a quarter of {sandbox.memory_of}'s "
-                                            f"{machine / (1 << 30):.1f} GiB holds beside the pool, "
-                                            f"at {env_mib} MiB an env")
+            count, why = (
+                spare // env_mib,
+                (
+                    f"as many as a quarter of {sandbox.memory_of}'s "
+                    f"{machine / (1 << 30):.1f} GiB holds beside the pool, "
+                    f"at {env_mib} MiB an env"
+                ),
+            )
     return count, f"{said}, {why}" + ("" if count else ", which is none")
 
 
@@ -8558,7 +10567,8 @@ def episode_memory(task: Task, box_mib: int) -> int:
     total = 0
     for step in task.steps:
         boxed = step.type in ("deploy_sandbox", "run_docker_container") or (
-            step.type == "deploy_agent" and task.sandboxed)
+            step.type == "deploy_agent" and task.sandboxed
+        )
         if boxed or (step.type == "deploy_env" and step.get("memory_mb")):
             total += int(step.get("memory_mb") or box_mib)
     return total
@@ -8570,42 +10580,67 @@ class Runtime:
     them all). Every way in (the commands, build_app, a Gym config, eval, TRL) builds it from
     checked Settings, whole; ``knob`` says how its user raises the pool."""
 
-    def __init__(self, bundle: Bundle, settings: Settings = Settings(), *, knob: str = SERVE_KNOB,
-                 metrics: Metrics | None = None, serving: bool = False):
+    def __init__(
+        self,
+        bundle: Bundle,
+        settings: Settings = Settings(),
+        *,
+        knob: str = SERVE_KNOB,
+        metrics: Metrics | None = None,
+        serving: bool = False,
+    ):
         self.bundle, self.settings = bundle, settings
         # A server's runtime works out warm="auto" at start (warm_default); a command's own
         # (check, write-gym's probe) and a bare Runtime keep no pool unless told a number.
         self.serving = serving
-        self.warm_why: str | None = None       # why the default pool is the size it is
+        self.warm_why: str | None = None  # why the default pool is the size it is
         self.heap = HeapTrim()
         self.pool = Pool(settings.max_concurrent_envs, knob, self.heap)
         self.metrics = metrics or Metrics()
         pool = self.pool
-        self.metrics.watch("agentenv_episodes_live", "Episodes holding a slot of the pool "
-                           "(deploying, playing, scoring, or being torn down after their reply)",
-                           lambda: pool.in_use)
-        self.metrics.watch("agentenv_episodes_waiting", "Episodes waiting for a slot of the pool",
-                           lambda: pool.waiting)
-        self.metrics.watch("agentenv_episodes_limit", "Episodes live at once at most "
-                           "(max_concurrent_envs)", lambda: pool.limit)
-        self.metrics.watch("agentenv_envs_live", "Envs up for live episodes, by node (a Ray "
-                           "node's address; empty for this machine)", self._envs_by_node, "node")
+        self.metrics.watch(
+            "agentenv_episodes_live",
+            "Episodes holding a slot of the pool "
+            "(deploying, playing, scoring, or being torn down after their reply)",
+            lambda: pool.in_use,
+        )
+        self.metrics.watch(
+            "agentenv_episodes_waiting",
+            "Episodes waiting for a slot of the pool",
+            lambda: pool.waiting,
+        )
+        self.metrics.watch(
+            "agentenv_episodes_limit",
+            "Episodes live at once at most (max_concurrent_envs)",
+            lambda: pool.limit,
+        )
+        self.metrics.watch(
+            "agentenv_envs_live",
+            "Envs up for live episodes, by node (a Ray node's address; empty for this machine)",
+            self._envs_by_node,
+            "node",
+        )
         self.owner = owner_id()
-        self.live: set[Episode] = set()                   # until torn down, scored or not
+        self.live: set[Episode] = set()  # until torn down, scored or not
         self.closing = asyncio.Event()
-        self.sandbox: Sandbox | None = None               # once started
+        self.sandbox: Sandbox | None = None  # once started
         self.http: aiohttp.ClientSession | None = None
-        self.context: EpisodeContext | None = None        # what its episodes play on, once started
+        self.context: EpisodeContext | None = None  # what its episodes play on, once started
         self.verifiers = Verifiers(bundle.verifiers, settings.verifier_timeout, self.metrics)
         self.starting = self._gate(StartGate())
         self.clearing = TeardownGate(False, self.playing, lambda: pool.waiting > 0, self.closing)
         self.pool.on_wait = self.clearing.wake
-        self.metrics.watch("agentenv_teardowns_waiting", "Ended episodes whose envs wait their turn "
-                           "to be removed (with Docker, while other episodes play)",
-                           lambda: self.clearing.waiting)
+        self.metrics.watch(
+            "agentenv_teardowns_waiting",
+            "Ended episodes whose envs wait their turn "
+            "to be removed (with Docker, while other episodes play)",
+            lambda: self.clearing.waiting,
+        )
         # (a name warm_env gives that the bundle has no env of stops it here, before any start)
-        self.warm = WarmPool(self, warm_plan(bundle, 0 if settings.warm == AUTO else settings.warm,
-                                             settings.warm_env))
+        self.warm = WarmPool(
+            self,
+            warm_plan(bundle, 0 if settings.warm == AUTO else settings.warm, settings.warm_env),
+        )
         self._toolset_tools: dict[Toolset, asyncio.Future] = {}
 
     def _gate(self, gate: StartGate) -> StartGate:
@@ -8623,13 +10658,16 @@ class Runtime:
         self.clearing.wake()
 
     def _envs_by_node(self) -> dict[str, float]:
-        return dict(collections.Counter(env.instance.where for episode in self.live
-                                        for env in episode.envs.values()))
+        return dict(
+            collections.Counter(
+                env.instance.where for episode in self.live for env in episode.envs.values()
+            )
+        )
 
     async def start(self) -> Runtime:
         """Open the sandbox (sweeping what a crashed run left, building images) and the client."""
         self.sandbox = await open_sandbox(self.owner, self.settings)
-        if self.sandbox.gates_its_boots:      # each node gates its own boots: only the pool bounds
+        if self.sandbox.gates_its_boots:  # each node gates its own boots: only the pool bounds
             self.starting = self._gate(StartGate(self.pool.limit))
         self.clearing.paced = self.starting.paced = self.sandbox.paced_teardown
         # Every env is prepared now, never inside an episode: a deploy then only starts a process.
@@ -8641,18 +10679,37 @@ class Runtime:
         if self.serving and self.settings.warm == AUTO and not self.settings.warm_env:
             self._warm_by_default(machine)
         if self.warm.target:
-            self.metrics.watch("agentenv_warm_envs", "Warm envs started ahead of demand: ready, "
-                               "booting, and the pool's target", lambda: self.warm.counts, "state")
+            self.metrics.watch(
+                "agentenv_warm_envs",
+                "Warm envs started ahead of demand: ready, booting, and the pool's target",
+                lambda: self.warm.counts,
+                "state",
+            )
         # MCP keeps its session in a header; a cookie jar would only cost every call its upkeep.
-        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False),
-                                          cookie_jar=aiohttp.DummyCookieJar(),
-                                          timeout=aiohttp.ClientTimeout(total=None))
+        self.http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            cookie_jar=aiohttp.DummyCookieJar(),
+            timeout=aiohttp.ClientTimeout(total=None),
+        )
         # (the start gate read when asked: a sandbox that gates its own boots replaces it)
         self.context = EpisodeContext(
-            self.bundle, self.sandbox, self.http, self.metrics, self.verifiers,
-            self.settings.deploy_timeout, self.settings.bash_timeout, self.settings.max_env_reply,
-            self.pool.acquire, self.pool.release, lambda: self.starting.slot(), self.warm.take,
-            self.live, self.closing, self.clearing.turn, self.wake_background)
+            self.bundle,
+            self.sandbox,
+            self.http,
+            self.metrics,
+            self.verifiers,
+            self.settings.deploy_timeout,
+            self.settings.bash_timeout,
+            self.settings.max_env_reply,
+            self.pool.acquire,
+            self.pool.release,
+            lambda: self.starting.slot(),
+            self.warm.take,
+            self.live,
+            self.closing,
+            self.clearing.turn,
+            self.wake_background,
+        )
         self.warm.start()
         # What starting freed (the bundle's files read, images built, the sweep's listings) goes
         # back too, as after a drain: the pool is as empty now.
@@ -8669,7 +10726,7 @@ class Runtime:
         """warm="auto": the pool warm_default sizes for this sandbox, machine and pool (the
         server says it at start, with how to turn it off)."""
         specs = env_specs(self.bundle)
-        if not specs:                      # no task deploys an env: nothing to warm
+        if not specs:  # no task deploys an env: nothing to warm
             return
         env_mib = max(int(dict(limits).get("memory_mb") or WARM_ENV_MIB) for _, limits in specs)
         box_mib = self.sandbox.box_memory_mb
@@ -8685,29 +10742,44 @@ class Runtime:
         host): past it, the host's OOM killer picks among them, not each one's own limit."""
         if not machine:
             return
-        assert self.sandbox is not None         # it said the machine's memory
-        need, task = max((episode_memory(t, self.sandbox.box_memory_mb), t.name)
-                         for t in self.bundle.tasks.values())
+        assert self.sandbox is not None  # it said the machine's memory
+        need, task = max(
+            (episode_memory(t, self.sandbox.box_memory_mb), t.name)
+            for t in self.bundle.tasks.values()
+        )
         total = need * self.pool.limit
         if total * MIB > machine:
             fits = max(1, machine // (need * MIB))
-            log.warning("Up to %d episodes run at once, and each may hold %s MiB in its boxes and "
-                        "containers (by the limits of task %r): %.1f GiB in all, more than the "
-                        "%.1f GiB %s has, so a full pool can run the host out of memory. Lower "
-                        "%s to %d, or give the boxes less (the memory_mb of deploy_agent, "
-                        "deploy_sandbox and deploy_env steps).", self.pool.limit, f"{need:,}",
-                        task, total / 1024, machine / (1 << 30), self.sandbox.memory_of,
-                        self.pool.knob, fits)
+            log.warning(
+                "Up to %d episodes run at once, and each may hold %s MiB in its boxes and "
+                "containers (by the limits of task %r): %.1f GiB in all, more than the "
+                "%.1f GiB %s has, so a full pool can run the host out of memory. Lower "
+                "%s to %d, or give the boxes less (the memory_mb of deploy_agent, "
+                "deploy_sandbox and deploy_env steps).",
+                self.pool.limit,
+                f"{need:,}",
+                task,
+                total / 1024,
+                machine / (1 << 30),
+                self.sandbox.memory_of,
+                self.pool.knob,
+                fits,
+            )
 
-    def episode(self, task: Task, seed: dict[str, Any] | None = None, split: str = "all") -> Episode:
+    def episode(
+        self, task: Task, seed: dict[str, Any] | None = None, split: str = "all"
+    ) -> Episode:
         """Start an episode of a task (played from ``split``); it waits for a slot, then deploys."""
         if self.context is None:
-            raise AgentEnvError("the runtime has not started; start it (async with Runtime(...)) "
-                                "before playing an episode")
+            raise AgentEnvError(
+                "the runtime has not started; start it (async with Runtime(...)) "
+                "before playing an episode"
+            )
         return Episode(self.context, task, seed, split).start()
 
-    async def first_turn_tools(self, task: Task, why: str,
-                               where: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    async def first_turn_tools(
+        self, task: Task, why: str, where: dict[str, str] | None = None
+    ) -> list[dict[str, Any]]:
         """Play a task as far as its first turn and list the tools that turn offers; then end it.
         A task's tools exist only once its envs are deployed: they answer tools/list, nothing else.
         It is a probe, not an episode anyone played: /metrics counts its deploy, not the episode.
@@ -8715,10 +10787,15 @@ class Runtime:
         episode = self.episode(task, split=PROBE)
         try:
             turn = await episode.next_turn()
-            assert turn is not None          # a task that loads has a turn
+            assert turn is not None  # a task that loads has a turn
             if where is not None:
-                where.update({env.spec.name: env.instance.where for env in episode.envs.values()
-                              if env.instance.where})
+                where.update(
+                    {
+                        env.spec.name: env.instance.where
+                        for env in episode.envs.values()
+                        if env.instance.where
+                    }
+                )
             return turn.tool_specs
         finally:
             await episode.abandon(why)
@@ -8731,8 +10808,11 @@ class Runtime:
         if probe is None or (probe.done() and (probe.cancelled() or probe.exception())):
             task = self.bundle.toolsets[toolset][0]
             probe = self._toolset_tools[toolset] = asyncio.ensure_future(
-                self.first_turn_tools(task, why))
-            probe.add_done_callback(lambda done: done.cancelled() or done.exception())  # read: no warning
+                self.first_turn_tools(task, why)
+            )
+            probe.add_done_callback(
+                lambda done: done.cancelled() or done.exception()
+            )  # read: no warning
         return list(await asyncio.shield(probe))
 
     def begin_closing(self) -> None:
@@ -8765,13 +10845,14 @@ class Runtime:
 # What both wires share: the HTTP helpers and the JSON reader, the bearer token, the sessions
 # table that counts both wires against the one pool, the idle sweep, and the /metrics route.
 
-MAX_BODY = 16 * 2**20          # a request body or WebSocket frame past this is refused (413 / close)
-MAX_CLIENT_WAIT = 86400.0      # the longest wait a client may state at reset (timeout_s), a day
+MAX_BODY = 16 * 2**20  # a request body or WebSocket frame past this is refused (413 / close)
+MAX_CLIENT_WAIT = 86400.0  # the longest wait a client may state at reset (timeout_s), a day
 BINARY_FRAME = "a binary frame was sent; this socket reads JSON text frames only"
 
 
 def json_reply(body: Any, status: int = 200) -> Any:
     from aiohttp import web
+
     return web.json_response(body, status=status)
 
 
@@ -8787,15 +10868,22 @@ def loads(raw: bytes | str) -> Any:
 async def read_body(request: Any) -> bytes:
     """A request's body; past MAX_BODY, a 413 that says what to do."""
     from aiohttp import web
+
     try:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise web.HTTPRequestEntityTooLarge(
-            max_size=MAX_BODY, actual_size=request.content_length or MAX_BODY + 1,
-            text=json.dumps({"detail": f"the body is larger than this server reads "
-                                       f"({MAX_BODY // 2**20} MiB); send less, such as a tool's "
-                                       "arguments without the data it can read itself"}),
-            content_type="application/json") from None
+            max_size=MAX_BODY,
+            actual_size=request.content_length or MAX_BODY + 1,
+            text=json.dumps(
+                {
+                    "detail": f"the body is larger than this server reads "
+                    f"({MAX_BODY // 2**20} MiB); send less, such as a tool's "
+                    "arguments without the data it can read itself"
+                }
+            ),
+            content_type="application/json",
+        ) from None
 
 
 async def json_body(request: Any, allow_empty: bool = False) -> tuple[dict[str, Any], Any]:
@@ -8806,11 +10894,27 @@ async def json_body(request: Any, allow_empty: bool = False) -> tuple[dict[str, 
     try:
         data = loads(raw)
     except ValueError as exc:
-        return {}, json_reply({"detail": [{"type": "json_invalid", "loc": ["body"],
-                                           "msg": f"the body is not JSON: {exc}"}]}, 422)
+        return {}, json_reply(
+            {
+                "detail": [
+                    {"type": "json_invalid", "loc": ["body"], "msg": f"the body is not JSON: {exc}"}
+                ]
+            },
+            422,
+        )
     if not isinstance(data, dict):
-        return {}, json_reply({"detail": [{"type": "model_attributes_type", "loc": ["body"],
-                                           "msg": "the body must be a JSON object"}]}, 422)
+        return {}, json_reply(
+            {
+                "detail": [
+                    {
+                        "type": "model_attributes_type",
+                        "loc": ["body"],
+                        "msg": "the body must be a JSON object",
+                    }
+                ]
+            },
+            422,
+        )
     return data, None
 
 
@@ -8828,6 +10932,7 @@ def ws_token_protocol(token: str) -> str:
 
 async def accept_socket(request: Any) -> Any:
     from aiohttp import web
+
     # Pings every 20 s find a socket whose far end has gone without closing it.
     socket_ = web.WebSocketResponse(heartbeat=20, max_msg_size=MAX_BODY, protocols=(WS_PROTOCOL,))
     await socket_.prepare(request)
@@ -8855,7 +10960,7 @@ class Inbox(asyncio.Queue):
         try:
             return await answer
         except asyncio.CancelledError:
-            if self.closed and task.uncancel() == 0:    # the close's cancel, not the handler's own
+            if self.closed and task.uncancel() == 0:  # the close's cancel, not the handler's own
                 raise ConnectionResetError("the client closed its socket during a call") from None
             raise
         finally:
@@ -8874,7 +10979,7 @@ async def read_ahead(socket_: Any, backlog: int = 16) -> AsyncIterator[Inbox]:
     and its close still seen, as OpenEnv's own server does. aiohttp answers a ping only inside
     ``receive``; without this, a websockets client (20 s pings, 20 s to answer) drops a session
     whose reset outlasts 40 s."""
-    inbox = Inbox(backlog)                          # a client that floods waits, as before
+    inbox = Inbox(backlog)  # a client that floods waits, as before
 
     async def read() -> None:
         try:
@@ -8883,6 +10988,7 @@ async def read_ahead(socket_: Any, backlog: int = 16) -> AsyncIterator[Inbox]:
         finally:
             inbox.close()
             await inbox.put(None)
+
     reader = asyncio.create_task(read())
     try:
         yield inbox
@@ -8905,6 +11011,7 @@ def bearer_token(token: str, locked: Callable[[Any], Any] | None = None) -> Any:
     without it is refused 401: ``locked(request)``'s answer where it has one (the web page's
     form that asks for the token), else JSON that says what to send."""
     from aiohttp import web
+
     expected = f"Bearer {token}".encode()
     protocol = ws_token_protocol(token).encode()
 
@@ -8913,22 +11020,30 @@ def bearer_token(token: str, locked: Callable[[Any], Any] | None = None) -> Any:
             return False
         offered = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",")]
         # beside WS_PROTOCOL only: offered alone, aiohttp would log the protocols it can't answer
-        return WS_PROTOCOL in offered and any(secrets.compare_digest(as_sent(p), protocol)
-                                              for p in offered)
+        return WS_PROTOCOL in offered and any(
+            secrets.compare_digest(as_sent(p), protocol) for p in offered
+        )
 
     @web.middleware
     async def require_token(request: Any, handler: Callable) -> Any:
         # compare_digest: the time taken says nothing about how much of a guess was right
-        if not (secrets.compare_digest(as_sent(request.headers.get("Authorization", "")), expected)
-                or offers_token(request)):
+        if not (
+            secrets.compare_digest(as_sent(request.headers.get("Authorization", "")), expected)
+            or offers_token(request)
+        ):
             if locked is not None and (page := locked(request)) is not None:
                 return page
             return web.json_response(
-                {"detail": "this server asks for a bearer token: send the header Authorization: "
-                           "Bearer <token>, with the token serve was given (--token or "
-                           "AGENTENV_TOKEN)"},
-                status=401, headers={"WWW-Authenticate": 'Bearer realm="agentenv.py"'})
+                {
+                    "detail": "this server asks for a bearer token: send the header Authorization: "
+                    "Bearer <token>, with the token serve was given (--token or "
+                    "AGENTENV_TOKEN)"
+                },
+                status=401,
+                headers={"WWW-Authenticate": 'Bearer realm="agentenv.py"'},
+            )
         return await handler(request)
+
     return require_token
 
 
@@ -8946,30 +11061,32 @@ def json_errors() -> Any:
                 raise
             allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else {}
             return web.json_response({"detail": exc.reason}, status=exc.status, headers=allow)
+
     return as_json
 
 
 def is_loopback(host: str) -> bool:
     """Whether binding ``host`` keeps the server reachable from this machine only."""
     import ipaddress
+
     if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return False                    # a name or "" (every interface): assume it reaches out
+        return False  # a name or "" (every interface): assume it reaches out
 
 
 def host_and_port(authority: str) -> tuple[str, int | None] | None:
     """A Host header's (or an Origin's) name in lower case, without a final dot or an IPv6
     literal's brackets, and its port if it gives one; None for what names no host."""
     name, port = authority, None
-    if authority.startswith("["):                                  # [::1]:8000
+    if authority.startswith("["):  # [::1]:8000
         name, bracket, rest = authority[1:].partition("]")
         if not bracket or (rest and not (rest[:1] == ":" and rest[1:].isdigit())):
             return None
         port = int(rest[1:]) if rest else None
-    elif authority.count(":") == 1:                                # 127.0.0.1:8000
+    elif authority.count(":") == 1:  # 127.0.0.1:8000
         name, _, given = authority.partition(":")
         if not given.isdigit():
             return None
@@ -8980,6 +11097,7 @@ def host_and_port(authority: str) -> tuple[str, int | None] | None:
 
 def is_address(name: str) -> bool:
     import ipaddress
+
     try:
         ipaddress.ip_address(name)
     except ValueError:
@@ -9004,20 +11122,24 @@ class BrowserGuard:
     rebinding page cannot make a browser send one as the Host of its own origin), this
     machine's name, the address serve binds, and ``allow_host`` (a reverse proxy's)."""
 
-    ALLOWED_SITES = ("same-origin", "none")         # none: typed in, or a bookmark
+    ALLOWED_SITES = ("same-origin", "none")  # none: typed in, or a bookmark
 
     def __init__(self, bound: str | None, allow_host: tuple[str, ...] = ()):
         self.proxies = frozenset(allow_host)
-        self.names = frozenset(n.rstrip(".").lower() for n in (
-            "localhost", socket.gethostname(), bound or "", *allow_host) if n)
-        self._answered: set[str] = set()      # Host values let in before: one lookup a request
+        self.names = frozenset(
+            n.rstrip(".").lower()
+            for n in ("localhost", socket.gethostname(), bound or "", *allow_host)
+            if n
+        )
+        self._answered: set[str] = set()  # Host values let in before: one lookup a request
 
     def answers_to(self, host: str) -> bool:
         if host in self._answered:
             return True
         parsed = host_and_port(host)
-        known = parsed is not None and (parsed[0] in self.names or parsed[0].endswith(".localhost")
-                                        or is_address(parsed[0]))
+        known = parsed is not None and (
+            parsed[0] in self.names or parsed[0].endswith(".localhost") or is_address(parsed[0])
+        )
         if known and len(self._answered) < 256:
             self._answered.add(host)
         return known
@@ -9028,13 +11150,16 @@ class BrowserGuard:
         scheme, colon, authority = origin.partition("://")
         default = {"http": 80, "https": 443}.get(scheme.lower())
         page = host_and_port(authority) if colon and default else None
-        if page is None:                                   # null, a file: page, nonsense
+        if page is None:  # null, a file: page, nonsense
             return False
         if page[0] in self.proxies:
             return True
         sent_to = host_and_port(host) if host is not None else None
-        return sent_to is not None and sent_to[0] == page[0] and \
-            (sent_to[1] or default) == (page[1] or default)
+        return (
+            sent_to is not None
+            and sent_to[0] == page[0]
+            and (sent_to[1] or default) == (page[1] or default)
+        )
 
     def refusal(self, request: Any) -> Any:
         """The answer to a request a browser must not make here (None: it may)."""
@@ -9042,37 +11167,79 @@ class BrowserGuard:
         host = headers.get("Host")
         if host is not None and not self.answers_to(host):
             proxies = "".join(", " + name for name in sorted(self.proxies))
-            return json_reply({"detail": (
-                f"this server answers to the names it is reached by (localhost, an IP address, "
-                f"this machine's name{proxies}), not {short(host, 100)!r}: a web page can reach a server on this machine under "
-                "a name of its own (DNS rebinding), so other names are refused. Reached through a "
-                "proxy or by a name of its own, start it with --allow-host NAME (allow_host= to "
-                "build_app, allow_host: in a Gym config)")}, 421)
+            return json_reply(
+                {
+                    "detail": (
+                        "this server answers to the names it is reached by (localhost, an IP "
+                        "address, "
+                        f"this machine's name{proxies}), not {short(host, 100)!r}: a web page can "
+                        "reach a server on this machine under "
+                        "a name of its own (DNS rebinding), so other names are refused. Reached "
+                        "through a "
+                        "proxy or by a name of its own, start it with --allow-host NAME "
+                        "(allow_host= to "
+                        "build_app, allow_host: in a Gym config)"
+                    )
+                },
+                421,
+            )
         origin = headers.get("Origin")
         if origin is not None and not self.own_origin(origin, host):
-            return json_reply({"detail": (
-                f"a web page at {short(origin, 100)!r} may not call this server: only its own page "
-                "(/web) may, so that no page you visit can drive it on your behalf. Clients that "
-                "are not browsers send no Origin; a page of yours behind a proxy: start the server "
-                "with --allow-host and the proxy's name")}, 403)
+            return json_reply(
+                {
+                    "detail": (
+                        f"a web page at {short(origin, 100)!r} may not call this server: only its "
+                        "own page "
+                        "(/web) may, so that no page you visit can drive it on your behalf. "
+                        "Clients that "
+                        "are not browsers send no Origin; a page of yours behind a proxy: start "
+                        "the server "
+                        "with --allow-host and the proxy's name"
+                    )
+                },
+                403,
+            )
         site = headers.get("Sec-Fetch-Site")
-        if site is not None and site not in self.ALLOWED_SITES and not (
-                request.method in ("GET", "HEAD") and headers.get("Sec-Fetch-Mode") == "navigate"):
-            return json_reply({"detail": (
-                f"the browser says this request comes from another site (Sec-Fetch-Site: "
-                f"{short(site, 40)}); only the server's own page (/web) may call it, so that no "
-                "page you visit can drive it on your behalf")}, 403)
+        if (
+            site is not None
+            and site not in self.ALLOWED_SITES
+            and not (
+                request.method in ("GET", "HEAD") and headers.get("Sec-Fetch-Mode") == "navigate"
+            )
+        ):
+            return json_reply(
+                {
+                    "detail": (
+                        f"the browser says this request comes from another site (Sec-Fetch-Site: "
+                        f"{short(site, 40)}); only the server's own page (/web) may call it, so "
+                        "that no "
+                        "page you visit can drive it on your behalf"
+                    )
+                },
+                403,
+            )
         if request.method not in ("GET", "HEAD", "OPTIONS") and request.body_exists:
             kind = headers.get("Content-Type", "")
             media = kind.partition(";")[0].strip().lower()
             if media != "application/json" and not media.endswith("+json"):
-                return json_reply({"detail": (
-                    f"this server reads a request's body as JSON only, and this one was sent as "
-                    f"{short(kind, 80)!r}: send it with Content-Type: application/json (which a "
-                    "web page cannot send to another site's server without asking first, so no "
-                    "page can drive this one)" if kind else "this server reads a request's body as "
-                    "JSON only, and this one was sent with no Content-Type: send it with "
-                    "Content-Type: application/json")}, 415)
+                return json_reply(
+                    {
+                        "detail": (
+                            "this server reads a request's body as JSON only, and this one was "
+                            "sent as "
+                            f"{short(kind, 80)!r}: send it with Content-Type: application/json "
+                            "(which a "
+                            "web page cannot send to another site's server without asking first, "
+                            "so no "
+                            "page can drive this one)"
+                            if kind
+                            else "this server reads a request's body as "
+                            "JSON only, and this one was sent with no Content-Type: send it with "
+                            "Content-Type: application/json"
+                        )
+                    },
+                    415,
+                )
         return None
 
     def middleware(self) -> Any:
@@ -9082,6 +11249,7 @@ class BrowserGuard:
         async def guard(request: Any, handler: Callable) -> Any:
             refused = self.refusal(request)
             return refused if refused is not None else await handler(request)
+
         return guard
 
 
@@ -9124,15 +11292,22 @@ class Lease:
         self.last_used = time.monotonic()
 
 
-async def sweep_idle(what: str, knob: str, sessions: dict[str, Any], idle_timeout: float,
-                     end: Callable[[Any, str], Any], metrics: Metrics, wire: str) -> None:
+async def sweep_idle(
+    what: str,
+    knob: str,
+    sessions: dict[str, Any],
+    idle_timeout: float,
+    end: Callable[[Any, str], Any],
+    metrics: Metrics,
+    wire: str,
+) -> None:
     """End sessions with no request for ``idle_timeout``: one timer for all, never a busy one.
     Each end is a task of its own: one that waits long for its episode's teardown (with Docker it
     waits its turn while other episodes play, and a failed removal is retried until it goes)
     holds up neither the other ends nor the next sweep."""
     period = max(0.05, min(idle_timeout / 4, 30.0))
     reason = f"the session was idle past {idle_timeout:g}s"
-    ending: dict[int, asyncio.Task] = {}          # by id(session), until its end has run
+    ending: dict[int, asyncio.Task] = {}  # by id(session), until its end has run
 
     def idle(session: Any) -> bool:
         lease = session.lease
@@ -9143,22 +11318,26 @@ async def sweep_idle(what: str, knob: str, sessions: dict[str, Any], idle_timeou
         # session been ended otherwise (closed, or the server stopping)
         if sessions.get(key) is not session or not idle(session):
             return
-        log.info("Ended %s session with no request for %gs (%s), freeing its episode.",
-                 what, idle_timeout, knob)
+        log.info(
+            "Ended %s session with no request for %gs (%s), freeing its episode.",
+            what,
+            idle_timeout,
+            knob,
+        )
         metrics.reaped(wire)
         try:
             await end(session, reason)
-        except Exception:                    # noqa: BLE001 - one failure must not stop reaping
+        except Exception:  # noqa: BLE001 - one failure must not stop reaping
             log.exception("Ending %s session that was idle failed.", what)
 
     try:
         while True:
-            await asyncio.sleep(period)      # a timer: an idle session sends no event
+            await asyncio.sleep(period)  # a timer: an idle session sends no event
             for key, session in list(sessions.items()):
-                if id(session) not in ending and idle(session):
-                    task = ending[id(session)] = asyncio.ensure_future(reap(key, session))
-                    task.add_done_callback(lambda _, key=id(session): ending.pop(key, None))
-    finally:                                 # a stopped sweep lets the ends under way finish
+                if (held := id(session)) not in ending and idle(session):
+                    task = ending[held] = asyncio.ensure_future(reap(key, session))
+                    task.add_done_callback(lambda _, held=held: ending.pop(held, None))
+    finally:  # a stopped sweep lets the ends under way finish
         await asyncio.gather(*ending.values(), return_exceptions=True)
 
 
@@ -9187,16 +11366,21 @@ def metrics_route(metrics: Metrics) -> Callable:
     async def scrape(request: Any) -> Any:
         body, content_type = metrics.page(request.headers.get("Accept"))
         return web.Response(body=body, headers={"Content-Type": content_type})
+
     return scrape
 
 
 # ================================================================ 9. OpenEnv surface
 
-END_TURN = {"name": "end_turn",
-            "description": "End your turn with your reply. The episode goes on to your next turn, "
-                           "or ends and is scored.",
-            "input_schema": {"type": "object", "properties": {
-                "response": {"type": "string", "description": "Your reply."}}}}
+END_TURN = {
+    "name": "end_turn",
+    "description": "End your turn with your reply. The episode goes on to your next turn, "
+    "or ends and is scored.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"response": {"type": "string", "description": "Your reply."}},
+    },
+}
 RESERVED_TOOLS = {"reset", "step", "state", "close", "end_turn"}
 ENDED = "the episode has ended; call reset"
 SPLIT_TYPES = {"train", "validation", "test"}
@@ -9211,70 +11395,119 @@ OBJECT, TEXT, WHOLE, NULL = ("object",), ("string",), ("integer",), ("null",)
 WS_MESSAGES: dict[str, Shape] = {
     "reset": {"type": (TEXT, True), "data": (OBJECT, False)},
     "step": {"type": (TEXT, True), "data": (OBJECT, True)},
-    "state": {"type": (TEXT, True)}, "close": {"type": (TEXT, True)},
-    "mcp": {"type": (TEXT, True), "data": (OBJECT, True)}}
-ACTIONS: dict[str, Shape] = {   # a missing type is call_tool, as CallToolAction's schema has it
+    "state": {"type": (TEXT, True)},
+    "close": {"type": (TEXT, True)},
+    "mcp": {"type": (TEXT, True), "data": (OBJECT, True)},
+}
+ACTIONS: dict[str, Shape] = {  # a missing type is call_tool, as CallToolAction's schema has it
     "list_tools": {"type": (TEXT, False), "metadata": (OBJECT, False)},
-    "call_tool": {"type": (TEXT, False), "tool_name": (TEXT, True), "arguments": (OBJECT, False),
-                  "metadata": (OBJECT, False)}}
-RPC_REQUEST: Shape = {"jsonrpc": (TEXT, True), "method": (TEXT, True), "params": (OBJECT, False),
-                      "id": (TEXT + WHOLE + NULL, False)}
+    "call_tool": {
+        "type": (TEXT, False),
+        "tool_name": (TEXT, True),
+        "arguments": (OBJECT, False),
+        "metadata": (OBJECT, False),
+    },
+}
+RPC_REQUEST: Shape = {
+    "jsonrpc": (TEXT, True),
+    "method": (TEXT, True),
+    "params": (OBJECT, False),
+    "id": (TEXT + WHOLE + NULL, False),
+}
 TASK_BODIES: dict[str, Shape] = {
-    "tasks": {"split": (TEXT, True)}, "num_tasks": {"split": (TEXT, True)},
+    "tasks": {"split": (TEXT, True)},
+    "num_tasks": {"split": (TEXT, True)},
     "task": {"split": (TEXT, True), "index": (WHOLE, True)},
-    "task_range": {"split": (TEXT, True), "start": (WHOLE + NULL, False),
-                   "stop": (WHOLE + NULL, False)}}
-PYDANTIC_WORDS = {"object": ("dict_type", "Input should be a valid dictionary"),
-                  "string": ("string_type", "Input should be a valid string"),
-                  "integer": ("int_type", "Input should be a valid integer"),
-                  "number": ("float_type", "Input should be a valid number")}
+    "task_range": {
+        "split": (TEXT, True),
+        "start": (WHOLE + NULL, False),
+        "stop": (WHOLE + NULL, False),
+    },
+}
+PYDANTIC_WORDS = {
+    "object": ("dict_type", "Input should be a valid dictionary"),
+    "string": ("string_type", "Input should be a valid string"),
+    "integer": ("int_type", "Input should be a valid integer"),
+    "number": ("float_type", "Input should be a valid number"),
+}
 
 
-def shape_problems(value: dict[str, Any], shape: Shape, open_: bool = False) -> list[dict[str, Any]]:
+def shape_problems(
+    value: dict[str, Any], shape: Shape, open_: bool = False
+) -> list[dict[str, Any]]:
     """How a JSON object breaks a shape: fields missing, of another type, or (unless ``open_``)
     not in it; [] when it fits."""
     problems = []
     for key, (kinds, required) in shape.items():
         if key not in value:
             if required:
-                problems.append({"type": "missing", "loc": [key], "msg": "Field required",
-                                 "input": value})
+                problems.append(
+                    {"type": "missing", "loc": [key], "msg": "Field required", "input": value}
+                )
             continue
         item = value[key]
-        for kind in kinds:              # a loop, not any(): every message of both wires comes here
+        for kind in kinds:  # a loop, not any(): every message of both wires comes here
             if JSON_TYPES[kind](item):
                 break
         else:
             code, msg = PYDANTIC_WORDS[kinds[0]]
             problems.append({"type": code, "loc": [key], "msg": msg, "input": item})
     if not open_:
-        problems += [{"type": "extra_forbidden", "loc": [key], "msg": "Extra inputs are not permitted",
-                      "input": value[key]} for key in value if key not in shape]
+        problems += [
+            {
+                "type": "extra_forbidden",
+                "loc": [key],
+                "msg": "Extra inputs are not permitted",
+                "input": value[key],
+            }
+            for key in value
+            if key not in shape
+        ]
     return problems
 
 
 def action_problems(action: Any) -> list[dict[str, Any]]:
     """How an action breaks OpenEnv's ListToolsAction / CallToolAction; [] when it fits."""
     if not isinstance(action, dict):
-        return [{"type": "model_type", "loc": [], "input": action,
-                 "msg": 'Input should be an action object, such as {"type": "list_tools"}'}]
+        return [
+            {
+                "type": "model_type",
+                "loc": [],
+                "input": action,
+                "msg": 'Input should be an action object, such as {"type": "list_tools"}',
+            }
+        ]
     kind = action.get("type", "call_tool")
     if kind not in ACTIONS:
-        return [{"type": "literal_error", "loc": ["type"], "input": kind,
-                 "msg": "Input should be 'list_tools' or 'call_tool'"}]
+        return [
+            {
+                "type": "literal_error",
+                "loc": ["type"],
+                "input": kind,
+                "msg": "Input should be 'list_tools' or 'call_tool'",
+            }
+        ]
     return shape_problems(action, ACTIONS[kind])
 
 
 def told(problems: list[dict[str, Any]]) -> str:
     """Problems in a sentence: where each is, and what it should be."""
-    return "; ".join(f"{'.'.join(str(p) for p in problem['loc']) or 'the value'}: {problem['msg']}"
-                     for problem in problems)
+    return "; ".join(
+        f"{'.'.join(str(p) for p in problem['loc']) or 'the value'}: {problem['msg']}"
+        for problem in problems
+    )
 
 
 def invalid_frame(problems: list[dict[str, Any]]) -> dict[str, Any]:
     """OpenEnv's VALIDATION_ERROR frame, its message saying what to fix."""
-    return {"type": "error", "data": {"message": f"Invalid message: {told(problems)}",
-                                      "code": "VALIDATION_ERROR", "errors": problems}}
+    return {
+        "type": "error",
+        "data": {
+            "message": f"Invalid message: {told(problems)}",
+            "code": "VALIDATION_ERROR",
+            "errors": problems,
+        },
+    }
 
 
 def unprocessable(problems: list[dict[str, Any]]) -> Any:
@@ -9284,12 +11517,19 @@ def unprocessable(problems: list[dict[str, Any]]) -> Any:
 
 # What each refused tool call is on OpenEnv's wire: its observation's error_type, and its
 # JSON-RPC code (JSON-RPC's "Invalid params" for arguments that don't fit, else "Internal error").
-TOOL_ERRORS = {UNKNOWN_TOOL: ("tool_not_found", -32603), BAD_ARGUMENTS: ("invalid_args", -32602),
-               TOOL_ERROR: ("execution_error", -32603), TIMEOUT: ("timeout", -32603)}
+TOOL_ERRORS = {
+    UNKNOWN_TOOL: ("tool_not_found", -32603),
+    BAD_ARGUMENTS: ("invalid_args", -32602),
+    TOOL_ERROR: ("execution_error", -32603),
+    TIMEOUT: ("timeout", -32603),
+}
 
 
-def envelope(observation: dict[str, Any], reward: float | None = None, done: bool = False,
-             ) -> dict[str, Any]:
+def envelope(
+    observation: dict[str, Any],
+    reward: float | None = None,
+    done: bool = False,
+) -> dict[str, Any]:
     """An OpenEnv observation as the wire carries it: reward and done at the top, metadata twice."""
     body: dict[str, Any] = {"observation": observation, "reward": reward, "done": done}
     if observation.get("metadata"):
@@ -9303,7 +11543,7 @@ _PLAIN_JSON = {str, int, bool}
 def json_safe(value: Any) -> Any:
     """Bundle code's values (a verifier's rows) as strict JSON, which every client parses: a
     number that is not finite as text, and anything JSON has no word for as its repr."""
-    if value is None or type(value) in _PLAIN_JSON:         # most of them: as they are
+    if value is None or type(value) in _PLAIN_JSON:  # most of them: as they are
         return value
     if isinstance(value, dict):
         return {str(key): json_safe(item) for key, item in value.items()}
@@ -9324,9 +11564,11 @@ class Capacity(AgentEnvError):
 
     def __init__(self, active: int, limit: int):
         self.active, self.limit = active, limit
-        super().__init__(f"Server at capacity: {active}/{limit} sessions active. Cannot accept new "
-                         "connections. This is temporary: retry when a session closes, or serve "
-                         "with a higher --max-concurrent-envs (MAX_CONCURRENT_ENVS).")
+        super().__init__(
+            f"Server at capacity: {active}/{limit} sessions active. Cannot accept new "
+            "connections. This is temporary: retry when a session closes, or serve "
+            "with a higher --max-concurrent-envs (MAX_CONCURRENT_ENVS)."
+        )
 
     @property
     def data(self) -> dict[str, Any]:
@@ -9348,18 +11590,18 @@ class OpenEnvSession:
 
     def __init__(self, runtime: Runtime, deadline: float, sid: str | None = None):
         self.runtime, self.deadline = runtime, deadline
-        self.play_deadline = deadline              # for a reset's play and each end_turn
+        self.play_deadline = deadline  # for a reset's play and each end_turn
         self.id = sid or uuid.uuid4().hex
         self.episode: Episode | None = None
-        self.task: Task | None = None              # the task played last, if any
+        self.task: Task | None = None  # the task played last, if any
         self.where: dict[str, Any] | None = None
-        self.episode_id: str | None = None         # the id the caller gave at reset, if any
+        self.episode_id: str | None = None  # the id the caller gave at reset, if any
         self.step_count = 0
         self.lease = Lease()
-        self.attached = False                      # a /ws?session_id= socket is on it
-        self.socket: Any = None                    # the WebSocket it is played over, if any
+        self.attached = False  # a /ws?session_id= socket is on it
+        self.socket: Any = None  # the WebSocket it is played over, if any
         self.close_asked = False
-        self.ended_by: str | None = None           # why the server ended the session, once it has
+        self.ended_by: str | None = None  # why the server ended the session, once it has
 
     @property
     def live(self) -> bool:
@@ -9377,9 +11619,14 @@ class OpenEnvSession:
         if action.get("type", "call_tool") == "list_tools":
             if not self.live:
                 offered = await self._offered()
-                if isinstance(offered, str):      # as OpenEnv's MCPEnvironment says so
-                    return envelope({"tools": [], "metadata": {
-                        "error": offered, "error_type": "list_tools_failed"}}, 0.0)
+                if isinstance(offered, str):  # as OpenEnv's MCPEnvironment says so
+                    return envelope(
+                        {
+                            "tools": [],
+                            "metadata": {"error": offered, "error_type": "list_tools_failed"},
+                        },
+                        0.0,
+                    )
                 return envelope({"tools": offered, "metadata": {}}, 0.0)
             self.step_count += 1
             return envelope({"tools": self._tools(), "metadata": {}}, 0.0)
@@ -9395,15 +11642,25 @@ class OpenEnvSession:
             offered = self._tools() if self.live else await self._offered()
             if isinstance(offered, str):
                 return rpc_error(rid, -32603, offered)
-            tools = [{"name": t["name"], "description": t["description"],
-                      "inputSchema": t["input_schema"]} for t in offered]
+            tools = [
+                {
+                    "name": t["name"],
+                    "description": t["description"],
+                    "inputSchema": t["input_schema"],
+                }
+                for t in offered
+            ]
             return {"jsonrpc": "2.0", "id": rid, "result": {"tools": tools}}
         name = params.get("name")
         if not name:
             return rpc_error(rid, -32602, "tools/call needs params.name, the tool to call")
         if not isinstance(name, str):
-            return rpc_error(rid, -32603, f"there is no tool {name!r}: a tool's name is a string",
-                             {"error_type": "tool_not_found", "message": f"no tool {name!r}"})
+            return rpc_error(
+                rid,
+                -32603,
+                f"there is no tool {name!r}: a tool's name is a string",
+                {"error_type": "tool_not_found", "message": f"no tool {name!r}"},
+            )
         if not self.live:
             return rpc_error(rid, -32603, self._ended())
         self.step_count += 1
@@ -9414,17 +11671,23 @@ class OpenEnvSession:
         frame read before its socket closed is answered so)."""
         if self.ended_by is None:
             return ENDED
-        return f"the episode has ended: the server ended this session ({self.ended_by}); open a " \
-               "new session and reset"
+        return (
+            f"the episode has ended: the server ended this session ({self.ended_by}); open a "
+            "new session and reset"
+        )
 
     def state(self) -> dict[str, Any]:
         episode, where = self.episode, self.where or {}
-        return {"episode_id": self.episode_id or (episode.id if episode else None),
-                "step_count": self.step_count, "task_id": where.get("id"),
-                "task_name": where.get("name"), "split": where.get("split"),
-                "index": where.get("index"),
-                "turn": episode.turn.id if episode and episode.turn else None,
-                "done": episode is None or episode.outcome is not None}
+        return {
+            "episode_id": self.episode_id or (episode.id if episode else None),
+            "step_count": self.step_count,
+            "task_id": where.get("id"),
+            "task_name": where.get("name"),
+            "split": where.get("split"),
+            "index": where.get("index"),
+            "turn": episode.turn.id if episode and episode.turn else None,
+            "done": episode is None or episode.outcome is not None,
+        }
 
     async def close(self, reason: str = "the session closed") -> None:
         if self.episode is not None:
@@ -9444,18 +11707,25 @@ class OpenEnvSession:
         self.let_go("reset")
         split, index = data.get("split"), data.get("index")
         self.step_count, self.where = 0, None
-        self.episode_id = data.get("episode_id") if isinstance(data.get("episode_id"), str) else None
+        self.episode_id = (
+            data.get("episode_id") if isinstance(data.get("episode_id"), str) else None
+        )
         if (split is None) != (index is None):
-            return ("split and index go together: give both, or neither for the first task "
-                    "served")
+            return "split and index go together: give both, or neither for the first task served"
         waits = data.get("timeout_s", None)
-        if waits is not None and (isinstance(waits, bool) or not isinstance(waits, (int, float))
-                                  or not 0 < waits <= MAX_CLIENT_WAIT):
-            return (f"timeout_s is how long the client waits for the reset's reply and each "
-                    f"end_turn's, in seconds: a number above 0 and at most {MAX_CLIENT_WAIT:g} "
-                    f"(not {waits!r}); leave it out to get the server's --client-timeout")
-        self.play_deadline = self.deadline if waits is None else \
-            max(1.0, waits - self.runtime.settings.reply_margin)
+        if waits is not None and (
+            isinstance(waits, bool)
+            or not isinstance(waits, (int, float))
+            or not 0 < waits <= MAX_CLIENT_WAIT
+        ):
+            return (
+                f"timeout_s is how long the client waits for the reset's reply and each "
+                f"end_turn's, in seconds: a number above 0 and at most {MAX_CLIENT_WAIT:g} "
+                f"(not {waits!r}); leave it out to get the server's --client-timeout"
+            )
+        self.play_deadline = (
+            self.deadline if waits is None else max(1.0, waits - self.runtime.settings.reply_margin)
+        )
         try:
             if split is None:
                 split, index = "all", 0
@@ -9493,15 +11763,23 @@ class OpenEnvSession:
         except EpisodeFailed as exc:
             return exc.failure
         except asyncio.TimeoutError:
-            failure = Failure(TRANSPORT_TIMEOUT, (
-                f"{what} took longer than {self.play_deadline:g}s, so the episode was ended to "
-                "answer inside the client's timeout; raise the client's message_timeout_s and serve "
-                "with a higher --client-timeout (or give timeout_s at reset)"))
-            episode.end(failure)       # teardown goes on in the background, holding the slot
+            failure = Failure(
+                TRANSPORT_TIMEOUT,
+                (
+                    f"{what} took longer than {self.play_deadline:g}s, so the episode was ended to "
+                    "answer inside the client's timeout; raise the client's message_timeout_s and "
+                    "serve "
+                    "with a higher --client-timeout (or give timeout_s at reset)"
+                ),
+            )
+            episode.end(failure)  # teardown goes on in the background, holding the slot
             return failure
         if reserved := sorted(RESERVED_TOOLS & set(turn.route)):
             await episode.abandon("the env offers reserved tool names")
-            return f"the env offers tools OpenEnv reserves: {', '.join(reserved)}; rename them in the env"
+            return (
+                f"the env offers tools OpenEnv reserves: {', '.join(reserved)}; rename them in "
+                "the env"
+            )
         return turn
 
     def _tools(self) -> list[dict[str, Any]]:
@@ -9517,13 +11795,19 @@ class OpenEnvSession:
         task = self.task or self.runtime.bundle.splits["all"][0]
         try:
             async with asyncio.timeout(self.deadline):
-                tools = await self.runtime.toolset_tools(task.toolset,
-                                                         "its tools were listed before a reset")
+                tools = await self.runtime.toolset_tools(
+                    task.toolset, "its tools were listed before a reset"
+                )
         except asyncio.TimeoutError:
-            return (f"listing the tools deploys {task.name}'s envs once, and that took longer than "
-                    f"{self.deadline:g}s; ask again shortly (the deploy goes on), or reset first")
+            return (
+                f"listing the tools deploys {task.name}'s envs once, and that took longer than "
+                f"{self.deadline:g}s; ask again shortly (the deploy goes on), or reset first"
+            )
         except AgentEnvError as exc:
-            return f"the tools could not be listed: playing {task.name} to its first turn failed: {exc}"
+            return (
+                f"the tools could not be listed: playing {task.name} to its first turn failed: "
+                f"{exc}"
+            )
         return [*tools, END_TURN]
 
     # -- rendering
@@ -9531,8 +11815,13 @@ class OpenEnvSession:
     def _counted(self, played: Played) -> Played:
         """What the play gave, a failure of the environment counted as a masked rollout (what a
         trainer does with the error observation that carries it)."""
-        failure = played if isinstance(played, Failure) else \
-            played.failure if isinstance(played, (Outcome, ToolResult)) else None
+        failure = (
+            played
+            if isinstance(played, Failure)
+            else played.failure
+            if isinstance(played, (Outcome, ToolResult))
+            else None
+        )
         if failure is not None:
             self.runtime.metrics.mask("openenv", failure)
         return played
@@ -9543,13 +11832,23 @@ class OpenEnvSession:
         called = {"tool_name": tool_name, "error": None} if tool_name else {}
         if isinstance(played, ToolResult):
             error_type = TOOL_ERRORS.get(played.status, ("execution_error", -32603))[0]
-            if played.failure:                  # the episode ended with the call
+            if played.failure:  # the episode ended with the call
                 timed_out = self._error(played.failure, tool_name)
-                timed_out["observation"]["error"] = {"error_type": error_type, "message": played.text}
+                timed_out["observation"]["error"] = {
+                    "error_type": error_type,
+                    "message": played.text,
+                }
                 return timed_out
-            if played.is_error:                 # the episode goes on: the model reads why
-                return envelope({**called, "result": None, "metadata": {}, "error": {
-                    "error_type": error_type, "message": played.text}}, 0.0)
+            if played.is_error:  # the episode goes on: the model reads why
+                return envelope(
+                    {
+                        **called,
+                        "result": None,
+                        "metadata": {},
+                        "error": {"error_type": error_type, "message": played.text},
+                    },
+                    0.0,
+                )
             return envelope({**called, "metadata": {}, "result": tool_content(played)}, 0.0)
         if isinstance(played, Turn):
             prompt = {"prompt": played.prompt, "system_prompt": played.system_prompt}
@@ -9558,11 +11857,30 @@ class OpenEnvSession:
             return envelope({"metadata": {**prompt, "task": self.where}})
         if isinstance(played, Outcome) and played.failure is None:
             # The score in the result too: a client that reads only call_tool's result sees it.
-            result = {"done": True, "reward": played.reward, "scores": played.scores,
-                      **forfeit_of(played)} if tool_name else None
-            return envelope({**called, "result": result, "metadata": {
-                "scores": played.scores, "verifications": json_safe(played.verifications),
-                "task": self.where, **forfeit_of(played)}}, played.reward, True)
+            result = (
+                {
+                    "done": True,
+                    "reward": played.reward,
+                    "scores": played.scores,
+                    **forfeit_of(played),
+                }
+                if tool_name
+                else None
+            )
+            return envelope(
+                {
+                    **called,
+                    "result": result,
+                    "metadata": {
+                        "scores": played.scores,
+                        "verifications": json_safe(played.verifications),
+                        "task": self.where,
+                        **forfeit_of(played),
+                    },
+                },
+                played.reward,
+                True,
+            )
         return self._error(played.failure if isinstance(played, Outcome) else played, tool_name)
 
     def _rpc(self, rid: Any, played: Played) -> dict[str, Any]:
@@ -9571,25 +11889,34 @@ class OpenEnvSession:
         if isinstance(played, ToolResult):
             if played.is_error:
                 error_type, code = TOOL_ERRORS.get(played.status, ("execution_error", -32603))
-                return rpc_error(rid, code, played.text, {"error_type": error_type,
-                                                          "message": played.text})
+                return rpc_error(
+                    rid, code, played.text, {"error_type": error_type, "message": played.text}
+                )
             return {"jsonrpc": "2.0", "id": rid, "result": tool_content(played)}
         if isinstance(played, Turn):
             data = {"prompt": played.prompt, "system_prompt": played.system_prompt}
             return {"jsonrpc": "2.0", "id": rid, "result": {"data": data}}
         if isinstance(played, Outcome) and played.failure is None:
-            data = {"done": True, "reward": played.reward, "scores": played.scores,
-                    **forfeit_of(played)}
+            data = {
+                "done": True,
+                "reward": played.reward,
+                "scores": played.scores,
+                **forfeit_of(played),
+            }
             return {"jsonrpc": "2.0", "id": rid, "result": {"data": data}}
-        return rpc_error(rid, -32603, str(played.failure if isinstance(played, Outcome) else played))
+        return rpc_error(
+            rid, -32603, str(played.failure if isinstance(played, Outcome) else played)
+        )
 
-    def _error(self, why: str | Failure | None, tool_name: str | None = None,
-               step: bool = False) -> dict[str, Any]:
+    def _error(
+        self, why: str | Failure | None, tool_name: str | None = None, step: bool = False
+    ) -> dict[str, Any]:
         """An error observation, which ends the episode: its failure (with its kind, for a
         resources server playing over /ws), or a refusal of what was asked. A step's carries the
         reward 0.0, as every step's does (OpenEnv's graders want a number); a reset's none."""
-        observation: dict[str, Any] = {"metadata": {"status": "error", "error": str(why),
-                                                    "task": self.where}}
+        observation: dict[str, Any] = {
+            "metadata": {"status": "error", "error": str(why), "task": self.where}
+        }
         if isinstance(why, Failure):
             observation["metadata"]["failure_kind"] = why.kind
         if tool_name:
@@ -9610,8 +11937,13 @@ def forfeit_of(outcome: Outcome) -> dict[str, str]:
 
 def tool_content(result: ToolResult) -> dict[str, Any]:
     """A tool's result as OpenEnv's CallToolObservation carries it."""
-    return {"content": [{"type": "text", "text": result.text}], "structured_content": None,
-            "meta": None, "data": result.text, "is_error": result.is_error}
+    return {
+        "content": [{"type": "text", "text": result.text}],
+        "structured_content": None,
+        "meta": None,
+        "data": result.text,
+        "is_error": result.is_error,
+    }
 
 
 class OpenEnvSurface:
@@ -9638,8 +11970,16 @@ class OpenEnvSurface:
         if active >= limit:
             if not self._warned:
                 self._warned = True
-                log.warning(at_its_limit("The server", limit, "sessions",
-                                         "new sessions are refused until one closes", SERVE_FIX) + ".")
+                log.warning(
+                    at_its_limit(
+                        "The server",
+                        limit,
+                        "sessions",
+                        "new sessions are refused until one closes",
+                        SERVE_FIX,
+                    )
+                    + "."
+                )
             raise Capacity(active, limit)
         session = OpenEnvSession(self.runtime, self.deadline)
         self.sessions[session.id] = session
@@ -9659,14 +11999,21 @@ class OpenEnvSurface:
         else:
             session.let_go(reason)
         if socket_ is not None and not socket_.closed:
-            await socket_.close(code=aiohttp.WSCloseCode.GOING_AWAY,
-                                message=reason.encode()[:120])
+            await socket_.close(code=aiohttp.WSCloseCode.GOING_AWAY, message=reason.encode()[:120])
 
     async def start(self) -> None:
         self._warn_of_tests_past_the_reply()
         self._sweeper = asyncio.create_task(
-            sweep_idle("an OpenEnv", "--idle-timeout", self.sessions, self.idle_timeout,
-                       self.end_session, self.runtime.metrics, "openenv"))
+            sweep_idle(
+                "an OpenEnv",
+                "--idle-timeout",
+                self.sessions,
+                self.idle_timeout,
+                self.end_session,
+                self.runtime.metrics,
+                "openenv",
+            )
+        )
 
     def _warn_of_tests_past_the_reply(self) -> None:
         """Say once, at start, when a task's unit tests may run longer after end_turn than OpenEnv
@@ -9678,8 +12025,9 @@ class OpenEnvSurface:
             for step in task.steps:
                 if step.type == "run_container_unit_tests_verifier" and step.get("agent_name"):
                     runs = 1 + len(step.get("setup_commands") or [])
-                    slow[task.name] = max(slow.get(task.name, 0.0),
-                                          runs * float(step.get("timeout_sec", 300)))
+                    slow[task.name] = max(
+                        slow.get(task.name, 0.0), runs * float(step.get("timeout_sec", 300))
+                    )
         late = {name: seconds for name, seconds in slow.items() if seconds >= self.deadline}
         if late:
             worst = max(late, key=late.__getitem__)
@@ -9690,30 +12038,50 @@ class OpenEnvSurface:
                 "%g): over OpenEnv a rollout whose tests hang would be masked for the missed reply "
                 "instead of scored 0, and a model could learn to hang them. Start serve with "
                 "--client-timeout %d and give clients as long (message_timeout_s, or timeout_s at "
-                "reset), or lower the step's timeout_sec.", len(late), self.runtime.bundle.name,
-                worst, late[worst], self.deadline, settings.client_timeout, settings.reply_margin,
-                math.ceil(late[worst] + settings.reply_margin + 15))
+                "reset), or lower the step's timeout_sec.",
+                len(late),
+                self.runtime.bundle.name,
+                worst,
+                late[worst],
+                self.deadline,
+                settings.client_timeout,
+                settings.reply_margin,
+                math.ceil(late[worst] + settings.reply_margin + 15),
+            )
 
     async def stop(self) -> None:
         if self._sweeper:
             self._sweeper.cancel()
-        await asyncio.gather(*(self.end_session(s, "the server shut down")
-                               for s in list(self.sessions.values())), return_exceptions=True)
+        await asyncio.gather(
+            *(self.end_session(s, "the server shut down") for s in list(self.sessions.values())),
+            return_exceptions=True,
+        )
 
     # -- HTTP routes
 
     async def health(self, request: Any) -> Any:
         warm = self.runtime.warm.counts
         # OpenEnv's own answer; with a warm pool, its envs beside the episodes (they hold no slot)
-        return json_reply({"status": "healthy", **({"episodes": len(self.runtime.live), "warm": warm}
-                                                   if warm["target"] else {})})
+        return json_reply(
+            {
+                "status": "healthy",
+                **({"episodes": len(self.runtime.live), "warm": warm} if warm["target"] else {}),
+            }
+        )
 
     async def metadata(self, request: Any) -> Any:
         bundle = self.runtime.bundle
         readme = bundle.root / "README.md"
-        return json_reply({"name": self.env_name, "description": bundle.description or bundle.name,
-                           "readme_content": readme.read_text() if readme.is_file() else None,
-                           "version": __version__, "author": None, "documentation_url": None})
+        return json_reply(
+            {
+                "name": self.env_name,
+                "description": bundle.description or bundle.name,
+                "readme_content": readme.read_text() if readme.is_file() else None,
+                "version": __version__,
+                "author": None,
+                "documentation_url": None,
+            }
+        )
 
     async def schema(self, request: Any) -> Any:
         return json_reply(OPENENV_SCHEMA)
@@ -9723,7 +12091,8 @@ class OpenEnvSurface:
 
     @staticmethod
     def _over_http(body: dict[str, Any]) -> dict[str, Any]:
-        """An observation as OpenEnv's HTTP routes send it: metadata on top even when empty (null)."""
+        """An observation as OpenEnv's HTTP routes send it: metadata on top even when empty
+        (null)."""
         return {**body, "metadata": body.get("metadata")}
 
     async def http_reset(self, request: Any) -> Any:
@@ -9745,10 +12114,11 @@ class OpenEnvSurface:
             return problem
         if problems := shape_problems(data, STEP_BODY, open_=True) + step_problems(data):
             return unprocessable(problems)
-        if problems := action_problems(data["action"]):      # loc within the action, as OpenEnv's
+        if problems := action_problems(data["action"]):  # loc within the action, as OpenEnv's
             return json_reply({"detail": problems}, 422)
-        return json_reply(self._over_http(
-            await OpenEnvSession(self.runtime, self.deadline).step(data["action"])))
+        return json_reply(
+            self._over_http(await OpenEnvSession(self.runtime, self.deadline).step(data["action"]))
+        )
 
     async def http_state(self, request: Any) -> Any:
         return json_reply(OpenEnvSession(self.runtime, self.deadline).state())
@@ -9763,14 +12133,23 @@ class OpenEnvSurface:
         (in any case, as OpenEnv matches it)."""
         if request.match_info["env"].lower() == self.env_name.lower():
             return None
-        return json_reply({"detail": f"no environment {request.match_info['env']!r}; this server "
-                                     f"serves {self.env_name!r}"}, 404)
+        return json_reply(
+            {
+                "detail": f"no environment {request.match_info['env']!r}; this server "
+                f"serves {self.env_name!r}"
+            },
+            404,
+        )
 
     async def splits(self, request: Any) -> Any:
         if wrong := self._not_ours(request):
             return wrong
-        return json_reply([{"name": s, "type": s if s in SPLIT_TYPES else "validation"}
-                           for s in self.runtime.bundle.splits])
+        return json_reply(
+            [
+                {"name": s, "type": s if s in SPLIT_TYPES else "validation"}
+                for s in self.runtime.bundle.splits
+            ]
+        )
 
     async def task_api(self, request: Any) -> Any:
         if wrong := self._not_ours(request):
@@ -9783,14 +12162,20 @@ class OpenEnvSurface:
             return unprocessable(problems)
         bundle, split = self.runtime.bundle, data["split"]
         if split not in bundle.splits:
-            return json_reply({"detail": f"Invalid task index: there is no split {split!r}; the "
-                                         f"splits are {', '.join(bundle.splits)}"}, 400)
+            return json_reply(
+                {
+                    "detail": f"Invalid task index: there is no split {split!r}; the "
+                    f"splits are {', '.join(bundle.splits)}"
+                },
+                400,
+            )
         tasks = bundle.splits[split]
         if route == "num_tasks":
             return json_reply({"num_tasks": len(tasks)})
         if route == "tasks":
-            return json_reply({"tasks": [task_row(t, i) for i, t in enumerate(tasks)],
-                               "env_name": self.env_name})
+            return json_reply(
+                {"tasks": [task_row(t, i) for i, t in enumerate(tasks)], "env_name": self.env_name}
+            )
         if route == "task":
             try:
                 index = int(data["index"])
@@ -9802,7 +12187,9 @@ class OpenEnvSurface:
         stop = None if stop is None else int(stop)
         if start < 0:
             return json_reply({"detail": "Invalid task index: start is a whole number from 0"}, 400)
-        return json_reply({"tasks": [task_row(t, start + i) for i, t in enumerate(tasks[start:stop])]})
+        return json_reply(
+            {"tasks": [task_row(t, start + i) for i, t in enumerate(tasks[start:stop])]}
+        )
 
     # -- JSON-RPC on POST /mcp and WebSocket /mcp
 
@@ -9813,57 +12200,98 @@ class OpenEnvSurface:
             return json_reply(rpc_error(None, -32700, f"Parse error: {exc}"))
         return json_reply(await self.rpc(message, None))
 
-    async def rpc(self, message: Any, owned: OpenEnvSession | None, held: bool = False,
-                  ) -> dict[str, Any]:
+    async def rpc(
+        self,
+        message: Any,
+        owned: OpenEnvSession | None,
+        held: bool = False,
+    ) -> dict[str, Any]:
         """Answer one JSON-RPC request; ``owned`` is the session of the socket it came on, whose
         lock the caller already ``held`` when it came inside a /ws message."""
-        if not isinstance(message, dict):     # a batch too: OpenEnv reads one request at a time
-            return rpc_error(None, -32700, "Parse error: a request is one JSON object, {\"jsonrpc\": "
-                                           "\"2.0\", \"method\": ..., \"params\": {...}, \"id\": ...} "
-                                           "(batches are not read)")
+        if not isinstance(message, dict):  # a batch too: OpenEnv reads one request at a time
+            return rpc_error(
+                None,
+                -32700,
+                'Parse error: a request is one JSON object, {"jsonrpc": '
+                '"2.0", "method": ..., "params": {...}, "id": ...} '
+                "(batches are not read)",
+            )
         problems = shape_problems(message, RPC_REQUEST)
         if not problems and message["jsonrpc"] != "2.0":
-            problems = [{"type": "literal_error", "loc": ["jsonrpc"], "msg": "Input should be '2.0'",
-                         "input": message["jsonrpc"]}]
+            problems = [
+                {
+                    "type": "literal_error",
+                    "loc": ["jsonrpc"],
+                    "msg": "Input should be '2.0'",
+                    "input": message["jsonrpc"],
+                }
+            ]
         if problems:
-            return rpc_error(None, -32600, f"Invalid Request: {told(problems)}; send {{\"jsonrpc\": "
-                                           "\"2.0\", \"method\": ..., \"params\": {...}, \"id\": ...}")
+            return rpc_error(
+                None,
+                -32600,
+                f'Invalid Request: {told(problems)}; send {{"jsonrpc": '
+                '"2.0", "method": ..., "params": {...}, "id": ...}',
+            )
         rid, method, params = message.get("id"), message["method"], message.get("params", {})
-        rid = int(rid) if isinstance(rid, float) else rid      # 1.0 is the id 1, as pydantic reads it
+        rid = int(rid) if isinstance(rid, float) else rid  # 1.0 is the id 1, as pydantic reads it
         if method == "openenv/session/create":
-            if owned is not None:      # a socket's session is the one its messages play on
+            if owned is not None:  # a socket's session is the one its messages play on
                 return {"jsonrpc": "2.0", "id": rid, "result": {"session_id": owned.id}}
             try:
-                return {"jsonrpc": "2.0", "id": rid, "result": {"session_id": self.open_session().id}}
+                return {
+                    "jsonrpc": "2.0",
+                    "id": rid,
+                    "result": {"session_id": self.open_session().id},
+                }
             except Capacity as exc:
                 return rpc_error(rid, -32000, str(exc), exc.data)
         if method == "openenv/session/close":
             if not params.get("session_id"):
-                return rpc_error(rid, -32602, "Invalid params: session_id is required, the session to "
-                                              "close")
+                return rpc_error(
+                    rid, -32602, "Invalid params: session_id is required, the session to close"
+                )
             if owned is not None and params["session_id"] == owned.id:
-                return rpc_error(rid, -32600, "this socket's own session closes with the socket: "
-                                              "close the socket (or send {\"type\": \"close\"})")
+                return rpc_error(
+                    rid,
+                    -32600,
+                    "this socket's own session closes with the socket: "
+                    'close the socket (or send {"type": "close"})',
+                )
             session = self.sessions.get(str(params.get("session_id")))
             if session is None:
                 return rpc_error(rid, -32602, f"no session {params.get('session_id')!r}")
             if session.attached:
                 session.close_asked = True
-                return {"jsonrpc": "2.0", "id": rid,
-                        "result": {"session_id": session.id, "closed": False, "closing": True}}
+                return {
+                    "jsonrpc": "2.0",
+                    "id": rid,
+                    "result": {"session_id": session.id, "closed": False, "closing": True},
+                }
             await self.end_session(session, "openenv/session/close", wait=False)
-            return {"jsonrpc": "2.0", "id": rid, "result": {"session_id": session.id, "closed": True}}
+            return {
+                "jsonrpc": "2.0",
+                "id": rid,
+                "result": {"session_id": session.id, "closed": True},
+            }
         if method not in ("tools/list", "tools/call"):
-            return rpc_error(rid, -32601, f"Method not found: {method}; this server answers "
-                                          "tools/list, tools/call, openenv/session/create and "
-                                          "openenv/session/close")
-        session = owned        # a socket's calls play on its own session, whatever they name
+            return rpc_error(
+                rid,
+                -32601,
+                f"Method not found: {method}; this server answers "
+                "tools/list, tools/call, openenv/session/create and "
+                "openenv/session/close",
+            )
+        session = owned  # a socket's calls play on its own session, whatever they name
         if owned is None and params.get("session_id") is not None:
             session = self.sessions.get(str(params["session_id"]))
             if session is None:
-                return rpc_error(rid, -32602, f"no session {params['session_id']!r}; create one "
-                                              "with openenv/session/create")
-        if session is None:       # no session: a throwaway env, which has no episode
+                return rpc_error(
+                    rid,
+                    -32602,
+                    f"no session {params['session_id']!r}; create one with openenv/session/create",
+                )
+        if session is None:  # no session: a throwaway env, which has no episode
             session = OpenEnvSession(self.runtime, self.deadline)
         if held and session is owned:
             return await session.mcp(method, params, rid)
@@ -9891,8 +12319,8 @@ class OpenEnvSurface:
                             await socket_.send_json(rpc_error(None, -32700, f"Parse error: {exc}"))
                             continue
                         await socket_.send_json(await inbox.while_open(self.rpc(request_, session)))
-        except ConnectionError:                 # the client left before a reply: frames are read
-            pass                                # ahead, so before any of them, not only a call's
+        except ConnectionError:  # the client left before a reply: frames are read
+            pass  # ahead, so before any of them, not only a call's
         finally:
             await self.end_session(session, "the session closed", wait=False)
         return socket_
@@ -9907,9 +12335,16 @@ class OpenEnvSurface:
             session = self.sessions.get(attach)
             if session is None or session.attached:
                 why = "is already attached to a socket" if session else "does not exist"
-                await socket_.send_json({"type": "error", "data": {
-                    "message": f"session {attach!r} {why}; create one with openenv/session/create",
-                    "code": "SESSION_ERROR"}})
+                await socket_.send_json(
+                    {
+                        "type": "error",
+                        "data": {
+                            "message": f"session {attach!r} {why}; create one with "
+                            "openenv/session/create",
+                            "code": "SESSION_ERROR",
+                        },
+                    }
+                )
                 await socket_.close()
                 return socket_
             session.attached = True
@@ -9917,8 +12352,12 @@ class OpenEnvSurface:
             try:
                 session = self.open_session()
             except Capacity as exc:
-                await socket_.send_json({"type": "error", "data": {
-                    "message": str(exc), "code": "CAPACITY_REACHED", **exc.data}})
+                await socket_.send_json(
+                    {
+                        "type": "error",
+                        "data": {"message": str(exc), "code": "CAPACITY_REACHED", **exc.data},
+                    }
+                )
                 await socket_.close()
                 return socket_
         session.socket = socket_
@@ -9926,8 +12365,12 @@ class OpenEnvSurface:
             async with read_ahead(socket_) as inbox:
                 while (message := await inbox.get()) is not None:
                     if message.type == aiohttp.WSMsgType.BINARY:
-                        await socket_.send_json({"type": "error", "data": {
-                            "message": BINARY_FRAME, "code": "INVALID_JSON"}})
+                        await socket_.send_json(
+                            {
+                                "type": "error",
+                                "data": {"message": BINARY_FRAME, "code": "INVALID_JSON"},
+                            }
+                        )
                         continue
                     if message.type != aiohttp.WSMsgType.TEXT:
                         continue
@@ -9936,7 +12379,9 @@ class OpenEnvSurface:
                     if reply is None:
                         break
                     await socket_.send_json(reply)
-        except ConnectionError:   # the client left before a reply (to any frame: they are read ahead)
+        except (
+            ConnectionError
+        ):  # the client left before a reply (to any frame: they are read ahead)
             log.info("An OpenEnv client left before its reply; ending its session.")
         finally:
             session.attached = False
@@ -9950,16 +12395,31 @@ class OpenEnvSurface:
         try:
             message = loads(text)
         except ValueError as exc:
-            return {"type": "error", "data": {"message": f"Invalid JSON: {exc}", "code": "INVALID_JSON"}}
-        if not isinstance(message, dict):     # (OpenEnv drops the session for this; we answer)
-            return invalid_frame([{"type": "model_type", "loc": [], "input": message,
-                                   "msg": 'Input should be a message object, such as {"type": '
-                                          '"state"}'}])
+            return {
+                "type": "error",
+                "data": {"message": f"Invalid JSON: {exc}", "code": "INVALID_JSON"},
+            }
+        if not isinstance(message, dict):  # (OpenEnv drops the session for this; we answer)
+            return invalid_frame(
+                [
+                    {
+                        "type": "model_type",
+                        "loc": [],
+                        "input": message,
+                        "msg": 'Input should be a message object, such as {"type": "state"}',
+                    }
+                ]
+            )
         kind, data = message.get("type", ""), message.get("data", {})
         if not isinstance(kind, str) or kind not in WS_MESSAGES:
-            return {"type": "error", "data": {"message": f"Unknown message type: {kind}; send reset, "
-                                                         "step, state, mcp or close",
-                                              "code": "UNKNOWN_TYPE"}}
+            return {
+                "type": "error",
+                "data": {
+                    "message": f"Unknown message type: {kind}; send reset, "
+                    "step, state, mcp or close",
+                    "code": "UNKNOWN_TYPE",
+                },
+            }
         problems = shape_problems(message, WS_MESSAGES[kind])
         if kind == "step" and not problems:
             problems = action_problems(data)
@@ -9973,113 +12433,217 @@ class OpenEnvSurface:
             return {"type": "state", "data": session.state()}
         if kind == "mcp":
             return {"type": "mcp", "data": await self.rpc(data, session, held=True)}
-        return None                                                          # close
+        return None  # close
 
-    ROUTES = [("GET", "/health", health), ("GET", "/metadata", metadata), ("GET", "/schema", schema),
-              ("GET", "/openapi.json", openapi), ("GET", "/ws", ws), ("GET", "/mcp", mcp_ws),
-              ("POST", "/mcp", mcp_http), ("POST", "/reset", http_reset), ("POST", "/step", http_step),
-              ("GET", "/state", http_state), ("GET", "/list_environments", list_environments),
-              ("GET", "/{env}/splits", splits), ("POST", "/{env}/tasks", task_api),
-              ("POST", "/{env}/num_tasks", task_api), ("POST", "/{env}/task", task_api),
-              ("POST", "/{env}/task_range", task_api)]
+    ROUTES = [
+        ("GET", "/health", health),
+        ("GET", "/metadata", metadata),
+        ("GET", "/schema", schema),
+        ("GET", "/openapi.json", openapi),
+        ("GET", "/ws", ws),
+        ("GET", "/mcp", mcp_ws),
+        ("POST", "/mcp", mcp_http),
+        ("POST", "/reset", http_reset),
+        ("POST", "/step", http_step),
+        ("GET", "/state", http_state),
+        ("GET", "/list_environments", list_environments),
+        ("GET", "/{env}/splits", splits),
+        ("POST", "/{env}/tasks", task_api),
+        ("POST", "/{env}/num_tasks", task_api),
+        ("POST", "/{env}/task", task_api),
+        ("POST", "/{env}/task_range", task_api),
+    ]
 
 
-STEP_BODY: Shape = {"action": (OBJECT, True), "timeout_s": (("number", "null"), False),
-                    "request_id": (TEXT + NULL, False)}
+STEP_BODY: Shape = {
+    "action": (OBJECT, True),
+    "timeout_s": (("number", "null"), False),
+    "request_id": (TEXT + NULL, False),
+}
 
 
 def step_problems(body: dict[str, Any]) -> list[dict[str, Any]]:
     """What OpenEnv's StepRequest bounds beyond types: timeout_s above 0, request_id ≤255."""
     problems = []
-    if isinstance(body.get("timeout_s"), (int, float)) and not isinstance(body["timeout_s"], bool) \
-            and not body["timeout_s"] > 0:
-        problems.append({"type": "greater_than", "loc": ["timeout_s"],
-                         "msg": "Input should be greater than 0", "input": body["timeout_s"]})
+    if (
+        isinstance(body.get("timeout_s"), (int, float))
+        and not isinstance(body["timeout_s"], bool)
+        and not body["timeout_s"] > 0
+    ):
+        problems.append(
+            {
+                "type": "greater_than",
+                "loc": ["timeout_s"],
+                "msg": "Input should be greater than 0",
+                "input": body["timeout_s"],
+            }
+        )
     if isinstance(body.get("request_id"), str) and len(body["request_id"]) > 255:
-        problems.append({"type": "string_too_long", "loc": ["request_id"],
-                         "msg": "String should have at most 255 characters", "input": body["request_id"]})
+        problems.append(
+            {
+                "type": "string_too_long",
+                "loc": ["request_id"],
+                "msg": "String should have at most 255 characters",
+                "input": body["request_id"],
+            }
+        )
     return problems
 
 
 def reset_problems(body: dict[str, Any]) -> list[dict[str, Any]]:
     """How a stateless reset's body breaks OpenEnv's ResetRequest (any other keys are the reset's):
     seed a whole number from 0, episode_id text of at most 255 characters."""
-    problems = shape_problems(body, {"seed": (WHOLE + NULL, False), "episode_id": (TEXT + NULL, False)},
-                              open_=True)
+    problems = shape_problems(
+        body, {"seed": (WHOLE + NULL, False), "episode_id": (TEXT + NULL, False)}, open_=True
+    )
     if not problems and body.get("seed") is not None and body["seed"] < 0:
-        problems.append({"type": "greater_than_equal", "loc": ["seed"],
-                         "msg": "Input should be greater than or equal to 0", "input": body["seed"]})
+        problems.append(
+            {
+                "type": "greater_than_equal",
+                "loc": ["seed"],
+                "msg": "Input should be greater than or equal to 0",
+                "input": body["seed"],
+            }
+        )
     if not problems and isinstance(body.get("episode_id"), str) and len(body["episode_id"]) > 255:
-        problems.append({"type": "string_too_long", "loc": ["episode_id"],
-                         "msg": "String should have at most 255 characters", "input": body["episode_id"]})
+        problems.append(
+            {
+                "type": "string_too_long",
+                "loc": ["episode_id"],
+                "msg": "String should have at most 255 characters",
+                "input": body["episode_id"],
+            }
+        )
     return problems
 
 
 def task_row(task: Task, index: int) -> dict[str, Any]:
     """A task as OpenEnv's task API describes it."""
     prompt, system_prompt = task.first_prompt
-    return {"id": task.id, "name": task.name, "index": index, "prompt": prompt,
-            "system_prompt": system_prompt, "agent": task.agent, "toolset": task.toolset.name}
+    return {
+        "id": task.id,
+        "name": task.name,
+        "index": index,
+        "prompt": prompt,
+        "system_prompt": system_prompt,
+        "agent": task.agent,
+        "toolset": task.toolset.name,
+    }
 
 
 _OPEN_OBJECT = {"type": "object", "additionalProperties": True}
 OPENENV_SCHEMA = {
-    "action": {"title": "CallToolAction", "type": "object", "additionalProperties": True,
-               "properties": {"type": {"type": "string", "enum": ["list_tools", "call_tool"]},
-                              "tool_name": {"type": "string"},
-                              "arguments": {"type": "object"}, "metadata": {"type": "object"}},
-               "required": ["type"]},
-    "observation": {"title": "CallToolObservation", "type": "object", "additionalProperties": True,
-                    "properties": {"done": {"type": "boolean"},
-                                   "reward": {"type": ["number", "null"]},
-                                   "metadata": _OPEN_OBJECT, "tool_name": {"type": ["string", "null"]},
-                                   "result": {}, "error": {"type": ["object", "null"]},
-                                   "tools": {"type": "array", "items": _OPEN_OBJECT}}},
-    "reset_observation": {"title": "Observation", "type": "object", "additionalProperties": True,
-                          "properties": {"done": {"type": "boolean"},
-                                         "reward": {"type": ["number", "null"]},
-                                         "metadata": _OPEN_OBJECT}},
-    "state": {"title": "State", "type": "object", "additionalProperties": True,
-              "properties": {"episode_id": {"type": ["string", "null"]},
-                             "step_count": {"type": "integer"}}},
+    "action": {
+        "title": "CallToolAction",
+        "type": "object",
+        "additionalProperties": True,
+        "properties": {
+            "type": {"type": "string", "enum": ["list_tools", "call_tool"]},
+            "tool_name": {"type": "string"},
+            "arguments": {"type": "object"},
+            "metadata": {"type": "object"},
+        },
+        "required": ["type"],
+    },
+    "observation": {
+        "title": "CallToolObservation",
+        "type": "object",
+        "additionalProperties": True,
+        "properties": {
+            "done": {"type": "boolean"},
+            "reward": {"type": ["number", "null"]},
+            "metadata": _OPEN_OBJECT,
+            "tool_name": {"type": ["string", "null"]},
+            "result": {},
+            "error": {"type": ["object", "null"]},
+            "tools": {"type": "array", "items": _OPEN_OBJECT},
+        },
+    },
+    "reset_observation": {
+        "title": "Observation",
+        "type": "object",
+        "additionalProperties": True,
+        "properties": {
+            "done": {"type": "boolean"},
+            "reward": {"type": ["number", "null"]},
+            "metadata": _OPEN_OBJECT,
+        },
+    },
+    "state": {
+        "title": "State",
+        "type": "object",
+        "additionalProperties": True,
+        "properties": {
+            "episode_id": {"type": ["string", "null"]},
+            "step_count": {"type": "integer"},
+        },
+    },
 }
 
 
 def openapi_document() -> dict[str, Any]:
     """An OpenAPI document of the routes this server answers."""
+
     def op(summary: str, body: bool = False) -> dict[str, Any]:
-        spec: dict[str, Any] = {"summary": summary, "responses": {"200": {
-            "description": "OK", "content": {"application/json": {"schema": {}}}}}}
+        spec: dict[str, Any] = {
+            "summary": summary,
+            "responses": {
+                "200": {"description": "OK", "content": {"application/json": {"schema": {}}}}
+            },
+        }
         if body:
             spec["requestBody"] = {"content": {"application/json": {"schema": {"type": "object"}}}}
         return spec
+
     paths = {
         "/health": {"get": op("Whether the server is up")},
         "/metadata": {"get": op("The bundle served: name, description, README")},
         "/schema": {"get": op("JSON schemas of the action, observation and state")},
-        "/reset": {"post": op("Stateless: play a task's first turn in a fresh episode, then end it", True)},
+        "/reset": {
+            "post": op("Stateless: play a task's first turn in a fresh episode, then end it", True)
+        },
         "/step": {"post": op("Stateless: always answers that the episode has ended", True)},
         "/state": {"get": op("Stateless: a fresh session's state")},
-        "/mcp": {"post": op("JSON-RPC: tools/list, tools/call, openenv/session/create and close", True),
-                 "get": op("WebSocket JSON-RPC, one session per connection")},
+        "/mcp": {
+            "post": op("JSON-RPC: tools/list, tools/call, openenv/session/create and close", True),
+            "get": op("WebSocket JSON-RPC, one session per connection"),
+        },
         "/ws": {"get": op("WebSocket OpenEnv session: reset, step, state, mcp, close")},
         "/list_environments": {"get": op("The environment served")},
-        "/metrics": {"get": op("Prometheus metrics: episodes, deploys, tool calls, masks, process")},
+        "/metrics": {
+            "get": op("Prometheus metrics: episodes, deploys, tool calls, masks, process")
+        },
         "/web": {"get": op("The web page: play a task by hand, watch the run")},
-        "/web/status": {"get": op("The run's numbers as JSON, the same as /metrics: episodes, "
-                                  "masks, rewards by split, deploy and tool-call p50/p95")},
+        "/web/status": {
+            "get": op(
+                "The run's numbers as JSON, the same as /metrics: episodes, "
+                "masks, rewards by split, deploy and tool-call p50/p95"
+            )
+        },
         "/{env}/splits": {"get": op("The splits: all, and one per eval")},
         "/{env}/tasks": {"post": op("The tasks of a split", True)},
         "/{env}/num_tasks": {"post": op("How many tasks a split has", True)},
         "/{env}/task": {"post": op("One task of a split", True)},
         "/{env}/task_range": {"post": op("A range of a split's tasks", True)},
     }
-    return {"openapi": "3.1.0", "info": {"title": "agentenv.py", "version": "1.0.0",
-                                         "description": f"agentenv.py {__version__}"},
-            "paths": paths, "components": {"schemas": {}},
-            "tags": [{"name": "Environment Control"}, {"name": "State Management"},
-                     {"name": "Environment Info"}, {"name": "Schema"}, {"name": "Health"},
-                     {"name": "Task API"}]}
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "agentenv.py",
+            "version": "1.0.0",
+            "description": f"agentenv.py {__version__}",
+        },
+        "paths": paths,
+        "components": {"schemas": {}},
+        "tags": [
+            {"name": "Environment Control"},
+            {"name": "State Management"},
+            {"name": "Environment Info"},
+            {"name": "Schema"},
+            {"name": "Health"},
+            {"name": "Task API"},
+        ],
+    }
 
 
 # ================================================================ 10. Gym surface
@@ -10096,6 +12660,8 @@ def session_cookie(request: Any) -> str | None:
     if (lone := LONE_SESSION_COOKIE.fullmatch(request.headers.get("Cookie", ""))) is not None:
         return lone.group(1)
     return request.cookies.get(GYM_COOKIE)
+
+
 # What end_turn answers on the last turn (eval stops there, the episode being scored)
 EPISODE_OVER = "Your turn is over, and so is the episode: it is being scored."
 
@@ -10108,19 +12674,32 @@ class OpenEnvClient:
     ``full``, given the data of the server's CAPACITY_REACHED, says so its own way, or raises
     EpisodeFailed to stop waiting."""
 
-    def __init__(self, http: aiohttp.ClientSession, url: str, deadline: float,
-                 warned: set[str] | None = None,
-                 full: Callable[[dict[str, Any]], None] | None = None):
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        url: str,
+        deadline: float,
+        warned: set[str] | None = None,
+        full: Callable[[dict[str, Any]], None] | None = None,
+    ):
         self.http, self.url, self.deadline = http, url, deadline
-        self.warned = warned if warned is not None else set()   # servers said to be at their limit
+        self.warned = warned if warned is not None else set()  # servers said to be at their limit
         self.full = full or self._wait_said_once
         self.socket: aiohttp.ClientWebSocketResponse | None = None
 
     async def reset(self, split: str, index: int) -> str:
         """Start the task at ``split[index]``; its first prompt, once its first turn is open."""
         # it waits self.deadline for the reply (reset_timeout, for Gym), and says so (timeout_s)
-        data = await self._session({"type": "reset", "data": {
-            "split": split, "index": index, "timeout_s": min(self.deadline, MAX_CLIENT_WAIT)}})
+        data = await self._session(
+            {
+                "type": "reset",
+                "data": {
+                    "split": split,
+                    "index": index,
+                    "timeout_s": min(self.deadline, MAX_CLIENT_WAIT),
+                },
+            }
+        )
         return str(((data.get("observation") or {}).get("metadata") or {}).get("prompt", ""))
 
     async def offered(self) -> list[dict[str, Any]]:
@@ -10135,29 +12714,42 @@ class OpenEnvClient:
         delay = 0.1
         while True:
             try:
-                self.socket = await self.http.ws_connect(self.url.rstrip("/") + "/ws", heartbeat=20,
-                                                         max_msg_size=MAX_BODY)
+                self.socket = await self.http.ws_connect(
+                    self.url.rstrip("/") + "/ws", heartbeat=20, max_msg_size=MAX_BODY
+                )
             except (aiohttp.ClientError, OSError) as exc:
-                raise EpisodeFailed(f"the server at {self.url} did not answer ({exc}); start it with "
-                                    "python agentenv.py serve BUNDLE", SESSION_LOST) from None
+                raise EpisodeFailed(
+                    f"the server at {self.url} did not answer ({exc}); start it with "
+                    "python agentenv.py serve BUNDLE",
+                    SESSION_LOST,
+                ) from None
             reply = await self._ask(first)
             data = reply.get("data") or {}
             if reply.get("type") != "error" or data.get("code") != "CAPACITY_REACHED":
                 break
             await self.socket.close()
             self.full(data)
-            await asyncio.sleep(delay)        # no event tells a client that a slot has freed
+            await asyncio.sleep(delay)  # no event tells a client that a slot has freed
             delay = min(delay * 2, 2.0)
         if reply.get("type") == "error":
-            raise EpisodeFailed(f"the server at {self.url} refused the session: {data.get('message')}")
+            raise EpisodeFailed(
+                f"the server at {self.url} refused the session: {data.get('message')}"
+            )
         self._raise_failure(data)
         return data
 
     def _wait_said_once(self, data: dict[str, Any]) -> None:
         if self.url not in self.warned:
             self.warned.add(self.url)
-            gym_log.warning(at_its_limit(f"the server at {self.url}", data.get("max_sessions"),
-                                         "sessions", "rollouts wait their turn", SERVE_FIX))
+            gym_log.warning(
+                at_its_limit(
+                    f"the server at {self.url}",
+                    data.get("max_sessions"),
+                    "sessions",
+                    "rollouts wait their turn",
+                    SERVE_FIX,
+                )
+            )
 
     async def list_tools(self) -> list[dict[str, Any]]:
         """The open turn's tools (without end_turn), as the model is shown them."""
@@ -10174,15 +12766,23 @@ class OpenEnvClient:
         return [t for t in tools if isinstance(t, dict) and t.get("name") != "end_turn"]
 
     async def call(self, name: str, arguments: dict[str, Any]) -> ToolResult:
-        data = (await self._ask({"type": "step", "data": {
-            "type": "call_tool", "tool_name": name, "arguments": arguments}})).get("data") or {}
+        data = (
+            await self._ask(
+                {
+                    "type": "step",
+                    "data": {"type": "call_tool", "tool_name": name, "arguments": arguments},
+                }
+            )
+        ).get("data") or {}
         observation = data.get("observation") or {}
         error = observation.get("error") or {}
         if error.get("error_type") == "timeout":
             return ToolResult(str(error.get("message", missed(name, self.deadline))), TIMEOUT)
         if error:
-            return ToolResult(str(error.get("message")), UNKNOWN_TOOL
-                              if error.get("error_type") == "tool_not_found" else TOOL_ERROR)
+            return ToolResult(
+                str(error.get("message")),
+                UNKNOWN_TOOL if error.get("error_type") == "tool_not_found" else TOOL_ERROR,
+            )
         self._raise_failure(data)
         if data.get("done"):
             raise EpisodeFailed("the episode ended on the server")
@@ -10191,14 +12791,26 @@ class OpenEnvClient:
 
     async def end_turn(self, reply: str) -> str | Outcome:
         """End the turn: the next turn's prompt, or the scored outcome."""
-        data = (await self._ask({"type": "step", "data": {
-            "type": "call_tool", "tool_name": "end_turn", "arguments": {"response": reply}}})
-                ).get("data") or {}
+        data = (
+            await self._ask(
+                {
+                    "type": "step",
+                    "data": {
+                        "type": "call_tool",
+                        "tool_name": "end_turn",
+                        "arguments": {"response": reply},
+                    },
+                }
+            )
+        ).get("data") or {}
         self._raise_failure(data)
         observation = data.get("observation") or {}
         if data.get("done"):
-            return Outcome("scored", (observation.get("metadata") or {}).get("scores") or {},
-                           data.get("reward"))
+            return Outcome(
+                "scored",
+                (observation.get("metadata") or {}).get("scores") or {},
+                data.get("reward"),
+            )
         return str((observation.get("result") or {}).get("prompt", ""))
 
     async def close(self) -> None:
@@ -10213,13 +12825,18 @@ class OpenEnvClient:
             await self.socket.send_json(message)
             frame = await self.socket.receive(timeout=self.deadline + 30)
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
-            raise EpisodeFailed(f"the server at {self.url} went away ({type(exc).__name__}: {exc}); "
-                                "check that it still runs", SESSION_LOST) from None
+            raise EpisodeFailed(
+                f"the server at {self.url} went away ({type(exc).__name__}: {exc}); "
+                "check that it still runs",
+                SESSION_LOST,
+            ) from None
         if frame.type != aiohttp.WSMsgType.TEXT:
             said = frame.extra if frame.type == aiohttp.WSMsgType.CLOSE and frame.extra else ""
-            raise EpisodeFailed(f"the server at {self.url} closed the session"
-                                + (f" ({said})" if said else "; check that it still runs"),
-                                SESSION_LOST)
+            raise EpisodeFailed(
+                f"the server at {self.url} closed the session"
+                + (f" ({said})" if said else "; check that it still runs"),
+                SESSION_LOST,
+            )
         reply = json.loads(frame.data)
         return reply if isinstance(reply, dict) else {}
 
@@ -10308,7 +12925,7 @@ class RemoteRollout(Rollout):
             async with asyncio.timeout(timeout):
                 return await self.client.call(name, arguments)
         except asyncio.TimeoutError:
-            await self.client.close()       # the server ends the episode with its socket
+            await self.client.close()  # the server ends the episode with its socket
             return ToolResult(missed(name, timeout), TIMEOUT)
 
     async def end_turn(self, reply: str) -> str | None:
@@ -10324,7 +12941,7 @@ class RemoteRollout(Rollout):
         return self.result
 
     async def close(self, reason: str, wait: bool = True) -> None:
-        await self.client.close()          # the server ends the episode with its socket
+        await self.client.close()  # the server ends the episode with its socket
 
 
 class Rollouts(abc.ABC):
@@ -10363,13 +12980,14 @@ class RemoteRollouts(Rollouts):
 
     def __init__(self, url: str, settings: Settings):
         self.url, self.settings = url, settings
-        self.warned: set[str] = set()      # the servers already said to be at their limit
+        self.warned: set[str] = set()  # the servers already said to be at their limit
         self.http: aiohttp.ClientSession | None = None
         self.env_name = ""
 
     async def start(self) -> None:
-        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
-                                          headers=client_headers())
+        self.http = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None), headers=client_headers()
+        )
         self.env_name = await environment_at(self.http, self.url)
 
     async def stop(self) -> None:
@@ -10378,8 +12996,9 @@ class RemoteRollouts(Rollouts):
 
     async def task_id(self, split: str, index: int) -> str:
         assert self.http is not None
-        async with self.http.post(f"{self.url.rstrip('/')}/{self.env_name}/task",
-                                  json={"split": split, "index": index}) as resp:
+        async with self.http.post(
+            f"{self.url.rstrip('/')}/{self.env_name}/task", json={"split": split, "index": index}
+        ) as resp:
             body = await resp.json()
             if resp.status != 200:
                 raise LookupError(str(body.get("detail")))
@@ -10393,7 +13012,8 @@ class RemoteRollouts(Rollouts):
 
 class RowShapeError(ValueError):
     """A row that names no task at all (no split or index of the right type): a body NeMo Gym's
-    servers refuse as unprocessable (422), where a task that doesn't exist is a bad request (400)."""
+    servers refuse as unprocessable (422), where a task that doesn't exist is a bad request
+    (400)."""
 
 
 class GymSession:
@@ -10405,9 +13025,9 @@ class GymSession:
         self.token, self.row, self.rollout, self.settings = token, row, rollout, settings
         self.failure: Failure | None = None
         self.tools: list[str] = []
-        self.finished = False          # the episode is over (scored)
-        self.resources_id: str | None = None     # the id an environment server gave the session
-        self.seeded_with = ""                    # a digest of that seed, to tell a retry apart
+        self.finished = False  # the episode is over (scored)
+        self.resources_id: str | None = None  # the id an environment server gave the session
+        self.seeded_with = ""  # a digest of that seed, to tell a retry apart
         self.lease = Lease()
         self.opened = asyncio.create_task(self._open())
 
@@ -10420,24 +13040,38 @@ class GymSession:
             async with asyncio.timeout(self.settings.reset_timeout):
                 _, self.tools = await self.rollout.open()
         except asyncio.TimeoutError:
-            self.fail(Failure(TRANSPORT_TIMEOUT, (
-                f"the episode was not deployed and at its first turn within reset_timeout "
-                f"({self.settings.reset_timeout:g}s): a deploy that slow, or a wait for a free "
-                "episode that long; raise reset_timeout or max_concurrent_envs in the resources "
-                "server's config")))
+            self.fail(
+                Failure(
+                    TRANSPORT_TIMEOUT,
+                    (
+                        f"the episode was not deployed and at its first turn within reset_timeout "
+                        f"({self.settings.reset_timeout:g}s): a deploy that slow, or a wait for a "
+                        "free "
+                        "episode that long; raise reset_timeout or max_concurrent_envs in the "
+                        "resources "
+                        "server's config"
+                    ),
+                )
+            )
             return
         except EpisodeFailed as exc:
             self.fail(exc.failure.told("the environment failed: "))
             return
-        except Exception as exc:                        # noqa: BLE001 - e.g. a garbled url: reply
+        except Exception as exc:  # noqa: BLE001 - e.g. a garbled url: reply
             gym_log.exception("Opening a rollout failed unexpectedly.")
             self.fail(Failure(INTERNAL_ERROR, f"agentenv.py failed: {type(exc).__name__}: {exc}"))
             return
         offered = row_tools(self.row)
         if offered is not None and set(offered) != {*self.tools, "end_turn"}:
-            self.fail(Failure(TOOLS_MISMATCH, (
-                f"the row offers the tools {sorted(offered)}, but its task offers "
-                f"{sorted({*self.tools, 'end_turn'})}; write the rows again with write-gym")))
+            self.fail(
+                Failure(
+                    TOOLS_MISMATCH,
+                    (
+                        f"the row offers the tools {sorted(offered)}, but its task offers "
+                        f"{sorted({*self.tools, 'end_turn'})}; write the rows again with write-gym"
+                    ),
+                )
+            )
 
     async def call(self, name: str, arguments: dict[str, Any]) -> str:
         """A tool call, answered with the text the model reads."""
@@ -10448,24 +13082,33 @@ class GymSession:
         ToolResult a wire renders; a call that could not run as asked has an error status."""
         await asyncio.shield(self.opened)
         if self.failure:
-            return ToolResult(f"the environment of this rollout failed, so {name} did not run "
-                              f"({self.failure}); the rollout will be masked", TOOL_ERROR)
+            return ToolResult(
+                f"the environment of this rollout failed, so {name} did not run "
+                f"({self.failure}); the rollout will be masked",
+                TOOL_ERROR,
+            )
         if self.finished:
             return ToolResult("the episode has ended; there are no more turns to play", NO_TURN)
         try:
             if name == "end_turn":
                 reply = arguments.get("response", "")
                 async with asyncio.timeout(self.settings.reset_timeout):
-                    prompt = await self.rollout.end_turn(reply if isinstance(reply, str) else
-                                                         json.dumps(reply))
+                    prompt = await self.rollout.end_turn(
+                        reply if isinstance(reply, str) else json.dumps(reply)
+                    )
                 if prompt is None:
                     self.finished = True
                     return ToolResult(EPISODE_OVER)
                 return ToolResult(prompt)
             result = await self.rollout.call(name, arguments, self.settings.tool_timeout)
         except asyncio.TimeoutError:
-            self.fail(Failure(TRANSPORT_TIMEOUT, f"end_turn did not hand over the next turn within "
-                                                 f"reset_timeout ({self.settings.reset_timeout:g}s)"))
+            self.fail(
+                Failure(
+                    TRANSPORT_TIMEOUT,
+                    f"end_turn did not hand over the next turn within "
+                    f"reset_timeout ({self.settings.reset_timeout:g}s)",
+                )
+            )
             return ToolResult(str(self.failure), TIMEOUT)
         except EpisodeFailed as exc:
             self.fail(exc.failure.told("the environment failed: "))
@@ -10488,8 +13131,13 @@ class GymSession:
                 reply = ""
             outcome = await self.rollout.outcome()
         except asyncio.TimeoutError:
-            self.fail(Failure(TRANSPORT_TIMEOUT, f"ending the turns and scoring took longer than "
-                                                 f"reset_timeout ({self.settings.reset_timeout:g}s)"))
+            self.fail(
+                Failure(
+                    TRANSPORT_TIMEOUT,
+                    f"ending the turns and scoring took longer than "
+                    f"reset_timeout ({self.settings.reset_timeout:g}s)",
+                )
+            )
             return None
         except EpisodeFailed as exc:
             self.fail(exc.failure.told("the environment failed: "))
@@ -10498,10 +13146,18 @@ class GymSession:
             self.fail(outcome.failure)
             return None
         reward = outcome.reward
-        if not isinstance(reward, (int, float)) or isinstance(reward, bool) or \
-                not math.isfinite(reward) or not 0.0 <= reward <= 1.0:
-            self.fail(Failure(VERIFIER_ERROR, f"the verifier's reward {reward!r} is not a finite "
-                                              "number from 0 to 1"))
+        if (
+            not isinstance(reward, (int, float))
+            or isinstance(reward, bool)
+            or not math.isfinite(reward)
+            or not 0.0 <= reward <= 1.0
+        ):
+            self.fail(
+                Failure(
+                    VERIFIER_ERROR,
+                    f"the verifier's reward {reward!r} is not a finite number from 0 to 1",
+                )
+            )
             return None
         return outcome
 
@@ -10510,26 +13166,37 @@ class GymSession:
         ``gym eval reverify`` recomputes a reward on a fresh episode. A call that answers other
         than it did in the rollout ends the replay, masked: that env does not replay."""
         items = [i for i in response["output"] if isinstance(i, dict)]
-        recorded = {i.get("call_id"): i.get("output") for i in items
-                    if i.get("type") == "function_call_output"}
+        recorded = {
+            i.get("call_id"): i.get("output")
+            for i in items
+            if i.get("type") == "function_call_output"
+        }
         for item in items:
             if item.get("type") != "function_call":
                 continue
             try:
                 arguments = loads(item["arguments"])
             except ValueError:
-                continue                     # simple_agent sent no call for arguments that aren't JSON
+                continue  # simple_agent sent no call for arguments that aren't JSON
             if not isinstance(arguments, dict):
-                continue                     # which the tool's route refused: nothing ran
+                continue  # which the tool's route refused: nothing ran
             text = await self.call(item["name"], arguments)
             if self.failure:
                 return None
             was = recorded.get(item.get("call_id"))
             if isinstance(was, str) and was != text:
-                self.fail(Failure(REPLAY_DIVERGED, (
-                    f"replayed, the call of {item['name']} answered {short(text, 300)!r}, but in the "
-                    f"rollout it answered {short(was, 300)!r}; an env that does not answer the same "
-                    "calls the same way cannot have its rollouts reverified")))
+                self.fail(
+                    Failure(
+                        REPLAY_DIVERGED,
+                        (
+                            f"replayed, the call of {item['name']} answered {short(text, 300)!r}, "
+                            "but in the "
+                            f"rollout it answered {short(was, 300)!r}; an env that does not answer "
+                            "the same "
+                            "calls the same way cannot have its rollouts reverified"
+                        ),
+                    )
+                )
                 return None
         return await self.verify(last_reply(response))
 
@@ -10543,13 +13210,13 @@ class GymSession:
 
 def gym_text(result: ToolResult) -> str:
     """A tool's result as the model reads it on Gym: its text, and an error said to be one."""
-    if result.status == OK or result.text.startswith("error"):   # an env's text may say so itself
+    if result.status == OK or result.text.startswith("error"):  # an env's text may say so itself
         return result.text
     return f"error: {result.text}"
 
 
 VERDICTS_KEPT = 2048
-SPENT_IDS_KEPT = 65_536      # closed resources_session_ids remembered, so a late seed can't revive one
+SPENT_IDS_KEPT = 65_536  # closed resources_session_ids remembered, so a late seed can't revive one
 
 
 def digest(text: str) -> str:
@@ -10561,9 +13228,9 @@ def digest(text: str) -> str:
 class Verdict:
     """What /verify answered for a rollout, kept small: the reply is rebuilt around the request."""
 
-    digest: str                             # of the model's last reply, to tell a retry apart
-    fields: dict[str, Any]                  # reward, mask_sample, failure_kind, ... (scored)
-    failure: Failure | None = None          # of a masked rollout
+    digest: str  # of the model's last reply, to tell a retry apart
+    fields: dict[str, Any]  # reward, mask_sample, failure_kind, ... (scored)
+    failure: Failure | None = None  # of a masked rollout
 
     @classmethod
     def of(cls, reply: str, outcome: Outcome | None, failure: Failure | None) -> Verdict:
@@ -10571,9 +13238,17 @@ class Verdict:
             assert failure is not None
             gym_log.warning("rollout masked: %s", failure)
             return cls(digest(reply), {}, failure)
-        return cls(digest(reply), {"reward": float(outcome.reward), "mask_sample": False,
-                                   "failure_kind": None, "failure_reason": None,
-                                   "scores": outcome.scores, **forfeit_of(outcome)})
+        return cls(
+            digest(reply),
+            {
+                "reward": float(outcome.reward),
+                "mask_sample": False,
+                "failure_kind": None,
+                "failure_reason": None,
+                "scores": outcome.scores,
+                **forfeit_of(outcome),
+            },
+        )
 
     def reply(self, body: dict[str, Any]) -> dict[str, Any]:
         return masked(body, self.failure, quiet=True) if self.failure else {**body, **self.fields}
@@ -10594,21 +13269,51 @@ def last_reply(response: Any) -> str:
     for item in reversed(output if isinstance(output, list) else []):
         if isinstance(item, dict) and item.get("type") == "message":
             parts = item.get("content")
-            return "".join(p["text"] for p in parts if isinstance(p, dict)
-                           and isinstance(p.get("text"), str)) if isinstance(parts, list) else ""
+            return (
+                "".join(
+                    p["text"]
+                    for p in parts
+                    if isinstance(p, dict) and isinstance(p.get("text"), str)
+                )
+                if isinstance(parts, list)
+                else ""
+            )
     return ""
 
 
 # -- aggregate metrics: the keys NeMo Gym's reward profiler computes, without importing Gym
 
-TASK_INDEX, ROLLOUT_INDEX = "_ng_task_index", "_ng_rollout_index"     # Gym stamps every rollout
+TASK_INDEX, ROLLOUT_INDEX = "_ng_task_index", "_ng_rollout_index"  # Gym stamps every rollout
 PROFILE_STATS = ("mean", "max", "min", "median", "std")
-# Gym summarizes across repeats the means of a repeat only, and of those not these (bounds, spreads).
-NOT_ACROSS_REPEATS_ENDS = ("/max", "/min", "/median", "/p5", "/p25", "/p75", "/p95", "/ci_low_95",
-                           "/ci_high_95", "/ci_lower", "/ci_upper", "_ci_lower", "_ci_upper",
-                           "_ci95_lower", "_ci95_upper", "/_ng_attempt_index", "/std_dev_across_runs",
-                           "/std_err_across_runs", "/avg_sample_std_dev")
-PERF_TOKEN_FIELDS = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "reasoning_tokens")
+# Gym summarizes across repeats the means of a repeat only, and of those not these (bounds,
+# spreads).
+NOT_ACROSS_REPEATS_ENDS = (
+    "/max",
+    "/min",
+    "/median",
+    "/p5",
+    "/p25",
+    "/p75",
+    "/p95",
+    "/ci_low_95",
+    "/ci_high_95",
+    "/ci_lower",
+    "/ci_upper",
+    "_ci_lower",
+    "_ci_upper",
+    "_ci95_lower",
+    "_ci95_upper",
+    "/_ng_attempt_index",
+    "/std_dev_across_runs",
+    "/std_err_across_runs",
+    "/avg_sample_std_dev",
+)
+PERF_TOKEN_FIELDS = (
+    "prompt_tokens",
+    "cached_prompt_tokens",
+    "completion_tokens",
+    "reasoning_tokens",
+)
 
 
 class MetricsError(ValueError):
@@ -10623,7 +13328,8 @@ def _number(value: Any) -> float | int | None:
 
 
 def _finite(value: Any) -> bool:
-    """A number JSON can carry and statistics can use (a whole number past a float's range isn't)."""
+    """A number JSON can carry and statistics can use (a whole number past a float's range
+    isn't)."""
     try:
         return isinstance(value, (int, float)) and math.isfinite(value)
     except OverflowError:
@@ -10646,8 +13352,10 @@ def _sample_std(values: list[float]) -> float:
 
 def _t_quantile(p: float, dof: int) -> float:
     """Student's t distribution's p-quantile (p > 0.5), by bisection on its CDF."""
-    def upper_tail(t: float) -> float:       # P(T > t) = I_x(dof/2, 1/2) / 2, x = dof/(dof + t^2)
+
+    def upper_tail(t: float) -> float:  # P(T > t) = I_x(dof/2, 1/2) / 2, x = dof/(dof + t^2)
         return _incomplete_beta(dof / (dof + t * t), dof / 2, 0.5) / 2
+
     low, high = 0.0, 1.0
     while upper_tail(high) > 1 - p:
         high *= 2
@@ -10666,10 +13374,18 @@ def _incomplete_beta(x: float, a: float, b: float) -> float:
         return 0.0 if x <= 0 else 1.0
     if x > (a + 1) / (a + b + 2):
         return 1 - _incomplete_beta(1 - x, b, a)
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-                     + a * math.log(x) + b * math.log(1 - x)) / a
+    front = (
+        math.exp(
+            math.lgamma(a + b)
+            - math.lgamma(a)
+            - math.lgamma(b)
+            + a * math.log(x)
+            + b * math.log(1 - x)
+        )
+        / a
+    )
     tiny, f, c, d = 1e-300, 1.0, 1.0, 0.0
-    for i in range(300):                    # Lentz's method
+    for i in range(300):  # Lentz's method
         m = i // 2
         if i == 0:
             step = 1.0
@@ -10701,9 +13417,10 @@ def _describe(rows: list[dict[str, float]], columns: list[str]) -> dict[str, flo
     """mean/max/min/median/std of each column over the rows that have it (a sample's std; 0 for
     a lone row), keyed ``stat/column``, as the profiler describes a group."""
     import statistics
+
     found = {c: [r[c] for r in rows if c in r] for c in columns}
     std = {c: _sample_std(v) for c, v in found.items() if len(v) > 1}
-    if not std:          # no column has a spread: those every row has get 0, as Gym reads it
+    if not std:  # no column has a spread: those every row has get 0, as Gym reads it
         std = {c: 0.0 for c, v in found.items() if v and len(v) == len(rows)}
     stats: dict[str, float] = {}
     for name in PROFILE_STATS:
@@ -10715,8 +13432,11 @@ def _describe(rows: list[dict[str, float]], columns: list[str]) -> dict[str, flo
                     stats[f"std/{column}"] = std[column]
                 continue
             stats[f"{name}/{column}"] = {
-                "mean": lambda v: sum(v) / len(v), "max": max, "min": min,
-                "median": lambda v: float(statistics.median(v))}[name](values)
+                "mean": lambda v: sum(v) / len(v),
+                "max": max,
+                "min": min,
+                "median": lambda v: float(statistics.median(v)),
+            }[name](values)
     return stats
 
 
@@ -10739,7 +13459,11 @@ def _usage(result: dict[str, Any]) -> dict[str, Any]:
 
 def _rollout_info(result: dict[str, Any]) -> dict[str, Any]:
     task, repeat = result.get(TASK_INDEX, 0), result.get(ROLLOUT_INDEX, 0)
-    info: dict[str, Any] = {"rollout_id": f"{task}:{repeat}", TASK_INDEX: task, ROLLOUT_INDEX: repeat}
+    info: dict[str, Any] = {
+        "rollout_id": f"{task}:{repeat}",
+        TASK_INDEX: task,
+        ROLLOUT_INDEX: repeat,
+    }
     if "reward" in result:
         info["reward"] = result["reward"]
     for key, value in (*_usage(result).items(), *result.items()):
@@ -10752,28 +13476,40 @@ def _rollout_info(result: dict[str, Any]) -> dict[str, Any]:
 def _across_repeats(repeats: list[dict[str, Any]]) -> dict[str, float]:
     """Each repeat's mean of a measurement, summarized over the repeats."""
     import statistics
+
     names = list(dict.fromkeys(k for r in repeats for k in r))
     out: dict[str, float] = {}
     for name in names:
-        if not name.startswith("mean/") or name.endswith(NOT_ACROSS_REPEATS_ENDS) or \
-                "_across_repeats/" in name:
+        if (
+            not name.startswith("mean/")
+            or name.endswith(NOT_ACROSS_REPEATS_ENDS)
+            or "_across_repeats/" in name
+        ):
             continue
         values = [r[name] for r in repeats if name in r]
         n, mean = len(values), sum(values) / len(values)
         std = _sample_std(values) if n > 1 else 0.0
-        out.update({f"mean_across_repeats/{name}": mean,
-                    f"median_across_repeats/{name}": float(statistics.median(values)),
-                    f"std_across_repeats/{name}": std, f"min_across_repeats/{name}": float(min(values)),
-                    f"max_across_repeats/{name}": float(max(values)),
-                    f"se_across_repeats/{name}": std / math.sqrt(n)})
+        out.update(
+            {
+                f"mean_across_repeats/{name}": mean,
+                f"median_across_repeats/{name}": float(statistics.median(values)),
+                f"std_across_repeats/{name}": std,
+                f"min_across_repeats/{name}": float(min(values)),
+                f"max_across_repeats/{name}": float(max(values)),
+                f"se_across_repeats/{name}": std / math.sqrt(n),
+            }
+        )
         if interval := _interval(mean, std / math.sqrt(n), n):
-            out[f"ci_low_95_across_repeats/{name}"], out[f"ci_high_95_across_repeats/{name}"] = interval
+            out[f"ci_low_95_across_repeats/{name}"], out[f"ci_high_95_across_repeats/{name}"] = (
+                interval
+            )
     return out
 
 
 def _per_repeat(measured: list[tuple[Any, Any, dict[str, float]]]) -> list[dict[str, Any]]:
     """A task played more than once: each repeat's (rollout index's) statistics over the tasks."""
     import statistics
+
     repeats = sorted({r for _, r, _ in measured})
     if len(repeats) < 2:
         return []
@@ -10783,8 +13519,11 @@ def _per_repeat(measured: list[tuple[Any, Any, dict[str, float]]]) -> list[dict[
     for repeat in repeats:
         mine = [(t, fields) for t, r, fields in measured if r == repeat]
         present = len({t for t, _ in mine})
-        entry: dict[str, Any] = {ROLLOUT_INDEX: int(repeat), "sample_count": present,
-                                 "missing_count": all_tasks - present}
+        entry: dict[str, Any] = {
+            ROLLOUT_INDEX: int(repeat),
+            "sample_count": present,
+            "missing_count": all_tasks - present,
+        }
         for column in columns:
             values = [fields[column] for _, fields in mine if column in fields]
             if not values:
@@ -10792,11 +13531,18 @@ def _per_repeat(measured: list[tuple[Any, Any, dict[str, float]]]) -> list[dict[
             n, mean = len(values), sum(values) / len(values)
             std = _sample_std(values) if n > 1 else 0.0
             sem = std / math.sqrt(n)
-            entry.update({f"mean/{column}": mean, f"median/{column}": float(statistics.median(values)),
-                          f"std/{column}": std, f"sem/{column}": sem,
-                          f"min/{column}": float(min(values)), f"max/{column}": float(max(values)),
-                          f"p25/{column}": _quantile(values, 0.25),
-                          f"p75/{column}": _quantile(values, 0.75)})
+            entry.update(
+                {
+                    f"mean/{column}": mean,
+                    f"median/{column}": float(statistics.median(values)),
+                    f"std/{column}": std,
+                    f"sem/{column}": sem,
+                    f"min/{column}": float(min(values)),
+                    f"max/{column}": float(max(values)),
+                    f"p25/{column}": _quantile(values, 0.25),
+                    f"p75/{column}": _quantile(values, 0.75),
+                }
+            )
             if interval := _interval(mean, sem, n):
                 entry[f"ci_low_95/{column}"], entry[f"ci_high_95/{column}"] = interval
         out.append(entry)
@@ -10806,6 +13552,7 @@ def _per_repeat(measured: list[tuple[Any, Any, dict[str, float]]]) -> list[dict[
 def perf_summary(records: list[dict[str, Any]], total: int) -> dict[str, Any] | None:
     """The rollouts' ng_perf stamps (Gym's observability), summarized; None when none has one."""
     import statistics
+
     if total <= 0 or not records:
         return None
 
@@ -10815,29 +13562,54 @@ def perf_summary(records: list[dict[str, Any]], total: int) -> dict[str, Any] | 
     def stat(name: str, v: list[float]) -> float:
         if name.startswith("p"):
             return _quantile(v, int(name[1:]) / 100)
-        return {"mean": statistics.fmean, "median": statistics.median, "total": sum,
-                "std": statistics.pstdev, "min": min, "max": max}[name](v)
+        return {
+            "mean": statistics.fmean,
+            "median": statistics.median,
+            "total": sum,
+            "std": statistics.pstdev,
+            "min": min,
+            "max": max,
+        }[name](v)
 
     summary: dict[str, Any] = {
         "overall_observability_coverage": len(records) / total,
         "token_observability_coverage": sum(
-            1 for r in records if _finite(r.get("token_observability_coverage"))
-            and r["token_observability_coverage"] > 0) / total}
+            1
+            for r in records
+            if _finite(r.get("token_observability_coverage"))
+            and r["token_observability_coverage"] > 0
+        )
+        / total,
+    }
     for field in PERF_TOKEN_FIELDS:
         if found := values(field):
-            summary.update({f"{name}_{field}": stat(name, found) for name in ("mean", "median", "total")})
+            summary.update(
+                {f"{name}_{field}": stat(name, found) for name in ("mean", "median", "total")}
+            )
     if turns := values("num_turns"):
-        summary.update({f"{name}_num_turns": stat(name, turns)
-                        for name in ("mean", "median", "std", "min", "p90", "max")})
-    per_turn = [r["completion_tokens"] / r["num_turns"] for r in records
-                if _finite(r.get("completion_tokens")) and _finite(r.get("num_turns"))
-                and r["num_turns"] > 0]
+        summary.update(
+            {
+                f"{name}_num_turns": stat(name, turns)
+                for name in ("mean", "median", "std", "min", "p90", "max")
+            }
+        )
+    per_turn = [
+        r["completion_tokens"] / r["num_turns"]
+        for r in records
+        if _finite(r.get("completion_tokens"))
+        and _finite(r.get("num_turns"))
+        and r["num_turns"] > 0
+    ]
     if per_turn:
         summary["mean_tokens_per_turn"] = stat("mean", per_turn)
         summary["median_tokens_per_turn"] = stat("median", per_turn)
     if latency := values("total_latency_ms"):
-        summary.update({f"total_latency_{name}_ms": stat(name, latency)
-                        for name in ("p50", "p90", "p99", "mean")})
+        summary.update(
+            {
+                f"total_latency_{name}_ms": stat(name, latency)
+                for name in ("p50", "p90", "p99", "mean")
+            }
+        )
     return summary
 
 
@@ -10848,58 +13620,92 @@ def aggregate_metrics(results: list[dict[str, Any]]) -> dict[str, Any]:
     repeat when a task was played more than once, the headline means (``key_metrics``), coverage
     when some rollouts were masked, and ``perf_summary`` from ng_perf stamps. Masked rollouts are
     counted, never measured. MetricsError for replies that cannot be told apart."""
-    reply: dict[str, Any] = {"group_level_metrics": [], "agent_metrics": {}, "key_metrics": {},
-                             "perf_summary": None, "repeat_level_metrics": []}
+    reply: dict[str, Any] = {
+        "group_level_metrics": [],
+        "agent_metrics": {},
+        "key_metrics": {},
+        "perf_summary": None,
+        "repeat_level_metrics": [],
+    }
     if not results:
         return reply
     for i, result in enumerate(results):
         for key in (TASK_INDEX, ROLLOUT_INDEX):
             value = result.get(key, 0)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise MetricsError(f"verify_responses[{i}] has {key} {value!r}: it must be a whole "
-                                   "number, as Gym stamps it")
+                raise MetricsError(
+                    f"verify_responses[{i}] has {key} {value!r}: it must be a whole "
+                    "number, as Gym stamps it"
+                )
     scored = [r for r in results if not r.get("mask_sample")]
     masked = len(results) - len(scored)
-    coverage = {} if not masked else {
-        "coverage/measured_rollouts": len(scored), "coverage/masked_rollouts": masked,
-        "coverage/measured_tasks": len({r.get(TASK_INDEX, 0) for r in scored}),
-        "coverage/fully_masked_tasks": len({r.get(TASK_INDEX, 0) for r in results}
-                                           - {r.get(TASK_INDEX, 0) for r in scored})}
-    reply["perf_summary"] = perf_summary([r["ng_perf"] for r in results
-                                          if isinstance(r.get("ng_perf"), dict)], len(results))
+    coverage = (
+        {}
+        if not masked
+        else {
+            "coverage/measured_rollouts": len(scored),
+            "coverage/masked_rollouts": masked,
+            "coverage/measured_tasks": len({r.get(TASK_INDEX, 0) for r in scored}),
+            "coverage/fully_masked_tasks": len(
+                {r.get(TASK_INDEX, 0) for r in results} - {r.get(TASK_INDEX, 0) for r in scored}
+            ),
+        }
+    )
+    reply["perf_summary"] = perf_summary(
+        [r["ng_perf"] for r in results if isinstance(r.get("ng_perf"), dict)], len(results)
+    )
     if not scored:
         reply["agent_metrics"], reply["key_metrics"] = dict(coverage), dict(coverage)
         return reply
     keys = collections.Counter((r.get(TASK_INDEX, 0), r.get(ROLLOUT_INDEX, 0)) for r in results)
     if repeated := [key for key, count in keys.items() if count > 1]:
-        raise MetricsError(f"verify_responses holds more than one rollout {repeated[0][1]} of task "
-                           f"{repeated[0][0]} ({TASK_INDEX}, {ROLLOUT_INDEX}); send each rollout once")
+        raise MetricsError(
+            f"verify_responses holds more than one rollout {repeated[0][1]} of task "
+            f"{repeated[0][0]} ({TASK_INDEX}, {ROLLOUT_INDEX}); send each rollout once"
+        )
     every, results = results, [{k: v for k, v in r.items() if k != "mask_sample"} for r in scored]
     measured = [(r.get(TASK_INDEX, 0), r.get(ROLLOUT_INDEX, 0), _measured(r)) for r in results]
     columns = list(dict.fromkeys(c for _, _, fields in measured for c in fields))
     by_task: dict[int, list[tuple[dict[str, Any], dict[str, float]]]] = {}
-    for result, (task, _, fields) in zip(results, measured):
+    for result, (task, _, fields) in zip(results, measured, strict=True):
         by_task.setdefault(task, []).append((result, fields))
     for task, mine in sorted(by_task.items()):
-        group = {TASK_INDEX: task, **_describe([f for _, f in mine], columns),
-                 "sample": {"agent_ref": {"name": "agent"}}, "num_rollouts": len(mine),
-                 "expected_num_rollouts": len(mine), "missing_num_rollouts": 0,
-                 "reward_profile_completion_pct": 100.0,
-                 "rollout_infos": sorted((_rollout_info(res) for res, _ in mine),
-                                         key=lambda info: info[ROLLOUT_INDEX])}
+        group = {
+            TASK_INDEX: task,
+            **_describe([f for _, f in mine], columns),
+            "sample": {"agent_ref": {"name": "agent"}},
+            "num_rollouts": len(mine),
+            "expected_num_rollouts": len(mine),
+            "missing_num_rollouts": 0,
+            "reward_profile_completion_pct": 100.0,
+            "rollout_infos": sorted(
+                (_rollout_info(res) for res, _ in mine), key=lambda info: info[ROLLOUT_INDEX]
+            ),
+        }
         reply["group_level_metrics"].append(group)
     repeats = _per_repeat(measured)
-    agent = {**_describe([f for _, _, f in measured], columns), **_across_repeats(repeats),
-             **coverage, "num_repeats": len({r.get(ROLLOUT_INDEX, 0) for r in every})}
+    agent = {
+        **_describe([f for _, _, f in measured], columns),
+        **_across_repeats(repeats),
+        **coverage,
+        "num_repeats": len({r.get(ROLLOUT_INDEX, 0) for r in every}),
+    }
     reply["agent_metrics"] = agent
     reply["key_metrics"] = {**{k: v for k, v in agent.items() if k.startswith("mean/")}, **coverage}
     reply["repeat_level_metrics"] = repeats
     return reply
 
 
-RESPONSE_KEYS = {"id": str, "created_at": (int, float), "model": str, "object": str,
-                 "output": list, "parallel_tool_calls": bool, "tool_choice": (str, dict),
-                 "tools": list}
+RESPONSE_KEYS = {
+    "id": str,
+    "created_at": (int, float),
+    "model": str,
+    "object": str,
+    "output": list,
+    "parallel_tool_calls": bool,
+    "tool_choice": (str, dict),
+    "tools": list,
+}
 
 
 def response_problem(response: Any) -> str | None:
@@ -10910,7 +13716,9 @@ def response_problem(response: Any) -> str | None:
     for key, kind in RESPONSE_KEYS.items():
         if key not in response:
             return f"it has no {key}"
-        if not isinstance(response[key], kind) or (kind is not bool and isinstance(response[key], bool)):
+        if not isinstance(response[key], kind) or (
+            kind is not bool and isinstance(response[key], bool)
+        ):
             return f"its {key} is {type(response[key]).__name__}"
     for i, item in enumerate(response["output"]):
         at = f"output[{i}]"
@@ -10921,15 +13729,18 @@ def response_problem(response: Any) -> str | None:
             parts = item.get("content")
             if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
                 return f"{at} is a message whose content is not a list of parts"
-            if any(p.get("type") == "output_text" and not isinstance(p.get("text"), str) for p in parts):
+            if any(
+                p.get("type") == "output_text" and not isinstance(p.get("text"), str) for p in parts
+            ):
                 return f"{at} is a message with an output_text whose text is not text"
         elif kind == "function_call":
             for key in ("name", "arguments", "call_id"):
                 if not isinstance(item.get(key), str):
                     return f"{at} is a function_call whose {key} is not text"
         elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str) or \
-                    not isinstance(item.get("output"), (str, list)):
+            if not isinstance(item.get("call_id"), str) or not isinstance(
+                item.get("output"), (str, list)
+            ):
                 return f"{at} is a function_call_output without a call_id and an output"
     return None
 
@@ -10937,12 +13748,17 @@ def response_problem(response: Any) -> str | None:
 def verify_problem(body: dict[str, Any]) -> str | None:
     """Why a /verify body is not a row with the model's response, or None."""
     params = body.get("responses_create_params")
-    if not isinstance(params, dict) or not isinstance(params.get("input"), (str, list)) or \
-            "response" not in body:
+    if (
+        not isinstance(params, dict)
+        or not isinstance(params.get("input"), (str, list))
+        or "response" not in body
+    ):
         return "verify takes the row with responses_create_params and the model's response"
     if problem := response_problem(body["response"]):
-        return (f"the response is not a Responses object: {problem}; send the rollout's final "
-                "Responses object, as NeMo Gym's simple_agent does")
+        return (
+            f"the response is not a Responses object: {problem}; send the rollout's final "
+            "Responses object, as NeMo Gym's simple_agent does"
+        )
     return None
 
 
@@ -10951,8 +13767,9 @@ class GymSurface:
     /close_session and /aggregate_metrics, by a session cookie, each answering within its bound.
     Its rollouts are played where ``rollouts`` plays them; its sessions count in ``sessions``."""
 
-    def __init__(self, rollouts: Rollouts, sessions: Sessions, settings: Settings,
-                 metrics: Metrics):
+    def __init__(
+        self, rollouts: Rollouts, sessions: Sessions, settings: Settings, metrics: Metrics
+    ):
         self.rollouts, self.settings, self.metrics = rollouts, settings, metrics
         self.sessions = sessions.gym
         self.by_resources_id: dict[str, str] = {}
@@ -10968,15 +13785,24 @@ class GymSurface:
         await self.rollouts.start()
         # Gym never verifies a rollout whose run failed or was cancelled: the sweep frees it.
         self._sweeper = asyncio.create_task(
-            sweep_idle("a NeMo Gym", "idle_timeout", self.sessions, self.settings.idle_timeout,
-                       lambda session, why: self._end(session, why, wait=False), self.metrics,
-                       "gym"))
+            sweep_idle(
+                "a NeMo Gym",
+                "idle_timeout",
+                self.sessions,
+                self.settings.idle_timeout,
+                lambda session, why: self._end(session, why, wait=False),
+                self.metrics,
+                "gym",
+            )
+        )
 
     async def stop(self) -> None:
         if self._sweeper:
             self._sweeper.cancel()
-        await asyncio.gather(*(self._end(s, "the server shut down") for s in list(self.sessions.values())),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(self._end(s, "the server shut down") for s in list(self.sessions.values())),
+            return_exceptions=True,
+        )
         await self.rollouts.stop()
 
     async def _end(self, session: GymSession, reason: str, wait: bool = True) -> None:
@@ -10998,15 +13824,19 @@ class GymSurface:
         """The row's split and index, checked against its task_id; raises ValueError."""
         split, index, task_id = row.get("split"), row.get("index"), row.get("task_id")
         if not isinstance(split, str) or not isinstance(index, int) or isinstance(index, bool):
-            raise RowShapeError("the row needs split (text) and index (a whole number) naming the task "
-                             "to play; write the rows with python agentenv.py write-gym")
+            raise RowShapeError(
+                "the row needs split (text) and index (a whole number) naming the task "
+                "to play; write the rows with python agentenv.py write-gym"
+            )
         try:
             task_id_here = await self.rollouts.task_id(split, index)
         except LookupError as exc:
             raise ValueError(str(exc)) from None
         if task_id is not None and not same_task(str(task_id), task_id_here):
-            raise ValueError(f"the row's task_id {task_id!r} is not the task at {split}[{index}], "
-                             f"which is {task_id_here!r}; write the rows again with write-gym")
+            raise ValueError(
+                f"the row's task_id {task_id!r} is not the task at {split}[{index}], "
+                f"which is {task_id_here!r}; write the rows again with write-gym"
+            )
         return split, index, task_id_here
 
     def _session(self, request: Any) -> GymSession | None:
@@ -11022,11 +13852,17 @@ class GymSurface:
         body, problem = await json_body(request)
         if problem:
             return problem
-        # Gym's environment servers name the session themselves, and seed again when a reply is lost.
+        # Gym's environment servers name the session themselves, and seed again when a reply is
+        # lost.
         resources_id = body.get("resources_session_id")
         if resources_id is not None and not (isinstance(resources_id, str) and resources_id):
-            return json_reply({"detail": "resources_session_id names the session: send it as non-empty "
-                                         "text, or leave it out and use the session cookie"}, 400)
+            return json_reply(
+                {
+                    "detail": "resources_session_id names the session: send it as non-empty "
+                    "text, or leave it out and use the session cookie"
+                },
+                400,
+            )
         row = body.get("task_data") if isinstance(body.get("task_data"), dict) else body
         try:
             split, index, _ = await self._task_of(row)
@@ -11037,17 +13873,28 @@ class GymSurface:
             seeded_with = digest(json.dumps(body, sort_keys=True))
             earlier = self.sessions.get(self.by_resources_id.get(resources_id, ""))
             if earlier is not None and earlier.seeded_with == seeded_with:
-                return self._seeded(earlier)                 # a retried seed: the same session
+                return self._seeded(earlier)  # a retried seed: the same session
             if earlier is not None:
-                return json_reply({"detail": f"resources_session_id {resources_id!r} was seeded already, "
-                                             "with another episode or task; give each session an id of "
-                                             "its own"}, 409)
+                return json_reply(
+                    {
+                        "detail": f"resources_session_id {resources_id!r} was seeded already, "
+                        "with another episode or task; give each session an id of "
+                        "its own"
+                    },
+                    409,
+                )
             if resources_id in self.spent:
-                return json_reply({"detail": f"resources_session_id {resources_id!r} was closed; a closed "
-                                             "id stays closed, so seed the new session with a new id"}, 409)
+                return json_reply(
+                    {
+                        "detail": f"resources_session_id {resources_id!r} was closed; a closed "
+                        "id stays closed, so seed the new session with a new id"
+                    },
+                    409,
+                )
         token = secrets.token_urlsafe(24)
-        session = self.sessions[token] = GymSession(token, row, self.rollouts.rollout(split, index),
-                                                    self.settings)
+        session = self.sessions[token] = GymSession(
+            token, row, self.rollouts.rollout(split, index), self.settings
+        )
         if resources_id is not None:
             session.resources_id, session.seeded_with = resources_id, seeded_with
             self.by_resources_id[resources_id] = token
@@ -11056,6 +13903,7 @@ class GymSurface:
     @staticmethod
     def _seeded(session: GymSession) -> Any:
         from aiohttp import web
+
         reply = {"resources_session_id": session.resources_id} if session.resources_id else {}
         response = web.json_response(reply)
         response.set_cookie(GYM_COOKIE, session.token, httponly=True, samesite="Lax")
@@ -11063,29 +13911,40 @@ class GymSurface:
 
     async def tool(self, request: Any) -> Any:
         from aiohttp import web
+
         name = request.match_info["tool"]
         if f"/{name}" in self.GET_PATHS:
-            raise web.HTTPMethodNotAllowed("POST", ["GET", "HEAD"])     # a GET route, never a tool
+            raise web.HTTPMethodNotAllowed("POST", ["GET", "HEAD"])  # a GET route, never a tool
         session = self._session(request)
         if session is None:
             if session_cookie(request) in self.verdicts:
-                return web.Response(status=409, text=f"error: this rollout was verified already, so "
-                                                     f"{name} cannot run; seed a new session for a "
-                                                     "new rollout")
-            return web.Response(status=400, text=f"error: no session: POST /seed_session with the "
-                                                 f"row first, then call {name} with its cookie")
+                return web.Response(
+                    status=409,
+                    text=f"error: this rollout was verified already, so "
+                    f"{name} cannot run; seed a new session for a "
+                    "new rollout",
+                )
+            return web.Response(
+                status=400,
+                text=f"error: no session: POST /seed_session with the "
+                f"row first, then call {name} with its cookie",
+            )
         try:
             arguments = loads(await read_body(request) or b"{}")
         except ValueError as exc:
-            return web.Response(status=400, text=f"error: the arguments of {name} are not JSON ({exc})")
+            return web.Response(
+                status=400, text=f"error: the arguments of {name} are not JSON ({exc})"
+            )
         if not isinstance(arguments, dict):
-            return web.Response(status=400, text=f"error: the arguments of {name} must be a JSON "
-                                                 "object")
+            return web.Response(
+                status=400, text=f"error: the arguments of {name} must be a JSON object"
+            )
         async with session.lease.using():
             text = await session.call(name, arguments)
         # A lone surrogate (JSON's "\ud800" escape, echoed back by the env) cannot be UTF-8.
-        return web.Response(body=text.encode("utf-8", "replace"), content_type="text/plain",
-                            charset="utf-8")
+        return web.Response(
+            body=text.encode("utf-8", "replace"), content_type="text/plain", charset="utf-8"
+        )
 
     async def verify(self, request: Any) -> Any:
         body, problem = await json_body(request)
@@ -11098,7 +13957,7 @@ class GymSurface:
             return await self._reverify(body)
         reply, session = last_reply(body.get("response")), self.sessions.get(token)
         if session is not None:
-            async with session.lease.using():        # a second verify waits for the first's verdict
+            async with session.lease.using():  # a second verify waits for the first's verdict
                 if token not in self.verdicts:
                     outcome = await session.verify(reply)
                     verdict = self.verdicts[token] = Verdict.of(reply, outcome, session.failure)
@@ -11110,13 +13969,21 @@ class GymSurface:
                     await self._end(session, "verified", wait=False)
         verdict = self.verdicts.get(token)
         if verdict is None:
-            lost = Failure(SESSION_LOST, "this server holds no session for the rollout (it was "
-                                         "closed, ended after idle_timeout, or the server restarted)")
+            lost = Failure(
+                SESSION_LOST,
+                "this server holds no session for the rollout (it was "
+                "closed, ended after idle_timeout, or the server restarted)",
+            )
             self.metrics.mask("gym", lost)
             return json_reply(masked(body, lost))
         if verdict.digest != digest(reply):
-            return json_reply({"detail": "this rollout was verified already, with another response; a "
-                                         "session scores once: seed a new session for a new rollout"}, 409)
+            return json_reply(
+                {
+                    "detail": "this rollout was verified already, with another response; a "
+                    "session scores once: seed a new session for a new rollout"
+                },
+                409,
+            )
         return json_reply(verdict.reply(body))
 
     async def _reverify(self, body: dict[str, Any]) -> Any:
@@ -11125,13 +13992,18 @@ class GymSurface:
         try:
             split, index, _ = await self._task_of(body)
         except ValueError as exc:
-            return json_reply({"detail": f"{exc}; a /verify without a session cookie replays the "
-                                         "rollout, so its row must name the task (or POST "
-                                         "/seed_session first, and send its cookie)"},
-                              422 if isinstance(exc, RowShapeError) else 400)
+            return json_reply(
+                {
+                    "detail": f"{exc}; a /verify without a session cookie replays the "
+                    "rollout, so its row must name the task (or POST "
+                    "/seed_session first, and send its cookie)"
+                },
+                422 if isinstance(exc, RowShapeError) else 400,
+            )
         token = secrets.token_urlsafe(24)
-        session = self.sessions[token] = GymSession(token, body, self.rollouts.rollout(split, index),
-                                                    self.settings)
+        session = self.sessions[token] = GymSession(
+            token, body, self.rollouts.rollout(split, index), self.settings
+        )
         reply = last_reply(body["response"])
         try:
             async with session.lease.using():
@@ -11159,16 +14031,21 @@ class GymSurface:
                 return json_reply({"resources_session_id": resources_id})
             try:
                 await self._end(session, "close_session", wait=False)
-            except Exception as exc:                    # noqa: BLE001
-                return json_reply({"resources_session_id": resources_id,
-                                   "detail": f"the session's env could not be released ({exc})"}, 500)
+            except Exception as exc:  # noqa: BLE001
+                return json_reply(
+                    {
+                        "resources_session_id": resources_id,
+                        "detail": f"the session's env could not be released ({exc})",
+                    },
+                    500,
+                )
             return json_reply({"resources_session_id": resources_id})
         session = self.sessions.get(token) if token else None
         if session is None:
             return json_reply({"status": "already_closed"})
         try:
             await self._end(session, "close_session", wait=False)
-        except Exception as exc:                        # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
             return json_reply({"status": "release_failed", "detail": str(exc)})
         return json_reply({"status": "closed"})
 
@@ -11178,19 +14055,36 @@ class GymSurface:
             return problem
         given = body.get("verify_responses")
         if not isinstance(given, list) or not all(isinstance(r, dict) for r in given):
-            return json_reply({"detail": [{"type": "list_type", "loc": ["body", "verify_responses"],
-                                           "msg": "verify_responses must be a list of the verify "
-                                                  "replies, each a JSON object"}]}, 422)
-        try:     # a run of thousands of rollouts: its arithmetic off the event loop
+            return json_reply(
+                {
+                    "detail": [
+                        {
+                            "type": "list_type",
+                            "loc": ["body", "verify_responses"],
+                            "msg": "verify_responses must be a list of the verify "
+                            "replies, each a JSON object",
+                        }
+                    ]
+                },
+                422,
+            )
+        try:  # a run of thousands of rollouts: its arithmetic off the event loop
             return json_reply(await asyncio.to_thread(aggregate_metrics, given))
         except MetricsError as exc:
             return json_reply({"detail": str(exc)}, 422)
 
     # Gym's servers answer liveness at / and these; OpenEnv's surface owns /health.
-    ROUTES = [("GET", "/", alive), ("GET", "/healthz", alive), ("GET", "/livez", alive),
-              ("GET", "/readyz", alive), ("POST", "/seed_session", seed), ("POST", "/verify", verify),
-              ("POST", "/close_session", close), ("POST", "/aggregate_metrics", aggregate),
-              ("GET", "/reverify_mode", reverify_mode)]
+    ROUTES = [
+        ("GET", "/", alive),
+        ("GET", "/healthz", alive),
+        ("GET", "/livez", alive),
+        ("GET", "/readyz", alive),
+        ("POST", "/seed_session", seed),
+        ("POST", "/verify", verify),
+        ("POST", "/close_session", close),
+        ("POST", "/aggregate_metrics", aggregate),
+        ("GET", "/reverify_mode", reverify_mode),
+    ]
     GET_PATHS = frozenset(path for method, path, _ in ROUTES if method == "GET")
     # Gym calls a tool at the route of its name: a catch-all, matched after every fixed route.
     TOOL_ROUTE = ("POST", "/{tool}", tool)
@@ -11199,18 +14093,26 @@ class GymSurface:
 async def environment_at(http: aiohttp.ClientSession, url: str) -> str:
     """The name of the environment a running server serves; AgentEnvError if none answers."""
     try:
-        async with http.get(url.rstrip("/") + "/list_environments",
-                            timeout=aiohttp.ClientTimeout(total=30)) as resp:
+        async with http.get(
+            url.rstrip("/") + "/list_environments", timeout=aiohttp.ClientTimeout(total=30)
+        ) as resp:
             if resp.status == 401:
-                raise AgentEnvError(f"the server at {url} asks for a bearer token, and "
-                                    + ("AGENTENV_TOKEN is not the one it was given"
-                                       if client_headers() else "none was sent")
-                                    + "; set AGENTENV_TOKEN to the token serve was given")
+                raise AgentEnvError(
+                    f"the server at {url} asks for a bearer token, and "
+                    + (
+                        "AGENTENV_TOKEN is not the one it was given"
+                        if client_headers()
+                        else "none was sent"
+                    )
+                    + "; set AGENTENV_TOKEN to the token serve was given"
+                )
             return str((await resp.json(content_type=None))[0])
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, LookupError, TypeError) as exc:
-        raise AgentEnvError(f"no agentenv.py server answered at {url} ({type(exc).__name__}: "
-                            f"{exc}); start it with python agentenv.py serve BUNDLE, or pass the "
-                            "bundle's folder instead of a URL") from None
+        raise AgentEnvError(
+            f"no agentenv.py server answered at {url} ({type(exc).__name__}: "
+            f"{exc}); start it with python agentenv.py serve BUNDLE, or pass the "
+            "bundle's folder instead of a URL"
+        ) from None
 
 
 def same_task(given: str, here: str) -> bool:
@@ -11224,20 +14126,42 @@ def masked(body: dict[str, Any], failure: Failure, quiet: bool = False) -> dict[
     if not quiet:
         gym_log.warning("rollout masked: %s", failure)
     config = body.get("instance_config") if isinstance(body.get("instance_config"), dict) else {}
-    return {**body, "reward": 0.0, "mask_sample": True, "failure_kind": failure.kind,
-            "failure_reason": failure.reason, "instance_config": {**config, "mask_sample": True}}
+    return {
+        **body,
+        "reward": 0.0,
+        "mask_sample": True,
+        "failure_kind": failure.kind,
+        "failure_reason": failure.reason,
+        "instance_config": {**config, "mask_sample": True},
+    }
 
 
 # ================================================================ 11. The app
 
 # Names a tool can't take, since Gym would call a route of the app instead: the first segment of
 # every fixed route of both surfaces, and the routes NeMo Gym's own servers answer.
-GYM_OWN_ROUTES = {"docs", "redoc", "openapi.json", "health", "healthz", "livez", "readyz", "stats",
-                  "reverify_mode", "mcp", "ng-rollout"}
-RESERVED_NAMES = frozenset({path.split("/")[1] for _, path, _ in
-                            (*OpenEnvSurface.ROUTES, *GymSurface.ROUTES)
-                            if path != "/" and not path.startswith("/{")} | GYM_OWN_ROUTES
-                           | {"web"})          # the web page's routes (WebPage, below)
+GYM_OWN_ROUTES = {
+    "docs",
+    "redoc",
+    "openapi.json",
+    "health",
+    "healthz",
+    "livez",
+    "readyz",
+    "stats",
+    "reverify_mode",
+    "mcp",
+    "ng-rollout",
+}
+RESERVED_NAMES = frozenset(
+    {
+        path.split("/")[1]
+        for _, path, _ in (*OpenEnvSurface.ROUTES, *GymSurface.ROUTES)
+        if path != "/" and not path.startswith("/{")
+    }
+    | GYM_OWN_ROUTES
+    | {"web"}
+)  # the web page's routes (WebPage, below)
 
 
 class Server:
@@ -11248,10 +14172,18 @@ class Server:
     serves the runtime's metrics at /metrics (a Gym server in url: mode keeps metrics of its own),
     and while episodes are live it logs a status line every ``status_interval`` seconds."""
 
-    def __init__(self, runtime: Runtime | None, settings: Settings = Settings(), *,
-                 url: str | None = None, host: str | None = "127.0.0.1", port: int | None = 8000,
-                 token: str | None = None):
+    def __init__(
+        self,
+        runtime: Runtime | None,
+        settings: Settings = Settings(),
+        *,
+        url: str | None = None,
+        host: str | None = "127.0.0.1",
+        port: int | None = 8000,
+        token: str | None = None,
+    ):
         from aiohttp import web
+
         self.runtime, self.settings, self.host, self.port = runtime, settings, host, port
         self.metrics = runtime.metrics if runtime else Metrics()
         # the page plays over OpenEnv's /ws, which only a server with a runtime has
@@ -11259,14 +14191,21 @@ class Server:
         # A request whose client goes away is cancelled (however the app is run): a call under
         # way stops, and its episode ends, instead of holding its box and slot to the end.
         self.guard = BrowserGuard(host, settings.allow_host)
-        self.app = web.Application(client_max_size=MAX_BODY, middlewares=[
-            json_errors(), self.guard.middleware(),
-            *([bearer_token(token, self.web and self.web.locked)] if token else [])],
-            handler_args={"handler_cancellation": True})
+        self.app = web.Application(
+            client_max_size=MAX_BODY,
+            middlewares=[
+                json_errors(),
+                self.guard.middleware(),
+                *([bearer_token(token, self.web and self.web.locked)] if token else []),
+            ],
+            handler_args={"handler_cancellation": True},
+        )
         sessions = Sessions(runtime.pool.limit if runtime else settings.max_concurrent_envs)
         self.metrics.watch("agentenv_sessions", "Live sessions, by wire", sessions.by_wire, "wire")
         self.openenv = OpenEnvSurface(runtime, sessions, settings) if runtime else None
-        rollouts: Rollouts = LocalRollouts(runtime) if runtime else RemoteRollouts(str(url), settings)
+        rollouts: Rollouts = (
+            LocalRollouts(runtime) if runtime else RemoteRollouts(str(url), settings)
+        )
         self.gym = GymSurface(rollouts, sessions, settings, self.metrics)
         self.surfaces = [s for s in (self.openenv, self.gym) if s is not None]
         self._status: asyncio.Task | None = None
@@ -11274,8 +14213,11 @@ class Server:
         _add_route(router, "GET", "/metrics", metrics_route(self.metrics))
         for method, path, handler in WebPage.ROUTES if self.web else ():
             _add_route(router, method, path, handler.__get__(self.web))
-        routes = [(method, path, handler.__get__(surface))
-                  for surface in self.surfaces for method, path, handler in surface.ROUTES]
+        routes = [
+            (method, path, handler.__get__(surface))
+            for surface in self.surfaces
+            for method, path, handler in surface.ROUTES
+        ]
         # aiohttp matches routes in the order they were added: the fixed routes of both surfaces
         # (and Gym's prefixed twins) come before the tool catch-all, which would take them. Routes
         # with a part of their own ({env}) come after it: a tool's path of one part never matches
@@ -11303,33 +14245,55 @@ class Server:
             # build_app's app learns where it listens only from its runner: it names the routes
             bundle = self.runtime.bundle
             url = f"http://{self.host}:{self.port}" if self.host is not None else ""
-            log.info("Serving %s: %d tasks in the splits %s, up to %d episodes at once, envs in the "
-                     "%s sandbox, %s(OpenEnv: %s/ws; NeMo Gym: %s/seed_session; metrics: "
-                     "%s/metrics; web page: %s/web).", bundle.name, len(bundle.tasks),
-                     ", ".join(bundle.splits), self.runtime.pool.limit, self.runtime.sandbox.kind,
-                     f"at {url} " if url else "", url, url, url, url)
+            log.info(
+                "Serving %s: %d tasks in the splits %s, up to %d episodes at once, envs in the "
+                "%s sandbox, %s(OpenEnv: %s/ws; NeMo Gym: %s/seed_session; metrics: "
+                "%s/metrics; web page: %s/web).",
+                bundle.name,
+                len(bundle.tasks),
+                ", ".join(bundle.splits),
+                self.runtime.pool.limit,
+                self.runtime.sandbox.kind,
+                f"at {url} " if url else "",
+                url,
+                url,
+                url,
+                url,
+            )
             warm, why = self.runtime.warm.counts["target"], self.runtime.warm_why
             if warm:
-                log.info("Keeping %d warm env(s) started and ready ahead of demand (%s), beside the "
-                         "%d episode slots%s.", warm, self.runtime.warm.describe(),
-                         self.runtime.pool.limit, "" if why is None else (
-                             f": by default {why}, so a step's rollouts "
-                             "take envs already up instead of each waiting for a cold deploy; "
-                             "--warm 0 (warm=0 to build_app, warm: 0 in a Gym config) turns it "
-                             "off, --warm N sets it"))
+                log.info(
+                    "Keeping %d warm env(s) started and ready ahead of demand (%s), beside the "
+                    "%d episode slots%s.",
+                    warm,
+                    self.runtime.warm.describe(),
+                    self.runtime.pool.limit,
+                    ""
+                    if why is None
+                    else (
+                        f": by default {why}, so a step's rollouts "
+                        "take envs already up instead of each waiting for a cold deploy; "
+                        "--warm 0 (warm=0 to build_app, warm: 0 in a Gym config) turns it "
+                        "off, --warm N sets it"
+                    ),
+                )
             elif why is not None:
-                log.info("Keeping no warm envs by default: %s (--warm N, warm=N to build_app or "
-                         "warm: N in a Gym config keeps N).", why)
+                log.info(
+                    "Keeping no warm envs by default: %s (--warm N, warm=N to build_app or "
+                    "warm: N in a Gym config keeps N).",
+                    why,
+                )
             self._status = asyncio.create_task(self._status_lines(self.runtime))
 
     async def _status_lines(self, runtime: Runtime) -> None:
         """Every status_interval, while episodes are live or waiting, one sentence of how the run
         goes; quiet when idle (the durations of a quiet interval are dropped all the same)."""
         while True:
-            await asyncio.sleep(self.settings.status_interval)   # a clock: nothing else ticks
+            await asyncio.sleep(self.settings.status_interval)  # a clock: nothing else ticks
             pool = runtime.pool
-            line = self.metrics.status(pool.in_use, pool.waiting, pool.limit,
-                                       self.settings.status_interval)
+            line = self.metrics.status(
+                pool.in_use, pool.waiting, pool.limit, self.settings.status_interval
+            )
             if pool.in_use or pool.waiting:
                 log.info(line)
 
@@ -11339,12 +14303,17 @@ class Server:
         if self.runtime is not None:
             pool = self.runtime.pool
             if self.metrics.totals(self.metrics.episodes) or pool.in_use or pool.waiting:
-                log.info(self.metrics.status(pool.in_use, pool.waiting, pool.limit,
-                                             self.settings.status_interval))
+                log.info(
+                    self.metrics.status(
+                        pool.in_use, pool.waiting, pool.limit, self.settings.status_interval
+                    )
+                )
             warm = self.runtime.warm
-            log.info("Shutting down: ending %d live episode(s) and tearing their envs down%s.",
-                     len(self.runtime.live),
-                     f", and removing {warm.live} warm env(s)" if warm.target else "")
+            log.info(
+                "Shutting down: ending %d live episode(s) and tearing their envs down%s.",
+                len(self.runtime.live),
+                f", and removing {warm.live} warm env(s)" if warm.target else "",
+            )
             self.runtime.begin_closing()
         for surface in reversed(self.surfaces):
             await surface.stop()
@@ -11352,8 +14321,13 @@ class Server:
             await self.runtime.close()
 
 
-def build_app(bundle: str | os.PathLike | collections.abc.Mapping[str, str | os.PathLike], *,
-              reward: str | None = None, token: str | None = None, **settings: Any) -> Any:
+def build_app(
+    bundle: str | os.PathLike | collections.abc.Mapping[str, str | os.PathLike],
+    *,
+    reward: str | None = None,
+    token: str | None = None,
+    **settings: Any,
+) -> Any:
     """The aiohttp application that serves a bundle on both wires (OpenEnv's and NeMo Gym's) out
     of one pool of episodes; run it with ``aiohttp.web.run_app(app, host=..., port=...)`` or any
     aiohttp runner. Its start-up opens the sandbox and builds the envs' images; its shutdown ends
@@ -11366,34 +14340,59 @@ def build_app(bundle: str | os.PathLike | collections.abc.Mapping[str, str | os.
     ``sandbox``, ``max_concurrent_envs``, the deadlines in seconds, ``warm``, ``warm_env``
     ({env: count}), each provider's options); a name that is no setting is refused by name. A
     bad argument raises AgentEnvError, saying the fix, before anything starts."""
-    checked = Settings.keywords({k: dict(v) if isinstance(v, collections.abc.Mapping) else v
-                                 for k, v in settings.items()}, "build_app", Settings.served())
+    checked = Settings.keywords(
+        {k: dict(v) if isinstance(v, collections.abc.Mapping) else v for k, v in settings.items()},
+        "build_app",
+        Settings.served(),
+    )
     return _server(bundle, reward=reward, token=token, settings=checked).app
 
 
-def _server(bundle: Any, *, reward: str | None, token: str | None, settings: Settings,
-            host: str | None = None, port: int | None = None, knob: str | None = None) -> Server:
+def _server(
+    bundle: Any,
+    *,
+    reward: str | None,
+    token: str | None,
+    settings: Settings,
+    host: str | None = None,
+    port: int | None = None,
+    knob: str | None = None,
+) -> Server:
     """build_app's Server (serve's too, which knows where it listens; a trainer's in-process one,
     whose pool ``knob`` raises): checked, loaded, unstarted."""
     if token is not None and (not isinstance(token, str) or not token):
-        raise AgentEnvError("token must be non-empty text (what clients send as Authorization: "
-                            "Bearer TOKEN), or None for no token")
+        raise AgentEnvError(
+            "token must be non-empty text (what clients send as Authorization: "
+            "Bearer TOKEN), or None for no token"
+        )
     if isinstance(bundle, collections.abc.Mapping):
         if not bundle:
-            raise AgentEnvError("the mapping of splits to bundle folders is empty; give at least "
-                                "one, such as {'train': 'bundles/train', 'eval': 'bundles/eval'}")
+            raise AgentEnvError(
+                "the mapping of splits to bundle folders is empty; give at least "
+                "one, such as {'train': 'bundles/train', 'eval': 'bundles/eval'}"
+            )
         for split in bundle:
             if not isinstance(split, str) or not split.strip() or split == "all":
-                raise AgentEnvError(f"{split!r} cannot name a split: name each bundle's split with "
-                                    "text other than 'all' (which holds every task)")
-        loaded = Bundle.of_splits({split: Bundle.load(folder, reward) for split, folder in bundle.items()})
+                raise AgentEnvError(
+                    f"{split!r} cannot name a split: name each bundle's split with "
+                    "text other than 'all' (which holds every task)"
+                )
+        loaded = Bundle.of_splits(
+            {split: Bundle.load(folder, reward) for split, folder in bundle.items()}
+        )
     elif isinstance(bundle, (str, os.PathLike)):
         loaded = Bundle.load(bundle, reward)
     else:
-        raise AgentEnvError(f"bundle must be a bundle's folder, or a mapping of split name to folder, "
-                            f"not {type(bundle).__name__}")
-    runtime = Runtime(loaded, settings, knob=knob or ("build_app's max_concurrent_envs" if host is None
-                                                      else SERVE_KNOB), serving=True)
+        raise AgentEnvError(
+            f"bundle must be a bundle's folder, or a mapping of split name to folder, "
+            f"not {type(bundle).__name__}"
+        )
+    runtime = Runtime(
+        loaded,
+        settings,
+        knob=knob or ("build_app's max_concurrent_envs" if host is None else SERVE_KNOB),
+        serving=True,
+    )
     return Server(runtime, settings, host=host, port=port, token=token)
 
 
@@ -11408,8 +14407,9 @@ def _add_route(router: Any, method: str, path: str, handler: Callable) -> None:
 def run_gym_server() -> None:
     """Run as NeMo Gym runs a resources server: ``python app.py`` in its folder, with its host,
     port and settings in ``NEMO_GYM_CONFIG_DICT`` under the instance ``NEMO_GYM_CONFIG_PATH``."""
-    from aiohttp import web
     import yaml
+    from aiohttp import web
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     try:
@@ -11418,13 +14418,17 @@ def run_gym_server() -> None:
         servers = full[instance]["resources_servers"]
         config = dict(next(iter(servers.values())))
     except (KeyError, TypeError, StopIteration, yaml.YAMLError) as exc:
-        sys.exit(f"agentenv.py: this resources server runs under NeMo Gym, which passes its config in "
-                 f"NEMO_GYM_CONFIG_DICT and NEMO_GYM_CONFIG_PATH ({type(exc).__name__}: {exc}); start "
-                 "it with gym env start --config configs/<name>.yaml")
+        sys.exit(
+            f"agentenv.py: this resources server runs under NeMo Gym, which passes its config in "
+            f"NEMO_GYM_CONFIG_DICT and NEMO_GYM_CONFIG_PATH ({type(exc).__name__}: {exc}); start "
+            "it with gym env start --config configs/<name>.yaml"
+        )
     if int(config.get("num_workers") or 1) > 1:
-        sys.exit(f"agentenv.py: num_workers is {config['num_workers']}, but a rollout's session lives "
-                 "in its server's process, so the resources server runs with one worker; remove "
-                 "num_workers from its config")
+        sys.exit(
+            f"agentenv.py: num_workers is {config['num_workers']}, but a rollout's session lives "
+            "in its server's process, so the resources server runs with one worker; remove "
+            "num_workers from its config"
+        )
     host = config.get("host") or full.get("default_host") or "127.0.0.1"
     port = int(config.get("port") or 8000)
     where = f"the resources server's config (configs/{instance}.yaml)"
@@ -11434,21 +14438,28 @@ def run_gym_server() -> None:
             server = Server(None, settings, url=str(config["url"]), host=host, port=port)
         elif config.get("bundle"):
             bundle = Bundle.load(Path(str(config["bundle"])).expanduser(), config.get("reward"))
-            runtime = Runtime(bundle, settings, knob=f"max_concurrent_envs in {where}", serving=True)
+            runtime = Runtime(
+                bundle, settings, knob=f"max_concurrent_envs in {where}", serving=True
+            )
             server = Server(runtime, settings, host=host, port=port)
         else:
-            sys.exit("agentenv.py: the resources server's config names neither url: (a running "
-                     "python agentenv.py serve) nor bundle: (a bundle folder); add one")
+            sys.exit(
+                "agentenv.py: the resources server's config names neither url: (a running "
+                "python agentenv.py serve) nor bundle: (a bundle folder); add one"
+            )
     except AgentEnvError as exc:
         sys.exit(f"agentenv.py: {exc}")
     wait_for_children_by_pidfd()
     try:
-        web.run_app(server.app, host=host, port=port, print=None, access_log=None, shutdown_timeout=30)
+        web.run_app(
+            server.app, host=host, port=port, print=None, access_log=None, shutdown_timeout=30
+        )
     except AgentEnvError as exc:
         sys.exit(f"agentenv.py: {exc}")
 
 
 # ---------------------------------------------------------------- the web page
+
 
 class WebPage:
     """``GET /web``: one page, with no build step and nothing fetched from anywhere else, on
@@ -11471,8 +14482,10 @@ class WebPage:
     @staticmethod
     def _html(text: str, status: int = 200, **headers: str) -> Any:
         from aiohttp import web
-        return web.Response(text=text, status=status, content_type="text/html",
-                            headers={**WEB_HEADERS, **headers})
+
+        return web.Response(
+            text=text, status=status, content_type="text/html", headers={**WEB_HEADERS, **headers}
+        )
 
     def locked(self, request: Any) -> Any:
         """What a request for the page without the token is answered (None: not the page)."""
@@ -11484,18 +14497,26 @@ class WebPage:
         return self._html(WEB_PAGE)
 
     async def status(self, request: Any) -> Any:
-        return json_reply({"bundle": self.runtime.bundle.name, "sandbox": self.runtime.sandbox.kind,
-                           "version": __version__, **self.metrics.numbers()})
+        return json_reply(
+            {
+                "bundle": self.runtime.bundle.name,
+                "sandbox": self.runtime.sandbox.kind,
+                "version": __version__,
+                **self.metrics.numbers(),
+            }
+        )
 
     ROUTES = [("GET", "/web", page), ("GET", "/web/status", status)]
 
 
 def _document(title: str, body: str, script: str) -> str:
     """A document of the page's: the head and style both share, its body, its script last."""
-    return ('<!doctype html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
-            '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-            f'<link rel="icon" href="data:,">\n<title>{title}</title>\n<style>{WEB_STYLE}</style>\n'
-            f'</head>\n<body>\n{body}<script>{script}</script>\n</body>\n</html>\n')
+    return (
+        '<!doctype html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        f'<link rel="icon" href="data:,">\n<title>{title}</title>\n<style>{WEB_STYLE}</style>\n'
+        f"</head>\n<body>\n{body}<script>{script}</script>\n</body>\n</html>\n"
+    )
 
 
 def _csp_source(text: str) -> str:
@@ -11568,7 +14589,7 @@ meter { display: block; width: 100%; height: 10px; }
 .bars { display: flex; align-items: flex-end; gap: 2px; height: 40px; border-bottom: 1px solid #c5ccd6; }
 .bars span { flex: 1; min-height: 1px; border-radius: 2px 2px 0 0; background: var(--accent); }
 .axis { font-size: 11px; }
-"""
+"""  # noqa: E501 - the page's own CSS or JavaScript, served as written
 
 # The form a browser is answered without the token.
 WEB_LOCKED_SCRIPT = r""""use strict";
@@ -11605,9 +14626,11 @@ form.addEventListener("submit", (event) => {
 const kept = sessionStorage.getItem("agentenv-token");
 if (kept) unlock(kept);
 }
-"""
+"""  # noqa: E501 - the page's own CSS or JavaScript, served as written
 
-WEB_LOCKED = _document("agentenv.py: token", r"""<header><h1>agentenv.py</h1></header>
+WEB_LOCKED = _document(
+    "agentenv.py: token",
+    r"""<header><h1>agentenv.py</h1></header>
 <main class="lock">
 <form id="unlock" class="card">
   <h2>This server asks for its token</h2>
@@ -11617,7 +14640,9 @@ WEB_LOCKED = _document("agentenv.py: token", r"""<header><h1>agentenv.py</h1></h
   <p id="said" class="alert" role="alert"></p>
 </form>
 </main>
-""", WEB_LOCKED_SCRIPT)
+""",  # noqa: E501 - the page's own HTML, served as written
+    WEB_LOCKED_SCRIPT,
+)
 
 # The page: play by hand on the left, the run on the right.
 WEB_SCRIPT = r""""use strict";
@@ -11995,9 +15020,11 @@ settle();
 splits().catch((error) => say(error.message, true));
 watch();
 }
-"""
+"""  # noqa: E501 - the page's own CSS or JavaScript, served as written
 
-WEB_PAGE = _document("agentenv.py", r"""<header><h1>agentenv.py</h1><span id="served"></span></header>
+WEB_PAGE = _document(
+    "agentenv.py",
+    r"""<header><h1>agentenv.py</h1><span id="served"></span></header>
 <main>
 <section aria-labelledby="play-title">
   <h2 id="play-title">Play by hand</h2>
@@ -12047,17 +15074,24 @@ WEB_PAGE = _document("agentenv.py", r"""<header><h1>agentenv.py</h1><span id="se
   <p id="updated" class="hint"></p>
 </section>
 </main>
-""", WEB_SCRIPT)
+""",  # noqa: E501 - the page's own HTML, served as written
+    WEB_SCRIPT,
+)
 
 # Both documents run only their own script and style, reach only their own origin (fetches and
 # /ws), and can't be framed; the form's document is written over with the page, so one policy
 # lets both scripts run.
 WEB_HEADERS = {
     "Content-Security-Policy": (
-        f"default-src 'none'; script-src {_csp_source(WEB_LOCKED_SCRIPT)} {_csp_source(WEB_SCRIPT)}; "
+        f"default-src 'none'; script-src {_csp_source(WEB_LOCKED_SCRIPT)} "
+        f"{_csp_source(WEB_SCRIPT)}; "
         f"style-src {_csp_source(WEB_STYLE)}; connect-src 'self'; img-src data:; base-uri 'none'; "
-        "form-action 'none'; frame-ancestors 'none'"),
-    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}
+        "form-action 'none'; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
 
 
 # ================================================================ 12. Writer
@@ -12078,27 +15112,39 @@ def check_tool_names(toolsets: dict[str, list[dict[str, Any]]]) -> None:
         for tool in tools:
             name = tool["name"]
             if not TOOL_NAME.fullmatch(name) or name in (".", ".."):
-                problems.append(f"toolset {toolset}: the tool {name!r} is not one path segment, and "
-                                "Gym calls a tool at the route of its name; rename it in the env "
-                                "(letters, digits, _ . ~ -)")
+                problems.append(
+                    f"toolset {toolset}: the tool {name!r} is not one path segment, and "
+                    "Gym calls a tool at the route of its name; rename it in the env "
+                    "(letters, digits, _ . ~ -)"
+                )
             elif name in RESERVED_NAMES or name == "end_turn":
-                problems.append(f"toolset {toolset}: the tool {name!r} has the name of one of the "
-                                "resources server's own routes, which Gym would call instead; rename "
-                                "it in the env")
+                problems.append(
+                    f"toolset {toolset}: the tool {name!r} has the name of one of the "
+                    "resources server's own routes, which Gym would call instead; rename "
+                    "it in the env"
+                )
     if problems:
         raise AgentEnvError("the rows can't be written:\n  - " + "\n  - ".join(problems))
 
 
 def function_tool(tool: dict[str, Any]) -> dict[str, Any]:
     """A tool as a Responses function tool."""
-    return {"type": "function", "name": tool["name"], "description": tool.get("description") or "",
-            "parameters": tool.get("input_schema") or {"type": "object", "properties": {}},
-            "strict": False}
+    return {
+        "type": "function",
+        "name": tool["name"],
+        "description": tool.get("description") or "",
+        "parameters": tool.get("input_schema") or {"type": "object", "properties": {}},
+        "strict": False,
+    }
 
 
-async def _toolsets_here(bundle: Bundle, settings: Settings, out: Callable[[str], None] | None = None,
-                         runtime: Runtime | None = None, who: str = "write-gym",
-                         ) -> dict[str, list[dict[str, Any]]]:
+async def _toolsets_here(
+    bundle: Bundle,
+    settings: Settings,
+    out: Callable[[str], None] | None = None,
+    runtime: Runtime | None = None,
+    who: str = "write-gym",
+) -> dict[str, list[dict[str, Any]]]:
     """The tools each toolset's first turn offers (one probe episode each, as far as that turn,
     cached by the runtime), on ``runtime`` when given, else on a runtime of its own, in the
     sandbox ``settings`` name; saying how far it has got."""
@@ -12110,20 +15156,27 @@ async def _toolsets_here(bundle: Bundle, settings: Settings, out: Callable[[str]
         for toolset, tasks in bundle.toolsets.items():
             started = time.monotonic()
             toolsets[toolset.name] = await runtime.toolset_tools(toolset, "the tools were listed")
-            progress.step(f"{toolset.name}: deployed {tasks[0].name} in "
-                          f"{time.monotonic() - started:.2f}s")
+            progress.step(
+                f"{toolset.name}: deployed {tasks[0].name} in {time.monotonic() - started:.2f}s"
+            )
     return toolsets
 
 
-async def _catalog_there(url: str, out: Callable[[str], None] | None = None, who: str = "write-gym",
-                         ) -> tuple[str, dict[str, list[dict[str, Any]]], dict[str, list[dict[str, Any]]]]:
+async def _catalog_there(
+    url: str,
+    out: Callable[[str], None] | None = None,
+    who: str = "write-gym",
+) -> tuple[str, dict[str, list[dict[str, Any]]], dict[str, list[dict[str, Any]]]]:
     """A running server's bundle name, its splits' task rows, and the tools of each toolset (one
     task of each played there as far as its first turn, saying how far it has got)."""
     async with aiohttp.ClientSession(headers=client_headers()) as http:
         env, rows = await _rows_there(http, url)
         toolsets: dict[str, list[dict[str, Any]]] = {}
-        progress = Progress(f"{who}: listing each toolset's tools at {url}",
-                            len({row.get("toolset", "(all)") for row in rows["all"]}), out)
+        progress = Progress(
+            f"{who}: listing each toolset's tools at {url}",
+            len({row.get("toolset", "(all)") for row in rows["all"]}),
+            out,
+        )
         for row in rows["all"]:
             key = row.get("toolset", "(all)")
             if key in toolsets:
@@ -12131,21 +15184,25 @@ async def _catalog_there(url: str, out: Callable[[str], None] | None = None, who
             client = OpenEnvClient(http, url, Settings.reset_timeout)
             started = time.monotonic()
             try:
-                if row["index"] == 0:       # what a session lists before any reset: no episode
+                if row["index"] == 0:  # what a session lists before any reset: no episode
                     toolsets[key] = await client.offered()
                 else:
                     await client.reset("all", row["index"])
                     toolsets[key] = await client.list_tools()
             except EpisodeFailed as exc:
-                raise AgentEnvError(f"the server at {url} could not play {row['name']}: {exc}") from None
+                raise AgentEnvError(
+                    f"the server at {url} could not play {row['name']}: {exc}"
+                ) from None
             finally:
                 await client.close()
             progress.step(f"{key}: played {row['name']} in {time.monotonic() - started:.2f}s")
     return env, rows, toolsets
 
 
-async def _rows_there(http: aiohttp.ClientSession, url: str,
-                      ) -> tuple[str, dict[str, list[dict[str, Any]]]]:
+async def _rows_there(
+    http: aiohttp.ClientSession,
+    url: str,
+) -> tuple[str, dict[str, list[dict[str, Any]]]]:
     """A running server's bundle name and its splits' task rows, from its task API."""
     base = url.rstrip("/")
     env = await environment_at(http, url)
@@ -12159,14 +15216,22 @@ async def _rows_there(http: aiohttp.ClientSession, url: str,
 
 
 def _bundle_rows(bundle: Bundle) -> dict[str, list[dict[str, Any]]]:
-    return {split: [task_row(task, i) for i, task in enumerate(tasks)]
-            for split, tasks in bundle.splits.items()}
+    return {
+        split: [task_row(task, i) for i, task in enumerate(tasks)]
+        for split, tasks in bundle.splits.items()
+    }
 
 
-async def write_gym(source: str, gym_root: str, settings: Settings = Settings(), *,
-                    reward: str | None = None, keep_prompts: bool = False,
-                    out: Callable[[str], None] = print,
-                    progress: Callable[[str], None] | None = None) -> Path:
+async def write_gym(
+    source: str,
+    gym_root: str,
+    settings: Settings = Settings(),
+    *,
+    reward: str | None = None,
+    keep_prompts: bool = False,
+    out: Callable[[str], None] = print,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
     """Write ``GYM_ROOT/resources_servers/<name>/``: app.py, a copy of agentenv.py, the venv's
     pyproject.toml, configs/<name>.yaml and data/<split>.jsonl for every split. What it wrote goes
     to ``out``; how far its deploys have got to ``progress`` (stderr by default). From a bundle,
@@ -12180,10 +15245,13 @@ async def write_gym(source: str, gym_root: str, settings: Settings = Settings(),
     else:
         bundle = Bundle.load(source, reward)
         bundle_name, rows = bundle.name, _bundle_rows(bundle)
-        _writable(gym_root, gym_name(bundle_name))       # refused before a deploy, if it is not
+        _writable(gym_root, gym_name(bundle_name))  # refused before a deploy, if it is not
         toolsets = await _toolsets_here(bundle, settings, progress)
-        where = {"bundle": str(bundle.root), "sandbox": settings.sandbox,
-                 **({"reward": reward} if reward else {})}
+        where = {
+            "bundle": str(bundle.root),
+            "sandbox": settings.sandbox,
+            **({"reward": reward} if reward else {}),
+        }
     check_tool_names(toolsets)
     name = gym_name(bundle_name)
     target = _writable(gym_root, name)
@@ -12191,21 +15259,29 @@ async def write_gym(source: str, gym_root: str, settings: Settings = Settings(),
     files = _server_files(name, bundle_name, {**where, **settings.gym_config(bundle=not remote)})
     for split, split_rows in rows.items():
         if not plain_name(split):
-            raise AgentEnvError(f"the split {split!r} cannot name a file of rows (data/<split>.jsonl) "
-                                "inside the server's folder; a split is named after its eval file, "
-                                "so rename the eval")
-        lines = [json.dumps(_gym_row(name, split, row, toolsets, kept), ensure_ascii=False)
-                 for row in split_rows]
+            raise AgentEnvError(
+                f"the split {split!r} cannot name a file of rows (data/<split>.jsonl) "
+                "inside the server's folder; a split is named after its eval file, "
+                "so rename the eval"
+            )
+        lines = [
+            json.dumps(_gym_row(name, split, row, toolsets, kept), ensure_ascii=False)
+            for row in split_rows
+        ]
         files[f"data/{split}.jsonl"] = "\n".join(lines) + "\n"
     for rel, text in files.items():
         path = target / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(path.name + ".partial")
         partial.write_text(text)
-        partial.replace(path)      # a file is replaced whole, never left half written
-    out("; ".join(f"data/{split}.jsonl: {len(split_rows):,} row{'s' if len(split_rows) != 1 else ''}"
-                  for split, split_rows in rows.items()))
-    out(f"wrote {Path(gym_root) / 'resources_servers' / name}")     # last: scripts read the path
+        partial.replace(path)  # a file is replaced whole, never left half written
+    out(
+        "; ".join(
+            f"data/{split}.jsonl: {len(split_rows):,} row{'s' if len(split_rows) != 1 else ''}"
+            for split, split_rows in rows.items()
+        )
+    )
+    out(f"wrote {Path(gym_root) / 'resources_servers' / name}")  # last: scripts read the path
     return target
 
 
@@ -12213,8 +15289,10 @@ def _writable(gym_root: str, name: str) -> Path:
     """The resources server's folder, unless it holds one write-gym did not write."""
     target = Path(gym_root).expanduser().resolve() / "resources_servers" / name
     if (target / "app.py").exists() and WRITTEN_BY not in (target / "app.py").read_text():
-        raise AgentEnvError(f"{target} holds a resources server that write-gym did not write; move "
-                            "it away or write into another Gym root")
+        raise AgentEnvError(
+            f"{target} holds a resources server that write-gym did not write; move "
+            "it away or write into another Gym root"
+        )
     return target
 
 
@@ -12222,45 +15300,76 @@ def _server_files(name: str, bundle_name: str, server: dict[str, Any]) -> dict[s
     """The resources server's files but its rows: app.py, agentenv.py, pyproject.toml and its Gym
     config (the server with ``server``'s keys, its simple_agent and its environment server)."""
     config = {
-        name: {"resources_servers": {name: {
-            "entrypoint": "app.py", "domain": "agent",
-            "description": f"{bundle_name}'s tasks, served by agentenv.py", **server}}},
-        f"{name}_simple_agent": {"responses_api_agents": {"simple_agent": {
-            "entrypoint": "app.py",
-            "resources_server": {"type": "resources_servers", "name": name},
-            "model_server": {"type": "responses_api_models", "name": "policy_model"}}}},
-        f"{name}_environment_server": {"environment_servers": {"legacy_agent": {
-            "entrypoint": "app.py",
-            "agent_server": {"type": "responses_api_agents", "name": f"{name}_simple_agent"}}}},
+        name: {
+            "resources_servers": {
+                name: {
+                    "entrypoint": "app.py",
+                    "domain": "agent",
+                    "description": f"{bundle_name}'s tasks, served by agentenv.py",
+                    **server,
+                }
+            }
+        },
+        f"{name}_simple_agent": {
+            "responses_api_agents": {
+                "simple_agent": {
+                    "entrypoint": "app.py",
+                    "resources_server": {"type": "resources_servers", "name": name},
+                    "model_server": {"type": "responses_api_models", "name": "policy_model"},
+                }
+            }
+        },
+        f"{name}_environment_server": {
+            "environment_servers": {
+                "legacy_agent": {
+                    "entrypoint": "app.py",
+                    "agent_server": {
+                        "type": "responses_api_agents",
+                        "name": f"{name}_simple_agent",
+                    },
+                }
+            }
+        },
     }
     return {
         "app.py": f'"""NeMo Gym resources server for the bundle {bundle_name}, {WRITTEN_BY}.\n\n'
-                  f"Gym runs it as `python app.py` in this folder; its settings are in "
-                  f"configs/{name}.yaml.\n\"\"\"\n\nimport agentenv\n\n"
-                  "if __name__ == \"__main__\":\n    agentenv.run_gym_server()\n",
+        f"Gym runs it as `python app.py` in this folder; its settings are in "
+        f'configs/{name}.yaml.\n"""\n\nimport agentenv\n\n'
+        'if __name__ == "__main__":\n    agentenv.run_gym_server()\n',
         "agentenv.py": Path(__file__).read_text(),
         "pyproject.toml": f'[project]\nname = "{name.replace("_", "-")}-resources-server"\n'
-                          f'version = "{__version__}"\nrequires-python = ">=3.11"\n'
-                          'dependencies = ["aiohttp>=3.9", "pyyaml>=6.0", "docker>=7.0", '
-                          '"prometheus-client>=0.17"]\n\n'
-                          '[build-system]\nrequires = ["setuptools>=68"]\n'
-                          'build-backend = "setuptools.build_meta"\n\n'
-                          '[tool.setuptools]\npy-modules = ["agentenv", "app"]\n',
+        f'version = "{__version__}"\nrequires-python = ">=3.11"\n'
+        'dependencies = ["aiohttp>=3.9", "pyyaml>=6.0", "docker>=7.0", '
+        '"prometheus-client>=0.17"]\n\n'
+        '[build-system]\nrequires = ["setuptools>=68"]\n'
+        'build-backend = "setuptools.build_meta"\n\n'
+        '[tool.setuptools]\npy-modules = ["agentenv", "app"]\n',
         f"configs/{name}.yaml": _yaml(config),
     }
 
 
-def _gym_row(name: str, split: str, row: dict[str, Any], toolsets: dict[str, list[dict[str, Any]]],
-             kept: dict[tuple[str, str], Any]) -> dict[str, Any]:
+def _gym_row(
+    name: str,
+    split: str,
+    row: dict[str, Any],
+    toolsets: dict[str, list[dict[str, Any]]],
+    kept: dict[tuple[str, str], Any],
+) -> dict[str, Any]:
     """A task's row of data/<split>.jsonl: its prompt (or the one kept) and its tools."""
     tools = [function_tool(t) for t in toolsets.get(row.get("toolset", "(all)"), [])]
     messages = [{"role": "user", "content": row["prompt"]}]
     if row.get("system_prompt"):
         messages.insert(0, {"role": "system", "content": row["system_prompt"]})
-    return {"responses_create_params": {"input": kept.get((split, row["id"]), messages),
-                                        "tools": [*tools, function_tool(END_TURN)]},
-            "agent_ref": {"type": "responses_api_agents", "name": f"{name}_simple_agent"},
-            "split": split, "index": row["index"], "task_id": row["id"]}
+    return {
+        "responses_create_params": {
+            "input": kept.get((split, row["id"]), messages),
+            "tools": [*tools, function_tool(END_TURN)],
+        },
+        "agent_ref": {"type": "responses_api_agents", "name": f"{name}_simple_agent"},
+        "split": split,
+        "index": row["index"],
+        "task_id": row["id"],
+    }
 
 
 def _prompts_in(data: Path) -> dict[tuple[str, str], Any]:
@@ -12277,6 +15386,7 @@ def _prompts_in(data: Path) -> dict[tuple[str, str], Any]:
 
 def _yaml(data: dict[str, Any]) -> str:
     import yaml
+
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 
@@ -12286,16 +15396,19 @@ eval_log = logging.getLogger("agentenv.eval")
 
 # The model's failures, apart from the environment's: the rollout is masked, never scored 0, and
 # counted as the model's. Gym has no word for them, so they are namespaced as its vocabulary asks.
-MODEL_HTTP_ERROR = "model:http_error"            # the endpoint answered an error, past the retries
-MODEL_TIMEOUT = "model:timeout"                  # no answer within --request-timeout, past them
-MODEL_UNREACHABLE = "model:unreachable"          # no connection to the endpoint, past them
-MODEL_REFUSAL = "model:refusal"                  # the model refused (a refusal, a content filter)
+MODEL_HTTP_ERROR = "model:http_error"  # the endpoint answered an error, past the retries
+MODEL_TIMEOUT = "model:timeout"  # no answer within --request-timeout, past them
+MODEL_UNREACHABLE = "model:unreachable"  # no connection to the endpoint, past them
+MODEL_REFUSAL = "model:refusal"  # the model refused (a refusal, a content filter)
 MODEL_CONTEXT_OVERFLOW = "model:context_overflow"  # the conversation outgrew the model's context
-MODEL_BAD_REPLY = "model:bad_reply"              # a reply that is not the API's shape
+MODEL_BAD_REPLY = "model:bad_reply"  # a reply that is not the API's shape
 RETRIED_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
-CONTEXT_WORDS = re.compile(r"context.{0,20}(length|window|limit)|too many tokens|maximum.{0,20}tokens"
-                           r"|prompt is too long|context_length_exceeded", re.I)
-PROGRESS_EVERY = 10.0        # seconds between progress lines when the terminal is not a TTY
+CONTEXT_WORDS = re.compile(
+    r"context.{0,20}(length|window|limit)|too many tokens|maximum.{0,20}tokens"
+    r"|prompt is too long|context_length_exceeded",
+    re.I,
+)
+PROGRESS_EVERY = 10.0  # seconds between progress lines when the terminal is not a TTY
 SLOWEST_SHOWN = 5
 
 
@@ -12304,7 +15417,8 @@ def is_model_failure(kind: str | None) -> bool:
 
 
 class ModelFailed(AgentEnvError):
-    """The model's endpoint failed a rollout (past its retries): the rollout is the model's failure."""
+    """The model's endpoint failed a rollout (past its retries): the rollout is the model's
+    failure."""
 
     def __init__(self, kind: str, reason: str):
         self.failure = Failure(kind, reason)
@@ -12315,13 +15429,15 @@ class ModelFailed(AgentEnvError):
 class ModelReply:
     """One answer of the model, as Responses items whichever API it spoke."""
 
-    response: dict[str, Any]          # the Responses object (output: this call's items)
-    seconds: float                    # the request's time, its retries included
+    response: dict[str, Any]  # the Responses object (output: this call's items)
+    seconds: float  # the request's time, its retries included
 
     @property
     def output(self) -> list[dict[str, Any]]:
         output = self.response.get("output")
-        return [item for item in output if isinstance(item, dict)] if isinstance(output, list) else []
+        return (
+            [item for item in output if isinstance(item, dict)] if isinstance(output, list) else []
+        )
 
 
 class ModelEndpoint:
@@ -12330,31 +15446,46 @@ class ModelEndpoint:
     them to simple_agent. A request that meets a 429, a 5xx or the timeout is retried with
     backoff, a bounded number of times; then ModelFailed says what the endpoint did."""
 
-    def __init__(self, http: aiohttp.ClientSession, url: str, model: str, api: str,
-                 settings: Settings, api_key: str | None = None,
-                 sampling: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        url: str,
+        model: str,
+        api: str,
+        settings: Settings,
+        api_key: str | None = None,
+        sampling: dict[str, Any] | None = None,
+    ):
         self.http, self.url, self.model, self.api = http, url.rstrip("/"), model, api
         self.settings, self.retries = settings, settings.model_retries
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.sampling = sampling or {}          # temperature, max_tokens: None leaves the row's
-        self.answered = False                   # the endpoint answered a request at least once
+        self.sampling = sampling or {}  # temperature, max_tokens: None leaves the row's
+        self.answered = False  # the endpoint answered a request at least once
 
     async def detect(self) -> str:
         """Which API to speak when none was named: Responses where the endpoint has the route, else
         Chat Completions. An empty body costs no generation: a server with the route refuses it
         (400 or 422), one without answers 404 or 405."""
         try:
-            async with self.http.post(f"{self.url}/responses", json={}, headers=self.headers,
-                                      timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            async with self.http.post(
+                f"{self.url}/responses",
+                json={},
+                headers=self.headers,
+                timeout=aiohttp.ClientTimeout(total=30),
+            ) as resp:
                 await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise AgentEnvError(f"the model's endpoint {self.url} did not answer ({type(exc).__name__}: "
-                                f"{exc}); check --model-url (it ends in /v1, as "
-                                "http://127.0.0.1:8001/v1) and that the server runs") from None
+            raise AgentEnvError(
+                f"the model's endpoint {self.url} did not answer ({type(exc).__name__}: "
+                f"{exc}); check --model-url (it ends in /v1, as "
+                "http://127.0.0.1:8001/v1) and that the server runs"
+            ) from None
         if status in (401, 403):
-            raise AgentEnvError(f"the model's endpoint {self.url} refused the key ({status}); set "
-                                "the variable --api-key-env names to a key it takes")
+            raise AgentEnvError(
+                f"the model's endpoint {self.url} refused the key ({status}); set "
+                "the variable --api-key-env names to a key it takes"
+            )
         self.api = "chat" if status in (404, 405) else "responses"
         return self.api
 
@@ -12362,8 +15493,11 @@ class ModelEndpoint:
         """The model's next reply to a row's ``responses_create_params`` with ``conversation``
         (the row's input and every item since) as its input."""
         if self.api == "responses":
-            body = {**{k: v for k, v in params.items() if v is not None}, "input": conversation,
-                    "model": self.model}
+            body = {
+                **{k: v for k, v in params.items() if v is not None},
+                "input": conversation,
+                "model": self.model,
+            }
             if self.sampling.get("temperature") is not None:
                 body["temperature"] = self.sampling["temperature"]
             if self.sampling.get("max_tokens") is not None:
@@ -12376,12 +15510,17 @@ class ModelEndpoint:
 
     def _checked(self, answer: Any) -> dict[str, Any]:
         if not isinstance(answer, dict) or not isinstance(answer.get("output"), list):
-            raise ModelFailed(MODEL_BAD_REPLY, f"the endpoint's reply is not a Responses object "
-                                               f"(no output list): {short(json.dumps(answer), 300)}")
+            raise ModelFailed(
+                MODEL_BAD_REPLY,
+                f"the endpoint's reply is not a Responses object "
+                f"(no output list): {short(json.dumps(answer), 300)}",
+            )
         for item in answer["output"]:
             for part in (item.get("content") or []) if isinstance(item, dict) else []:
                 if isinstance(part, dict) and part.get("type") == "refusal":
-                    raise ModelFailed(MODEL_REFUSAL, f"the model refused: {short(str(part.get('refusal')), 300)}")
+                    raise ModelFailed(
+                        MODEL_REFUSAL, f"the model refused: {short(str(part.get('refusal')), 300)}"
+                    )
         return answer
 
     async def _post(self, path: str, body: dict[str, Any]) -> tuple[Any, float]:
@@ -12390,38 +15529,56 @@ class ModelEndpoint:
         for attempt in range(self.retries + 1):
             last = attempt == self.retries
             try:
-                async with self.http.post(self.url + path, json=body, headers=self.headers,
-                                          timeout=aiohttp.ClientTimeout(
-                                              total=self.settings.request_timeout)) as resp:
+                async with self.http.post(
+                    self.url + path,
+                    json=body,
+                    headers=self.headers,
+                    timeout=aiohttp.ClientTimeout(total=self.settings.request_timeout),
+                ) as resp:
                     text = await resp.text(errors="replace")
                     self.answered = True
                     if resp.status == 200:
                         try:
                             return json.loads(text), time.monotonic() - started
                         except ValueError:
-                            raise ModelFailed(MODEL_BAD_REPLY, f"the endpoint answered {path} with "
-                                                               f"no JSON: {short(text, 300)}") from None
+                            raise ModelFailed(
+                                MODEL_BAD_REPLY,
+                                f"the endpoint answered {path} with no JSON: {short(text, 300)}",
+                            ) from None
                     failure = self._http_failure(path, resp.status, text)
                     if resp.status not in RETRIED_STATUSES or last:
-                        raise ModelFailed(failure.kind, failure.reason + (
-                            f", after {attempt + 1} tries" if attempt else ""))
+                        raise ModelFailed(
+                            failure.kind,
+                            failure.reason + (f", after {attempt + 1} tries" if attempt else ""),
+                        )
                     wait = _retry_after(resp.headers.get("Retry-After"), delay)
             except asyncio.TimeoutError:
                 if last:
-                    raise ModelFailed(MODEL_TIMEOUT, (
-                        f"the endpoint did not answer {path} within --request-timeout "
-                        f"({self.settings.request_timeout:g}s), {attempt + 1} tries; raise it for "
-                        "long generations, or check the server's load")) from None
+                    raise ModelFailed(
+                        MODEL_TIMEOUT,
+                        (
+                            f"the endpoint did not answer {path} within --request-timeout "
+                            f"({self.settings.request_timeout:g}s), {attempt + 1} tries; raise it "
+                            "for "
+                            "long generations, or check the server's load"
+                        ),
+                    ) from None
                 wait = delay
             except (aiohttp.ClientError, OSError) as exc:
                 if last:
-                    raise ModelFailed(MODEL_UNREACHABLE, (
-                        f"the endpoint at {self.url} could not be reached ({type(exc).__name__}: "
-                        f"{exc}), {attempt + 1} tries; check that it still runs")) from None
+                    raise ModelFailed(
+                        MODEL_UNREACHABLE,
+                        (
+                            f"the endpoint at {self.url} could not be reached "
+                            f"({type(exc).__name__}: "
+                            f"{exc}), {attempt + 1} tries; check that it still runs"
+                        ),
+                    ) from None
                 wait = delay
-            eval_log.info("The model's endpoint failed a request to %s; trying again in %.1fs.",
-                          path, wait)
-            await asyncio.sleep(wait)          # a backoff: no event says the endpoint recovered
+            eval_log.info(
+                "The model's endpoint failed a request to %s; trying again in %.1fs.", path, wait
+            )
+            await asyncio.sleep(wait)  # a backoff: no event says the endpoint recovered
             delay = min(delay * 2, 30.0)
         raise AssertionError("unreachable")
 
@@ -12432,32 +15589,55 @@ class ModelEndpoint:
             error = json.loads(text).get("error")
             said = str(error.get("message") if isinstance(error, dict) else error or text)
         if status in (400, 413) and CONTEXT_WORDS.search(said):
-            return Failure(MODEL_CONTEXT_OVERFLOW, f"the conversation outgrew the model's context: "
-                                                   f"{short(said, 300)}; raise the server's "
-                                                   "--max-model-len, or lower --max-steps")
-        return Failure(MODEL_HTTP_ERROR, f"the endpoint answered {path} with {status}: {short(said, 300)}")
+            return Failure(
+                MODEL_CONTEXT_OVERFLOW,
+                f"the conversation outgrew the model's context: "
+                f"{short(said, 300)}; raise the server's "
+                "--max-model-len, or lower --max-steps",
+            )
+        return Failure(
+            MODEL_HTTP_ERROR, f"the endpoint answered {path} with {status}: {short(said, 300)}"
+        )
 
 
 def _retry_after(header: str | None, default: float) -> float:
-    """The wait a 429 or 503 asks for (Retry-After in seconds), at most a minute; else ``default``."""
+    """The wait a 429 or 503 asks for (Retry-After in seconds), at most a minute; else
+    ``default``."""
     with contextlib.suppress(TypeError, ValueError):
-        return min(max(float(header), 0.0), 60.0)       # type: ignore[arg-type]
+        return min(max(float(header), 0.0), 60.0)  # type: ignore[arg-type]
     return default
 
 
-def chat_request(params: dict[str, Any], conversation: list[dict[str, Any]], model: str,
-                 sampling: dict[str, Any]) -> dict[str, Any]:
+def chat_request(
+    params: dict[str, Any], conversation: list[dict[str, Any]], model: str, sampling: dict[str, Any]
+) -> dict[str, Any]:
     """A Chat Completions body for a row's Responses params and the conversation so far."""
     body: dict[str, Any] = {"model": model, "messages": chat_messages(conversation, params)}
-    tools = [{"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
-                                               "parameters": t.get("parameters") or {"type": "object"}}}
-             for t in params.get("tools") or [] if isinstance(t, dict) and t.get("type") == "function"]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": t["name"],
+                "description": t.get("description") or "",
+                "parameters": t.get("parameters") or {"type": "object"},
+            },
+        }
+        for t in params.get("tools") or []
+        if isinstance(t, dict) and t.get("type") == "function"
+    ]
     if tools:
         body["tools"] = tools
-    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"),
-                         ("max_output_tokens", "max_tokens"), ("metadata", "metadata"),
-                         ("tool_choice", "tool_choice"), ("parallel_tool_calls", "parallel_tool_calls")):
-        if params.get(ours) is not None and (ours != "tool_choice" or isinstance(params[ours], str)):
+    for ours, theirs in (
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("max_output_tokens", "max_tokens"),
+        ("metadata", "metadata"),
+        ("tool_choice", "tool_choice"),
+        ("parallel_tool_calls", "parallel_tool_calls"),
+    ):
+        if params.get(ours) is not None and (
+            ours != "tool_choice" or isinstance(params[ours], str)
+        ):
             body[theirs] = params[ours]
     for key in ("temperature", "max_tokens"):
         if sampling.get(key) is not None:
@@ -12483,8 +15663,11 @@ def chat_messages(items: list[dict[str, Any]], params: dict[str, Any]) -> list[d
             role = "system" if item.get("role") == "developer" else item.get("role", "user")
             messages.append({"role": role, "content": _text_of(item.get("content"))})
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", "")},
+            }
             last = messages[-1] if messages else None
             if last and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
@@ -12492,56 +15675,104 @@ def chat_messages(items: list[dict[str, Any]], params: dict[str, Any]) -> list[d
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": str(item.get("output", ""))})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.get("call_id"),
+                    "content": str(item.get("output", "")),
+                }
+            )
         # reasoning items stay out: a chat endpoint takes no reasoning back
     return messages
 
 
 def responses_of_chat(answer: Any, params: dict[str, Any]) -> dict[str, Any]:
-    """A Chat Completions answer as the Responses object NeMo Gym's model servers would make of it."""
+    """A Chat Completions answer as the Responses object NeMo Gym's model servers would make of
+    it."""
     try:
         choice = answer["choices"][0]
         message = choice["message"]
         assert isinstance(message, dict)
     except (KeyError, IndexError, TypeError, AssertionError):
-        raise ModelFailed(MODEL_BAD_REPLY, "the endpoint's reply is not a chat completion (no "
-                                           f"choices[0].message): {short(json.dumps(answer), 300)}") from None
+        raise ModelFailed(
+            MODEL_BAD_REPLY,
+            "the endpoint's reply is not a chat completion (no "
+            f"choices[0].message): {short(json.dumps(answer), 300)}",
+        ) from None
     reason = choice.get("finish_reason")
     if message.get("refusal") or reason == "content_filter":
-        raise ModelFailed(MODEL_REFUSAL, "the model refused: " + short(
-            str(message.get("refusal") or "its reply was stopped by the content filter"), 300))
+        raise ModelFailed(
+            MODEL_REFUSAL,
+            "the model refused: "
+            + short(
+                str(message.get("refusal") or "its reply was stopped by the content filter"), 300
+            ),
+        )
     rid = str(answer.get("id") or "chatcmpl")
     output: list[dict[str, Any]] = []
     if message.get("reasoning_content"):
-        output.append({"type": "reasoning", "id": f"rs_{rid}", "summary": [
-            {"type": "summary_text", "text": str(message["reasoning_content"])}]})
+        output.append(
+            {
+                "type": "reasoning",
+                "id": f"rs_{rid}",
+                "summary": [{"type": "summary_text", "text": str(message["reasoning_content"])}],
+            }
+        )
     if message.get("content"):
-        output.append({"type": "message", "id": f"msg_{rid}", "role": "assistant", "status": "completed",
-                       "content": [{"type": "output_text", "text": str(message["content"]),
-                                    "annotations": []}]})
+        output.append(
+            {
+                "type": "message",
+                "id": f"msg_{rid}",
+                "role": "assistant",
+                "status": "completed",
+                "content": [
+                    {"type": "output_text", "text": str(message["content"]), "annotations": []}
+                ],
+            }
+        )
     for n, call in enumerate(message.get("tool_calls") or []):
         function = call.get("function") or {} if isinstance(call, dict) else {}
         arguments = function.get("arguments")
-        output.append({"type": "function_call", "id": f"fc_{rid}_{n}",
-                       "call_id": str(call.get("id") or f"call_{rid}_{n}"),
-                       "name": str(function.get("name", "")),
-                       "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
-                       "status": "completed"})
+        output.append(
+            {
+                "type": "function_call",
+                "id": f"fc_{rid}_{n}",
+                "call_id": str(call.get("id") or f"call_{rid}_{n}"),
+                "name": str(function.get("name", "")),
+                "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+                "status": "completed",
+            }
+        )
     usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else None
-    return {"id": rid, "object": "response", "created_at": answer.get("created") or 0,
-            "model": answer.get("model"), "status": "incomplete" if reason == "length" else "completed",
-            "incomplete_details": {"reason": "max_output_tokens"} if reason == "length" else None,
-            "output": output, "parallel_tool_calls": True, "tool_choice": "auto",
-            "tools": params.get("tools") or [],
-            "usage": None if usage is None else {
-                "input_tokens": usage.get("prompt_tokens", 0),
-                "input_tokens_details": {"cached_tokens": (usage.get("prompt_tokens_details") or {})
-                                         .get("cached_tokens", 0) or 0},
-                "output_tokens": usage.get("completion_tokens", 0),
-                "output_tokens_details": {"reasoning_tokens": (usage.get("completion_tokens_details") or {})
-                                          .get("reasoning_tokens", 0) or 0},
-                "total_tokens": usage.get("total_tokens", 0)}}
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": answer.get("created") or 0,
+        "model": answer.get("model"),
+        "status": "incomplete" if reason == "length" else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if reason == "length" else None,
+        "output": output,
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": params.get("tools") or [],
+        "usage": None
+        if usage is None
+        else {
+            "input_tokens": usage.get("prompt_tokens", 0),
+            "input_tokens_details": {
+                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                or 0
+            },
+            "output_tokens": usage.get("completion_tokens", 0),
+            "output_tokens_details": {
+                "reasoning_tokens": (usage.get("completion_tokens_details") or {}).get(
+                    "reasoning_tokens", 0
+                )
+                or 0
+            },
+            "total_tokens": usage.get("total_tokens", 0),
+        },
+    }
 
 
 def add_usage(total: dict[str, Any] | None, more: Any) -> dict[str, Any] | None:
@@ -12569,7 +15800,9 @@ class GymRoutes:
         self.http, self.url = http, url.rstrip("/")
         self.headers = client_headers()
 
-    async def _post(self, route: str, body: Any, cookies: dict[str, str]) -> tuple[int, str, dict[str, str]]:
+    async def _post(
+        self, route: str, body: Any, cookies: dict[str, str]
+    ) -> tuple[int, str, dict[str, str]]:
         headers = dict(self.headers)
         if cookies:
             headers["Cookie"] = "; ".join(f"{k}={v}" for k, v in cookies.items())
@@ -12578,8 +15811,11 @@ class GymRoutes:
                 text = await resp.text(errors="replace")
                 return resp.status, text, {k: m.value for k, m in resp.cookies.items()}
         except (aiohttp.ClientError, OSError) as exc:
-            raise EpisodeFailed(f"the environment's server at {self.url} went away ({type(exc).__name__}: "
-                                f"{exc}); check that it still runs", SESSION_LOST) from None
+            raise EpisodeFailed(
+                f"the environment's server at {self.url} went away ({type(exc).__name__}: "
+                f"{exc}); check that it still runs",
+                SESSION_LOST,
+            ) from None
 
     async def seed(self, row: dict[str, Any]) -> dict[str, str]:
         status, text, cookies = await self._post("/seed_session", row, {})
@@ -12622,7 +15858,11 @@ class Planned:
 
 def rollout_key(row: dict[str, Any], repeat: Any) -> tuple[str, str, int]:
     """What names a rollout in rollouts.jsonl, to skip it on a resumed run."""
-    return str(row.get("split")), str(row.get("task_id")), int(repeat) if isinstance(repeat, int) else -1
+    return (
+        str(row.get("split")),
+        str(row.get("task_id")),
+        int(repeat) if isinstance(repeat, int) else -1,
+    )
 
 
 class Player:
@@ -12636,8 +15876,11 @@ class Player:
         self.model, self.routes, self.max_steps = model, routes, max_steps
 
     async def play(self, planned: Planned) -> dict[str, Any]:
-        row = {**planned.row, "_ng_task_index": planned.task_index,
-               "_ng_rollout_index": planned.repeat}
+        row = {
+            **planned.row,
+            "_ng_task_index": planned.task_index,
+            "_ng_rollout_index": planned.repeat,
+        }
         params = row["responses_create_params"]
         started = time.monotonic()
         model_seconds, calls, usage, stop = 0.0, 0, None, "reply"
@@ -12663,7 +15906,11 @@ class Player:
                     break
                 function_calls = [i for i in reply.output if i.get("type") == "function_call"]
                 if not function_calls:
-                    stop = "reply" if any(i.get("type") == "message" for i in reply.output) else "empty"
+                    stop = (
+                        "reply"
+                        if any(i.get("type") == "message" for i in reply.output)
+                        else "empty"
+                    )
                     break
                 over = False
                 for call in function_calls:
@@ -12674,8 +15921,13 @@ class Player:
                     else:
                         text = await self.routes.call(str(call.get("name")), arguments, cookies)
                         over = over or (call.get("name") == "end_turn" and text == EPISODE_OVER)
-                    outputs.append({"type": "function_call_output", "call_id": call.get("call_id"),
-                                    "output": text})
+                    outputs.append(
+                        {
+                            "type": "function_call_output",
+                            "call_id": call.get("call_id"),
+                            "output": text,
+                        }
+                    )
                 if over:
                     stop = "end_turn"
                     break
@@ -12685,27 +15937,46 @@ class Player:
             final = {**response, "output": outputs, "usage": usage}
             line = await self.routes.verify({**row, "response": final}, cookies)
             line.update({k: v for k, v in row.items() if k.startswith("_ng_")})
-        except Exception as exc:                        # noqa: BLE001 - each kind is told below
+        except Exception as exc:  # noqa: BLE001 - each kind is told below
             if seeded:
                 await self.routes.close(cookies)
             if isinstance(exc, ModelFailed):
                 failure = exc.failure
             elif isinstance(exc, EpisodeFailed):
                 failure = exc.failure.told("the environment failed: ")
-            else:                                       # a bug of ours: that rollout alone fails
+            else:  # a bug of ours: that rollout alone fails
                 eval_log.exception("Playing a rollout failed unexpectedly.")
-                failure = Failure(INTERNAL_ERROR, f"agentenv.py failed: {type(exc).__name__}: {exc}")
+                failure = Failure(
+                    INTERNAL_ERROR, f"agentenv.py failed: {type(exc).__name__}: {exc}"
+                )
             # masked as the Gym surface masks a rollout the environment failed (NeMo RL reads
             # instance_config too), never scored 0
-            line = masked({**row, "response": {**response, "output": outputs, "usage": usage}},
-                          failure, quiet=True)
-            stop = "model_failed" if isinstance(exc, ModelFailed) else \
-                "env_failed" if isinstance(exc, EpisodeFailed) else "internal_error"
+            line = masked(
+                {**row, "response": {**response, "output": outputs, "usage": usage}},
+                failure,
+                quiet=True,
+            )
+            stop = (
+                "model_failed"
+                if isinstance(exc, ModelFailed)
+                else "env_failed"
+                if isinstance(exc, EpisodeFailed)
+                else "internal_error"
+            )
         seconds = time.monotonic() - started
-        line.update({"model": self.model.model, "api": self.model.api, "model_calls": calls,
-                     "stop_reason": stop,
-                     "timings": {"seconds": round(seconds, 4), "model_seconds": round(model_seconds, 4),
-                                 "env_seconds": round(max(seconds - model_seconds, 0.0), 4)}})
+        line.update(
+            {
+                "model": self.model.model,
+                "api": self.model.api,
+                "model_calls": calls,
+                "stop_reason": stop,
+                "timings": {
+                    "seconds": round(seconds, 4),
+                    "model_seconds": round(model_seconds, 4),
+                    "env_seconds": round(max(seconds - model_seconds, 0.0), 4),
+                },
+            }
+        )
         return line
 
 
@@ -12732,18 +16003,22 @@ class RolloutsFile:
                     key = rollout_key(line, line["_ng_rollout_index"])
                 except (ValueError, KeyError, TypeError):
                     if n == len(texts) and torn:
-                        continue                  # the half line a killed run left: played again
-                    raise AgentEnvError(f"{self.path} line {n} is not a rollout of eval; pass another "
-                                        "--output, or move the file away") from None
+                        continue  # the half line a killed run left: played again
+                    raise AgentEnvError(
+                        f"{self.path} line {n} is not a rollout of eval; pass another "
+                        "--output, or move the file away"
+                    ) from None
                 if line.get("model") not in (None, self.model):
-                    raise AgentEnvError(f"{self.path} holds rollouts of the model {line.get('model')!r}, "
-                                        f"not {self.model!r}; pass another --output to measure this one")
+                    raise AgentEnvError(
+                        f"{self.path} holds rollouts of the model {line.get('model')!r}, "
+                        f"not {self.model!r}; pass another --output to measure this one"
+                    )
                 if is_model_failure(line.get("failure_kind")):
                     self.retried += 1
                     continue
                 self.lines[key] = line
                 kept.append(text)
-            if torn or self.retried:                  # rewritten whole, never left half written
+            if torn or self.retried:  # rewritten whole, never left half written
                 partial = self.path.with_name(self.path.name + ".partial")
                 partial.write_text("".join(t + "\n" for t in kept))
                 partial.replace(self.path)
@@ -12789,8 +16064,10 @@ class EvalProgress:
         rate = self.done / elapsed
         eta = (self.total - self.done) / rate if rate else float("nan")
         mean = f"{sum(self.rewards) / len(self.rewards):.3f}" if self.rewards else "-"
-        return (f"eval: {self.done}/{self.total} rollouts, {rate:.2f}/s, ETA {_duration(eta)}, "
-                f"mean reward {mean}, masked {self.masked}, model failures {self.model_failed}")
+        return (
+            f"eval: {self.done}/{self.total} rollouts, {rate:.2f}/s, ETA {_duration(eta)}, "
+            f"mean reward {mean}, masked {self.masked}, model failures {self.model_failed}"
+        )
 
     def show(self, final: bool = False) -> None:
         self.shown = time.monotonic()
@@ -12805,8 +16082,13 @@ def _duration(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "-"
     seconds = int(round(seconds))
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else \
-        f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+        if seconds >= 3600
+        else f"{seconds // 60}m{seconds % 60:02d}s"
+        if seconds >= 60
+        else f"{seconds}s"
+    )
 
 
 def mean_interval(values: list[float]) -> tuple[float, float]:
@@ -12832,8 +16114,10 @@ def summary(lines: list[dict[str, Any]], repeats: int) -> list[str]:
             out.append(f"split {split}: no rollout was scored ({len(mine)} played)")
             continue
         mean, half = mean_interval(scored)
-        out.append(f"split {split}: mean reward {mean:.3f} ± {half:.3f} (95% interval), "
-                   f"{len(scored)} scored of {len(mine)}")
+        out.append(
+            f"split {split}: mean reward {mean:.3f} ± {half:.3f} (95% interval), "
+            f"{len(scored)} scored of {len(mine)}"
+        )
         if repeats > 1:
             by_task: dict[str, list[float]] = collections.defaultdict(list)
             for line in mine:
@@ -12843,24 +16127,37 @@ def summary(lines: list[dict[str, Any]], repeats: int) -> list[str]:
             if full:
                 best = mean_interval([max(r) for r in full])
                 avg = mean_interval([sum(r) / len(r) for r in full])
-                out.append(f"  over {repeats} repeats of {len(full)} tasks: pass@{repeats} "
-                           f"{best[0]:.3f} ± {best[1]:.3f} (a task's best reward), mean@{repeats} "
-                           f"{avg[0]:.3f} ± {avg[1]:.3f}")
-    env = collections.Counter(str(line.get("failure_kind")) for line in lines
-                              if line.get("mask_sample") and not is_model_failure(line.get("failure_kind")))
-    model = collections.Counter(str(line.get("failure_kind")) for line in lines
-                                if is_model_failure(line.get("failure_kind")))
-    out.append("masked by the environment: " + (", ".join(f"{k} {v}" for k, v in env.most_common())
-                                                or "none"))
-    out.append("the model's failures: " + (", ".join(f"{k} {v}" for k, v in model.most_common())
-                                           or "none"))
+                out.append(
+                    f"  over {repeats} repeats of {len(full)} tasks: pass@{repeats} "
+                    f"{best[0]:.3f} ± {best[1]:.3f} (a task's best reward), mean@{repeats} "
+                    f"{avg[0]:.3f} ± {avg[1]:.3f}"
+                )
+    env = collections.Counter(
+        str(line.get("failure_kind"))
+        for line in lines
+        if line.get("mask_sample") and not is_model_failure(line.get("failure_kind"))
+    )
+    model = collections.Counter(
+        str(line.get("failure_kind"))
+        for line in lines
+        if is_model_failure(line.get("failure_kind"))
+    )
+    out.append(
+        "masked by the environment: "
+        + (", ".join(f"{k} {v}" for k, v in env.most_common()) or "none")
+    )
+    out.append(
+        "the model's failures: " + (", ".join(f"{k} {v}" for k, v in model.most_common()) or "none")
+    )
     timed = sorted(lines, key=lambda line: -float((line.get("timings") or {}).get("seconds") or 0))
     if timed:
         slowest = []
         for line in timed[:SLOWEST_SHOWN]:
             name = str(line.get("task_id")).rsplit("/", 1)[-1]
             repeat = f" #{line.get('_ng_rollout_index')}" if repeats > 1 else ""
-            slowest.append(f"{name}{repeat} {float((line.get('timings') or {}).get('seconds') or 0):.1f}s")
+            slowest.append(
+                f"{name}{repeat} {float((line.get('timings') or {}).get('seconds') or 0):.1f}s"
+            )
         out.append("slowest: " + ", ".join(slowest))
     return out
 
@@ -12872,7 +16169,7 @@ class EvalPlan:
     source: str
     model_url: str
     model: str
-    api: str = "auto"                   # chat, responses, or auto: what the endpoint answers
+    api: str = "auto"  # chat, responses, or auto: what the endpoint answers
     splits: tuple[str, ...] = ("eval",)
     limit: int | None = None
     repeats: int = 1
@@ -12881,7 +16178,7 @@ class EvalPlan:
     api_key_env: str = "OPENAI_API_KEY"
     output: str = "rollouts.jsonl"
     reward: str | None = None
-    settings: Settings = Settings()     # the sandbox, the pool, the deadlines, the concurrency, ...
+    settings: Settings = Settings()  # the sandbox, the pool, the deadlines, the concurrency, ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -12892,28 +16189,36 @@ class Served:
     url: str
     bundle: str
     rows: dict[str, list[dict[str, Any]]]
-    toolsets: dict[str, list[dict[str, Any]]]        # by toolset name; end_turn not among them
+    toolsets: dict[str, list[dict[str, Any]]]  # by toolset name; end_turn not among them
 
 
 @contextlib.asynccontextmanager
-async def served(source: str, settings: Settings, *, reward: str | None = None,
-                 knob: str, who: str, out: Callable[[str], None] | None = None,
-                 ) -> AsyncIterator[Served]:
+async def served(
+    source: str,
+    settings: Settings,
+    *,
+    reward: str | None = None,
+    knob: str,
+    who: str,
+    out: Callable[[str], None] | None = None,
+) -> AsyncIterator[Served]:
     """A running serve's URL and what it serves: ``source`` itself when it is a URL, else the
     bundle at ``source`` served in-process on a loopback port (one pool, as ``serve``), torn down
     when the block ends. ``knob`` is what raises its pool; ``who`` says who lists the tools."""
     from aiohttp import web
+
     if source.startswith(("http://", "https://")):
         yield Served(source, *await _catalog_there(source, out, who))
         return
-    server = _server(source, reward=reward, token=None, settings=settings, host="127.0.0.1",
-                     port=0, knob=knob)
+    server = _server(
+        source, reward=reward, token=None, settings=settings, host="127.0.0.1", port=0, knob=knob
+    )
     runner = web.AppRunner(server.app, access_log=None, shutdown_timeout=30)
     await runner.setup()
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        port = runner.addresses[0][1]                 # (host, port) of the one site, bound
+        port = runner.addresses[0][1]  # (host, port) of the one site, bound
         assert server.runtime is not None
         bundle = server.runtime.bundle
         toolsets = await _toolsets_here(bundle, settings, out, runtime=server.runtime, who=who)
@@ -12923,19 +16228,28 @@ async def served(source: str, settings: Settings, *, reward: str | None = None,
 
 
 @contextlib.asynccontextmanager
-async def surface_for(source: str, plan: EvalPlan) -> AsyncIterator[tuple[str, dict[str, list[dict[str, Any]]]]]:
+async def surface_for(
+    source: str, plan: EvalPlan
+) -> AsyncIterator[tuple[str, dict[str, list[dict[str, Any]]]]]:
     """The Gym surface's URL and the rows write-gym writes, for a bundle (served in-process, one
     pool as ``serve``) or a running serve's URL."""
-    async with served(source, plan.settings, reward=plan.reward, knob="--max-concurrent-envs",
-                      who="eval") as there:
+    async with served(
+        source, plan.settings, reward=plan.reward, knob="--max-concurrent-envs", who="eval"
+    ) as there:
         check_tool_names(there.toolsets)
         name = gym_name(there.bundle)
-        yield there.url, {split: [_gym_row(name, split, row, there.toolsets, {}) for row in rows]
-                          for split, rows in there.rows.items()}
+        yield (
+            there.url,
+            {
+                split: [_gym_row(name, split, row, there.toolsets, {}) for row in rows]
+                for split, rows in there.rows.items()
+            },
+        )
 
 
-async def evaluate(plan: EvalPlan, out: Callable[[str], None] = print,
-                   stream: Any = None) -> list[dict[str, Any]]:
+async def evaluate(
+    plan: EvalPlan, out: Callable[[str], None] = print, stream: Any = None
+) -> list[dict[str, Any]]:
     """Play the plan's rows against the model, write each rollout to the output as it finishes,
     and print the summary; the rollouts of the plan (those already in the output too)."""
     api_key = os.environ.get(plan.api_key_env) or None
@@ -12946,51 +16260,83 @@ async def evaluate(plan: EvalPlan, out: Callable[[str], None] = print,
     file.open()
     timeout = aiohttp.ClientTimeout(total=None)
     try:
-        async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), timeout=timeout,
-                                         connector=aiohttp.TCPConnector(limit=0)) as http:
+        async with aiohttp.ClientSession(
+            cookie_jar=aiohttp.DummyCookieJar(),
+            timeout=timeout,
+            connector=aiohttp.TCPConnector(limit=0),
+        ) as http:
             sampling = {"temperature": plan.temperature, "max_tokens": plan.max_tokens}
-            model = ModelEndpoint(http, plan.model_url, plan.model, plan.api, plan.settings, api_key,
-                                  sampling)
+            model = ModelEndpoint(
+                http, plan.model_url, plan.model, plan.api, plan.settings, api_key, sampling
+            )
             if plan.api == "auto":
                 await model.detect()
-                out(f"eval: the endpoint {plan.model_url} answers the Responses API, so eval speaks it "
-                    "(--api chat for Chat Completions)" if model.api == "responses" else
-                    f"eval: the endpoint {plan.model_url} has no Responses API, so eval speaks Chat "
-                    "Completions")
+                out(
+                    f"eval: the endpoint {plan.model_url} answers the Responses API, so eval "
+                    "speaks it "
+                    "(--api chat for Chat Completions)"
+                    if model.api == "responses"
+                    else f"eval: the endpoint {plan.model_url} has no Responses API, so eval "
+                    "speaks Chat Completions"
+                )
             async with surface_for(plan.source, plan) as (url, rows):
                 missing = [s for s in plan.splits if s not in rows]
                 if missing:
-                    raise AgentEnvError(f"there is no split {', '.join(map(repr, missing))}: the splits are "
-                                        f"{', '.join(rows)}; pass one with --split")
-                planned = [Planned(row, i, k) for split in plan.splits
-                           for i, row in enumerate(rows[split][:plan.limit])
-                           for k in range(plan.repeats)]
+                    raise AgentEnvError(
+                        f"there is no split {', '.join(map(repr, missing))}: the splits are "
+                        f"{', '.join(rows)}; pass one with --split"
+                    )
+                planned = [
+                    Planned(row, i, k)
+                    for split in plan.splits
+                    for i, row in enumerate(rows[split][: plan.limit])
+                    for k in range(plan.repeats)
+                ]
                 todo = [p for p in planned if p.key not in file.lines]
-                out(f"eval: {len(planned)} rollouts ({', '.join(plan.splits)}: "
-                    f"{len(planned) // plan.repeats} rows x {plan.repeats}) of {plan.source} against "
-                    f"{plan.model} over {'Chat Completions' if model.api == 'chat' else 'Responses'}, "
-                    f"{plan.settings.eval_concurrency} at once, into {plan.output}")
+                out(
+                    f"eval: {len(planned)} rollouts ({', '.join(plan.splits)}: "
+                    f"{len(planned) // plan.repeats} rows x {plan.repeats}) of {plan.source} "
+                    "against "
+                    f"{plan.model} over "
+                    f"{'Chat Completions' if model.api == 'chat' else 'Responses'}, "
+                    f"{plan.settings.eval_concurrency} at once, into {plan.output}"
+                )
                 if len(todo) < len(planned) or file.retried:
-                    out(f"eval: {plan.output} holds {len(planned) - len(todo)} of these rollouts, so "
-                        f"{len(todo)} are left to play" + (
-                            f" ({file.retried} the model failed, played again)" if file.retried else ""))
-                await play_all(Player(model, GymRoutes(http, url), plan.settings.max_steps), todo,
-                               file, plan.settings.eval_concurrency, stream)
+                    out(
+                        f"eval: {plan.output} holds {len(planned) - len(todo)} of these rollouts, "
+                        "so "
+                        f"{len(todo)} are left to play"
+                        + (
+                            f" ({file.retried} the model failed, played again)"
+                            if file.retried
+                            else ""
+                        )
+                    )
+                await play_all(
+                    Player(model, GymRoutes(http, url), plan.settings.max_steps),
+                    todo,
+                    file,
+                    plan.settings.eval_concurrency,
+                    stream,
+                )
     finally:
         file.close()
     done = [file.lines[p.key] for p in planned if p.key in file.lines]
     for text in summary(done, plan.repeats):
         out(text)
     if todo and not model.answered:
-        raise AgentEnvError(f"the model's endpoint {plan.model_url} never answered; check "
-                            "--model-url and that the server runs")
+        raise AgentEnvError(
+            f"the model's endpoint {plan.model_url} never answered; check "
+            "--model-url and that the server runs"
+        )
     if done and all(line.get("mask_sample") for line in done):
         raise AgentEnvError(f"every rollout failed (see {plan.output}'s failure_reason)")
     return done
 
 
-async def play_all(player: Player, todo: list[Planned], file: RolloutsFile, concurrency: int,
-                   stream: Any = None) -> None:
+async def play_all(
+    player: Player, todo: list[Planned], file: RolloutsFile, concurrency: int, stream: Any = None
+) -> None:
     """Play the rollouts, ``concurrency`` at once, each written to the file as it finishes."""
     progress = EvalProgress(len(todo), stream)
     queue = collections.deque(todo)
@@ -13001,7 +16347,7 @@ async def play_all(player: Player, todo: list[Planned], file: RolloutsFile, conc
             file.add(line)
             progress.add(line)
 
-    async def tick() -> None:                 # the rate and ETA move between finishes too
+    async def tick() -> None:  # the rate and ETA move between finishes too
         while True:
             await asyncio.sleep(1.0 if progress.tty else PROGRESS_EVERY)
             progress.show()
@@ -13018,13 +16364,20 @@ async def play_all(player: Player, todo: list[Planned], file: RolloutsFile, conc
 # -- TRL: a bundle as GRPOTrainer's environment_factory, its rows, and its reward
 
 trl_log = logging.getLogger("agentenv.trl")
-TRL_NAMES = ("reset", "get_reward")        # what TRL calls on an environment itself: no tool's name
-TRL_CLIENT_KEYS = ("reset_timeout", "tool_timeout")      # the client's: for a URL too
+TRL_NAMES = ("reset", "get_reward")  # what TRL calls on an environment itself: no tool's name
+TRL_CLIENT_KEYS = ("reset_timeout", "tool_timeout")  # the client's: for a URL too
 TRL_KNOB = "trl_environment's max_concurrent_envs"
-JSON_HINTS: dict[str, Any] = {"string": str, "integer": int, "number": float, "boolean": bool,
-                              "null": type(None), "array": list, "object": dict}
-DOCSTRING_WORDS = re.compile(r"\b(Args|Returns|Raises):")   # what ends a description in a docstring
-NEUTRAL = r"\1 -"                     # the same words, no longer heading a docstring's section
+JSON_HINTS: dict[str, Any] = {
+    "string": str,
+    "integer": int,
+    "number": float,
+    "boolean": bool,
+    "null": type(None),
+    "array": list,
+    "object": dict,
+}
+DOCSTRING_WORDS = re.compile(r"\b(Args|Returns|Raises):")  # what ends a description in a docstring
+NEUTRAL = r"\1 -"  # the same words, no longer heading a docstring's section
 
 
 def type_hint(schema: Any) -> tuple[Any, dict[str, Any]]:
@@ -13038,8 +16391,11 @@ def type_hint(schema: Any) -> tuple[Any, dict[str, Any]]:
     if "const" in rest and isinstance(rest["const"], scalar):
         rest.pop("type", None)
         return Literal[rest.pop("const")], rest
-    if isinstance(rest.get("enum"), list) and rest["enum"] and \
-            all(isinstance(v, scalar) for v in rest["enum"]):
+    if (
+        isinstance(rest.get("enum"), list)
+        and rest["enum"]
+        and all(isinstance(v, scalar) for v in rest["enum"])
+    ):
         rest.pop("type", None)
         return Literal[tuple(rest.pop("enum"))], rest
     for key in ("anyOf", "oneOf"):
@@ -13061,8 +16417,11 @@ def type_hint(schema: Any) -> tuple[Any, dict[str, Any]]:
             hint = list[item]
             if left:
                 rest["items"] = left
-        elif kind == "object" and isinstance(rest.get("additionalProperties"), dict) and \
-                not rest.get("properties"):
+        elif (
+            kind == "object"
+            and isinstance(rest.get("additionalProperties"), dict)
+            and not rest.get("properties")
+        ):
             value, left = type_hint(rest.pop("additionalProperties"))
             hint = dict[str, value]
             if left:
@@ -13085,35 +16444,46 @@ def trl_tool_problems(toolset: str, tools: list[dict[str, Any]]) -> list[str]:
         if why is None and name in TRL_NAMES:
             why = f"TRL calls an environment's {name}() itself, so it can't be a tool"
         if why:
-            problems.append(f"toolset {toolset}: the tool {shown} can't be a method of TRL's "
-                            f"environment: {why}; rename it in the env")
+            problems.append(
+                f"toolset {toolset}: the tool {shown} can't be a method of TRL's "
+                f"environment: {why}; rename it in the env"
+            )
         schema = tool.get("input_schema") or {}
         properties = (schema.get("properties") or {}) if isinstance(schema, dict) else {}
         if (depth := nesting(schema)) > MAX_NESTING:
-            problems.append(f"toolset {toolset}: the input schema of {shown} nests {depth} levels "
-                            f"of JSON deep, past the {MAX_NESTING} TRL's environment class is built "
-                            "from (a type hint per level); flatten it in the env, naming its parts "
-                            "in $defs and reaching them by $ref")
+            problems.append(
+                f"toolset {toolset}: the input schema of {shown} nests {depth} levels "
+                f"of JSON deep, past the {MAX_NESTING} TRL's environment class is built "
+                "from (a type hint per level); flatten it in the env, naming its parts "
+                "in $defs and reaching them by $ref"
+            )
         if not isinstance(properties, dict):
-            problems.append(f"toolset {toolset}: the input schema of {shown} gives its properties "
-                            f"as {type(properties).__name__}, not an object of each argument's "
-                            "schema, so its arguments can't be a Python method's parameters; fix "
-                            "its schema in the env")
+            problems.append(
+                f"toolset {toolset}: the input schema of {shown} gives its properties "
+                f"as {type(properties).__name__}, not an object of each argument's "
+                "schema, so its arguments can't be a Python method's parameters; fix "
+                "its schema in the env"
+            )
             continue
         for argument in properties:
             if why := _not_a_name(argument):
-                problems.append(f"toolset {toolset}: the argument {reprlib.repr(argument)} of {shown} "
-                                f"can't be a parameter of a Python method (TRL calls a tool by its "
-                                f"method, and describes it from its parameters): {why}; rename it in "
-                                "the env")
+                problems.append(
+                    f"toolset {toolset}: the argument {reprlib.repr(argument)} of {shown} "
+                    f"can't be a parameter of a Python method (TRL calls a tool by its "
+                    f"method, and describes it from its parameters): {why}; rename it in "
+                    "the env"
+                )
     return problems
 
 
 def _not_a_name(name: Any) -> str | None:
     import keyword
+
     if not isinstance(name, str) or not name.isidentifier():
-        return (f"{reprlib.repr(name)} is not a Python identifier (letters, digits and _, not "
-                "starting with a digit)")
+        return (
+            f"{reprlib.repr(name)} is not a Python identifier (letters, digits and _, not "
+            "starting with a digit)"
+        )
     if keyword.iskeyword(name):
         return f"{name!r} is a Python keyword"
     return None
@@ -13128,10 +16498,13 @@ def trl_method(tool: dict[str, Any]) -> Callable[..., str]:
     name = tool["name"]
     schema = tool.get("input_schema") if isinstance(tool.get("input_schema"), dict) else {}
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    required = {r for r in schema.get("required") or [] if isinstance(r, str)} \
-        if isinstance(schema.get("required"), list) else set()
+    required = (
+        {r for r in schema.get("required") or [] if isinstance(r, str)}
+        if isinstance(schema.get("required"), list)
+        else set()
+    )
     receiver = "self"
-    while receiver in properties:                 # an argument called self is the tool's
+    while receiver in properties:  # an argument called self is the tool's
         receiver = "_" + receiver
     parameters = [inspect.Parameter(receiver, inspect.Parameter.POSITIONAL_ONLY)]
     annotations: dict[str, Any] = {}
@@ -13139,9 +16512,14 @@ def trl_method(tool: dict[str, Any]) -> Callable[..., str]:
     for argument, spec in properties.items():
         hint, rest = type_hint(spec)
         annotations[argument] = hint
-        parameters.append(inspect.Parameter(
-            argument, inspect.Parameter.KEYWORD_ONLY, annotation=hint,
-            default=inspect.Parameter.empty if argument in required else None))
+        parameters.append(
+            inspect.Parameter(
+                argument,
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=hint,
+                default=inspect.Parameter.empty if argument in required else None,
+            )
+        )
         words = spec.get("description") if isinstance(spec, dict) else None
         said = " ".join(str(words).split()) if words else f"The {argument}."
         if rest:
@@ -13155,7 +16533,7 @@ def trl_method(tool: dict[str, Any]) -> Callable[..., str]:
     call.__name__ = call.__qualname__ = name
     call.__doc__ = description + ("\n\nArgs:\n" + "\n".join(described) if described else "")
     call.__annotations__ = annotations
-    call.__signature__ = inspect.Signature(parameters)     # type: ignore[attr-defined]
+    call.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
     return call
 
 
@@ -13195,8 +16573,15 @@ class TrlEnvironment:
     def __repr__(self) -> str:
         row, session = self._row or {}, self._session
         where = f"{row.get('split')}[{row.get('index')}]" if row else "not reset"
-        state = "" if session is None else f", failed: {session.failure}" if session.failure else \
-            ", scored" if session.finished else ", playing"
+        state = (
+            ""
+            if session is None
+            else f", failed: {session.failure}"
+            if session.failure
+            else ", scored"
+            if session.finished
+            else ", playing"
+        )
         return f"<{type(self).__name__} {where}{state}>"
 
 
@@ -13215,7 +16600,7 @@ class TrlClient:
         self.source, self.settings, self.reward = source, settings, reward
         self.pid = os.getpid()
         self.closed = False
-        self.live: set[GymSession] = set()         # sessions open on the server, or opening
+        self.live: set[GymSession] = set()  # sessions open on the server, or opening
         self.environments: weakref.WeakSet[TrlEnvironment] = weakref.WeakSet()
         self.warned: set[str] = set()
         self.peers: set[tuple[str, int]] = set()  # the server's addresses, for a forked child
@@ -13245,20 +16630,34 @@ class TrlClient:
             coro.close()
             raise AgentEnvError(
                 "this environment was forked from the trainer's process, and its sessions stay "
-                "the parent's: create environments in the process that trains" if os.getpid() !=
-                self.pid else "the environments' client has closed (the process is exiting)")
+                "the parent's: create environments in the process that trains"
+                if os.getpid() != self.pid
+                else "the environments' client has closed (the process is exiting)"
+            )
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def _start(self) -> Served:
-        there = await self._stack.enter_async_context(served(
-            self.source, self.settings, reward=self.reward, knob=TRL_KNOB,
-            who="trl_environment", out=trl_log.info))
-        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
-                                          headers=client_headers(), cookie_jar=aiohttp.DummyCookieJar())
+        there = await self._stack.enter_async_context(
+            served(
+                self.source,
+                self.settings,
+                reward=self.reward,
+                knob=TRL_KNOB,
+                who="trl_environment",
+                out=trl_log.info,
+            )
+        )
+        self.http = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None),
+            headers=client_headers(),
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
         self._stack.push_async_callback(self.http.close)
         parts = urllib.parse.urlsplit(there.url)
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        for *_, address in await self.loop.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM):
+        for *_, address in await self.loop.getaddrinfo(
+            parts.hostname, port, type=socket.SOCK_STREAM
+        ):
             self.peers.add((address[0], port))
         return there
 
@@ -13270,35 +16669,52 @@ class TrlClient:
     def reset(self, environment: TrlEnvironment, row: dict[str, Any]) -> None:
         split, index = row.get("split"), row.get("index")
         rows = self.served.rows.get(split) if isinstance(split, str) else None
-        if rows is None or isinstance(index, bool) or not isinstance(index, int) or \
-                not 0 <= index < len(rows):
+        if (
+            rows is None
+            or isinstance(index, bool)
+            or not isinstance(index, int)
+            or not 0 <= index < len(rows)
+        ):
             raise AgentEnvError(
-                f"reset got the row {short(repr({k: v for k, v in row.items() if k != 'prompt'}), 300)},"
+                "reset got the row "
+                f"{short(repr({k: v for k, v in row.items() if k != 'prompt'}), 300)},"
                 " which names no task: give GRPOTrainer the rows of agentenv.trl_dataset(source, "
-                f"split), whose split ({', '.join(self.served.rows)}) and index name the task")
+                f"split), whose split ({', '.join(self.served.rows)}) and index name the task"
+            )
         toolset = rows[index].get("toolset", environment._toolset)
         if toolset != environment._toolset:
             raise AgentEnvError(
                 f"the task {rows[index].get('name')} ({split}[{index}]) plays the toolset "
                 f"{toolset}, not this environment's {environment._toolset}: pass GRPOTrainer "
                 "trl_environment(source) itself as environment_factory (with several toolsets, a "
-                "mapping by toolset), and the rows of trl_dataset, whose environment routes each")
+                "mapping by toolset), and the rows of trl_dataset, whose environment routes each"
+            )
         environment._row = {"split": split, "index": index}
         self.run(self._open(environment, split, index))
 
     async def _open(self, environment: TrlEnvironment, split: str, index: int) -> None:
         if environment._session is not None:
             await self._let_go(environment, "TRL reset its environment for another rollout")
-        rollout = RemoteRollout(OpenEnvClient(self.http, self.served.url, self.settings.reset_timeout,
-                                              self.warned, self._full), split, index)
-        session = GymSession(uuid.uuid4().hex, {"split": split, "index": index}, rollout, self.settings)
+        rollout = RemoteRollout(
+            OpenEnvClient(
+                self.http, self.served.url, self.settings.reset_timeout, self.warned, self._full
+            ),
+            split,
+            index,
+        )
+        session = GymSession(
+            uuid.uuid4().hex, {"split": split, "index": index}, rollout, self.settings
+        )
         environment._session = session
         self.live.add(session)
 
     def call(self, environment: TrlEnvironment, name: str, arguments: dict[str, Any]) -> ToolResult:
         if environment._session is None:
-            return ToolResult("there is no episode to call tools in: TRL resets an environment "
-                              "before its rollout", NO_TURN)
+            return ToolResult(
+                "there is no episode to call tools in: TRL resets an environment "
+                "before its rollout",
+                NO_TURN,
+            )
         return self.run(environment._session.play(name, arguments))
 
     async def finish(self, environment: TrlEnvironment, reply: str) -> tuple[float | None, str]:
@@ -13328,20 +16744,32 @@ class TrlClient:
         so the reset fails at once instead of waiting out reset_timeout."""
         limit = data.get("max_sessions")
         held = sum(1 for s in self.live if s.opened.done() and s.failure is None)
-        fix = ("serve with a higher --max-concurrent-envs N (MAX_CONCURRENT_ENVS)"
-               if self.source.startswith(("http://", "https://")) else
-               "pass trl_environment a higher max_concurrent_envs=N")
+        fix = (
+            "serve with a higher --max-concurrent-envs N (MAX_CONCURRENT_ENVS)"
+            if self.source.startswith(("http://", "https://"))
+            else "pass trl_environment a higher max_concurrent_envs=N"
+        )
         if isinstance(limit, int) and held >= limit:
             raise EpisodeFailed(
                 f"the server at {self.served.url} plays at most {limit} sessions at once, and this "
-                f"trainer holds {held} of them until their rollouts are scored, after TRL has reset "
+                f"trainer holds {held} of them until their rollouts are scored, after TRL has "
+                "reset "
                 f"every environment of its batch: {fix}, N at least GRPOConfig's "
-                "generation_batch_size", PROVIDER_UNAVAILABLE)
+                "generation_batch_size",
+                PROVIDER_UNAVAILABLE,
+            )
         if self.served.url not in self.warned:
             self.warned.add(self.served.url)
-            trl_log.warning(at_its_limit(
-                f"the server at {self.served.url}", limit, "sessions", "TRL's resets wait their turn",
-                f"{fix}, N at least GRPOConfig's generation_batch_size and room for its other clients,"))
+            trl_log.warning(
+                at_its_limit(
+                    f"the server at {self.served.url}",
+                    limit,
+                    "sessions",
+                    "TRL's resets wait their turn",
+                    f"{fix}, N at least GRPOConfig's generation_batch_size and room for its other "
+                    "clients,",
+                )
+            )
 
     # -- the end
 
@@ -13352,9 +16780,10 @@ class TrlClient:
         try:
             if self.loop.is_running():
                 self.run(self._close(), timeout=180)
-        except Exception as exc:                         # noqa: BLE001 - at exit: say it, go on
-            trl_log.warning("Closing the TRL environments' sessions failed: %s: %s",
-                            type(exc).__name__, exc)
+        except Exception as exc:  # noqa: BLE001 - at exit: say it, go on
+            trl_log.warning(
+                "Closing the TRL environments' sessions failed: %s: %s", type(exc).__name__, exc
+            )
         finally:
             self.closed = True
             if not self.loop.is_closed():
@@ -13362,11 +16791,18 @@ class TrlClient:
             self.thread.join(10)
 
     async def _close(self) -> None:
-        await asyncio.gather(*(self._let_go(e, "the trainer's process is exiting")
-                               for e in list(self.environments) if e._session is not None),
-                             return_exceptions=True)
-        await asyncio.gather(*(s.close("the trainer's process is exiting") for s in list(self.live)),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(
+                self._let_go(e, "the trainer's process is exiting")
+                for e in list(self.environments)
+                if e._session is not None
+            ),
+            return_exceptions=True,
+        )
+        await asyncio.gather(
+            *(s.close("the trainer's process is exiting") for s in list(self.live)),
+            return_exceptions=True,
+        )
         await self._stack.aclose()
 
     def release_in_child(self) -> None:
@@ -13392,14 +16828,16 @@ _TRL_CLIENTS: weakref.WeakSet[TrlClient] = weakref.WeakSet()
 
 def _trl_forked() -> None:
     for client in list(_TRL_CLIENTS):
-        with contextlib.suppress(Exception):     # a child must start, whatever this meets
+        with contextlib.suppress(Exception):  # a child must start, whatever this meets
             client.release_in_child()
 
 
 os.register_at_fork(after_in_child=_trl_forked)
 
 
-def trl_environment(source: str | os.PathLike, *, reward: str | None = None, **settings: Any) -> Any:
+def trl_environment(
+    source: str | os.PathLike, *, reward: str | None = None, **settings: Any
+) -> Any:
     """GRPOTrainer's ``environment_factory`` for a bundle: a class whose instances play the rows
     of trl_dataset, one method per tool of the task's turns (with end_turn, which hands over a
     task's next prompt, or ends its episode); with several toolsets, TRL's mapping of environment
@@ -13417,35 +16855,50 @@ def trl_environment(source: str | os.PathLike, *, reward: str | None = None, **s
     remote = source.startswith(("http://", "https://"))
     takes = TRL_CLIENT_KEYS + tuple(k for k in Settings.served() if k not in TRL_CLIENT_KEYS)
     if remote and (reward is not None or "sandbox" in settings):
-        raise AgentEnvError(f"sandbox and reward say how to serve a bundle's folder, and {source} "
-                            "is served already: pass them to serve there (--sandbox, --reward)")
+        raise AgentEnvError(
+            f"sandbox and reward say how to serve a bundle's folder, and {source} "
+            "is served already: pass them to serve there (--sandbox, --reward)"
+        )
     for key in (k for k in settings if remote and k in takes and k not in TRL_CLIENT_KEYS):
-        raise AgentEnvError(f"{key} is the served bundle's setting, and {source} is served "
-                            f"already: pass it to serve there (--{key.replace('_', '-')})")
+        raise AgentEnvError(
+            f"{key} is the served bundle's setting, and {source} is served "
+            f"already: pass it to serve there (--{key.replace('_', '-')})"
+        )
     checked = Settings.keywords(settings, "trl_environment", takes)
     client = TrlClient(source, checked, reward)
     there = client.served
-    problems = [p for toolset, tools in there.toolsets.items()
-                for p in trl_tool_problems(toolset, tools)]
+    problems = [
+        p for toolset, tools in there.toolsets.items() for p in trl_tool_problems(toolset, tools)
+    ]
     if problems:
         client.close()
         raise AgentEnvError("the bundle's tools can't be TRL's:\n  - " + "\n  - ".join(problems))
     several = len(there.toolsets) > 1
-    classes = {toolset: trl_class(there.bundle, toolset, tools, client, named=several)
-               for toolset, tools in there.toolsets.items()}
+    classes = {
+        toolset: trl_class(there.bundle, toolset, tools, client, named=several)
+        for toolset, tools in there.toolsets.items()
+    }
     return next(iter(classes.values())) if len(classes) == 1 else classes
 
 
-def trl_class(bundle: str, toolset: str, tools: list[dict[str, Any]], client: TrlClient | None,
-              named: bool = False) -> type[TrlEnvironment]:
+def trl_class(
+    bundle: str,
+    toolset: str,
+    tools: list[dict[str, Any]],
+    client: TrlClient | None,
+    named: bool = False,
+) -> type[TrlEnvironment]:
     """The environment class of a toolset: TrlEnvironment with a method per tool, and end_turn;
     named after the bundle (and the toolset, when ``named``: a bundle has several)."""
     words = re.split(r"[^A-Za-z0-9]+", f"{bundle} {toolset}" if named else bundle)
     name = "".join(word[:1].upper() + word[1:] for word in words if word) or "Bundle"
     namespace: dict[str, Any] = {
-        "__module__": __name__, "_client": client, "_toolset": toolset,
+        "__module__": __name__,
+        "_client": client,
+        "_toolset": toolset,
         "__doc__": f"The tasks of {bundle} (toolset {toolset}) as TRL's environment: reset(**row), "
-                   "then a method per tool."}
+        "then a method per tool.",
+    }
     for tool in [*tools, END_TURN]:
         namespace[tool["name"]] = trl_method(tool)
     return type(name if name[0].isalpha() else f"Bundle{name}", (TrlEnvironment,), namespace)
@@ -13465,20 +16918,36 @@ def trl_dataset(source: str | os.PathLike, split: str = "train") -> list[dict[st
         async with aiohttp.ClientSession(headers=client_headers()) as http:
             return (await _rows_there(http, source))[1]
 
-    with concurrent.futures.ThreadPoolExecutor(1) as thread:     # the caller's loop may be running
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:  # the caller's loop may be running
         rows = thread.submit(asyncio.run, rows_of()).result()
     if split not in rows:
-        raise AgentEnvError(f"there is no split {split!r} in {source}: the splits are "
-                            f"{', '.join(rows)}")
+        raise AgentEnvError(
+            f"there is no split {split!r} in {source}: the splits are {', '.join(rows)}"
+        )
     several = len({row.get("toolset") for row in rows["all"]}) > 1
-    return [{"prompt": ([{"role": "system", "content": row["system_prompt"]}]
-                        if row.get("system_prompt") else []) + [{"role": "user", "content": row["prompt"]}],
-             "split": split, "index": row["index"], "task": row["name"],
-             **({"environment": row["toolset"]} if several else {})} for row in rows[split]]
+    return [
+        {
+            "prompt": (
+                [{"role": "system", "content": row["system_prompt"]}]
+                if row.get("system_prompt")
+                else []
+            )
+            + [{"role": "user", "content": row["prompt"]}],
+            "split": split,
+            "index": row["index"],
+            "task": row["name"],
+            **({"environment": row["toolset"]} if several else {}),
+        }
+        for row in rows[split]
+    ]
 
 
-def trl_reward(completions: list[Any], environments: list[Any] | None = None,
-               log_metric: Callable[[str, float], None] | None = None, **_: Any) -> list[float | None]:
+def trl_reward(
+    completions: list[Any],
+    environments: list[Any] | None = None,
+    log_metric: Callable[[str, float], None] | None = None,
+    **_: Any,
+) -> list[float | None]:
     """GRPOTrainer's reward function for trl_environment's environments: each rollout's episode
     score, as the server's verifier gave it. An episode the model left open is ended with its
     last reply (a task graded on the reply is graded on it), the turns after with none. A rollout
@@ -13486,9 +16955,11 @@ def trl_reward(completions: list[Any], environments: list[Any] | None = None,
     advantage is 0), and said in a warning and as agentenv/masked_rollouts in TRL's metrics; an
     environment of another kind is None too. Every session is closed once scored."""
     if environments is None:
-        raise AgentEnvError("trl_reward scores the episodes of agentenv's environments, and TRL "
-                            "passed none: give GRPOTrainer environment_factory="
-                            "agentenv.trl_environment(source)")
+        raise AgentEnvError(
+            "trl_reward scores the episodes of agentenv's environments, and TRL "
+            "passed none: give GRPOTrainer environment_factory="
+            "agentenv.trl_environment(source)"
+        )
     rewards: list[float | None] = [None] * len(environments)
     failed: list[str] = []
     by_client: dict[TrlClient, list[int]] = {}
@@ -13496,17 +16967,24 @@ def trl_reward(completions: list[Any], environments: list[Any] | None = None,
         if isinstance(environment, TrlEnvironment):
             by_client.setdefault(environment._client, []).append(i)
     for client, indices in by_client.items():
+
         async def finish_all(indices: list[int] = indices, client: TrlClient = client) -> list[Any]:
-            return await asyncio.gather(*(client.finish(environments[i], _last_reply(completions[i]))
-                                          for i in indices))
-        for i, (reward, why) in zip(indices, client.run(finish_all())):
+            return await asyncio.gather(
+                *(client.finish(environments[i], _last_reply(completions[i])) for i in indices)
+            )
+
+        for i, (reward, why) in zip(indices, client.run(finish_all()), strict=True):
             rewards[i] = reward
             if reward is None:
                 failed.append(f"{environments[i]._row}: {why}")
     if failed:
-        trl_log.warning("%d of %d rollouts left out of the reward, the environment having failed "
-                        "them (not the model): %s", len(failed), len(environments),
-                        "; ".join(failed[:3]) + ("; ..." if len(failed) > 3 else ""))
+        trl_log.warning(
+            "%d of %d rollouts left out of the reward, the environment having failed "
+            "them (not the model): %s",
+            len(failed),
+            len(environments),
+            "; ".join(failed[:3]) + ("; ..." if len(failed) > 3 else ""),
+        )
     if log_metric is not None:
         log_metric("agentenv/masked_rollouts", float(len(failed)))
     return rewards
@@ -13524,6 +17002,7 @@ def _last_reply(completion: Any) -> str:
 
 # ================================================================ 14. CLI
 
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     if value is None or value == "":
@@ -13531,7 +17010,9 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(value)
     except ValueError:
-        raise AgentEnvError(f"{name}={value!r} is not a whole number; set it to one, such as 8") from None
+        raise AgentEnvError(
+            f"{name}={value!r} is not a whole number; set it to one, such as 8"
+        ) from None
 
 
 CHECK_TASKS_SHOWN = 20
@@ -13539,27 +17020,26 @@ CHECK_TASKS_SHOWN = 20
 # check, serve and eval take these, with the sandbox's and the pool's:
 DEADLINES = {
     "deploy_timeout": "how long an env may take from its launch until it answers; past it the "
-                      "episode fails, masked transport_timeout",
+    "episode fails, masked transport_timeout",
     "verifier_timeout": "one run of a verifier's code (an env_outcome_verifier); past it the "
-                        "episode fails, masked verifier_error",
+    "episode fails, masked verifier_error",
     "bash_timeout": "one bash command in the agent's box (and within the call's own deadline); "
-                    "past it every process it started is killed, and the model reads it timed out",
+    "past it every process it started is killed, and the model reads it timed out",
 }
 # NeMo Gym's, which serve and eval (which plays through Gym's routes) take:
 GYM_DEADLINES = {
     "tool_timeout": "NeMo Gym: one tool call; past it the episode ends, masked",
     "reset_timeout": "NeMo Gym: the deploy and first turn, each end_turn, and a rollout's wait for "
-                     "a free episode",
+    "a free episode",
 }
 # serve's alone:
 SERVE_DEADLINES = {
     "idle_timeout": "end a session with no request for this long, to free its slot",
     "client_timeout": "how long OpenEnv clients wait for a reply (their message_timeout_s); every "
-                      "reply comes --reply-margin before it",
+    "reply comes --reply-margin before it",
     "reply_margin": "how long before the client's timeout a call still running is ended with a "
-                    "timeout error",
-    "status_interval": "log a status line this often while episodes are live (and one at "
-                       "shutdown)",
+    "timeout error",
+    "status_interval": "log a status line this often while episodes are live (and one at shutdown)",
 }
 # The flags whose names are not the setting's own.
 FLAGS = {"eval_concurrency": "--concurrency", "model_retries": "--retries"}
@@ -13576,25 +17056,36 @@ def settings_of(args: argparse.Namespace, **given: Any) -> Settings:
     flags = {key: getattr(args, key) for key in Settings.names() if hasattr(args, key)}
     return Settings.checked(
         {**flags, **given},
-        lambda key, value: flag(key) + ("" if value is None else f" {value!r}" if isinstance(
-            value, str) else f" {value}") + (
-            " (or MAX_CONCURRENT_ENVS)" if key == "max_concurrent_envs" else ""))
+        lambda key, value: (
+            flag(key)
+            + ("" if value is None else f" {value!r}" if isinstance(value, str) else f" {value}")
+            + (" (or MAX_CONCURRENT_ENVS)" if key == "max_concurrent_envs" else "")
+        ),
+    )
 
 
-async def check(folder: str, settings: Settings, reward: str | None,
-                out: Callable[[str], None] = print) -> None:
+async def check(
+    folder: str, settings: Settings, reward: str | None, out: Callable[[str], None] = print
+) -> None:
     """Load a bundle, show its splits, tasks and toolsets, and play one episode per toolset as far
     as its first turn to list the tools that turn offers; then tear down."""
     bundle = Bundle.load(folder, reward)
     out(f"bundle {bundle.name}: {bundle.description or '(no README.md description)'}")
-    out("splits: " + ", ".join(f"{name} ({len(tasks)} task{'s' if len(tasks) != 1 else ''})"
-                               for name, tasks in bundle.splits.items()))
+    out(
+        "splits: "
+        + ", ".join(
+            f"{name} ({len(tasks)} task{'s' if len(tasks) != 1 else ''})"
+            for name, tasks in bundle.splits.items()
+        )
+    )
     shown = bundle.splits["all"][:CHECK_TASKS_SHOWN]
     width = max(len(t.name) for t in shown)
     out("tasks:")
     for task in shown:
-        out(f"  {task.name:<{width}}  toolset {task.toolset.name}  turns {len(task.turns)}  "
-            f"reward {task.reward_step}")
+        out(
+            f"  {task.name:<{width}}  toolset {task.toolset.name}  turns {len(task.turns)}  "
+            f"reward {task.reward_step}"
+        )
     if len(bundle.tasks) > len(shown):
         out(f"  ... and {len(bundle.tasks) - len(shown)} more")
     async with Runtime(bundle, settings) as runtime:
@@ -13610,10 +17101,16 @@ async def check(folder: str, settings: Settings, reward: str | None,
             try:
                 tools = await runtime.first_turn_tools(tasks[0], "check is done", where)
                 shown = ", ".join(t["name"] for t in tools) or "(none)"
-                placed = " on " + ", ".join(f"{env} at {node}" for env, node in where.items()) \
-                    if where else ""
-                out(f"  {at}{toolset.name} ({len(tasks)} task{'s' if len(tasks) != 1 else ''}), "
-                    f"played with {tasks[0].name}{placed} in {time.monotonic() - started:.2f}s: {shown}")
+                placed = (
+                    " on " + ", ".join(f"{env} at {node}" for env, node in where.items())
+                    if where
+                    else ""
+                )
+                out(
+                    f"  {at}{toolset.name} ({len(tasks)} task{'s' if len(tasks) != 1 else ''}), "
+                    f"played with {tasks[0].name}{placed} in {time.monotonic() - started:.2f}s: "
+                    f"{shown}"
+                )
             except EpisodeFailed as exc:
                 failed.append(toolset.name)
                 out(f"  {at}{toolset.name}: the episode of {tasks[0].name} failed: {exc}")
@@ -13624,31 +17121,46 @@ async def check(folder: str, settings: Settings, reward: str | None,
 
 def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
-    settings = settings_of(args, max_concurrent_envs=pool_size(args.max_concurrent_envs),
-                           warm_env=args.warm_env or None)
+
+    settings = settings_of(
+        args,
+        max_concurrent_envs=pool_size(args.max_concurrent_envs),
+        warm_env=args.warm_env or None,
+    )
     token = served_token(args)
     if not token:
-        log.warning("Serving with no token: any user or program on this machine%s can play the "
-                    "bundle's tasks and run what their tools and boxes run, from the web page or "
-                    "any client (web pages cannot: the server answers only its own). Start serve "
-                    "with --token-file PATH (or AGENTENV_TOKEN set) so every request must carry "
-                    "the token, and enter it at /web.",
-                    "" if is_loopback(args.host) else
-                    f", and anyone who can reach {args.host or 'every interface'}:{args.port},")
+        log.warning(
+            "Serving with no token: any user or program on this machine%s can play the "
+            "bundle's tasks and run what their tools and boxes run, from the web page or "
+            "any client (web pages cannot: the server answers only its own). Start serve "
+            "with --token-file PATH (or AGENTENV_TOKEN set) so every request must carry "
+            "the token, and enter it at /web.",
+            ""
+            if is_loopback(args.host)
+            else f", and anyone who can reach {args.host or 'every interface'}:{args.port},",
+        )
     hide_from_other_processes()
-    server = _server(args.bundle, reward=args.reward, token=token, settings=settings,
-                     host=args.host, port=args.port)
+    server = _server(
+        args.bundle,
+        reward=args.reward,
+        token=token,
+        settings=settings,
+        host=args.host,
+        port=args.port,
+    )
     wait_for_children_by_pidfd()
-    web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None,
-                shutdown_timeout=30)
+    web.run_app(
+        server.app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=30
+    )
 
 
 def served_token(args: argparse.Namespace) -> str | None:
     """The token serve asks for: --token, else the first line of --token-file, else
     AGENTENV_TOKEN, else none."""
     if args.token is not None and args.token_file is not None:
-        raise AgentEnvError("--token and --token-file both name a token; give one (--token-file "
-                            "keeps it out of ps)")
+        raise AgentEnvError(
+            "--token and --token-file both name a token; give one (--token-file keeps it out of ps)"
+        )
     if args.token is not None:
         if not args.token:
             raise AgentEnvError("--token is empty; give the token clients send, or leave it out")
@@ -13656,28 +17168,39 @@ def served_token(args: argparse.Namespace) -> str | None:
     if args.token_file is None:
         return os.environ.get("AGENTENV_TOKEN") or None
     import stat
+
     path = Path(args.token_file).expanduser()
-    try:            # not blocking: a FIFO given by mistake must not hang the start
+    try:  # not blocking: a FIFO given by mistake must not hang the start
         with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:
             mode = os.fstat(file.fileno()).st_mode
             if not stat.S_ISREG(mode):
-                raise AgentEnvError(f"--token-file {args.token_file} is not a regular file; write "
-                                    "the token in one")
+                raise AgentEnvError(
+                    f"--token-file {args.token_file} is not a regular file; write the token in one"
+                )
             first = file.read(4096).decode("utf-8").partition("\n")[0].strip()
     except UnicodeDecodeError:
-        raise AgentEnvError(f"--token-file {args.token_file} does not hold UTF-8 text; write the "
-                            "token in it as text") from None
+        raise AgentEnvError(
+            f"--token-file {args.token_file} does not hold UTF-8 text; write the "
+            "token in it as text"
+        ) from None
     except OSError as exc:
-        raise AgentEnvError(f"--token-file {args.token_file} could not be read "
-                            f"({exc.strerror or exc}); give a file this user can read, holding "
-                            "the token") from None
+        raise AgentEnvError(
+            f"--token-file {args.token_file} could not be read "
+            f"({exc.strerror or exc}); give a file this user can read, holding "
+            "the token"
+        ) from None
     if not first:
-        raise AgentEnvError(f"--token-file {args.token_file} holds no token on its first line; "
-                            "write one there, such as the output of: python -c \"import secrets; "
-                            "print(secrets.token_urlsafe(32))\"")
+        raise AgentEnvError(
+            f"--token-file {args.token_file} holds no token on its first line; "
+            'write one there, such as the output of: python -c "import secrets; '
+            'print(secrets.token_urlsafe(32))"'
+        )
     if mode & 0o077:
-        log.warning("The token file %s can be read by other users (mode %o); chmod 600 it so only "
-                    "you can.", path, mode & 0o777)
+        log.warning(
+            "The token file %s can be read by other users (mode %o); chmod 600 it so only you can.",
+            path,
+            mode & 0o777,
+        )
     return first
 
 
@@ -13687,9 +17210,10 @@ def hide_from_other_processes() -> None:
     neither its environment (AGENTENV_TOKEN, a cloud key) nor its memory through /proc. What a
     process runs is dumpable again (exec resets it), so envs are as they were. Its command line
     stays readable by every user, as ps shows it: hence --token-file."""
-    with contextlib.suppress(Exception):          # not Linux, no libc: nothing to hide from
+    with contextlib.suppress(Exception):  # not Linux, no libc: nothing to hide from
         import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)          # PR_SET_DUMPABLE, 0
+
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
 
 
 def pool_size(flag: int | None, default: int = Settings.max_concurrent_envs) -> int:
@@ -13706,23 +17230,40 @@ def eval_plan(args: argparse.Namespace) -> EvalPlan:
             raise AgentEnvError(f"--{name} must be a whole number of at least 1, not {value}")
     # The bundle's pool holds at least as many episodes as eval plays at once, and room for the
     # ones tearing down, unless told otherwise.
-    settings = settings_of(args, max_concurrent_envs=pool_size(
-        args.max_concurrent_envs, max(args.eval_concurrency, Settings.max_concurrent_envs)),
-        warm=0)       # eval plays rows at a steady concurrency, and keeps no warm pool
-    return EvalPlan(source=args.source, model_url=args.model_url, model=args.model, api=args.api,
-                    splits=tuple(s for s in args.split.split(",") if s), limit=args.limit,
-                    repeats=args.repeats, temperature=args.temperature, max_tokens=args.max_tokens,
-                    api_key_env=args.api_key_env, output=args.output, reward=args.reward,
-                    settings=settings)
+    settings = settings_of(
+        args,
+        max_concurrent_envs=pool_size(
+            args.max_concurrent_envs, max(args.eval_concurrency, Settings.max_concurrent_envs)
+        ),
+        warm=0,
+    )  # eval plays rows at a steady concurrency, and keeps no warm pool
+    return EvalPlan(
+        source=args.source,
+        model_url=args.model_url,
+        model=args.model,
+        api=args.api,
+        splits=tuple(s for s in args.split.split(",") if s),
+        limit=args.limit,
+        repeats=args.repeats,
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+        api_key_env=args.api_key_env,
+        output=args.output,
+        reward=args.reward,
+        settings=settings,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = command_line().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     # serve narrates what it does; check prints its own report and logs only trouble
     logging.getLogger("agentenv").setLevel(
-        logging.INFO if args.verbose or args.command == "serve" else logging.WARNING)
+        logging.INFO if args.verbose or args.command == "serve" else logging.WARNING
+    )
     build_log.setLevel(logging.INFO)
     if args.verbose:
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
@@ -13733,17 +17274,27 @@ def main(argv: list[str] | None = None) -> int:
             serve(args)
         elif args.command == "write-gym":
             settings = settings_of(args, max_concurrent_envs=pool_size(args.max_concurrent_envs))
-            asyncio.run(write_gym(args.source, args.gym_root, settings, reward=args.reward,
-                                  keep_prompts=args.keep_prompts))
+            asyncio.run(
+                write_gym(
+                    args.source,
+                    args.gym_root,
+                    settings,
+                    reward=args.reward,
+                    keep_prompts=args.keep_prompts,
+                )
+            )
         elif args.command == "eval":
-            if not args.verbose:       # the summary counts masked rollouts by kind; no line each
+            if not args.verbose:  # the summary counts masked rollouts by kind; no line each
                 logging.getLogger("agentenv.gym").setLevel(logging.ERROR)
             plan = eval_plan(args)
             try:
                 asyncio.run(evaluate(plan))
-            except asyncio.CancelledError:              # SIGTERM
-                print(f"agentenv.py eval: stopped; the rollouts done are in {plan.output}, and the "
-                      "same command resumes", file=sys.stderr)
+            except asyncio.CancelledError:  # SIGTERM
+                print(
+                    f"agentenv.py eval: stopped; the rollouts done are in {plan.output}, and the "
+                    "same command resumes",
+                    file=sys.stderr,
+                )
                 return 143
     except AgentEnvError as exc:
         print(f"agentenv.py {args.command}: {exc}", file=sys.stderr)
@@ -13762,34 +17313,54 @@ def sandbox_flags(cmd: argparse.ArgumentParser, written: bool = False) -> None:
         if declared.gym_global:
             continue
         choices = declared.choices() if declared.choices else None
-        cmd.add_argument(flag(name), default=None, choices=choices,
-                         metavar=None if choices else declared.metavar,
-                         help=declared.help + (said if name != "sandbox" else ""))
+        cmd.add_argument(
+            flag(name),
+            default=None,
+            choices=choices,
+            metavar=None if choices else declared.metavar,
+            help=declared.help + (said if name != "sandbox" else ""),
+        )
 
 
 def pool_flag(cmd: argparse.ArgumentParser, default: str) -> None:
-    cmd.add_argument("--max-concurrent-envs", type=int, default=None, metavar="N",
-                     help=f"episodes live at once; past it, new ones wait (default: {default})")
+    cmd.add_argument(
+        "--max-concurrent-envs",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"episodes live at once; past it, new ones wait (default: {default})",
+    )
 
 
 def reply_flag(cmd: argparse.ArgumentParser) -> None:
-    cmd.add_argument("--max-env-reply", type=int, default=None, metavar="BYTES",
-                     help="bytes of an env's answer read: past them a tool's answer is the model's "
-                          "tool error (it asked for too much), and a tool listing (every page) "
-                          f"fails the deploy ({Settings.max_env_reply})")
+    cmd.add_argument(
+        "--max-env-reply",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="bytes of an env's answer read: past them a tool's answer is the model's "
+        "tool error (it asked for too much), and a tool listing (every page) "
+        f"fails the deploy ({Settings.max_env_reply})",
+    )
 
 
 def seconds_flags(cmd: argparse.ArgumentParser, deadlines: dict[str, str]) -> None:
     for key, help_ in deadlines.items():
-        cmd.add_argument(flag(key), type=float, default=None, metavar="SECONDS",
-                         help=f"{help_} ({getattr(Settings, key):g})")
+        cmd.add_argument(
+            flag(key),
+            type=float,
+            default=None,
+            metavar="SECONDS",
+            help=f"{help_} ({getattr(Settings, key):g})",
+        )
 
 
 def command_line() -> argparse.ArgumentParser:
     """The commands, their flags, and what each says in --help. check, serve and eval take the
     same sandbox, pool, deadline and box flags; the sandbox's come from the provider registry."""
     parser = argparse.ArgumentParser(
-        prog="agentenv.py", description="Serve a bundle of agent tasks as training environments.")
+        prog="agentenv.py", description="Serve a bundle of agent tasks as training environments."
+    )
     parser.add_argument("--version", action="version", version=f"agentenv.py {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what every episode does")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -13798,126 +17369,240 @@ def command_line() -> argparse.ArgumentParser:
     def bundle_options(cmd: argparse.ArgumentParser) -> None:
         cmd.add_argument("bundle", metavar="BUNDLE", help="the bundle's folder")
         sandbox_flags(cmd)
-        cmd.add_argument("--reward", metavar="STEP", default=None,
-                         help="the scoring step whose score is the reward, for tasks with several")
+        cmd.add_argument(
+            "--reward",
+            metavar="STEP",
+            default=None,
+            help="the scoring step whose score is the reward, for tasks with several",
+        )
 
     check_cmd = commands.add_parser(
-        "check", help="load a bundle and deploy one episode per toolset",
+        "check",
+        help="load a bundle and deploy one episode per toolset",
         description="Load a bundle, print its splits, tasks and toolsets, deploy one episode per "
-                    "toolset, print the tools each offers, and tear everything down.")
+        "toolset, print the tools each offers, and tear everything down.",
+    )
     bundle_options(check_cmd)
     pool_flag(check_cmd, pool_default)
     seconds_flags(check_cmd, DEADLINES)
     reply_flag(check_cmd)
     serve_cmd = commands.add_parser(
-        "serve", help="serve a bundle's tasks as OpenEnv envs",
+        "serve",
+        help="serve a bundle's tasks as OpenEnv envs",
         description="Serve every task of a bundle from one aiohttp app: the OpenEnv wire (/health, "
-                    "/metadata, WebSocket /ws), with the splits 'all' and one per eval, out of one "
-                    "pool of episodes. SIGINT or SIGTERM tears every live episode down and exits.")
+        "/metadata, WebSocket /ws), with the splits 'all' and one per eval, out of one "
+        "pool of episodes. SIGINT or SIGTERM tears every live episode down and exits.",
+    )
     bundle_options(serve_cmd)
     serve_cmd.add_argument("--host", default="127.0.0.1", help="the address to bind (127.0.0.1)")
     serve_cmd.add_argument("--port", type=int, default=8000, help="the port (8000)")
     pool_flag(serve_cmd, pool_default)
     seconds_flags(serve_cmd, {**DEADLINES, **GYM_DEADLINES, **SERVE_DEADLINES})
     reply_flag(serve_cmd)
-    serve_cmd.add_argument("--warm", default=None, metavar="N", type=warm_flag,
-                           help="keep N envs started and ready ahead of demand, split among the "
-                                "bundle's envs by how many tasks use each; a deploy takes one at "
-                                "once, or deploys cold when none is ready; 0: none (default "
-                                f"{Settings.warm}: with the " + " or ".join(providers_that(
-                                    lambda able: able.warm_by_default()[0]))
-                                + " sandbox as many as --max-concurrent-envs, within the machine's "
-                                "memory; else none)")
-    serve_cmd.add_argument("--warm-env", action="append", default=None, metavar="NAME=N",
-                           help="keep N warm envs of the env NAME (instead of a share of --warm); "
-                                "give it once per env")
-    serve_cmd.add_argument("--token", default=None, metavar="TOKEN",
-                           help="ask every request for the header Authorization: Bearer TOKEN "
-                                "(default: --token-file's, else AGENTENV_TOKEN, else none); every "
-                                "user of this machine sees it in ps, so prefer --token-file; "
-                                "clients of a served URL (write-gym, a Gym server with url:) send "
-                                "AGENTENV_TOKEN")
-    serve_cmd.add_argument("--token-file", default=None, metavar="PATH",
-                           help="the token, on the first line of this file (readable by you "
-                                "alone: chmod 600), instead of --token")
-    serve_cmd.add_argument("--allow-host", dest="allow_host", action="append", default=None,
-                           metavar="NAME",
-                           help="answer to requests for this host name too, beside localhost, "
-                                "IP addresses and this machine's name (a reverse proxy's name); "
-                                "give it once per name; other names are refused 421, as DNS "
-                                "rebinding would send them")
+    serve_cmd.add_argument(
+        "--warm",
+        default=None,
+        metavar="N",
+        type=warm_flag,
+        help="keep N envs started and ready ahead of demand, split among the "
+        "bundle's envs by how many tasks use each; a deploy takes one at "
+        "once, or deploys cold when none is ready; 0: none (default "
+        f"{Settings.warm}: with the "
+        + " or ".join(providers_that(lambda able: able.warm_by_default()[0]))
+        + " sandbox as many as --max-concurrent-envs, within the machine's "
+        "memory; else none)",
+    )
+    serve_cmd.add_argument(
+        "--warm-env",
+        action="append",
+        default=None,
+        metavar="NAME=N",
+        help="keep N warm envs of the env NAME (instead of a share of --warm); "
+        "give it once per env",
+    )
+    serve_cmd.add_argument(
+        "--token",
+        default=None,
+        metavar="TOKEN",
+        help="ask every request for the header Authorization: Bearer TOKEN "
+        "(default: --token-file's, else AGENTENV_TOKEN, else none); every "
+        "user of this machine sees it in ps, so prefer --token-file; "
+        "clients of a served URL (write-gym, a Gym server with url:) send "
+        "AGENTENV_TOKEN",
+    )
+    serve_cmd.add_argument(
+        "--token-file",
+        default=None,
+        metavar="PATH",
+        help="the token, on the first line of this file (readable by you "
+        "alone: chmod 600), instead of --token",
+    )
+    serve_cmd.add_argument(
+        "--allow-host",
+        dest="allow_host",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="answer to requests for this host name too, beside localhost, "
+        "IP addresses and this machine's name (a reverse proxy's name); "
+        "give it once per name; other names are refused 421, as DNS "
+        "rebinding would send them",
+    )
     writer = commands.add_parser(
-        "write-gym", help="write a NeMo Gym resources server for a bundle into a Gym root",
+        "write-gym",
+        help="write a NeMo Gym resources server for a bundle into a Gym root",
         description="Write GYM_ROOT/resources_servers/<name>/: app.py, a copy of agentenv.py, the "
-                    "venv's pyproject.toml, configs/<name>.yaml and data/<split>.jsonl rows for the "
-                    "split 'all' and every eval. From a URL, the resources server plays its rollouts "
-                    "on that running server; from a bundle folder, it serves the bundle itself, in "
-                    "the sandbox its flags name (the tools are listed there too). It plays one task "
-                    "of each toolset to list the tools its rows offer.")
-    writer.add_argument("source", metavar="URL_OR_BUNDLE",
-                        help="a running server's URL (http://127.0.0.1:8000) or a bundle's folder")
+        "venv's pyproject.toml, configs/<name>.yaml and data/<split>.jsonl rows for the "
+        "split 'all' and every eval. From a URL, the resources server plays its rollouts "
+        "on that running server; from a bundle folder, it serves the bundle itself, in "
+        "the sandbox its flags name (the tools are listed there too). It plays one task "
+        "of each toolset to list the tools its rows offer.",
+    )
+    writer.add_argument(
+        "source",
+        metavar="URL_OR_BUNDLE",
+        help="a running server's URL (http://127.0.0.1:8000) or a bundle's folder",
+    )
     writer.add_argument("gym_root", metavar="GYM_ROOT", help="the Gym checkout (or extra root)")
-    writer.add_argument("--max-concurrent-envs", type=int, default=None, metavar="N",
-                        help="with a bundle: episodes the resources server runs at once "
-                             f"({Settings.max_concurrent_envs})")
+    writer.add_argument(
+        "--max-concurrent-envs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with a bundle: episodes the resources server runs at once "
+        f"({Settings.max_concurrent_envs})",
+    )
     sandbox_flags(writer, written=True)
-    writer.add_argument("--reward", metavar="STEP", default=None,
-                        help="with a bundle: the scoring step whose score is the reward")
-    writer.add_argument("--keep-prompts", action="store_true",
-                        help="keep the prompts of rows already written (your edits) when writing "
-                             "the server again; without it every file is written anew")
+    writer.add_argument(
+        "--reward",
+        metavar="STEP",
+        default=None,
+        help="with a bundle: the scoring step whose score is the reward",
+    )
+    writer.add_argument(
+        "--keep-prompts",
+        action="store_true",
+        help="keep the prompts of rows already written (your edits) when writing "
+        "the server again; without it every file is written anew",
+    )
     evaluator = commands.add_parser(
-        "eval", help="score an OpenAI-compatible model on a bundle's split",
+        "eval",
+        help="score an OpenAI-compatible model on a bundle's split",
         description="Play the rows write-gym writes for a split against a model behind an "
-                    "OpenAI-compatible endpoint (vLLM, SGLang, a hosted API), exactly as NeMo Gym's "
-                    "simple_agent plays them, and score them: each rollout is appended to --output "
-                    "as it finishes (a rerun with the same --output resumes), with a live progress "
-                    "line and a summary at the end. From a bundle folder it serves the bundle "
-                    "in-process, with the sandbox, pool and deadline flags serve takes; from a URL "
-                    "it plays a running serve.")
-    evaluator.add_argument("source", metavar="BUNDLE_OR_URL",
-                           help="a bundle's folder, or a running serve's URL (http://127.0.0.1:8000)")
-    evaluator.add_argument("--model-url", required=True, metavar="URL",
-                           help="the endpoint's base URL, ending in /v1 (http://127.0.0.1:8001/v1)")
+        "OpenAI-compatible endpoint (vLLM, SGLang, a hosted API), exactly as NeMo Gym's "
+        "simple_agent plays them, and score them: each rollout is appended to --output "
+        "as it finishes (a rerun with the same --output resumes), with a live progress "
+        "line and a summary at the end. From a bundle folder it serves the bundle "
+        "in-process, with the sandbox, pool and deadline flags serve takes; from a URL "
+        "it plays a running serve.",
+    )
+    evaluator.add_argument(
+        "source",
+        metavar="BUNDLE_OR_URL",
+        help="a bundle's folder, or a running serve's URL (http://127.0.0.1:8000)",
+    )
+    evaluator.add_argument(
+        "--model-url",
+        required=True,
+        metavar="URL",
+        help="the endpoint's base URL, ending in /v1 (http://127.0.0.1:8001/v1)",
+    )
     evaluator.add_argument("--model", required=True, metavar="NAME", help="the model's name there")
-    evaluator.add_argument("--api", choices=("auto", "chat", "responses"), default="auto",
-                           help="Chat Completions or Responses (default: Responses where the "
-                                "endpoint has it, else Chat Completions; said at start)")
-    evaluator.add_argument("--split", default=",".join(EvalPlan.splits), metavar="SPLIT[,SPLIT...]",
-                           help=f"the split(s) to play ({','.join(EvalPlan.splits)})")
-    evaluator.add_argument("--limit", type=int, default=None, metavar="N",
-                           help="the first N rows of each split (all)")
-    evaluator.add_argument("--repeats", type=int, default=1, metavar="K",
-                           help="rollouts per row; past 1 the summary gives pass@K and mean@K (1)")
-    evaluator.add_argument("--concurrency", dest="eval_concurrency", type=int,
-                           default=Settings.eval_concurrency, metavar="C",
-                           help=f"rollouts played at once ({Settings.eval_concurrency})")
-    evaluator.add_argument("--max-steps", type=int, default=Settings.max_steps, metavar="M",
-                           help="model calls in one rollout, as simple_agent's max_steps; 0 for no "
-                                f"limit ({Settings.max_steps})")
-    evaluator.add_argument("--temperature", type=float, default=None, metavar="T",
-                           help="the sampling temperature (default: the row's, else the server's)")
-    evaluator.add_argument("--max-tokens", type=int, default=None, metavar="T",
-                           help="tokens the model may write per reply (default: the server's)")
-    evaluator.add_argument("--api-key-env", default=EvalPlan.api_key_env, metavar="VAR",
-                           help="the environment variable holding the endpoint's key, sent as a "
-                                f"bearer token when set ({EvalPlan.api_key_env})")
-    evaluator.add_argument("--request-timeout", type=float, default=Settings.request_timeout,
-                           metavar="SECONDS", help="one model request; past it the request is "
-                                                   f"retried ({Settings.request_timeout:g})")
-    evaluator.add_argument("--retries", dest="model_retries", type=int,
-                           default=Settings.model_retries, metavar="N",
-                           help="retries of a model request after a 429, a 5xx or a timeout, with "
-                                "backoff; then the rollout is the model's failure "
-                                f"({Settings.model_retries})")
-    evaluator.add_argument("--output", default=EvalPlan.output, metavar="FILE",
-                           help="the rollouts, one JSON line each, in NeMo Gym's shape; rerun with "
-                                f"the same file to resume ({EvalPlan.output})")
+    evaluator.add_argument(
+        "--api",
+        choices=("auto", "chat", "responses"),
+        default="auto",
+        help="Chat Completions or Responses (default: Responses where the "
+        "endpoint has it, else Chat Completions; said at start)",
+    )
+    evaluator.add_argument(
+        "--split",
+        default=",".join(EvalPlan.splits),
+        metavar="SPLIT[,SPLIT...]",
+        help=f"the split(s) to play ({','.join(EvalPlan.splits)})",
+    )
+    evaluator.add_argument(
+        "--limit", type=int, default=None, metavar="N", help="the first N rows of each split (all)"
+    )
+    evaluator.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="K",
+        help="rollouts per row; past 1 the summary gives pass@K and mean@K (1)",
+    )
+    evaluator.add_argument(
+        "--concurrency",
+        dest="eval_concurrency",
+        type=int,
+        default=Settings.eval_concurrency,
+        metavar="C",
+        help=f"rollouts played at once ({Settings.eval_concurrency})",
+    )
+    evaluator.add_argument(
+        "--max-steps",
+        type=int,
+        default=Settings.max_steps,
+        metavar="M",
+        help="model calls in one rollout, as simple_agent's max_steps; 0 for no "
+        f"limit ({Settings.max_steps})",
+    )
+    evaluator.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        metavar="T",
+        help="the sampling temperature (default: the row's, else the server's)",
+    )
+    evaluator.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        metavar="T",
+        help="tokens the model may write per reply (default: the server's)",
+    )
+    evaluator.add_argument(
+        "--api-key-env",
+        default=EvalPlan.api_key_env,
+        metavar="VAR",
+        help="the environment variable holding the endpoint's key, sent as a "
+        f"bearer token when set ({EvalPlan.api_key_env})",
+    )
+    evaluator.add_argument(
+        "--request-timeout",
+        type=float,
+        default=Settings.request_timeout,
+        metavar="SECONDS",
+        help=f"one model request; past it the request is retried ({Settings.request_timeout:g})",
+    )
+    evaluator.add_argument(
+        "--retries",
+        dest="model_retries",
+        type=int,
+        default=Settings.model_retries,
+        metavar="N",
+        help="retries of a model request after a 429, a 5xx or a timeout, with "
+        "backoff; then the rollout is the model's failure "
+        f"({Settings.model_retries})",
+    )
+    evaluator.add_argument(
+        "--output",
+        default=EvalPlan.output,
+        metavar="FILE",
+        help="the rollouts, one JSON line each, in NeMo Gym's shape; rerun with "
+        f"the same file to resume ({EvalPlan.output})",
+    )
     sandbox_flags(evaluator)
-    evaluator.add_argument("--reward", metavar="STEP", default=None,
-                           help="with a bundle: the scoring step whose score is the reward")
-    pool_flag(evaluator, "MAX_CONCURRENT_ENVS, else --concurrency or "
-                         f"{Settings.max_concurrent_envs}, the larger")
+    evaluator.add_argument(
+        "--reward",
+        metavar="STEP",
+        default=None,
+        help="with a bundle: the scoring step whose score is the reward",
+    )
+    pool_flag(
+        evaluator,
+        f"MAX_CONCURRENT_ENVS, else --concurrency or {Settings.max_concurrent_envs}, the larger",
+    )
     seconds_flags(evaluator, {**DEADLINES, **GYM_DEADLINES})
     reply_flag(evaluator)
     return parser
