@@ -161,6 +161,7 @@ import contextlib
 import copy
 import dataclasses
 import errno
+import functools
 import gc
 import hashlib
 import importlib.util
@@ -186,14 +187,18 @@ import tempfile
 import threading
 import time
 import tomllib
+import types
 import urllib.parse
 import uuid
 import weakref
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Literal, Union, cast
 
 import aiohttp
 import yarl  # aiohttp's own URLs
+
+if TYPE_CHECKING:  # aiohttp's server is imported where it is used: most runs serve nothing
+    from aiohttp import web
 
 __version__ = "0.1.0"
 
@@ -493,7 +498,9 @@ class Settings:
         """The settings as a Gym config writes them (the warm pool only where it was given, so
         an unwritten one stays "auto"; a declared setting only where it was given)."""
         keys = self.GYM_KEYS + (self.BUNDLE_KEYS if bundle else ())
-        config = {key: _plain(getattr(self, key)) for key in keys if not key.startswith("warm")}
+        config: dict[str, Any] = {
+            key: _plain(getattr(self, key)) for key in keys if not key.startswith("warm")
+        }
         if bundle and self.warm != AUTO:
             config["warm"] = self.warm
         if bundle and self.warm_env:
@@ -585,9 +592,27 @@ def _plain(value: float) -> float | int:
     return int(value) if float(value).is_integer() else value
 
 
-def at_its_limit(who: str, limit: int, what: str, then: str, knob: str) -> str:
-    """The one sentence every part says the first time it is full."""
+def at_its_limit(who: str, limit: int | None, what: str, then: str, knob: str) -> str:
+    """The one sentence every part says the first time it is full (``limit`` None: a server that
+    did not say its own)."""
     return f"{who} is at its limit of {limit} {what} at once, so {then}: {knob} to run more at once"
+
+
+def current_task() -> asyncio.Task:
+    """The task running this coroutine (there is one: it is awaited in one)."""
+    task = asyncio.current_task()
+    assert task is not None
+    return task
+
+
+def settle(future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Give a future its result (or ``error``), unless it has one already: for a callback that
+    may come after another has settled it."""
+    if not future.done():
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
 
 
 def short(text: str, limit: int = 2000) -> str:
@@ -834,7 +859,7 @@ class Metrics:
         self,
         name: str,
         doc: str,
-        read: Callable[[], float | dict[str, float]],
+        read: Callable[[], float | collections.abc.Mapping[str, float]],
         label: str | None = None,
     ) -> None:
         """A gauge read at scrape time: ``read()`` gives the value, or (with ``label``) the value
@@ -979,7 +1004,7 @@ class Metrics:
 
 def _buckets(samples: list[tuple[dict[str, str], float]]) -> list[tuple[float, float]]:
     """A histogram's cumulative buckets summed over its other labels: [(upper bound, count)]."""
-    summed: collections.Counter[float] = collections.Counter()
+    summed: dict[float, float] = collections.defaultdict(float)
     for labels, value in samples:
         summed[float(labels["le"])] += value
     return sorted(summed.items())
@@ -1010,7 +1035,11 @@ class Reading:
     prometheus-client's terms), so a level such as the live episodes is never kept twice."""
 
     def __init__(
-        self, name: str, doc: str, read: Callable[[], float | dict[str, float]], label: str | None
+        self,
+        name: str,
+        doc: str,
+        read: Callable[[], float | collections.abc.Mapping[str, float]],
+        label: str | None,
     ):
         self.name, self.doc, self.read, self.label = name, doc, read, label
 
@@ -1409,8 +1438,9 @@ class Bundle:
             found.setdefault(task.toolset, []).append(task)
         return found
 
-    def task(self, split: str, index: int) -> Task:
-        """The task at ``index`` of ``split``; a LookupError that lists what exists otherwise."""
+    def task(self, split: Any, index: Any) -> Task:
+        """The task at ``index`` of ``split`` (as a client sent them: checked here); a LookupError
+        that lists what exists otherwise."""
         if not isinstance(split, str) or split not in self.splits:
             raise LookupError(
                 f"there is no split {split!r}; the splits are {', '.join(self.splits)}"
@@ -1434,8 +1464,9 @@ class Bundle:
         held-out one), with the split 'all' of every task. Envs and verifiers are shared by name,
         so two bundles with different contents under one name are refused, saying which."""
         problems: list[str] = []
-        envs: dict[str, EnvSpec] = {}
-        verifiers: dict[str, Path] = {}
+        # by name: each env's EnvSpec, each verifier's folder (Any: one loop below checks both)
+        envs: dict[str, Any] = {}
+        verifiers: dict[str, Any] = {}
         owners: dict[str, str] = {}
         splits: dict[str, list[Task]] = {}
         for split, bundle in bundles.items():
@@ -1474,7 +1505,7 @@ class Bundle:
         )
 
     @classmethod
-    def load(cls, folder: str | Path, reward: str | None = None) -> Bundle:
+    def load(cls, folder: str | os.PathLike, reward: str | None = None) -> Bundle:
         # Loading keeps tens of thousands of dicts and lists (2,000+ tasks), none of them in a
         # cycle: the cyclic collector would only walk them again and again as they pile up, at
         # ~15% of the load's time.
@@ -1482,7 +1513,7 @@ class Bundle:
             return cls._load(folder, reward)
 
     @classmethod
-    def _load(cls, folder: str | Path, reward: str | None) -> Bundle:
+    def _load(cls, folder: str | os.PathLike, reward: str | None) -> Bundle:
         root = Path(folder).expanduser()
         if not root.is_dir():
             raise BundleError(
@@ -1819,6 +1850,11 @@ def artifact_files(folder: Path) -> dict[str, Path]:
             part.startswith(".") or part == "__pycache__" for part in p.relative_to(folder).parts
         )
     }
+
+
+def artifact_bytes(folder: Path) -> dict[str, bytes]:
+    """An artifact's files as artifact_files finds them, read (blocking: call it in a thread)."""
+    return {rel: path.read_bytes() for rel, path in artifact_files(folder).items()}
 
 
 def _load_skills(root: Path, problems: list[str]) -> dict[str, Path]:
@@ -3554,7 +3590,7 @@ def _listeners(link: socket.socket, family: int, port: int) -> list[int]:
     # struct inet_diag_req_v2: family, protocol, ext, pad, states; then a zeroed inet_diag_sockid
     request = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 1 << TCP_LISTEN) + bytes(48)
     link.send(struct.pack("=IHHII", 16 + len(request), SOCK_DIAG_BY_FAMILY, 0x301, 1, 0) + request)
-    inodes = []
+    inodes: list[int] = []
     while True:
         data, at = link.recv(65536), 0
         while at + 16 <= len(data):
@@ -3636,7 +3672,7 @@ class DockerDaemon:
         self.stream_threads = ThreadPoolExecutor(
             max_workers=STREAM_THREADS, thread_name_prefix="docker-stream"
         )
-        self.removals: set[asyncio.Task] = set()
+        self.removals: set[asyncio.Future] = set()
         self.creating: set[asyncio.Future] = set()
         self.unremoved: dict[str, Any] = {}  # containers a removal left standing, by id
 
@@ -3740,7 +3776,9 @@ class DockerDaemon:
             raise
         self.creating.add(job)
         job.add_done_callback(self.creating.discard)
-        job.add_done_callback(lambda done: done.cancelled() or done.exception() is None or gone())
+        job.add_done_callback(
+            lambda done: None if done.cancelled() or done.exception() is None else gone()
+        )
         try:
             return await asyncio.wait_for(guarded(job, undo), 120)
         except asyncio.TimeoutError:
@@ -4168,7 +4206,7 @@ class DeathWatch:
                     self._inspect_watched(tell)
                 else:
                     read_before = True
-                    tell(lambda: listening.done() or listening.set_result(None))
+                    tell(settle, listening)
                 for event in self.stream:
                     since = event.get("time", since)
                     code = ((event.get("Actor") or {}).get("Attributes") or {}).get("exitCode", "?")
@@ -4183,7 +4221,7 @@ class DeathWatch:
                         "needs them to tell a dead env at once, or pass --docker-publish "
                         "127.0.0.1 to reach envs through published ports"
                     )
-                    tell(lambda said=refusal: listening.done() or listening.set_exception(said))
+                    tell(settle, listening, None, refusal)
                     return
                 log.warning(
                     "Docker's event stream broke (%s); reading it again from where it stopped.",
@@ -4418,7 +4456,7 @@ def remote_daemon_address() -> str | None:
     if parts.scheme not in ("tcp", "ssh", "http", "https") or not parts.hostname:
         return None
     try:
-        return socket.getaddrinfo(parts.hostname, None, type=socket.SOCK_STREAM)[0][4][0]
+        return str(socket.getaddrinfo(parts.hostname, None, type=socket.SOCK_STREAM)[0][4][0])
     except OSError:
         return parts.hostname
 
@@ -4881,7 +4919,7 @@ class DockerSandbox(Sandbox):
 
         addresses = self.addresses
         # its address comes back once no container of this creation can stand, never before
-        vacate = (lambda: addresses.give_back(address)) if address else lambda: None
+        vacate = (lambda: addresses.give_back(address)) if address and addresses else lambda: None
         try:
             container, reached, port = await self.daemon.created(
                 lambda: started_env(
@@ -5800,7 +5838,7 @@ async def process_exit(proc: asyncio.subprocess.Process) -> int:
         if fd is not None:
             try:
                 exited = loop.create_future()
-                loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+                loop.add_reader(fd, settle, exited)
                 try:
                     await exited
                 finally:
@@ -5893,6 +5931,7 @@ class LocalBox(Box):
             return Ran(126, b"", f"error: the command couldn't start: {exc}\n".encode())
         self.running[proc.pid] = proc
         if stdin is not None:
+            assert proc.stdin is not None  # (a pipe: asked for above)
             proc.stdin.write(stdin)
             with contextlib.suppress(ConnectionError):
                 await proc.stdin.drain()
@@ -5907,6 +5946,7 @@ class LocalBox(Box):
                 if len(kept) < cap:
                     kept += chunk[: cap - len(kept)]
 
+        assert proc.stdout is not None and proc.stderr is not None  # (pipes, as asked)
         readers = [
             asyncio.ensure_future(drain(s, k)) for s, k in ((proc.stdout, out), (proc.stderr, err))
         ]
@@ -7001,7 +7041,8 @@ def options_apart(settings: Settings, remote: bool) -> None:
     """Refuse a provider's options given where they can't apply: with another sandbox, or with a
     served URL (whose server runs its envs where it runs them)."""
     picked = PROVIDERS.get(settings.sandbox)
-    chosen = picked.chooses() if hasattr(picked, "chooses") else (settings.sandbox,)
+    chooses = getattr(picked, "chooses", None)
+    chosen = chooses() if chooses is not None else (settings.sandbox,)
     for kind, cls in PROVIDERS.items():
         names = [d.name for d in cls.settings if not d.gym_global]
         if any(name in dict(settings.declared) for name in names) and (
@@ -7379,7 +7420,7 @@ class EnvReply:
 
     def __init__(self, line: EnvLine, request: bytes, cap: int):
         self.line, self.request, self.left = line, request, cap
-        self.status, self.headers = 0, {}
+        self.status, self.headers = 0, dict[str, str]()
         self._connection: EnvConnection | None = None
         self._done = self._keep = False
 
@@ -7942,7 +7983,7 @@ def schema_misfit(arguments: dict[str, Any], schema: Any) -> str | None:
     failed, when the env's answer is only an error text."""
     if not isinstance(schema, dict):
         return None
-    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    properties = schema["properties"] if isinstance(schema.get("properties"), dict) else {}
     missing = [k for k in schema.get("required") or [] if isinstance(k, str) and k not in arguments]
     if missing:
         return f"missing {', '.join(missing)}"
@@ -8161,7 +8202,7 @@ async def _read_card(
                     f"its card is longer than the {bytes_said(max_body)} agentenv.py "
                     "reads of an answer (max_env_reply); make it shorter"
                 )
-    card = loads(raw)
+    card = loads(bytes(raw))
     if not isinstance(card, dict) or not card.get("name"):
         raise McpError("its card has no name yet")
     if nesting(card) > MAX_NESTING:
@@ -8485,7 +8526,8 @@ class Verifiers:
                 f"{where} did not import: {type(exc).__name__}: {exc}", VERIFIER_ERROR
             ) from None
         job = self._loops.run(verify, mcp_url, self.timeout)
-        started, failed = time.monotonic(), True  # None: cancelled (its episode ended)
+        started = time.monotonic()
+        failed: bool | None = True  # None: cancelled (its episode ended)
         try:
             # the loop's own deadline comes first; this one is for a verifier that blocks it
             rows = check_rows(await asyncio.wait_for(job, self.timeout + 5), where)
@@ -8573,7 +8615,7 @@ async def unit_tests(
         await box.stop_all()
     extracted, unread = await read_results(box, outputs)
     rows, score = unit_test_rows(
-        ran, reward_path, extracted.get(reward_path), unread.get(reward_path, "")
+        ran, reward_path, extracted.get(reward_path or ""), unread.get(reward_path or "", "")
     )
     record = {
         "exit_code": ran.exit_code,
@@ -8607,7 +8649,7 @@ def not_cleared(name: str, reward_path: str | None, standing: str) -> UnitTestRu
         "result": False,
         "message": why,
     }
-    record = {
+    record: dict[str, Any] = {
         "exit_code": None,
         "timed_out": False,
         "stdout_head": "",
@@ -8781,7 +8823,7 @@ class Turn:
             return result
         except asyncio.TimeoutError:
             result = ToolResult(missed(name, timeout or 0), TIMEOUT)
-            self.episode.end(result.failure)
+            self.episode.end(Failure(TRANSPORT_TIMEOUT, result.text))
             return result
         except (aiohttp.ClientError, McpError) as exc:
             if stopped := self.episode.stopped:  # ended from outside, its env torn down
@@ -8817,7 +8859,7 @@ class Turn:
         try:
             return await command
         except asyncio.CancelledError:
-            if command.cancelled() and not asyncio.current_task().cancelling():
+            if command.cancelled() and not current_task().cancelling():
                 return ToolResult(
                     "error: the turn ended while this command ran, so it was stopped", TOOL_ERROR
                 )
@@ -8989,7 +9031,9 @@ class Steps:
 
     async def _deploy_env(self, step: Step) -> None:
         envs = self.context.bundle.envs
-        env = envs[_resolve_env(step.get("env_id"), envs, self.task.id)]
+        name = _resolve_env(step.get("env_id"), envs, self.task.id)
+        assert name is not None  # (a bundle whose env_id names no env is refused at its load)
+        env = envs[name]
         limits = step.limits
         metrics, sandbox = self.context.metrics, self.context.sandbox
         started = time.monotonic()
@@ -9211,9 +9255,7 @@ class Steps:
         replace = self._the_models(box)  # once, before the step's first artifact
         for name in names:
             folder = self.context.bundle.artifacts[name]
-            files = await asyncio.to_thread(
-                lambda f=folder: {rel: path.read_bytes() for rel, path in artifact_files(f).items()}
-            )
+            files = await asyncio.to_thread(artifact_bytes, folder)
             # The agent owns what it is given, so it can edit the repository it is to repair.
             await box.put(files, dest, agent_owns=to_agent, replace=replace)
             replace = False
@@ -9893,8 +9935,8 @@ async def _first_error(tasks: list[asyncio.Task]) -> None:
     while pending:
         _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
         for task in tasks:
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                raise task.exception()
+            if task.done() and not task.cancelled() and (error := task.exception()) is not None:
+                raise error
 
 
 # ================================================================ 7. Pool and runtime
@@ -9967,7 +10009,7 @@ class HeapTrim:
         import ctypes
 
         try:
-            self._malloc_trim = ctypes.CDLL(None).malloc_trim
+            self._malloc_trim: Callable[[int], int] | None = ctypes.CDLL(None).malloc_trim
         except (AttributeError, OSError):  # musl, macOS: no such call
             self._malloc_trim = None
         self._timer: asyncio.TimerHandle | None = None
@@ -9991,6 +10033,7 @@ class HeapTrim:
 
     async def _trim(self) -> None:
         before, started = resident_mib(), time.monotonic()
+        assert self._malloc_trim is not None  # (only then is a trim started)
         await asyncio.to_thread(self._malloc_trim, 0)
         took, returned = time.monotonic() - started, max(0.0, before - resident_mib())
         self.trims, self.returned_mib, self.took_s = (
@@ -10252,7 +10295,9 @@ class TeardownGate:
             hurry = None
             if awaited is not None:
                 hurry = asyncio.ensure_future(awaited.wait())
-                hurry.add_done_callback(lambda done: done.cancelled() or self._hurry(granted))
+                hurry.add_done_callback(
+                    lambda done: None if done.cancelled() else self._hurry(granted)
+                )
             try:
                 await granted
             except asyncio.CancelledError:
@@ -10445,6 +10490,7 @@ class WarmPool:
         try:
             if self._retry[key]:
                 await asyncio.sleep(self._retry[key])  # a failed boot: not again at once
+            assert runtime.sandbox is not None  # (the pool warms once the runtime started)
             async with runtime.starting.slot(background=True):
                 instance = await runtime.sandbox.launch(
                     env, f"warm-{uuid.uuid4().hex}", dict(key[1])
@@ -10639,7 +10685,9 @@ class Runtime:
         # (a name warm_env gives that the bundle has no env of stops it here, before any start)
         self.warm = WarmPool(
             self,
-            warm_plan(bundle, 0 if settings.warm == AUTO else settings.warm, settings.warm_env),
+            warm_plan(
+                bundle, 0 if settings.warm == AUTO else int(settings.warm), settings.warm_env
+            ),
         )
         self._toolset_tools: dict[Toolset, asyncio.Future] = {}
 
@@ -10729,6 +10777,7 @@ class Runtime:
         if not specs:  # no task deploys an env: nothing to warm
             return
         env_mib = max(int(dict(limits).get("memory_mb") or WARM_ENV_MIB) for _, limits in specs)
+        assert self.sandbox is not None  # (opened first, in start)
         box_mib = self.sandbox.box_memory_mb
         episode_mib = max(episode_memory(t, box_mib) for t in self.bundle.tasks.values())
         count, why = warm_default(self.sandbox, self.pool.limit, machine, episode_mib, env_mib)
@@ -10865,7 +10914,7 @@ def loads(raw: bytes | str) -> Any:
         raise ValueError("it nests arrays or objects deeper than this server reads") from None
 
 
-async def read_body(request: Any) -> bytes:
+async def read_body(request: web.Request) -> bytes:
     """A request's body; past MAX_BODY, a 413 that says what to do."""
     from aiohttp import web
 
@@ -10886,7 +10935,7 @@ async def read_body(request: Any) -> bytes:
         ) from None
 
 
-async def json_body(request: Any, allow_empty: bool = False) -> tuple[dict[str, Any], Any]:
+async def json_body(request: web.Request, allow_empty: bool = False) -> tuple[dict[str, Any], Any]:
     """A request's JSON object body, or the 422 that says what is wrong with it."""
     raw = await read_body(request)
     if not raw.strip() and allow_empty:
@@ -10930,7 +10979,7 @@ def ws_token_protocol(token: str) -> str:
     return WS_TOKEN_PREFIX + base64.urlsafe_b64encode(token.encode()).decode().rstrip("=")
 
 
-async def accept_socket(request: Any) -> Any:
+async def accept_socket(request: web.Request) -> Any:
     from aiohttp import web
 
     # Pings every 20 s find a socket whose far end has gone without closing it.
@@ -11015,7 +11064,7 @@ def bearer_token(token: str, locked: Callable[[Any], Any] | None = None) -> Any:
     expected = f"Bearer {token}".encode()
     protocol = ws_token_protocol(token).encode()
 
-    def offers_token(request: Any) -> bool:
+    def offers_token(request: web.Request) -> bool:
         if request.method != "GET" or request.headers.get("Upgrade", "").lower() != "websocket":
             return False
         offered = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",")]
@@ -11025,7 +11074,7 @@ def bearer_token(token: str, locked: Callable[[Any], Any] | None = None) -> Any:
         )
 
     @web.middleware
-    async def require_token(request: Any, handler: Callable) -> Any:
+    async def require_token(request: web.Request, handler: Callable) -> Any:
         # compare_digest: the time taken says nothing about how much of a guess was right
         if not (
             secrets.compare_digest(as_sent(request.headers.get("Authorization", "")), expected)
@@ -11053,7 +11102,7 @@ def json_errors() -> Any:
     from aiohttp import web
 
     @web.middleware
-    async def as_json(request: Any, handler: Callable) -> Any:
+    async def as_json(request: web.Request, handler: Callable) -> Any:
         try:
             return await handler(request)
         except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
@@ -11161,7 +11210,7 @@ class BrowserGuard:
             and (sent_to[1] or default) == (page[1] or default)
         )
 
-    def refusal(self, request: Any) -> Any:
+    def refusal(self, request: web.Request) -> Any:
         """The answer to a request a browser must not make here (None: it may)."""
         headers = request.headers
         host = headers.get("Host")
@@ -11246,7 +11295,7 @@ class BrowserGuard:
         from aiohttp import web
 
         @web.middleware
-        async def guard(request: Any, handler: Callable) -> Any:
+        async def guard(request: web.Request, handler: Callable) -> Any:
             refused = self.refusal(request)
             return refused if refused is not None else await handler(request)
 
@@ -11309,6 +11358,9 @@ async def sweep_idle(
     reason = f"the session was idle past {idle_timeout:g}s"
     ending: dict[int, asyncio.Task] = {}  # by id(session), until its end has run
 
+    def forget(held: int, _: asyncio.Future) -> None:
+        ending.pop(held, None)
+
     def idle(session: Any) -> bool:
         lease = session.lease
         return not lease.busy and time.monotonic() - lease.last_used > idle_timeout
@@ -11336,7 +11388,7 @@ async def sweep_idle(
             for key, session in list(sessions.items()):
                 if (held := id(session)) not in ending and idle(session):
                     task = ending[held] = asyncio.ensure_future(reap(key, session))
-                    task.add_done_callback(lambda _, held=held: ending.pop(held, None))
+                    task.add_done_callback(functools.partial(forget, held))
     finally:  # a stopped sweep lets the ends under way finish
         await asyncio.gather(*ending.values(), return_exceptions=True)
 
@@ -11363,7 +11415,7 @@ def metrics_route(metrics: Metrics) -> Callable:
     scraper asks for it), behind the bearer token like every route."""
     from aiohttp import web
 
-    async def scrape(request: Any) -> Any:
+    async def scrape(request: web.Request) -> Any:
         body, content_type = metrics.page(request.headers.get("Accept"))
         return web.Response(body=body, headers={"Content-Type": content_type})
 
@@ -11893,6 +11945,7 @@ class OpenEnvSession:
                     rid, code, played.text, {"error_type": error_type, "message": played.text}
                 )
             return {"jsonrpc": "2.0", "id": rid, "result": tool_content(played)}
+        data: dict[str, Any]
         if isinstance(played, Turn):
             data = {"prompt": played.prompt, "system_prompt": played.system_prompt}
             return {"jsonrpc": "2.0", "id": rid, "result": {"data": data}}
@@ -12020,7 +12073,7 @@ class OpenEnvSurface:
         clients wait for its reply by default: a rollout whose tests hang (the model's doing, a
         0) would then be masked for the missed reply instead, and a model could learn to make its
         tests hang rather than fail them."""
-        slow = {}
+        slow: dict[str, float] = {}
         for task in self.runtime.bundle.tasks.values():
             for step in task.steps:
                 if step.type == "run_container_unit_tests_verifier" and step.get("agent_name"):
@@ -12059,7 +12112,7 @@ class OpenEnvSurface:
 
     # -- HTTP routes
 
-    async def health(self, request: Any) -> Any:
+    async def health(self, request: web.Request) -> Any:
         warm = self.runtime.warm.counts
         # OpenEnv's own answer; with a warm pool, its envs beside the episodes (they hold no slot)
         return json_reply(
@@ -12069,7 +12122,7 @@ class OpenEnvSurface:
             }
         )
 
-    async def metadata(self, request: Any) -> Any:
+    async def metadata(self, request: web.Request) -> Any:
         bundle = self.runtime.bundle
         readme = bundle.root / "README.md"
         return json_reply(
@@ -12083,10 +12136,10 @@ class OpenEnvSurface:
             }
         )
 
-    async def schema(self, request: Any) -> Any:
+    async def schema(self, request: web.Request) -> Any:
         return json_reply(OPENENV_SCHEMA)
 
-    async def openapi(self, request: Any) -> Any:
+    async def openapi(self, request: web.Request) -> Any:
         return json_reply(openapi_document())
 
     @staticmethod
@@ -12095,7 +12148,7 @@ class OpenEnvSurface:
         (null)."""
         return {**body, "metadata": body.get("metadata")}
 
-    async def http_reset(self, request: Any) -> Any:
+    async def http_reset(self, request: web.Request) -> Any:
         """Stateless, as OpenEnv has it: a fresh session, reset (a full deploy), then closed."""
         data, problem = await json_body(request, allow_empty=True)
         if problem:
@@ -12108,7 +12161,7 @@ class OpenEnvSurface:
         finally:
             session.let_go("a stateless /reset ends its episode")
 
-    async def http_step(self, request: Any) -> Any:
+    async def http_step(self, request: web.Request) -> Any:
         data, problem = await json_body(request)
         if problem:
             return problem
@@ -12120,15 +12173,15 @@ class OpenEnvSurface:
             self._over_http(await OpenEnvSession(self.runtime, self.deadline).step(data["action"]))
         )
 
-    async def http_state(self, request: Any) -> Any:
+    async def http_state(self, request: web.Request) -> Any:
         return json_reply(OpenEnvSession(self.runtime, self.deadline).state())
 
     # -- the task API
 
-    async def list_environments(self, request: Any) -> Any:
+    async def list_environments(self, request: web.Request) -> Any:
         return json_reply([self.env_name])
 
-    def _not_ours(self, request: Any) -> Any:
+    def _not_ours(self, request: web.Request) -> Any:
         """The 404 for a task-API path naming another environment, or None when it names ours
         (in any case, as OpenEnv matches it)."""
         if request.match_info["env"].lower() == self.env_name.lower():
@@ -12141,7 +12194,7 @@ class OpenEnvSurface:
             404,
         )
 
-    async def splits(self, request: Any) -> Any:
+    async def splits(self, request: web.Request) -> Any:
         if wrong := self._not_ours(request):
             return wrong
         return json_reply(
@@ -12151,7 +12204,7 @@ class OpenEnvSurface:
             ]
         )
 
-    async def task_api(self, request: Any) -> Any:
+    async def task_api(self, request: web.Request) -> Any:
         if wrong := self._not_ours(request):
             return wrong
         data, problem = await json_body(request)
@@ -12193,7 +12246,7 @@ class OpenEnvSurface:
 
     # -- JSON-RPC on POST /mcp and WebSocket /mcp
 
-    async def mcp_http(self, request: Any) -> Any:
+    async def mcp_http(self, request: web.Request) -> Any:
         try:
             message = loads(await read_body(request))
         except ValueError as exc:
@@ -12298,7 +12351,7 @@ class OpenEnvSurface:
         async with session.lease.using():
             return await session.mcp(method, params, rid)
 
-    async def mcp_ws(self, request: Any) -> Any:
+    async def mcp_ws(self, request: web.Request) -> Any:
         socket_ = await accept_socket(request)
         try:
             session = self.open_session()
@@ -12327,7 +12380,7 @@ class OpenEnvSurface:
 
     # -- the WebSocket session /ws
 
-    async def ws(self, request: Any) -> Any:
+    async def ws(self, request: web.Request) -> Any:
         socket_ = await accept_socket(request)
         attach = request.query.get("session_id")
         owns = attach is None
@@ -12655,7 +12708,7 @@ GYM_COOKIE = "agentenv_session"
 LONE_SESSION_COOKIE = re.compile(GYM_COOKIE + r"=([A-Za-z0-9_-]+)")
 
 
-def session_cookie(request: Any) -> str | None:
+def session_cookie(request: web.Request) -> str | None:
     """The Gym session's token a request carries in its cookie, if any."""
     if (lone := LONE_SESSION_COOKIE.fullmatch(request.headers.get("Cookie", ""))) is not None:
         return lone.group(1)
@@ -13238,6 +13291,7 @@ class Verdict:
             assert failure is not None
             gym_log.warning("rollout masked: %s", failure)
             return cls(digest(reply), {}, failure)
+        assert outcome.reward is not None  # (a scored outcome's)
         return cls(
             digest(reply),
             {
@@ -13431,12 +13485,13 @@ def _describe(rows: list[dict[str, float]], columns: list[str]) -> dict[str, flo
                 if column in std:
                     stats[f"std/{column}"] = std[column]
                 continue
-            stats[f"{name}/{column}"] = {
+            of: dict[str, Callable[[list[float]], float]] = {
                 "mean": lambda v: sum(v) / len(v),
                 "max": max,
                 "min": min,
                 "median": lambda v: float(statistics.median(v)),
-            }[name](values)
+            }
+            stats[f"{name}/{column}"] = of[name](values)
     return stats
 
 
@@ -13562,14 +13617,15 @@ def perf_summary(records: list[dict[str, Any]], total: int) -> dict[str, Any] | 
     def stat(name: str, v: list[float]) -> float:
         if name.startswith("p"):
             return _quantile(v, int(name[1:]) / 100)
-        return {
+        of: dict[str, Callable[[list[float]], float]] = {
             "mean": statistics.fmean,
             "median": statistics.median,
             "total": sum,
             "std": statistics.pstdev,
             "min": min,
             "max": max,
-        }[name](v)
+        }
+        return of[name](v)
 
     summary: dict[str, Any] = {
         "overall_observability_coverage": len(records) / total,
@@ -13696,7 +13752,7 @@ def aggregate_metrics(results: list[dict[str, Any]]) -> dict[str, Any]:
     return reply
 
 
-RESPONSE_KEYS = {
+RESPONSE_KEYS: dict[str, type | tuple[type, ...]] = {
     "id": str,
     "created_at": (int, float),
     "model": str,
@@ -13839,16 +13895,16 @@ class GymSurface:
             )
         return split, index, task_id_here
 
-    def _session(self, request: Any) -> GymSession | None:
+    def _session(self, request: web.Request) -> GymSession | None:
         token = session_cookie(request)
         return self.sessions.get(token) if token else None
 
     # -- routes
 
-    async def alive(self, request: Any) -> Any:
+    async def alive(self, request: web.Request) -> Any:
         return json_reply({"status": "ok"})
 
-    async def seed(self, request: Any) -> Any:
+    async def seed(self, request: web.Request) -> Any:
         body, problem = await json_body(request)
         if problem:
             return problem
@@ -13863,7 +13919,7 @@ class GymSurface:
                 },
                 400,
             )
-        row = body.get("task_data") if isinstance(body.get("task_data"), dict) else body
+        row: dict[str, Any] = body["task_data"] if isinstance(body.get("task_data"), dict) else body
         try:
             split, index, _ = await self._task_of(row)
         except ValueError as exc:
@@ -13909,7 +13965,7 @@ class GymSurface:
         response.set_cookie(GYM_COOKIE, session.token, httponly=True, samesite="Lax")
         return response
 
-    async def tool(self, request: Any) -> Any:
+    async def tool(self, request: web.Request) -> Any:
         from aiohttp import web
 
         name = request.match_info["tool"]
@@ -13946,7 +14002,7 @@ class GymSurface:
             body=text.encode("utf-8", "replace"), content_type="text/plain", charset="utf-8"
         )
 
-    async def verify(self, request: Any) -> Any:
+    async def verify(self, request: web.Request) -> Any:
         body, problem = await json_body(request)
         if problem:
             return problem
@@ -13967,8 +14023,8 @@ class GymSurface:
                         self.verdicts.popitem(last=False)
                     # the reply now; the envs and boxes go after it, their slot with them
                     await self._end(session, "verified", wait=False)
-        verdict = self.verdicts.get(token)
-        if verdict is None:
+        kept = self.verdicts.get(token)
+        if kept is None:
             lost = Failure(
                 SESSION_LOST,
                 "this server holds no session for the rollout (it was "
@@ -13976,7 +14032,7 @@ class GymSurface:
             )
             self.metrics.mask("gym", lost)
             return json_reply(masked(body, lost))
-        if verdict.digest != digest(reply):
+        if kept.digest != digest(reply):
             return json_reply(
                 {
                     "detail": "this rollout was verified already, with another response; a "
@@ -13984,7 +14040,7 @@ class GymSurface:
                 },
                 409,
             )
-        return json_reply(verdict.reply(body))
+        return json_reply(kept.reply(body))
 
     async def _reverify(self, body: dict[str, Any]) -> Any:
         """A /verify with no session is ``gym eval reverify``'s: the rollout is replayed on an
@@ -14012,11 +14068,11 @@ class GymSurface:
             await self._end(session, "reverified", wait=False)
         return json_reply(Verdict.of(reply, outcome, session.failure).reply(body))
 
-    async def reverify_mode(self, request: Any) -> Any:
+    async def reverify_mode(self, request: web.Request) -> Any:
         # Replayed (see _reverify), a verify needs nothing but its body: Gym's "stateless".
         return json_reply("stateless")
 
-    async def close(self, request: Any) -> Any:
+    async def close(self, request: web.Request) -> Any:
         body, problem = await json_body(request, allow_empty=True)
         if problem:
             return problem
@@ -14049,7 +14105,7 @@ class GymSurface:
             return json_reply({"status": "release_failed", "detail": str(exc)})
         return json_reply({"status": "closed"})
 
-    async def aggregate(self, request: Any) -> Any:
+    async def aggregate(self, request: web.Request) -> Any:
         body, problem = await json_body(request)
         if problem:
             return problem
@@ -14125,7 +14181,7 @@ def masked(body: dict[str, Any], failure: Failure, quiet: bool = False) -> dict[
     """A complete verify reply for a rollout the environment failed: NeMo RL leaves it out."""
     if not quiet:
         gym_log.warning("rollout masked: %s", failure)
-    config = body.get("instance_config") if isinstance(body.get("instance_config"), dict) else {}
+    config = body["instance_config"] if isinstance(body.get("instance_config"), dict) else {}
     return {
         **body,
         "reward": 0.0,
@@ -14196,7 +14252,7 @@ class Server:
             middlewares=[
                 json_errors(),
                 self.guard.middleware(),
-                *([bearer_token(token, self.web and self.web.locked)] if token else []),
+                *([bearer_token(token, self.web.locked if self.web else None)] if token else []),
             ],
             handler_args={"handler_cancellation": True},
         )
@@ -14211,8 +14267,8 @@ class Server:
         self._status: asyncio.Task | None = None
         router = self.app.router
         _add_route(router, "GET", "/metrics", metrics_route(self.metrics))
-        for method, path, handler in WebPage.ROUTES if self.web else ():
-            _add_route(router, method, path, handler.__get__(self.web))
+        for method, path, page in WebPage.ROUTES if self.web else ():
+            _add_route(router, method, path, page.__get__(self.web))
         routes = [
             (method, path, handler.__get__(surface))
             for surface in self.surfaces
@@ -14253,7 +14309,7 @@ class Server:
                 len(bundle.tasks),
                 ", ".join(bundle.splits),
                 self.runtime.pool.limit,
-                self.runtime.sandbox.kind,
+                self.runtime.sandbox.kind if self.runtime.sandbox else "",
                 f"at {url} " if url else "",
                 url,
                 url,
@@ -14487,20 +14543,20 @@ class WebPage:
             text=text, status=status, content_type="text/html", headers={**WEB_HEADERS, **headers}
         )
 
-    def locked(self, request: Any) -> Any:
+    def locked(self, request: web.Request) -> Any:
         """What a request for the page without the token is answered (None: not the page)."""
         if request.method in ("GET", "HEAD") and request.path == "/web":
             return self._html(WEB_LOCKED, 401, **{"WWW-Authenticate": 'Bearer realm="agentenv.py"'})
         return None
 
-    async def page(self, request: Any) -> Any:
+    async def page(self, request: web.Request) -> Any:
         return self._html(WEB_PAGE)
 
-    async def status(self, request: Any) -> Any:
+    async def status(self, request: web.Request) -> Any:
         return json_reply(
             {
                 "bundle": self.runtime.bundle.name,
-                "sandbox": self.runtime.sandbox.kind,
+                "sandbox": self.runtime.sandbox.kind if self.runtime.sandbox else None,
                 "version": __version__,
                 **self.metrics.numbers(),
             }
@@ -15915,7 +15971,8 @@ class Player:
                 over = False
                 for call in function_calls:
                     try:
-                        arguments = json.loads(call.get("arguments"))
+                        # (a call with no arguments is refused as simple_agent refuses it)
+                        arguments = json.loads(cast(str, call.get("arguments")))
                     except (ValueError, TypeError) as exc:
                         text = json.dumps({"error": f"Invalid tool call arguments: {exc!r}"})
                     else:
@@ -16255,7 +16312,7 @@ async def evaluate(
     api_key = os.environ.get(plan.api_key_env) or None
     # SIGTERM stops eval as SIGINT does: the episodes live end, their envs are torn down
     with contextlib.suppress(NotImplementedError, RuntimeError):
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, current_task().cancel)
     file = RolloutsFile(Path(plan.output).expanduser(), plan.model)
     file.open()
     timeout = aiohttp.ClientTimeout(total=None)
@@ -16414,7 +16471,7 @@ def type_hint(schema: Any) -> tuple[Any, dict[str, Any]]:
         hint = JSON_HINTS[kind]
         if kind == "array" and isinstance(rest.get("items"), dict):
             item, left = type_hint(rest.pop("items"))
-            hint = list[item]
+            hint = types.GenericAlias(list, (item,))
             if left:
                 rest["items"] = left
         elif (
@@ -16423,7 +16480,7 @@ def type_hint(schema: Any) -> tuple[Any, dict[str, Any]]:
             and not rest.get("properties")
         ):
             value, left = type_hint(rest.pop("additionalProperties"))
-            hint = dict[str, value]
+            hint = types.GenericAlias(dict, (str, value))
             if left:
                 rest["additionalProperties"] = left
         hints.append(hint)
@@ -16439,7 +16496,7 @@ def trl_tool_problems(toolset: str, tools: list[dict[str, Any]]) -> list[str]:
         name = tool.get("name")
         shown = reprlib.repr(name)
         why = _not_a_name(name)
-        if why is None and name.startswith("_"):
+        if why is None and str(name).startswith("_"):
             why = "it starts with an underscore, and TRL offers the model no method that does"
         if why is None and name in TRL_NAMES:
             why = f"TRL calls an environment's {name}() itself, so it can't be a tool"
@@ -16496,8 +16553,8 @@ def trl_method(tool: dict[str, Any]) -> Callable[..., str]:
     transformers' get_json_schema) rebuilds the tool's schema from these; the server still checks
     the arguments against the whole schema, and the model reads what it refuses."""
     name = tool["name"]
-    schema = tool.get("input_schema") if isinstance(tool.get("input_schema"), dict) else {}
-    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    schema = tool["input_schema"] if isinstance(tool.get("input_schema"), dict) else {}
+    properties = schema["properties"] if isinstance(schema.get("properties"), dict) else {}
     required = (
         {r for r in schema.get("required") or [] if isinstance(r, str)}
         if isinstance(schema.get("required"), list)
@@ -16658,7 +16715,7 @@ class TrlClient:
         for *_, address in await self.loop.getaddrinfo(
             parts.hostname, port, type=socket.SOCK_STREAM
         ):
-            self.peers.add((address[0], port))
+            self.peers.add((str(address[0]), port))
         return there
 
     # -- what the environments ask
@@ -16692,7 +16749,7 @@ class TrlClient:
         environment._row = {"split": split, "index": index}
         self.run(self._open(environment, split, index))
 
-    async def _open(self, environment: TrlEnvironment, split: str, index: int) -> None:
+    async def _open(self, environment: TrlEnvironment, split: Any, index: Any) -> None:
         if environment._session is not None:
             await self._let_go(environment, "TRL reset its environment for another rollout")
         rollout = RemoteRollout(
@@ -16730,6 +16787,7 @@ class TrlClient:
             await self._let_go(environment, "its rollout was scored")
         if outcome is None:
             return None, str(session.failure)
+        assert outcome.reward is not None  # (verify gives a scored outcome, or None)
         return float(outcome.reward), ""
 
     async def _let_go(self, environment: TrlEnvironment, reason: str) -> None:
@@ -17089,18 +17147,19 @@ async def check(
     if len(bundle.tasks) > len(shown):
         out(f"  ... and {len(bundle.tasks) - len(shown)} more")
     async with Runtime(bundle, settings) as runtime:
+        assert runtime.sandbox is not None  # (opened as the runtime started)
         for line in runtime.sandbox.describe(list(bundle.envs.values())):
             out(line)
         out("toolsets:")
         failed = []
         count = len(bundle.toolsets)
         for n, (toolset, tasks) in enumerate(bundle.toolsets.items(), 1):
-            started, where = time.monotonic(), {}
+            started, where = time.monotonic(), dict[str, str]()
             # with many toolsets each line says how far check has got
             at = f"[{n}/{count}] " if count > 1 else ""
             try:
                 tools = await runtime.first_turn_tools(tasks[0], "check is done", where)
-                shown = ", ".join(t["name"] for t in tools) or "(none)"
+                names = ", ".join(t["name"] for t in tools) or "(none)"
                 placed = (
                     " on " + ", ".join(f"{env} at {node}" for env, node in where.items())
                     if where
@@ -17109,7 +17168,7 @@ async def check(
                 out(
                     f"  {at}{toolset.name} ({len(tasks)} task{'s' if len(tasks) != 1 else ''}), "
                     f"played with {tasks[0].name}{placed} in {time.monotonic() - started:.2f}s: "
-                    f"{shown}"
+                    f"{names}"
                 )
             except EpisodeFailed as exc:
                 failed.append(toolset.name)
