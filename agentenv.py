@@ -39,9 +39,10 @@ The file reads top to bottom in the order data flows; a section uses only the se
 7. Pool and runtime     the semaphore that bounds live episodes, the boot gate, the warm pool
                         of envs ready ahead of demand (by default as the sandbox's provider
                         says), and Runtime(bundle, settings).
-8. Plumbing             what both wires share: HTTP helpers, the JSON reader, the bearer token
-                        (a header, or a browser's WebSocket subprotocol), the sessions table
-                        both wires count against the pool, the idle sweep.
+8. Plumbing             what both wires share: HTTP helpers, the JSON reader, the browser guard
+                        (no page but the server's own, no Host but its names: BrowserGuard), the
+                        bearer token (a header, or a browser's WebSocket subprotocol), the
+                        sessions table both wires count against the pool, the idle sweep.
 9. OpenEnv surface      sessions over /ws and /mcp, the stateless routes, the task API: each
                         renders the play's values as observations or JSON-RPC.
 10. Gym surface         NeMo Gym's resources-server routes, rendering the same values as the text
